@@ -1,0 +1,145 @@
+"""Where the training text comes from and how it becomes token ids.
+
+Each dataset entry is one of four formats, selected by ``type`` (a discriminated union, so a
+key that belongs to another format is an error instead of being ignored).
+"""
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from hone.config.base import Section
+
+FileFormat = Literal["auto", "jsonl", "json", "parquet", "csv", "arrow"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
+
+#: File suffix -> ``datasets`` builder name, used when ``file_format`` is ``auto``.
+SUFFIX_FORMATS: dict[str, str] = {
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+
+
+class _DatasetBase(Section):
+    path: Path
+    """Local data file (jsonl, json, parquet, csv or arrow). Relative paths are from the CWD."""
+
+    file_format: FileFormat = "auto"
+    """File format; ``auto`` picks it from the file suffix."""
+
+    weight: float = Field(1.0, gt=0)
+    """Mixing weight: each row is used ``weight`` times on average (0.5 keeps a seeded random
+    half, 2.0 repeats every row twice, 1.5 repeats a seeded random half)."""
+
+    @model_validator(mode="after")
+    def _format_known(self) -> "_DatasetBase":
+        if self.file_format == "auto" and self.path.suffix.lower() not in SUFFIX_FORMATS:
+            raise ValueError(
+                f"cannot tell the file format of '{self.path}' from its suffix: set file_format "
+                f"to one of: {', '.join(sorted(set(SUFFIX_FORMATS.values())))}"
+            )
+        return self
+
+    @property
+    def resolved_format(self) -> str:
+        if self.file_format != "auto":
+            return self.file_format
+        return SUFFIX_FORMATS[self.path.suffix.lower()]
+
+
+class AlpacaDataset(_DatasetBase):
+    """Instruction / optional input / output rows; only the output is trained."""
+
+    type: Literal["alpaca"]
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+
+
+class ChatDataset(_DatasetBase):
+    """Rows holding a list of messages, rendered with a chat template."""
+
+    type: Literal["chat"]
+    field_messages: str = "messages"
+    field_role: str = "role"
+    field_content: str = "content"
+    role_map: dict[str, ChatRole] = Field(default_factory=dict)
+    """Map source role names to standard ones, e.g. ``{human: user, gpt: assistant}``."""
+
+    train_on: list[ChatRole] = Field(default_factory=lambda: ["assistant"])
+    """Roles whose tokens are trained; the rest are context (label -100)."""
+
+    @model_validator(mode="after")
+    def _trains_something(self) -> "ChatDataset":
+        if not self.train_on:
+            raise ValueError("train_on is empty: no token would be trained (e.g. [assistant])")
+        return self
+
+
+class CompletionDataset(_DatasetBase):
+    """Raw text; every token is trained."""
+
+    type: Literal["completion"]
+    field_text: str = "text"
+
+
+class PretokenizedDataset(_DatasetBase):
+    """Rows of token ids, with optional labels (-100 = not trained)."""
+
+    type: Literal["pretokenized"]
+    field_input_ids: str = "input_ids"
+    field_labels: str | None = "labels"
+    """Column of labels; if the column is absent, every token is trained."""
+
+
+DatasetConfig = Annotated[
+    Union[AlpacaDataset, ChatDataset, CompletionDataset, PretokenizedDataset],
+    Field(discriminator="type"),
+]
+DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")
+
+
+class DataConfig(Section):
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    """Training datasets; several are mixed (see each one's ``weight``)."""
+
+    test_datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Separate evaluation datasets. Mutually exclusive with ``val_set_size``."""
+
+    val_set_size: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of the training rows held out for evaluation (deterministic by seed)."""
+
+    sequence_len: int = Field(2048, ge=8)
+    """Maximum tokens per sample."""
+
+    excess_length_strategy: Literal["drop", "truncate"] = "drop"
+    """What happens to rows longer than ``sequence_len``: dropped, or cut to fit."""
+
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A row with a missing or malformed field stops preprocessing, or is skipped and counted."""
+
+    chat_template: str | None = None
+    """Jinja chat template for ``chat`` datasets; by default the tokenizer's own."""
+
+    num_proc: int | None = Field(None, ge=1)
+    """Worker processes for tokenization (``datasets.map``); default: one."""
+
+    dataset_prepared_path: Path | None = None
+    """Cache directory for tokenized data; default ``$HONE_CACHE_DIR`` or ``~/.cache/hone``."""
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> "DataConfig":
+        if self.test_datasets and self.val_set_size > 0:
+            raise ValueError(
+                "set either data.val_set_size (hold out part of the training data) or "
+                "data.test_datasets (separate files), not both"
+            )
+        return self
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.test_datasets) or self.val_set_size > 0

@@ -1,0 +1,38 @@
+"""The whole config: one typed object built from one YAML file."""
+
+from pydantic import Field, model_validator
+
+from hone.config.adapter import AdapterConfig
+from hone.config.base import Section
+from hone.config.data import DataConfig
+from hone.config.logging import LoggingConfig
+from hone.config.memory import MemoryConfig
+from hone.config.model import ModelConfig
+from hone.config.optimizer import OptimizerConfig
+from hone.config.training import TrainingConfig
+
+
+class HoneConfig(Section):
+    """A fine-tuning run. Sections mirror the package layout: one module per concern."""
+
+    model: ModelConfig
+    data: DataConfig
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> "HoneConfig":
+        if self.training.eval_steps is not None and not self.data.has_eval:
+            raise ValueError(
+                "training.eval_steps is set but there is no eval data: set data.val_set_size "
+                "or data.test_datasets, or remove training.eval_steps"
+            )
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Upper bound on tokens in one optimizer step (all micro-batches, full length)."""
+        return self.training.samples_per_step * self.data.sequence_len

@@ -1,0 +1,67 @@
+"""The training loop: batch shape, length, evaluation, checkpoints, outputs."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from hone.config.base import Section
+
+
+class TrainingConfig(Section):
+    micro_batch_size: int = Field(1, ge=1)
+    """Samples per forward/backward pass."""
+
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step. The loss is normalised by the trained tokens of the
+    whole window, so ``4 x 1`` and ``1 x 4`` give the same update."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run. Set this or ``num_epochs``."""
+
+    num_epochs: float | None = Field(None, gt=0)
+    """Passes over the training data (fractions allowed). Default 1 when ``max_steps`` is unset."""
+
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; ``null`` disables clipping."""
+
+    eval_steps: int | None = Field(None, ge=1)
+    """Evaluate every N optimizer steps (and always at the end when there is eval data)."""
+
+    save_steps: int | None = Field(None, ge=1)
+    """Write a resumable checkpoint every N optimizer steps (and always at the end)."""
+
+    save_total_limit: int = Field(2, ge=1)
+    """Keep only the newest K checkpoints."""
+
+    resume: Literal["latest"] | Path | None = None
+    """Continue from the newest checkpoint in ``output_dir`` (``latest``) or from a path."""
+
+    seed: int = 42
+    """Seeds weight init of new modules, data order, validation split and dropout."""
+
+    output_dir: Path = Path("runs/hone")
+    """Run directory: config, metrics, checkpoints, final adapter or model."""
+
+    max_consecutive_nonfinite: int = Field(5, ge=1)
+    """Skipped steps (non-finite loss or gradient) in a row before the run stops."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainingConfig":
+        if self.max_steps is not None and self.num_epochs is not None:
+            raise ValueError(
+                "set either training.max_steps or training.num_epochs, not both "
+                f"(got max_steps={self.max_steps}, num_epochs={self.num_epochs})"
+            )
+        return self
+
+    @property
+    def epochs(self) -> float | None:
+        """Epochs to run when the length is given in epochs (the default is one)."""
+        if self.max_steps is not None:
+            return None
+        return self.num_epochs if self.num_epochs is not None else 1.0
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps
