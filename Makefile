@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine; both create .venv on their own.
+VENV ?= .venv
+HONE := $(VENV)/bin/hone
+
+.PHONY: install install-dev quickstart test test-gpu clean
+
+install:
+	VENV=$(VENV) scripts/install.sh
+
+install-dev:
+	VENV=$(VENV) EXTRAS=dev scripts/install.sh
+
+## Fine-tune a tiny model on the bundled sample data on CPU (a few minutes), then use it.
+quickstart: install
+	rm -rf runs/quickstart
+	$(HONE) train examples/quickstart.yml
+	$(HONE) generate runs/quickstart --prompt "What color is a lemon?" --prompt "What is the capital of Veloria?"
+
+## The test suite (CPU; GPU tests are skipped without CUDA). pytest's exit 5 (no tests) fails too.
+test: install-dev
+	$(VENV)/bin/python -m pytest -q
+
+## On a CUDA machine: only the GPU tests.
+test-gpu:
+	$(VENV)/bin/python -m pytest -q -m gpu tests/gpu
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,221 @@
+"""The ``hone`` command line.
+
+Each subcommand validates the whole config first (so a typo never costs a model load) and
+imports the heavy machinery (torch, transformers, datasets) only once it needs it, which keeps
+``--help`` and ``validate`` instant.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from hone import __version__
+from hone.errors import HoneError
+
+EXAMPLES = """\
+examples:
+  hone validate examples/quickstart.yml
+  hone validate cfg.yml --set optimizer.learning_rate=1e-4 --set data.sequence_len=4096
+  hone preprocess examples/chat_lora.yml
+  hone train examples/quickstart.yml
+  hone generate runs/quickstart --prompt "What color is a lemon?"
+"""
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", type=Path, help="YAML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set training.max_steps=100 (values are YAML; "
+        "list elements by index: data.datasets.0.path=x.jsonl); repeatable",
+    )
+
+
+def _load(args: argparse.Namespace, check_files: bool = True):
+    """Validate the config and (optionally) that the files it names exist."""
+    from hone.config import ConfigError, load_config
+    from hone.config.preflight import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    if check_files:
+        missing = preflight(cfg)
+        if missing:
+            raise ConfigError(missing, str(args.config))
+    return cfg
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from hone.config.loader import dump_config
+
+    cfg = _load(args)
+    print(f"# {args.config}: valid. Resolved config (defaults filled in):")
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from hone.config import HoneConfig
+
+    text = json.dumps(HoneConfig.model_json_schema(), indent=2)
+    if args.output:
+        tmp = args.output.with_name(args.output.name + ".tmp")
+        tmp.write_text(text + "\n", encoding="utf-8")
+        tmp.replace(args.output)
+        print(f"wrote {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    from hone.data.prepare import prepare_data
+    from hone.data.summary import render_summary
+    from hone.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    prepared = prepare_data(cfg, tokenizer, use_cache=not args.no_cache)
+    print(render_summary(prepared))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    from hone.train.run import run_training
+
+    run_training(cfg)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hone.export.generate import generate, load_for_inference
+
+    model, tokenizer = load_for_inference(args.run_dir, device=args.device)
+    prompts = args.prompt or []
+    for prompt in prompts:
+        text = generate(
+            model,
+            tokenizer,
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            chat=args.chat,
+        )
+        print(f">>> {prompt}\n{text}\n")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from hone.export.generate import merge_adapter
+
+    out = merge_adapter(args.run_dir, args.output)
+    print(f"merged model written to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hone",
+        description="Fine-tune Hugging Face causal language models from one YAML file.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hone {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    p = add(
+        "validate",
+        cmd_validate,
+        "check a config and print it with every default filled in",
+        "Validate CONFIG (schema, value ranges, combinations, and that the files it names exist) "
+        "without loading a model or data. Prints the resolved config, or every problem at once "
+        "with its key path, line and what is allowed; exits 2 on any problem.",
+    )
+    _add_config_args(p)
+
+    p = add(
+        "schema",
+        cmd_schema,
+        "print the JSON schema of the config",
+        "Print the JSON schema of hone's config (for editor completion and docs).",
+    )
+    p.add_argument("--output", "-o", type=Path, help="write to this file instead of stdout")
+
+    p = add(
+        "preprocess",
+        cmd_preprocess,
+        "tokenize and cache the datasets, print a summary",
+        "Load, format, tokenize and cache the datasets of CONFIG, then print rows, tokens, trained "
+        "tokens, dropped/truncated rows, a length histogram and the cache path. A later "
+        "`hone train` with the same data options reuses the cache.",
+    )
+    _add_config_args(p)
+    p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+
+    p = add(
+        "train",
+        cmd_train,
+        "fine-tune a model",
+        "Fine-tune the model of CONFIG. Outputs go to training.output_dir: the resolved config, "
+        "metrics.jsonl, TensorBoard events, loss.png, checkpoints and the final adapter or model. "
+        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it.",
+    )
+    _add_config_args(p)
+
+    p = add(
+        "generate",
+        cmd_generate,
+        "generate text with a fine-tuned run",
+        "Load the final adapter or model of RUN_DIR (a training.output_dir) and complete prompts.",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory written by `hone train`")
+    p.add_argument("--prompt", "-p", action="append", required=True, help="prompt text; repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the chat template (default: as the run's data was formatted)",
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+    p = add(
+        "merge",
+        cmd_merge,
+        "merge a LoRA adapter into its base model",
+        "Merge the LoRA adapter of RUN_DIR into the base weights and save a full model (safetensors).",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory written by `hone train`")
+    p.add_argument("--output", "-o", type=Path, required=True, help="directory for the merged model")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except HoneError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

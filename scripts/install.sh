@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment and install hone into it.
+#
+# Why a script: on a CPU-only machine a plain `pip install torch` pulls a multi-GB CUDA build.
+# We install a CPU torch first when no NVIDIA driver is present; hone's own `torch>=2.11` range
+# is then already satisfied and pip installs nothing more for it.
+#   VENV=path          where the environment lives (default .venv)
+#   EXTRAS=dev         optional dependency groups to install (e.g. dev for pytest)
+#   HONE_TORCH_INDEX   a wheel index for CPU torch, e.g. https://download.pytorch.org/whl/cpu
+#   HONE_TORCH_SPEC    the torch requirement for CPU machines (default torch==2.13.0, whose CPU
+#                      wheel ships with our dev and CI machines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "hone: NVIDIA GPU found, installing the default (CUDA) torch"
+  else
+    spec="${HONE_TORCH_SPEC:-torch==2.13.0}"
+    echo "hone: no NVIDIA GPU, installing CPU torch ($spec)"
+    if [ -n "${HONE_TORCH_INDEX:-}" ]; then
+      pip_install --index-url "$HONE_TORCH_INDEX" "$spec"
+    else
+      pip_install "$spec"
+    fi
+  fi
+fi
+target="."
+[ -n "${EXTRAS:-}" ] && target=".[${EXTRAS}]"
+pip_install -e "$target"
+"$VENV/bin/python" -c 'import torch, hone; print(f"hone {hone.__version__} ready (torch {torch.__version__}) in '"$VENV"'")'
