@@ -10,6 +10,8 @@ _LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "us
 
 
 class AdapterConfig(Section):
+    """LoRA through PEFT, or ``none`` for a full fine-tune. ``adapter: lora`` is shorthand for ``adapter: {type: lora}``."""
+
     type: Literal["lora", "none"] = "lora"
     """``lora`` trains low-rank adapters through PEFT; ``none`` trains every weight."""
 

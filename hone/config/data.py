@@ -104,6 +104,8 @@ DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized"
 
 
 class DataConfig(Section):
+    """Datasets, formats, sequence length, evaluation split and the tokenized-data cache."""
+
     datasets: list[DatasetConfig] = Field(min_length=1)
     """Training datasets; several are mixed (see each one's ``weight``)."""
 

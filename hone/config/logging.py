@@ -6,6 +6,8 @@ from hone.config.base import Section
 
 
 class LoggingConfig(Section):
+    """Metrics, TensorBoard, the loss plot and the progress bar."""
+
     logging_steps: int = Field(1, ge=1)
     """Write a metrics row every N optimizer steps."""
 

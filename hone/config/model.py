@@ -25,6 +25,8 @@ AttnImplementation = Literal["eager", "sdpa"]
 
 
 class ModelConfig(Section):
+    """Which model to fine-tune and how its weights are loaded."""
+
     path: Path | None = None
     """Local Hugging Face model directory (``save_pretrained`` layout, safetensors weights)."""
 

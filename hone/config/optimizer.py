@@ -8,6 +8,8 @@ from hone.config.base import Section
 
 
 class OptimizerConfig(Section):
+    """AdamW and the learning-rate schedule."""
+
     name: Literal["adamw"] = "adamw"
     """Optimizer; AdamW (fused on CUDA where available)."""
 

@@ -9,6 +9,8 @@ from hone.config.base import Section
 
 
 class TrainingConfig(Section):
+    """Batch shape, run length, evaluation, checkpoints and the run directory."""
+
     micro_batch_size: int = Field(1, ge=1)
     """Samples per forward/backward pass."""
 

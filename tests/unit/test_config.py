@@ -195,3 +195,9 @@ def test_json_schema_is_serialisable():
     schema = HoneConfig.model_json_schema()
     text = json.dumps(schema)
     assert "sequence_len" in text and "lora_target_modules" in text
+
+
+def test_config_reference_is_up_to_date():
+    from hone.config.docs import DOC_PATH, render
+
+    assert DOC_PATH.read_text() == render(), "docs/config.md is stale: run python -m hone.config.docs"
