@@ -21,6 +21,7 @@ examples:
   hone preprocess examples/chat_lora.yml
   hone train examples/quickstart.yml
   hone generate runs/quickstart --prompt "What color is a lemon?"
+  hone bench benchmarks/specs/qwen3-8b-lora.yml
 """
 
 
@@ -120,6 +121,47 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import shlex
+
+    from hone.bench.harness import run_bench
+    from hone.bench.report import write_reports
+    from hone.bench.spec import load_spec, parse_spec
+
+    if args.spec is not None:
+        spec = load_spec(args.spec, args.overrides)
+    elif args.preset is not None:
+        spec = parse_spec(
+            {
+                "name": f"{args.preset} seq {args.seq}",
+                "workload": {"preset": args.preset, "layers": args.layers, "sequence_len": args.seq},
+                "conditions": [
+                    {"name": "reference", "reference": "hf-peft", "gradient_checkpointing": args.checkpointing},
+                    {"name": "hone", "set": {"memory.gradient_checkpointing": args.checkpointing}},
+                ],
+                "warmup_steps": args.warmup,
+                "timed_steps": args.steps,
+            },
+            "flags",
+        )
+    else:
+        raise HoneError("give a spec file (hone bench SPEC.yml) or --preset for the quick form")
+    out = args.out or Path("results") / spec.name.replace(" ", "-").replace("/", "-")
+
+    def show(row: dict) -> None:
+        if row["status"] == "ok":
+            print(f"  {row['condition']} #{row['replicate']}: {row['median_ms']:.1f} ms/step, first step {row['first_step_s']:.1f} s, peak {row['peak_alloc_gib']} GiB, loss {row['final_loss']}", flush=True)
+        else:
+            print(f"  {row['condition']} #{row['replicate']}: {row['status']}: {row['error']}", flush=True)
+
+    print(f"hone bench: {spec.name}: {len(spec.conditions)} conditions x {spec.replicates} replicate(s) -> {out}", flush=True)
+    rows = run_bench(spec, out, on_row=show)
+    table, chart = write_reports(spec, rows, out, command="hone bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    print(table.read_text())
+    print(f"results: {out / 'results.jsonl'}, {table}, {chart}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hone",
@@ -201,6 +243,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", type=Path, help="run directory written by `hone train`")
     p.add_argument("--output", "-o", type=Path, required=True, help="directory for the merged model")
+
+    p = add(
+        "bench",
+        cmd_bench,
+        "time hone against a plain transformers + PEFT reference",
+        "Run each condition of SPEC (a YAML benchmark spec: workload, conditions, replicates) in a "
+        "fresh process through the code path of `hone train`, beside the built-in hf-peft "
+        "reference, and write results.jsonl, table.md (ratios to the reference) and chart.png. "
+        "A failing condition becomes a row that says so. See benchmarks/README.md.",
+    )
+    p.add_argument("spec", type=Path, nargs="?", help="benchmark spec (YAML)")
+    p.add_argument("--out", type=Path, help="results directory (default results/<spec name>)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec key, e.g. --set timed_steps=20")
+    quick = p.add_argument_group("quick form (no spec file): reference vs hone on one preset")
+    quick.add_argument("--preset", help="architecture preset, e.g. qwen3-8b")
+    quick.add_argument("--seq", type=int, default=2048)
+    quick.add_argument("--layers", type=int, default=None)
+    quick.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    quick.add_argument("--warmup", type=int, default=4)
+    quick.add_argument("--steps", type=int, default=12)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""``hone bench``: time hone against a plain transformers + PEFT reference on the same shapes."""

@@ -1,0 +1,84 @@
+"""The reference condition: the transformers + PEFT step a user would write by hand.
+
+Deliberately plain: the model from ``from_config`` with sdpa attention, PEFT ``get_peft_model``,
+optional non-reentrant checkpointing and whole-model ``torch.compile``, fused AdamW, and the
+model's own loss (``labels=input_ids``). Every hone row is reported as a ratio to this.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from hone.bench.spec import Condition, Workload
+
+
+def build_reference_model(workload: Workload, device: torch.device, seed: int) -> tuple[torch.nn.Module, object, int]:
+    """(model, transformers config, total parameter count before adapters)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if workload.preset is not None:
+        from hone.models.presets import build_preset_config
+
+        overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
+        config = build_preset_config(workload.preset, overrides, vocab_size=None)
+    else:
+        config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
+    torch.manual_seed(seed)
+    dtype = getattr(torch, workload.dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    total = sum(p.numel() for p in model.parameters())
+    return model, config, total
+
+
+def run_reference(
+    workload: Workload,
+    condition: Condition,
+    batches: list[torch.Tensor],
+    steps: int,
+    device: torch.device,
+    seed: int,
+    on_step: Callable[[int, float, float], None],
+) -> tuple[object, int]:
+    """Train ``steps`` optimizer steps; ``on_step(step, seconds, loss)`` after each one."""
+    model, config, total = build_reference_model(workload, device, seed)
+    full_ft = workload.adapter.type == "none"
+    if not full_ft:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=workload.adapter.lora_r,
+            lora_alpha=workload.adapter.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=list(workload.adapter.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    if condition.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not full_ft:
+            model.enable_input_require_grads()
+    model.train()
+    if condition.compile:
+        model = torch.compile(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    accum = workload.gradient_accumulation_steps
+    for step in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        for micro in range(accum):
+            ids = batches[(step * accum + micro) % len(batches)]
+            loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        on_step(step, time.perf_counter() - start, float(loss.detach()) * accum)
+    return config, total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

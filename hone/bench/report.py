@@ -1,0 +1,111 @@
+"""The markdown table and bar chart of a benchmark, with ratios to the reference."""
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hone.bench.spec import BenchSpec
+
+
+def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per condition: medians over the replicates that succeeded."""
+    out = []
+    for condition in spec.conditions:
+        mine = [r for r in rows if r["condition"] == condition.name]
+        ok = [r for r in mine if r.get("status") == "ok"]
+        entry: dict[str, Any] = {"condition": condition.name, "kind": condition.reference or "hone", "runs": len(mine), "ok": len(ok)}
+        if ok:
+            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "mfu_pct", "final_loss"):
+                values = [r[key] for r in ok if r.get(key) is not None]
+                entry[key] = statistics.median(values) if values else None
+            entry["min_ms"] = min(r["min_ms"] for r in ok)
+            entry["max_ms"] = max(r["max_ms"] for r in ok)
+        else:
+            failed = mine[0] if mine else {}
+            entry["status"] = failed.get("status", "missing")
+            entry["error"] = failed.get("error", "")
+        out.append(entry)
+    return out
+
+
+def baseline_of(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first reference condition that ran; every row's ratio is against it."""
+    return next((s for s in summary if s["kind"] != "hone" and s["ok"]), None)
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    return "" if value is None else format(value, spec)
+
+
+def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None) -> str:
+    base = baseline_of(summary)
+    w = spec.workload
+    model = w.preset or str(w.path)
+    if w.layers:
+        model += f", {w.layers} layers"
+    adapter = f"LoRA r={w.adapter.lora_r} on {','.join(w.adapter.lora_target_modules)}" if w.adapter.type == "lora" else "full fine-tune"
+    lines = [
+        f"### {spec.name}",
+        "",
+        f"{model}; seq {w.sequence_len}; micro-batch {w.micro_batch_size} x accum {w.gradient_accumulation_steps}; "
+        f"{w.dtype}; {adapter}; random tokens. Median of {spec.timed_steps} steps after {spec.warmup_steps} warm-up, "
+        f"{spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
+    ]
+    if env:
+        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
+    if command:
+        lines += ["", f"Command: `{command}`"]
+    ref_name = base["condition"] if base else "reference"
+    lines += [
+        "",
+        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | MFU | first step s | last loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        if not s["ok"]:
+            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | |")
+            continue
+        ratio = f"{base['median_ms'] / s['median_ms']:.2f}x" if base else ""
+        lines.append(
+            f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
+            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
+            f"{s['first_step_s']:.1f} | {_fmt(s['final_loss'], '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(summary: list[dict[str, Any]], path: Path, title: str) -> None:
+    """ms/step per condition (failures drawn as empty bars with their status), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["condition"] for s in summary]
+    values = [s.get("median_ms") or 0.0 for s in summary]
+    colors = ["#888888" if s["kind"] != "hone" else "#2a7ab0" for s in summary]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
+    bars = ax.barh(names, values, color=colors)
+    for bar, s in zip(bars, summary):
+        label = f"{s['median_ms']:.1f} ms" if s["ok"] else s.get("status", "failed")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {label}", va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per optimizer step (lower is better)")
+    ax.set_title(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_reports(spec: BenchSpec, rows: list[dict[str, Any]], out_dir: Path, command: str | None = None) -> tuple[Path, Path]:
+    summary = summarise(spec, rows)
+    env = rows[0].get("env") if rows else None
+    table = out_dir / "table.md"
+    tmp = table.with_suffix(".md.tmp")
+    tmp.write_text(markdown_table(spec, summary, env, command))
+    tmp.replace(table)
+    chart = out_dir / "chart.png"
+    bar_chart(summary, chart, spec.name)
+    return table, chart

@@ -1,0 +1,140 @@
+"""The benchmark spec: one workload, several conditions, each run in its own process."""
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from hone.config.base import Section
+from hone.config.errors import ConfigError, ConfigIssue, issues_from_validation
+from hone.config.model import Dtype, PresetName
+
+
+class BenchAdapter(Section):
+    """The adapter both sides train (the reference builds the same LoRA through PEFT)."""
+
+    type: Literal["lora", "none"] = "lora"
+    lora_r: int = Field(16, gt=0)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class Workload(Section):
+    """What is trained: the same on every condition so the rows compare."""
+
+    preset: PresetName | None = None
+    """Random-init architecture (no weights needed)."""
+
+    path: Path | None = None
+    """Or a local model directory."""
+
+    layers: int | None = Field(None, ge=1)
+    """Depth override (e.g. 8 layers of qwen3-30b-a3b fit one card)."""
+
+    sequence_len: int = Field(2048, ge=8)
+    micro_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    dtype: Dtype = "bfloat16"
+    adapter: BenchAdapter = Field(default_factory=BenchAdapter)
+    data: Literal["random"] = "random"
+    """Random token ids, every token trained (datasets with packing come with packing)."""
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "Workload":
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of workload.preset or workload.path")
+        if self.layers is not None and self.preset is None:
+            raise ValueError("workload.layers only applies to presets")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequence_len * self.micro_batch_size * self.gradient_accumulation_steps
+
+
+class Condition(Section):
+    """One row of the table: hone with config overrides, or the built-in reference."""
+
+    name: str
+    reference: Literal["hf-peft"] | None = None
+    """Run the plain transformers + PEFT step instead of hone."""
+
+    gradient_checkpointing: bool = False
+    """Reference only: non-reentrant checkpointing of every decoder layer."""
+
+    compile: bool = False
+    """Reference only: ``torch.compile`` of the whole model."""
+
+    set: dict[str, Any] = Field(default_factory=dict)
+    """hone only: config overrides as dotted keys, e.g. ``memory.gradient_checkpointing: true``."""
+
+    @model_validator(mode="after")
+    def _options_match_kind(self) -> "Condition":
+        if self.reference is None and (self.explicitly_set("gradient_checkpointing") or self.explicitly_set("compile")):
+            raise ValueError(
+                f"condition '{self.name}': gradient_checkpointing/compile are reference options; "
+                "for hone use set: {memory.gradient_checkpointing: true}"
+            )
+        if self.reference is not None and self.set:
+            raise ValueError(f"condition '{self.name}': 'set' applies to hone conditions, not to the reference")
+        return self
+
+    @property
+    def overrides(self) -> list[str]:
+        """``set`` as ``--set``-style strings (values dumped as YAML)."""
+        return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}" for key, value in self.set.items()]
+
+
+class BenchSpec(Section):
+    """A benchmark: one workload, conditions, and how to time them."""
+
+    name: str = "bench"
+    workload: Workload
+    conditions: list[Condition] = Field(min_length=1)
+    warmup_steps: int = Field(4, ge=1)
+    """Steps run before timing starts (compilation, autotuning, allocator warm-up)."""
+
+    timed_steps: int = Field(12, ge=1)
+    """Steps whose times give the median, min and max."""
+
+    replicates: int = Field(1, ge=1)
+    """Fresh processes per condition."""
+
+    peak_tflops: float = Field(989.0, gt=0)
+    """Dense bf16 peak of the card for MFU (989 = H100 SXM)."""
+
+    timeout_s: float = Field(1200.0, gt=0)
+    """A replicate running longer than this becomes a failure row."""
+
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "BenchSpec":
+        names = [c.name for c in self.conditions]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"condition names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+def load_spec(path: Path, overrides: list[str] | None = None) -> BenchSpec:
+    """Read and validate a spec file; problems are reported like config problems."""
+    from hone.config.loader import apply_overrides
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError([ConfigIssue("", f"bench spec not found: {path}")], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigIssue("", f"malformed YAML: {exc}")], str(path)) from None
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    return parse_spec(raw, str(path))
+
+
+def parse_spec(raw: Any, source: str = "spec") -> BenchSpec:
+    try:
+        return BenchSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(issues_from_validation(BenchSpec, exc, {}), source) from None

@@ -1,0 +1,178 @@
+"""One (condition, replicate) of a benchmark, in its own process.
+
+The harness starts ``python -m hone.bench.worker SPEC_JSON CONDITION REPLICATE RESULT_JSON``;
+a fresh process per row keeps compile caches, allocator state and CUDA context of one condition
+from leaking into the next. hone conditions go through ``run_training`` (the code path of
+``hone train``), with random-token data written as a ``pretokenized`` dataset.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hone.bench.flops import mfu
+from hone.bench.spec import BenchSpec, Condition, Workload
+
+
+def random_batches(workload: Workload, count: int, vocab_size: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    """``count`` micro-batches of random ids; token 0 is avoided (often a special token)."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (workload.micro_batch_size, workload.sequence_len)
+    return [torch.randint(1, vocab_size, shape, generator=generator).to(device) for _ in range(count)]
+
+
+def model_config_and_size(workload: Workload, vocab_size: int | None = None) -> tuple[Any, int]:
+    """The transformers config and parameter count, from a meta-device model (no memory used)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if workload.preset is not None:
+        from hone.models.presets import build_preset_config
+
+        overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
+        config = build_preset_config(workload.preset, overrides, vocab_size=vocab_size)
+    else:
+        config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file: Path):
+    from hone.config import apply_overrides, parse_config
+
+    w = spec.workload
+    model: dict[str, Any] = {"dtype": w.dtype}
+    if w.preset is not None:
+        model["preset"] = w.preset
+        if w.layers:
+            model["preset_overrides"] = {"num_hidden_layers": w.layers}
+    else:
+        model["path"] = str(w.path)
+    adapter = w.adapter.model_dump() if w.adapter.type == "lora" else {"type": "none"}
+    raw = {
+        "model": model,
+        "data": {
+            "datasets": [{"path": str(data_file), "type": "pretokenized"}],
+            "sequence_len": w.sequence_len,
+            "dataset_prepared_path": str(workdir / "cache"),
+        },
+        "adapter": adapter,
+        "training": {
+            "micro_batch_size": w.micro_batch_size,
+            "gradient_accumulation_steps": w.gradient_accumulation_steps,
+            "max_steps": spec.warmup_steps + spec.timed_steps,
+            "output_dir": str(workdir / "run"),
+            "seed": spec.seed,
+            "max_grad_norm": None,
+        },
+        "optimizer": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+        "logging": {"tensorboard": False, "plot": False, "progress_bar": False},
+    }
+    return parse_config(apply_overrides(raw, condition.overrides), f"condition '{condition.name}'")
+
+
+def _write_random_dataset(path: Path, batches: list[torch.Tensor]) -> None:
+    with path.open("w") as f:
+        for batch in batches:
+            for row in batch.tolist():
+                f.write(json.dumps({"input_ids": row}) + "\n")
+
+
+def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict[str, Any]:
+    """Run one row and return its measurements (raises on failure; the harness records it)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w = spec.workload
+    total_steps = spec.warmup_steps + spec.timed_steps
+    config, total_params = model_config_and_size(w)
+    seed = spec.seed + 1000 * replicate
+    step_times: list[float] = []
+    losses: list[float] = []
+
+    if condition.reference == "hf-peft":
+        batches = random_batches(w, total_steps * w.gradient_accumulation_steps, config.vocab_size, seed, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+        def on_step(step: int, seconds: float, loss: float) -> None:
+            step_times.append(seconds)
+            losses.append(loss)
+
+        from hone.bench.reference import run_reference
+
+        run_reference(w, condition, batches, total_steps, device, seed, on_step)
+    else:
+        from hone.train.run import run_training
+
+        with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
+            workdir = Path(tmp)
+            data_file = workdir / "random.jsonl"
+            cpu = torch.device("cpu")
+            _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, config.vocab_size, seed, cpu))
+            cfg = _hone_config(spec, condition, workdir, data_file)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            last = [None]
+
+            def step_callback(metrics: Any) -> None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+                if last[0] is None:
+                    step_times.append(float(get("step_time_s")))
+                else:
+                    step_times.append(now - last[0])
+                last[0] = now
+                loss = get("loss")
+                losses.append(float(loss) if loss is not None else float("nan"))
+
+            run_training(cfg, device=device, step_callback=step_callback)
+
+    timed = step_times[spec.warmup_steps :]
+    if len(timed) < spec.timed_steps:
+        raise RuntimeError(f"only {len(step_times)} steps reported, expected {total_steps}")
+    median_s = statistics.median(timed)
+    tokens = w.tokens_per_step
+    tokens_per_s = tokens / median_s
+    full_ft = w.adapter.type == "none"
+    row: dict[str, Any] = {
+        "median_ms": round(median_s * 1000, 2),
+        "min_ms": round(min(timed) * 1000, 2),
+        "max_ms": round(max(timed) * 1000, 2),
+        "first_step_s": round(step_times[0], 2),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "trained_tokens_per_s": round(tokens_per_s, 1),  # random data: every token is trained
+        "mfu_pct": round(100 * mfu(config, total_params, w.sequence_len, full_ft, tokens_per_s, spec.peak_tflops), 2),
+        "final_loss": round(losses[-1], 4) if losses else None,
+        "total_params": total_params,
+    }
+    if device.type == "cuda":
+        row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        row["device"] = torch.cuda.get_device_name()
+    else:
+        row["peak_alloc_gib"] = row["peak_reserved_gib"] = None
+        row["device"] = "cpu"
+    return row
+
+
+def main(argv: list[str]) -> int:
+    spec_file, condition_name, replicate, result_file = argv
+    spec = BenchSpec.model_validate_json(Path(spec_file).read_text())
+    condition = next(c for c in spec.conditions if c.name == condition_name)
+    row = run_condition(spec, condition, int(replicate))
+    tmp = Path(result_file + ".tmp")
+    tmp.write_text(json.dumps(row))
+    os.replace(tmp, result_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
