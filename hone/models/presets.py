@@ -1,0 +1,246 @@
+"""Architecture presets: transformers configs that hone builds with random weights.
+
+``tiny-*`` presets exist so a laptop CPU trains a real architecture (attention, RoPE, norms,
+gating, experts) in seconds: a quickstart and tests need no download. Their vocabulary is the
+tokenizer's, whatever its size. The others copy the published shapes of real models so
+``hone bench`` measures the speed and memory of the real thing without fetching weights; they
+keep the published vocabulary (the tokenizer only has to fit inside it).
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any, get_args
+
+from huggingface_hub.errors import StrictDataclassError
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from hone.config.model import PresetName
+from hone.models.errors import ModelError
+
+#: Shape shared by the tiny dense presets: 2 layers, grouped-query attention (4 query heads,
+#: 2 key/value heads of 16 dims), so every code path of the real model runs.
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=8192,
+    initializer_range=0.02,
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    config_class: type[PreTrainedConfig]
+    values: dict[str, Any]
+    tiny: bool
+    """Tiny presets take the tokenizer's vocabulary and are initialised on the CPU in float32,
+    so the same seed gives the same weights on every machine (generation on a laptop sees
+    exactly the base a GPU run trained on). Big presets are built on the target device in the
+    target dtype, which is what makes a random 8B model appear in seconds."""
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset(
+        LlamaConfig,
+        dict(_TINY, rms_norm_eps=1e-5, rope_theta=500_000.0, tie_word_embeddings=False),
+        tiny=True,
+    ),
+    "tiny-qwen3": Preset(
+        Qwen3Config,
+        # Small Qwen3 models tie the output head to the embedding; keep that so the tied path
+        # (and its handling in adapters and saving) is exercised.
+        dict(_TINY, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True),
+        tiny=True,
+    ),
+    "tiny-mistral": Preset(
+        MistralConfig,
+        dict(_TINY, rms_norm_eps=1e-5, rope_theta=1_000_000.0, sliding_window=None, tie_word_embeddings=False),
+        tiny=True,
+    ),
+    "tiny-gemma": Preset(
+        # Gemma 3 text: tied head, embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, GELU-tanh
+        # gating, q/k norms, and alternating sliding-window / global attention layers.
+        Gemma3TextConfig,
+        dict(
+            _TINY,
+            query_pre_attn_scalar=16,
+            sliding_window=512,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+        ),
+        tiny=True,
+    ),
+    "tiny-qwen3-moe": Preset(
+        Qwen3MoeConfig,
+        dict(
+            _TINY,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=False,
+        ),
+        tiny=True,
+    ),
+    # meta-llama/Meta-Llama-3-8B config.json
+    "llama3-8b": Preset(
+        LlamaConfig,
+        dict(
+            vocab_size=128_256,
+            hidden_size=4096,
+            intermediate_size=14_336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            hidden_act="silu",
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=500_000.0,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            bos_token_id=128_000,
+            eos_token_id=128_001,
+        ),
+        tiny=False,
+    ),
+    # Qwen/Qwen3-8B config.json
+    "qwen3-8b": Preset(
+        Qwen3Config,
+        dict(
+            vocab_size=151_936,
+            hidden_size=4096,
+            intermediate_size=12_288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            hidden_act="silu",
+            max_position_embeddings=40_960,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            bos_token_id=151_643,
+            eos_token_id=151_645,
+        ),
+        tiny=False,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts, 8 active, 48 layers, all sparse.
+    "qwen3-30b-a3b": Preset(
+        Qwen3MoeConfig,
+        dict(
+            vocab_size=151_936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            hidden_act="silu",
+            max_position_embeddings=40_960,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+            router_aux_loss_coef=0.001,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            bos_token_id=151_643,
+            eos_token_id=151_645,
+        ),
+        tiny=False,
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ModelError(f"model.preset: '{name}' is not one of: {', '.join(PRESET_NAMES)}") from None
+
+
+def overridable_keys(config_class: type[PreTrainedConfig]) -> list[str]:
+    """Architecture fields of ``config_class``: its own dataclass fields (not the generic ones
+    every config has, such as ``dtype`` or ``id2label``), their aliases, and ``rope_theta``,
+    which every preset's config accepts and folds into ``rope_parameters``."""
+    generic = {f.name for f in fields(PreTrainedConfig)}
+    own = {f.name for f in fields(config_class)} - generic
+    return sorted(own | set(config_class.attribute_map) | {"rope_theta"})
+
+
+def build_preset_config(name: PresetName, overrides: dict[str, Any], vocab_size: int | None) -> PreTrainedConfig:
+    """The transformers config of preset ``name`` with ``overrides`` applied.
+
+    ``vocab_size`` is the tokenizer's size: a tiny preset takes it as its vocabulary; a real
+    architecture keeps its published vocabulary, which must hold every token id.
+    """
+    preset = get_preset(name)
+    valid = overridable_keys(preset.config_class)
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ModelError(
+            f"model.preset_overrides: {', '.join(repr(k) for k in unknown)} "
+            f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of "
+            f"{preset.config_class.__name__} (preset '{name}'); valid keys: {', '.join(valid)}"
+        )
+    values = dict(preset.values)
+    if preset.tiny and vocab_size is not None:
+        values["vocab_size"] = vocab_size
+    values.update(overrides)
+    if "rope_theta" in overrides:
+        values.pop("rope_parameters", None)
+    try:
+        config = preset.config_class(**values)
+    except (TypeError, ValueError, StrictDataclassError) as exc:
+        shown = {k: overrides[k] for k in sorted(overrides)}
+        raise ModelError(
+            f"model.preset_overrides: {shown} do not give a valid {preset.config_class.__name__} "
+            f"for preset '{name}': {_first_line(exc)}"
+        ) from None
+    _check_shape(config, name, overrides)
+    if vocab_size is not None and config.vocab_size < vocab_size:
+        where = "model.preset_overrides.vocab_size" if "vocab_size" in overrides else f"model.preset '{name}'"
+        raise ModelError(
+            f"{where}: the vocabulary has {config.vocab_size} entries but the tokenizer has "
+            f"{vocab_size} tokens; the model must have at least as many embedding rows as tokens"
+        )
+    return config
+
+
+def _check_shape(config: PreTrainedConfig, name: str, overrides: dict[str, Any]) -> None:
+    """Shape rules transformers' configs accept but whose models then fail deep in a forward."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    problem = None
+    if kv_heads < 1 or heads % kv_heads:
+        problem = f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if experts is not None and top_k is not None and not 1 <= top_k <= experts:
+        problem = f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts})"
+    if problem:
+        raise ModelError(f"model.preset_overrides: {problem} (preset '{name}', overrides {dict(sorted(overrides.items()))})")
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
