@@ -1,0 +1,135 @@
+"""Adapters: LoRA through PEFT's public API, or a full fine-tune.
+
+Names in ``lora_target_modules`` and ``lora_modules_to_save`` are checked against the model
+first: PEFT silently skips a misspelt name as long as another one matches, and a LoRA run that
+quietly trains fewer layers than asked is worse than an error.
+
+Mixture-of-experts models (Qwen3-MoE in transformers 5) keep their experts as 3-D parameters
+(``mlp.experts.gate_up_proj`` / ``down_proj``) inside one ``...Experts`` module, not as
+``nn.Linear`` layers, so ``target_modules`` (and ``all-linear``) reach only attention and the
+dense layers. PEFT can put LoRA on such parameters through ``LoraConfig.target_parameters``;
+hone does not expose that yet, and naming an experts module is refused with this explanation.
+"""
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+from hone.config.adapter import AdapterConfig
+from hone.models.errors import ModelError
+
+#: Module types LoRA can wrap through ``target_modules`` in a causal LM.
+LORA_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+
+
+def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
+    """Return the model to train: a PEFT LoRA wrapper, or ``model`` with every weight trainable.
+
+    LoRA weights are created in float32 whatever the base dtype (PEFT's
+    ``autocast_adapter_dtype``); see :mod:`hone.models.precision` for the convention.
+    """
+    if not adapter_cfg.is_lora:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        return model
+    return get_peft_model(model, lora_config(model, adapter_cfg), autocast_adapter_dtype=True)
+
+
+def lora_config(model: nn.Module, adapter_cfg: AdapterConfig) -> LoraConfig:
+    """PEFT's config for ``adapter_cfg``, after checking every name against ``model``."""
+    targets = adapter_cfg.lora_target_modules
+    if targets != "all-linear":
+        check_target_modules(model, list(targets))
+    to_save = list(adapter_cfg.lora_modules_to_save)
+    check_modules_to_save(model, to_save, targets)
+    return LoraConfig(
+        r=adapter_cfg.lora_r,
+        lora_alpha=adapter_cfg.lora_alpha,
+        lora_dropout=adapter_cfg.lora_dropout,
+        target_modules=targets if targets == "all-linear" else list(targets),
+        use_rslora=adapter_cfg.use_rslora,
+        modules_to_save=to_save or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+        # A tied head and embedding are one weight: training a copy of only one of them would
+        # silently untie them, and a merged model, still marked tied, would drop that copy.
+        ensure_weight_tying=touches_tied_embedding(model, [*to_save, *([] if targets == "all-linear" else targets)]),
+    )
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's rule for a list of target names: the full name, or a dotted suffix of it."""
+    return name == target or name.endswith("." + target)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Short names of the linear layers (``q_proj``, ``down_proj``, ``lm_head`` ...)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+
+
+def check_target_modules(model: nn.Module, targets: list[str]) -> None:
+    """Every target must name at least one module LoRA can wrap."""
+    modules = dict(model.named_modules())
+    for target in targets:
+        matched = [module for name, module in modules.items() if name and _matches(name, target)]
+        if any(isinstance(module, LORA_MODULE_TYPES) for module in matched):
+            continue
+        available = ", ".join(linear_module_names(model))
+        arch = type(model).__name__
+        if matched:
+            kind = type(matched[0]).__name__
+            experts = any(isinstance(p, nn.Parameter) and p.dim() == 3 for p in matched[0].parameters(recurse=False))
+            why = (
+                f"it is a {kind} holding fused expert weights as 3-D parameters, which LoRA through "
+                "target_modules cannot wrap (LoRA on experts, PEFT's target_parameters, is not "
+                "supported yet)"
+                if experts
+                else f"it is a {kind}, not a linear or embedding layer"
+            )
+            raise ModelError(
+                f"adapter.lora_target_modules: '{target}' names a module of {arch} that LoRA cannot "
+                f"adapt: {why}; linear modules of this model: {available} (or use 'all-linear')"
+            )
+        raise ModelError(
+            f"adapter.lora_target_modules: '{target}' matches no module of {arch}; linear modules "
+            f"of this model: {available} (or use 'all-linear')"
+        )
+
+
+def check_modules_to_save(model: nn.Module, to_save: list[str], targets: list[str] | str) -> None:
+    names = [name for name, _ in model.named_modules() if name]
+    for module_name in to_save:
+        if not any(_matches(name, module_name) for name in names):
+            top = sorted({name.rsplit(".", 1)[-1] for name in names if "layers." not in name})
+            raise ModelError(
+                f"adapter.lora_modules_to_save: '{module_name}' matches no module of "
+                f"{type(model).__name__}; modules outside the decoder layers: {', '.join(top)}"
+            )
+        if isinstance(targets, list) and module_name in targets:
+            raise ModelError(
+                f"adapter: '{module_name}' is in both lora_target_modules and lora_modules_to_save; "
+                "a module is either adapted (LoRA) or trained in full (modules_to_save), not both"
+            )
+
+
+def touches_tied_embedding(model: nn.Module, names: list[str]) -> bool:
+    """Whether ``model`` ties its output head to its input embedding and ``names`` reach either."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None:
+        return False
+    embedding, head = get_in(), get_out()
+    if embedding is None or head is None or embedding.weight is not head.weight:
+        return False
+    return any(
+        module is embedding or module is head
+        for name, module in model.named_modules()
+        if name and any(_matches(name, target) for target in names)
+    )
+
+
+def is_lora(model: nn.Module) -> bool:
+    return isinstance(model, PeftModel)
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (its parameter names lack ``_orig_mod``)."""
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,226 @@
+"""Load the model a run trains: from a local directory or a preset, adapted, ready to train.
+
+The steps run in a fixed order, each a small function: build or load the base model in the
+dtype of :mod:`hone.models.precision`, apply the adapter, cast the trainable weights to their
+master dtype, enable activation checkpointing, switch to train mode.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from hone.config import HoneConfig
+from hone.config.adapter import AdapterConfig
+from hone.config.model import ModelConfig
+from hone.models.adapters import apply_adapter
+from hone.models.errors import ModelError
+from hone.models.model_dir import check_model_dir, read_causal_lm_config
+from hone.models.precision import Precision, cast_trainable, precision_for
+from hone.models.presets import build_preset_config, get_preset
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    """A ``PreTrainedModel`` (full fine-tune) or a ``PeftModel`` wrapping one (LoRA)."""
+
+    trainable_params: int
+    total_params: int
+    description: str
+    """One line for the console and the run log."""
+
+    precision: Precision
+    """Dtypes of compute, frozen and trainable weights."""
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The training loop runs the forward under ``torch.autocast(device_type, dtype)`` when
+        this is set (trainable weights are float32 while compute is bf16/fp16)."""
+        return self.precision.autocast_dtype
+
+
+def load_model(cfg: HoneConfig, tokenizer, device: torch.device | str) -> LoadedModel:
+    """The model of ``cfg`` on ``device``, with its adapter, in train mode."""
+    device = torch.device(device)
+    precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
+    base = build_base_model(cfg.model, tokenizer, device, precision.weights, seed=cfg.training.seed)
+    with seeded(seed=cfg.training.seed + 1, device=device):  # new adapter weights, own stream
+        model = apply_adapter(base, cfg.adapter)
+    cast_trainable(model, precision.trainable)
+    if cfg.memory.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model.train()
+    trainable, total = count_parameters(model)
+    description = describe(base, cfg, precision, trainable, total)
+    return LoadedModel(model, trainable, total, description, precision)
+
+
+def build_base_model(
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int
+) -> PreTrainedModel:
+    """The base model, frozen-or-not as transformers leaves it, in ``dtype`` on ``device``.
+
+    Also used by generation and merging: a preset rebuilt with the run's seed gives exactly the
+    random weights the run trained on.
+    """
+    if model_cfg.preset is not None:
+        model = build_preset_model(model_cfg, tokenizer, device, dtype, seed)
+    else:
+        model = load_pretrained(model_cfg.path, model_cfg, device, dtype)
+    check_vocab_fits(model, tokenizer, model_cfg)
+    return model
+
+
+def build_preset_model(
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int
+) -> PreTrainedModel:
+    """Random weights drawn from ``seed``, without touching the caller's random state."""
+    preset = get_preset(model_cfg.preset)
+    config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(config, attr, getattr(tokenizer, attr, None))
+    # Tiny presets: init on the CPU in float32 so weights are the same on every machine and
+    # dtype. Big presets: init where they will live, in their dtype, or an 8B model spends
+    # minutes initialising on the CPU and copying.
+    init_device, init_dtype = (torch.device("cpu"), torch.float32) if preset.tiny else (device, dtype)
+    with seeded(seed, init_device):
+        with init_device:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=init_dtype, attn_implementation=model_cfg.attn_implementation
+            )
+    cast_parameters(model, dtype)
+    return model.to(device)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Draw from ``seed`` inside the block, then give the caller its random state back, so
+    loading a model never shifts the data order or dropout of the run."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def load_pretrained(path: Path, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path") -> PreTrainedModel:
+    """A causal LM from a local save_pretrained directory (safetensors only, no network)."""
+    check_model_dir(path, key)
+    config = read_causal_lm_config(path, model_cfg.trust_remote_code, key)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            config=config,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=model_cfg.trust_remote_code,
+            dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            device_map=device,
+            output_loading_info=True,
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelError(f"{key}: cannot load the model in '{path}': {exc}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelError(
+            f"{key}: the weights in '{path}' lack {len(missing)} tensor(s) the model needs ({shown}); "
+            "they would start from random values. Is the directory complete?"
+        )
+    return model
+
+
+def check_vocab_fits(model: PreTrainedModel, tokenizer, model_cfg: ModelConfig) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        tok = model_cfg.tokenizer_path or model_cfg.path or "the bundled tokenizer"
+        raise ModelError(
+            f"model: the tokenizer ({tok}) has {len(tokenizer)} tokens but the model's embedding "
+            f"has only {rows} rows; token ids past {rows - 1} would index out of range. Use the "
+            "tokenizer the model was trained with"
+        )
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters only: buffers such as RoPE's ``inv_freq`` stay float32,
+    which ``model.to(dtype)`` would round to bf16 and so shift every position's rotation."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in the backward (non-reentrant checkpointing).
+
+    With LoRA the embedding output gets ``requires_grad`` (PEFT's convention), so a checkpointed
+    block whose inputs come straight from frozen weights still reaches the adapters.
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ModelError(
+            f"memory.gradient_checkpointing: {type(base).__name__} does not support activation "
+            "checkpointing; set it to false"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if isinstance(model, PeftModel):
+        base.enable_input_require_grads()
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights count once."""
+    trainable = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        if param.requires_grad:
+            trainable += param.numel()
+    return trainable, total
+
+
+def format_count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def describe_adapter(adapter_cfg: AdapterConfig) -> str:
+    if not adapter_cfg.is_lora:
+        return "full fine-tune"
+    targets = adapter_cfg.lora_target_modules
+    text = f"LoRA r={adapter_cfg.lora_r} alpha={adapter_cfg.lora_alpha:g}"
+    if adapter_cfg.use_rslora:
+        text += " (rslora)"
+    text += f" on {targets if isinstance(targets, str) else ','.join(targets)}"
+    if adapter_cfg.lora_modules_to_save:
+        text += f" + full {','.join(adapter_cfg.lora_modules_to_save)}"
+    return text
+
+
+def describe(base: PreTrainedModel, cfg: HoneConfig, precision: Precision, trainable: int, total: int) -> str:
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    dtypes = name(precision.weights)
+    if precision.trainable != precision.weights:
+        dtypes += f", trainable {name(precision.trainable)}"
+    if precision.autocast_dtype is not None:
+        dtypes += f", autocast {name(precision.autocast_dtype)}"
+    parts = [
+        f"{type(base).__name__} ({cfg.model.source})",
+        f"{format_count(total)} params, {format_count(trainable)} trainable ({100 * trainable / max(total, 1):.2f}%)",
+        describe_adapter(cfg.adapter),
+        dtypes,
+        f"attention {cfg.model.attn_implementation}",
+    ]
+    if cfg.memory.gradient_checkpointing:
+        parts.append("activation checkpointing")
+    return " | ".join(parts)
