@@ -1,0 +1,1 @@
+"""Run tracking: ``metrics.jsonl``, TensorBoard events, ``loss.png`` and console progress."""

@@ -1,0 +1,82 @@
+"""``metrics.jsonl``: one JSON object per logged step, the run's durable record.
+
+Rows are appended and flushed one at a time, so a killed run keeps every row it logged. A
+resumed run first drops the rows after the step it resumes from (they belong to the
+abandoned continuation and would otherwise appear twice), rewriting the file atomically.
+
+Train rows hold ``step, epoch, loss, lr, grad_norm, tokens_per_s, trained_tokens,
+trained_tokens_total, tokens, step_time_s, peak_mem_gib, skipped``; eval rows hold
+``step, epoch, eval_loss, eval_ppl, eval_tokens``. Non-finite numbers are written as ``null``
+(JSON has no NaN), so the file parses with any JSON reader.
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hone.track.atomic import atomic_write_text
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def clean_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Replace NaN/inf floats by None so the row is valid JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All rows of a metrics file; a torn last line (killed mid-write) is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def is_eval_row(row: dict[str, Any]) -> bool:
+    return "eval_loss" in row
+
+
+class MetricsLog:
+    """Appends rows to ``metrics.jsonl`` and keeps them in memory for the plot and report."""
+
+    def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
+        """Open the log. ``resume_step``: keep only rows up to that step (a resumed run);
+        ``history``: rows from the checkpoint, used when the file itself is missing (a
+        checkpoint resumed into a new output directory)."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.rows: list[dict[str, Any]] = []
+            atomic_write_text(self.path, "")
+        else:
+            existing = read_metrics(self.path) if self.path.exists() else list(history or [])
+            self.rows = [r for r in existing if r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self._handle = open(self.path, "a", encoding="utf-8")
+
+    def append(self, row: dict[str, Any]) -> None:
+        row = clean_row(row)
+        self.rows.append(row)
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if not is_eval_row(r)]
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if is_eval_row(r)]
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()

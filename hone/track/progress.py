@@ -1,0 +1,91 @@
+"""What a person watching the run sees: a live bar on a terminal, plain lines elsewhere.
+
+On a terminal (and with ``logging.progress_bar``) a rich progress bar shows step/total, loss,
+lr, tokens/s and the ETA. Redirected to a file or CI log, a bar would be an unreadable stream
+of carriage returns, so every logged step prints one plain line instead.
+"""
+
+import time
+from datetime import timedelta
+from typing import Any
+
+from rich.console import Console
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "?"
+    return str(timedelta(seconds=int(round(seconds))))
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "nan" if value is None else format(value, spec)
+
+
+class ProgressDisplay:
+    """Live bar or plain lines, chosen once at construction."""
+
+    def __init__(self, console: Console, *, total_steps: int, start_step: int = 0, bar: bool = True):
+        self.console = console
+        self.total = total_steps
+        self.start_step = start_step
+        self._t0 = time.perf_counter()
+        self._progress = None
+        self._task = None
+        if bar and console.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s  eta"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=False,
+            )
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start_step, loss="-", lr="-", tps="-"
+            )
+            self._progress.start()
+
+    @property
+    def live(self) -> bool:
+        return self._progress is not None
+
+    def eta_s(self, step: int) -> float | None:
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (time.perf_counter() - self._t0) / done * (self.total - step)
+
+    def step(self, row: dict[str, Any]) -> None:
+        """Show a train metrics row (called for every logged step)."""
+        step = row["step"]
+        loss = _fmt(row.get("loss"), ".4f")
+        lr = _fmt(row.get("lr"), ".2e")
+        tps = _fmt(row.get("tokens_per_s"), ",.0f")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=loss, lr=lr, tps=tps)
+            return
+        skipped = "  (skipped: non-finite)" if row.get("skipped") else ""
+        grad = _fmt(row.get("grad_norm"), ".3f")
+        self.console.print(
+            f"step {step}/{self.total} | loss {loss} | lr {lr} | grad {grad} | {tps} tok/s"
+            f" | eta {format_eta(self.eta_s(step))}{skipped}",
+            highlight=False,
+            markup=False,
+        )
+
+    def advance(self, step: int) -> None:
+        """Move the bar on a step that was not logged (``logging_steps`` > 1)."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def print(self, message: str) -> None:
+        """A message above the bar (or a plain line)."""
+        self.console.print(message, highlight=False, markup=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,39 @@
+"""TensorBoard event files under ``<output_dir>/tensorboard/``.
+
+A resumed run opens its writer with ``purge_step``: TensorBoard then hides the events that the
+interrupted run wrote after the checkpoint, as ``metrics.jsonl`` drops its rows.
+"""
+
+from pathlib import Path
+from typing import Any
+
+#: Metrics row key -> TensorBoard tag.
+TRAIN_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time_s": "train/step_time_s",
+    "peak_mem_gib": "train/peak_mem_gib",
+}
+EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
+
+
+class TensorBoardLog:
+    """Scalars of each metrics row, keyed by optimizer step."""
+
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when enabled
+
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for key, tag in (*TRAIN_TAGS.items(), *EVAL_TAGS.items()):
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
