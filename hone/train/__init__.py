@@ -1,0 +1,1 @@
+"""Training: collation, batching, optimizer and schedule, the loop, checkpoints and resume."""

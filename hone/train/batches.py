@@ -1,0 +1,145 @@
+"""Which rows go into which micro-batch, and how many optimizer steps a run has.
+
+Each epoch visits the training rows in its own seeded random order (a function of
+``training.seed`` and the epoch number only, so it is the same in every process and after a
+resume). One optimizer step takes ``micro_batch_size * gradient_accumulation_steps`` rows from
+that order; the rows left over at the end of an epoch (fewer than one full step) are **dropped
+for that epoch**, so every step has the same shape and the step count is exact:
+
+    steps_per_epoch = floor(rows / (micro_batch_size * gradient_accumulation_steps))
+
+Because each epoch shuffles anew, a different handful of rows sits out each epoch.
+``training.max_steps`` gives the total directly (wrapping into further epochs as needed);
+otherwise ``total = floor(num_epochs * steps_per_epoch)`` (fractions allowed, at least 1).
+
+The position in the data is explicit, ``(epoch, index into that epoch's order)``, and is stored
+in checkpoints, so a resumed run continues with exactly the micro-batch that comes next.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hone.config.training import TrainingConfig
+from hone.errors import HoneError
+
+
+class NotEnoughData(HoneError):
+    """The training split cannot fill a single optimizer step."""
+
+
+@dataclass
+class DataPosition:
+    """Where the next optimizer step starts: epoch number and rows of its order consumed."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The shape of a run in optimizer steps, fixed before the first step."""
+
+    rows: int
+    micro_batch_size: int
+    accumulation: int
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.micro_batch_size * self.accumulation
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.rows - self.steps_per_epoch * self.rows_per_step
+
+    @property
+    def epochs(self) -> float:
+        return self.total_steps / self.steps_per_epoch
+
+    def epoch_at(self, step: int) -> float:
+        """Fractional epoch reached after ``step`` optimizer steps."""
+        return step / self.steps_per_epoch
+
+    def describe(self) -> str:
+        dropped = (
+            f", {self.dropped_per_epoch} row{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "
+            "out (less than a full step)"
+            if self.dropped_per_epoch
+            else ""
+        )
+        return (
+            f"{self.total_steps} optimizer steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps; "
+            f"{self.rows_per_step} rows per step = micro_batch_size {self.micro_batch_size} x "
+            f"gradient_accumulation_steps {self.accumulation}{dropped})"
+        )
+
+
+def plan_steps(num_rows: int, training: TrainingConfig) -> StepPlan:
+    """Steps per epoch and in total for ``num_rows`` training rows."""
+    per_step = training.samples_per_step
+    steps_per_epoch = num_rows // per_step
+    if steps_per_epoch == 0:
+        raise NotEnoughData(
+            f"the training data has {num_rows} row{'s' if num_rows != 1 else ''}, fewer than one optimizer "
+            f"step uses (training.micro_batch_size {training.micro_batch_size} x "
+            f"training.gradient_accumulation_steps {training.gradient_accumulation_steps} = {per_step}): "
+            "add data or lower them"
+        )
+    if training.max_steps is not None:
+        total = training.max_steps
+    else:
+        epochs = training.epochs
+        assert epochs is not None
+        # The epsilon keeps 0.29 * 100 (= 28.999999999999996 in floats) from becoming 28.
+        total = max(1, math.floor(epochs * steps_per_epoch + 1e-9))
+    return StepPlan(
+        rows=num_rows,
+        micro_batch_size=training.micro_batch_size,
+        accumulation=training.gradient_accumulation_steps,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+    )
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of ``epoch``: a permutation depending only on (seed, epoch)."""
+    rng = np.random.default_rng([seed % 2**64, epoch])
+    return rng.permutation(num_rows)
+
+
+class BatchStream:
+    """Hands out one accumulation window (a list of micro-batches of row indices) per step."""
+
+    def __init__(self, plan: StepPlan, seed: int, position: DataPosition | None = None):
+        self.plan = plan
+        self.seed = seed
+        self.position = DataPosition(**(position or DataPosition()).as_dict())
+        self._order_epoch: int | None = None
+        self._order: np.ndarray | None = None
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order = epoch_order(self.plan.rows, self.seed, epoch)
+            self._order_epoch = epoch
+        assert self._order is not None
+        return self._order
+
+    def next_window(self) -> list[list[int]]:
+        """Row indices of the next step's micro-batches; advances the position past them."""
+        per_step = self.plan.rows_per_step
+        if self.position.index + per_step > self.plan.rows:  # the epoch's leftover rows are dropped
+            self.position = DataPosition(self.position.epoch + 1, 0)
+        order = self._order_for(self.position.epoch)
+        start = self.position.index
+        rows = order[start : start + per_step].tolist()
+        self.position = DataPosition(self.position.epoch, start + per_step)
+        if self.position.index + per_step > self.plan.rows:
+            self.position = DataPosition(self.position.epoch + 1, 0)
+        mbs = self.plan.micro_batch_size
+        return [rows[i : i + mbs] for i in range(0, per_step, mbs)]

@@ -1,0 +1,111 @@
+"""AdamW over the trainable parameters, and the learning-rate schedule.
+
+Weight decay applies to matrices only (``ndim >= 2``: linear and embedding weights, LoRA A/B).
+Biases and normalisation weights (every 1-D parameter) are not decayed: pulling a norm's gain
+or a bias towards zero is not a regulariser, it shifts the layer (the usual convention of
+GPT-2/LLaMA training code and Hugging Face's Trainer).
+
+The schedule is a ``LambdaLR`` whose factor is a small callable object, so its whole state
+(shape, warm-up, total, floor) travels in ``scheduler.state_dict()`` and a resumed run
+continues the exact curve.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from hone.config.optimizer import OptimizerConfig
+
+
+def trainable_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Whether weight decay applies: matrices yes, biases and norm gains (1-D) no."""
+    return param.ndim >= 2
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    named = trainable_named_parameters(model)
+    decay = [p for n, p in named if decays(n, p)]
+    no_decay = [p for n, p in named if not decays(n, p)]
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def use_fused(cfg: OptimizerConfig, device: torch.device) -> bool:
+    if cfg.fused == "auto":
+        return device.type == "cuda"
+    return bool(cfg.fused)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(
+        groups,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+        fused=use_fused(cfg, device) or None,
+    )
+
+
+@dataclass
+class LRSchedule:
+    """Multiplier of the peak learning rate at scheduler step ``i`` (0-based optimizer step).
+
+    Warm-up: step ``i < warmup`` uses ``(i + 1) / warmup``, so the first step already moves
+    (no wasted step at lr 0) and step ``warmup - 1`` reaches the peak. After warm-up,
+    ``progress = (i - warmup) / (total - warmup)`` runs from 0 towards 1 and
+
+    - constant: 1
+    - linear:   ``floor + (1 - floor) * (1 - progress)``
+    - cosine:   ``floor + (1 - floor) * (1 + cos(pi * progress)) / 2``
+
+    with ``floor = cosine_min_lr_ratio``. Steps past ``total`` (a run extended on resume) stay
+    at the floor.
+    """
+
+    kind: str
+    warmup: int
+    total: int
+    floor: float
+
+    def __call__(self, i: int) -> float:
+        if i < self.warmup:
+            return (i + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (i - self.warmup) / max(1, self.total - self.warmup))
+        if self.kind == "linear":
+            shape = 1.0 - progress
+        elif self.kind == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            raise ValueError(f"unknown lr_scheduler {self.kind!r}")
+        return self.floor + (1.0 - self.floor) * shape
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> LRSchedule:
+    return LRSchedule(
+        kind=cfg.lr_scheduler,
+        warmup=cfg.warmup_for(total_steps),
+        total=total_steps,
+        floor=cfg.cosine_min_lr_ratio,
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int) -> LambdaLR:
+    """The schedule as a ``LambdaLR``: call ``.step()`` once after each optimizer step."""
+    return LambdaLR(optimizer, make_schedule(cfg, total_steps))
