@@ -1,0 +1,313 @@
+"""Resumable checkpoints under ``<output_dir>/checkpoints/step-<N>/``.
+
+A checkpoint holds everything the next optimizer step depends on:
+
+    trainable.safetensors  trainable weights (frozen base weights come from the model source)
+    optimizer.pt           AdamW state (moments, step counts, param groups)
+    scheduler.pt           LambdaLR state, including the schedule's shape
+    scaler.pt              fp16 loss-scaler state (fp16 runs only)
+    rng.pt                 python, numpy, torch CPU and CUDA generator states
+    trainer_state.json     step, data position, counters and the metrics rows so far
+    COMPLETE               written last: only directories holding it count as checkpoints
+
+Saving is atomic: files go into a hidden temp directory, each is fsync'd, the ``COMPLETE``
+marker is written last, and only then is the directory renamed to ``step-<N>``. A crash
+mid-save leaves a ``.tmp-*`` directory that resume never looks at (and the next save removes).
+
+Resume: ``training.resume: latest`` takes the newest complete checkpoint in ``output_dir``; if
+there is none, the run **starts from scratch with a warning**, so a config can say ``latest``
+once and be re-run after every preemption, including the first time. ``training.resume:
+PATH`` (a ``step-<N>`` directory, or a run directory meaning its latest) must exist and be
+complete, else the run stops with an error: an explicit path that is wrong is a mistake.
+Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from hone.config.training import TrainingConfig
+from hone.errors import HoneError
+from hone.track.atomic import fsync_dir
+from hone.train.weights import load_trainable_state_dict, trainable_state_dict
+
+CHECKPOINTS_DIR = "checkpoints"
+COMPLETE = "COMPLETE"
+WEIGHTS_FILE = "trainable.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+SCALER_FILE = "scaler.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "trainer_state.json"
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(HoneError):
+    """A checkpoint to resume from is missing, incomplete or unreadable."""
+
+
+# ---------------------------------------------------------------- finding checkpoints
+
+
+def checkpoints_root(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first. Temp and unmarked directories are skipped."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(training: TrainingConfig, warn: Callable[[str], None] = print) -> Path | None:
+    """The checkpoint directory ``training.resume`` points at, or None to start fresh."""
+    if training.resume is None:
+        return None
+    if training.resume == "latest":
+        found = latest_checkpoint(training.output_dir)
+        if found is None:
+            warn(
+                f"training.resume is 'latest' but {training.output_dir} has no complete checkpoint yet: "
+                "starting from scratch"
+            )
+        return found
+    path = Path(training.resume)
+    if not path.exists():
+        raise CheckpointError(f"training.resume: checkpoint '{path}' does not exist")
+    if not is_complete(path) and checkpoints_root(path).is_dir():  # a run directory: take its latest
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"training.resume: run directory '{path}' holds no complete checkpoint")
+        return found
+    if not is_complete(path):
+        raise CheckpointError(
+            f"training.resume: '{path}' is not a complete checkpoint (no {COMPLETE} marker: it was "
+            f"interrupted while saving, or is not a hone checkpoint); pick a step-<N> directory under "
+            f"{CHECKPOINTS_DIR}/"
+        )
+    return path
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every generator a training step draws from (dropout, any python/numpy randomness)."""
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": [int(k) for k in np_state["state"]["key"]],
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": np_state["bit_generator"],
+            "state": {"key": np.asarray(np_state["key"], dtype=np.uint32), "pos": np_state["pos"]},
+            "has_gauss": np_state["has_gauss"],
+            "gauss": np_state["gauss"],
+        }
+    )
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_weights(directory: Path, model: torch.nn.Module) -> None:
+    save_file(trainable_state_dict(model), str(directory / WEIGHTS_FILE))
+    _fsync_file(directory / WEIGHTS_FILE)
+
+
+def _write_torch(directory: Path, name: str, obj: Any) -> None:
+    torch.save(obj, directory / name)
+    _fsync_file(directory / name)
+
+
+def _write_state(directory: Path, state: dict[str, Any]) -> None:
+    (directory / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+    _fsync_file(directory / STATE_FILE)
+
+
+def _write_marker(directory: Path, step: int) -> None:
+    (directory / COMPLETE).write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
+    _fsync_file(directory / COMPLETE)
+
+
+def remove_temp_dirs(output_dir: Path) -> None:
+    """Leftovers of saves that crashed half-way (never complete, never resumed from)."""
+    root = checkpoints_root(output_dir)
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(".tmp-") or child.name.startswith(".old-"):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    scaler: torch.amp.GradScaler | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``."""
+    root = checkpoints_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_temp_dirs(output_dir)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    tmp.mkdir()
+
+    _write_weights(tmp, model)
+    _write_torch(tmp, OPTIMIZER_FILE, optimizer.state_dict())
+    _write_torch(tmp, SCHEDULER_FILE, scheduler.state_dict())
+    if scaler is not None and scaler.is_enabled():
+        _write_torch(tmp, SCALER_FILE, scaler.state_dict())
+    _write_torch(tmp, RNG_FILE, capture_rng())
+    _write_state(tmp, state)
+    _write_marker(tmp, step)
+    fsync_dir(tmp)
+
+    if final.exists():  # the same step saved before (e.g. re-run after a resume): replace it
+        old = root / f".old-step-{step}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root)
+    if keep is not None:
+        prune_checkpoints(output_dir, keep)
+    return final
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted."""
+    found = list_checkpoints(output_dir)
+    doomed = [path for _, path in found[: max(0, len(found) - keep)]]
+    for path in doomed:
+        _remove_checkpoint(path)
+    return doomed
+
+
+def remove_checkpoints_after(output_dir: Path, step: int) -> list[Path]:
+    """Drop checkpoints newer than ``step``: after resuming from ``step`` they belong to an
+    abandoned continuation, and leaving them would make a later ``resume: latest`` jump back
+    onto it (and pruning would keep them over the new ones)."""
+    doomed = [path for s, path in list_checkpoints(output_dir) if s > step]
+    for path in doomed:
+        _remove_checkpoint(path)
+    return doomed
+
+
+def _remove_checkpoint(path: Path) -> None:
+    # Unmark first: if the removal is interrupted, the remains are no longer a checkpoint.
+    (path / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load_torch(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {path}") from None
+    except Exception as exc:  # corrupt or foreign file
+        raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {Path(path) / STATE_FILE}: {exc}") from None
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler, scaler and RNG from ``path``; return its trainer state.
+
+    Call it after the model, optimizer and scheduler are built for the new process and before
+    the first step; the RNG restore must come last so nothing draws from it in between.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
+    state = read_trainer_state(path)
+    try:
+        weights = load_file(str(path / WEIGHTS_FILE))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {path / WEIGHTS_FILE}") from None
+    try:
+        load_trainable_state_dict(model, weights)
+    except HoneError as exc:
+        raise CheckpointError(f"cannot resume from {path}: {exc}") from None
+    try:
+        optimizer.load_state_dict(_load_torch(path / OPTIMIZER_FILE))
+        scheduler.load_state_dict(_load_torch(path / SCHEDULER_FILE))
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {path} does not fit this run's optimizer: {exc}") from None
+    if scaler is not None and scaler.is_enabled() and (path / SCALER_FILE).exists():
+        scaler.load_state_dict(_load_torch(path / SCALER_FILE))
+    restore_rng(_load_torch(path / RNG_FILE))
+    return state

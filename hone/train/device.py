@@ -1,0 +1,34 @@
+"""Where training runs, and how much memory it has used there."""
+
+import resource
+import sys
+
+import torch
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """The caller's device, else the current CUDA device, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """Peak memory so far: CUDA tensors allocated on ``device``, or the process's peak RSS
+    on CPU (the closest CPU analogue; it includes Python and libraries, not only tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (OSError, ValueError):
+        return None
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return peak * scale / 2**30
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so a step's wall time covers its work (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,58 @@
+"""Evaluation: mean loss per trained token over the whole eval split, and perplexity.
+
+The mean is over tokens, not over batches (the sum of every token's loss divided by the
+count), so it does not depend on how the split is cut into batches.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hone.train.collate import collate, rows_at
+from hone.train.loss import forward_logits, token_loss_sum
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+def perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset,
+    *,
+    batch_size: int,
+    pad_id: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> EvalResult:
+    """Run the model over ``dataset`` in order, without dropout or gradients."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    try:
+        for start in range(0, len(dataset), batch_size):
+            indices = range(start, min(start + batch_size, len(dataset)))
+            batch = collate(rows_at(dataset, indices), pad_id).to(device)
+            if batch.trained_tokens == 0:
+                continue
+            logits = forward_logits(model, batch, autocast_dtype)
+            total += token_loss_sum(logits, batch.targets).double()
+            tokens += batch.trained_tokens
+    finally:
+        model.train(was_training)
+    loss = total.item() / tokens if tokens else math.nan
+    return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=tokens)

@@ -1,0 +1,442 @@
+"""The training loop, spelled out: one optimizer step per iteration, nothing hidden.
+
+Each optimizer step:
+
+1. takes the next accumulation window (``gradient_accumulation_steps`` micro-batches) from
+   the seeded data order and counts its trained tokens *before* any backward pass;
+2. for each micro-batch: forward, ``sum of token losses / window's trained tokens``,
+   backward (so the window's gradient is the mean over all its tokens, whatever the split);
+3. skips the update if the loss or the gradient norm is not finite (grads zeroed, optimizer
+   and schedule untouched, the step counted), and stops with an error after
+   ``training.max_consecutive_nonfinite`` of those in a row;
+4. clips the gradient norm, steps the optimizer and the schedule, zeroes the gradients;
+5. logs, evaluates, checkpoints on their intervals, and stops cleanly on SIGINT/SIGTERM.
+
+Precision: the model arrives in its dtypes (see :mod:`hone.models.precision`). When the
+loader says so (``autocast_dtype``: float32 trainable weights beside bf16/fp16 compute) the
+forward runs under ``torch.autocast``; the loss is always computed outside it, in float32.
+``model.dtype: float16`` needs loss scaling to keep small gradients from flushing to zero; it
+is done with ``torch.amp.GradScaler`` on CUDA and refused on CPU (where bfloat16 or float32 are
+the choices). With fp16, an overflow the scaler handles by lowering its scale is counted as a
+skipped step but not towards the consecutive limit.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from hone.config.root import HoneConfig
+from hone.errors import HoneError
+from hone.track.tracker import Tracker
+from hone.train.batches import BatchStream, DataPosition, StepPlan, plan_steps
+from hone.train.checkpoint import (
+    load_checkpoint,
+    remove_checkpoints_after,
+    save_checkpoint,
+)
+from hone.train.collate import MicroBatch, collate, rows_at
+from hone.train.device import peak_memory_gib, synchronize
+from hone.train.evaluate import evaluate
+from hone.train.loss import forward_logits, token_loss_sum
+from hone.train.optim import build_optimizer, build_scheduler, make_schedule
+from hone.train.seed import seed_everything
+from hone.train.signals import graceful_stop
+
+
+class NonFiniteLossError(HoneError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class UnsupportedPrecision(HoneError):
+    """A dtype that cannot be trained on this device."""
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step did; passed to ``step_callback`` and logged as a metrics row."""
+
+    step: int
+    epoch: float
+    loss: float  # mean per trained token over the window; nan when non-finite
+    lr: float  # learning rate this step used
+    grad_norm: float | None  # before clipping; None when the loss was already non-finite
+    trained_tokens: int  # tokens with a loss in this step
+    trained_tokens_total: int
+    tokens: int  # real (non-padding) input tokens in this step
+    tokens_per_s: float  # real input tokens per second of step time
+    step_time_s: float
+    peak_mem_gib: float | None
+    skipped: bool
+
+    def as_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["epoch"] = round(self.epoch, 4)
+        return row
+
+
+@dataclass
+class LoopResult:
+    start_step: int  # 0, or the step resumed from
+    steps: int  # the step reached
+    total_steps: int
+    final_loss: float | None  # the last finite train loss
+    eval_losses: list[tuple[int, float]]  # (step, loss), including earlier runs when resumed
+    skipped_steps: int
+    interrupted: str | None  # signal name when stopped by SIGINT/SIGTERM
+    last_checkpoint: Path | None
+    metrics_path: Path
+    plot_path: Path | None
+    elapsed_s: float  # wall time of the steps run by this process
+    tokens: int  # real input tokens processed by this process
+    trained_tokens: int  # trained tokens processed by this process
+    resumed_from: Path | None
+    plan: StepPlan
+
+
+@dataclass
+class _Counters:
+    """The loop's mutable progress; goes into every checkpoint as ``trainer_state.json``."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    skipped_steps: int = 0
+    consecutive_nonfinite: int = 0
+    trained_tokens_total: int = 0
+    tokens_total: int = 0
+
+
+def _window_loss_backward(
+    model: nn.Module,
+    window: list[MicroBatch],
+    window_tokens: int,
+    scaler: torch.amp.GradScaler | None,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Forward + backward every micro-batch of the window; returns the window's mean token loss.
+
+    Each micro-batch contributes ``sum of its token losses / window_tokens``, so the gradients
+    accumulated over the window equal those of one big batch holding all of its rows.
+    """
+    total = None
+    for batch in window:
+        logits = forward_logits(model, batch, autocast_dtype)
+        loss_sum = token_loss_sum(logits, batch.targets)
+        loss = loss_sum / window_tokens
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+        del logits, loss_sum, loss  # free the activations' graph before the next micro-batch
+    assert total is not None
+    return total / window_tokens
+
+
+def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of the gradients, clipping them to ``max_norm`` when it is set."""
+    if max_norm is None:
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _is_finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _check_precision(cfg: HoneConfig, device: torch.device) -> torch.amp.GradScaler | None:
+    """A GradScaler for float16 on CUDA, None otherwise; float16 on CPU is refused."""
+    if cfg.model.dtype != "float16":
+        return None
+    if device.type != "cuda":
+        raise UnsupportedPrecision(
+            f"model.dtype: float16 training needs a CUDA GPU (loss scaling); on {device.type} use "
+            "bfloat16 or float32"
+        )
+    return torch.amp.GradScaler("cuda")
+
+
+def train_loop(
+    model: nn.Module,
+    train_data,
+    eval_data,
+    cfg: HoneConfig,
+    *,
+    device: torch.device,
+    pad_id: int,
+    console: Console | None = None,
+    step_callback: Callable[[StepMetrics], None] | None = None,
+    resume_from: Path | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> LoopResult:
+    """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set)
+    on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on ``eval_data`` if given.
+
+    Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
+    ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
+    for the user's problems (diverging loss, a checkpoint that does not fit).
+    """
+    t, log_cfg = cfg.training, cfg.logging
+    console = console or Console()
+    output_dir = Path(t.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    has_eval = eval_data is not None and len(eval_data) > 0
+
+    # ---- set-up: plan, optimizer, schedule, (loss scaler), state
+    scaler = _check_precision(cfg, device)
+    plan = plan_steps(len(train_data), t)
+    seed_everything(t.seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, plan.total_steps)
+    counters = _Counters()
+    history: list[dict[str, Any]] | None = None
+    notes: list[str] = []
+    if resume_from is not None:
+        saved = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        counters = _Counters(
+            step=saved["step"],
+            position=DataPosition(**saved["position"]),
+            skipped_steps=saved["skipped_steps"],
+            consecutive_nonfinite=saved["consecutive_nonfinite"],
+            trained_tokens_total=saved["trained_tokens_total"],
+            tokens_total=saved["tokens_total"],
+        )
+        history = saved.get("metrics", [])
+        notes = _resume_notes(saved, plan, t.seed, scheduler, cfg)
+        dropped = remove_checkpoints_after(output_dir, counters.step)
+        notes += [f"removed checkpoint {p.name} (newer than the one resumed from)" for p in dropped]
+    start_step = counters.step
+    stream = BatchStream(plan, t.seed, counters.position)
+    tracker = Tracker(
+        log_cfg,
+        output_dir,
+        console,
+        total_steps=plan.total_steps,
+        resume_step=start_step if resume_from is not None else None,
+        history=history,
+    )
+
+    def checkpoint_state() -> dict[str, Any]:
+        return {
+            "step": counters.step,
+            "position": stream.position.as_dict(),
+            "skipped_steps": counters.skipped_steps,
+            "consecutive_nonfinite": counters.consecutive_nonfinite,
+            "trained_tokens_total": counters.trained_tokens_total,
+            "tokens_total": counters.tokens_total,
+            "plan": {"rows": plan.rows, "rows_per_step": plan.rows_per_step, "total_steps": plan.total_steps},
+            "seed": t.seed,
+            "metrics": list(tracker.rows),
+        }
+
+    def save() -> Path:
+        return save_checkpoint(
+            output_dir,
+            counters.step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            state=checkpoint_state(),
+            keep=t.save_total_limit,
+        )
+
+    def run_eval() -> None:
+        result = evaluate(
+            model, eval_data, batch_size=t.micro_batch_size, pad_id=pad_id, device=device, autocast_dtype=autocast_dtype
+        )
+        tracker.log_eval(
+            {
+                "step": counters.step,
+                "epoch": round(plan.epoch_at(counters.step), 4),
+                "eval_loss": result.loss,
+                "eval_ppl": result.perplexity,
+                "eval_tokens": result.tokens,
+            }
+        )
+
+    tracker.print(f"training: {plan.describe()}")
+    if resume_from is not None:
+        tracker.print(f"resumed from {resume_from} at step {start_step} (epoch {plan.epoch_at(start_step):.2f})")
+        for note in notes:
+            tracker.print(f"note: {note}")
+
+    # ---- the loop
+    last_checkpoint: Path | None = None
+    final_loss: float | None = None
+    interrupted: str | None = None
+    elapsed = 0.0
+    tokens_here = trained_here = 0
+    try:
+        if has_eval and start_step == 0:
+            run_eval()  # the baseline the final eval is compared with
+        with graceful_stop() as stop:
+            while counters.step < plan.total_steps:
+                step_start = time.perf_counter()
+                lr = optimizer.param_groups[0]["lr"]
+
+                # 1. the window's micro-batches and its trained-token count, before any backward
+                window = [collate(rows_at(train_data, rows), pad_id).to(device) for rows in stream.next_window()]
+                window_tokens = sum(b.trained_tokens for b in window)
+                window_real_tokens = sum(b.tokens for b in window)
+
+                # 2. forward/backward each micro-batch, loss normalised by the window's tokens
+                grad_norm: float | None = None
+                problem: str | None = None
+                if window_tokens == 0:
+                    loss_value = math.nan
+                    problem = "no trained tokens"
+                else:
+                    loss_value = _window_loss_backward(model, window, window_tokens, scaler, autocast_dtype).item()
+                    if not _is_finite(loss_value):
+                        problem = f"loss is {loss_value}"
+
+                # 3./4. clip, check the gradient, step (or skip)
+                overflow = False
+                if problem is None:
+                    if scaler is not None:
+                        scaler.unscale_(optimizer)
+                    grad_norm = _grad_norm(params, t.max_grad_norm).item()
+                    if not _is_finite(grad_norm):
+                        problem = f"gradient norm is {grad_norm}"
+                        if scaler is not None:
+                            scaler.update()  # lowers the loss scale; the scaler's normal recovery
+                            overflow = True
+                    elif scaler is not None:
+                        scaler.step(optimizer)
+                        scaler.update()
+                        scheduler.step()
+                    else:
+                        optimizer.step()
+                        scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+                counters.step += 1
+                skipped = problem is not None
+                if skipped:
+                    counters.skipped_steps += 1
+                    counts = problem != "no trained tokens" and not overflow
+                    if counts:
+                        counters.consecutive_nonfinite += 1
+                    tracker.print(
+                        f"step {counters.step}: {problem}; step skipped (weights, optimizer and schedule "
+                        f"unchanged){f', {counters.consecutive_nonfinite} in a row' if counts else ''}"
+                    )
+                else:
+                    counters.consecutive_nonfinite = 0
+                    final_loss = loss_value
+                    counters.trained_tokens_total += window_tokens
+                    counters.tokens_total += window_real_tokens
+
+                synchronize(device)
+                step_time = time.perf_counter() - step_start
+                elapsed += step_time
+                tokens_here += window_real_tokens
+                trained_here += window_tokens
+                metrics = StepMetrics(
+                    step=counters.step,
+                    epoch=plan.epoch_at(counters.step),
+                    loss=loss_value,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    trained_tokens=window_tokens,
+                    trained_tokens_total=counters.trained_tokens_total,
+                    tokens=window_real_tokens,
+                    tokens_per_s=window_real_tokens / step_time if step_time > 0 else math.nan,
+                    step_time_s=step_time,
+                    peak_mem_gib=peak_memory_gib(device),
+                    skipped=skipped,
+                )
+
+                # 5. log, hand the step to an observer, evaluate, checkpoint, maybe stop
+                last = counters.step == plan.total_steps
+                if counters.step % log_cfg.logging_steps == 0 or last or skipped:
+                    tracker.log_train(metrics.as_row())
+                else:
+                    tracker.display.advance(counters.step)
+                if step_callback is not None:
+                    step_callback(metrics)
+                if counters.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+                    raise NonFiniteLossError(
+                        f"training stopped at step {counters.step}: {counters.consecutive_nonfinite} optimizer "
+                        "steps in a row had a non-finite loss or gradient (training.max_consecutive_nonfinite = "
+                        f"{t.max_consecutive_nonfinite}). The run has diverged: lower optimizer.learning_rate, "
+                        "keep training.max_grad_norm set, add warm-up, or use bfloat16 instead of float16; "
+                        "the last checkpoint (if any) is under checkpoints/"
+                    )
+                if has_eval and ((t.eval_steps and counters.step % t.eval_steps == 0) or last):
+                    run_eval()
+                if (t.save_steps and counters.step % t.save_steps == 0) or last or stop.requested:
+                    last_checkpoint = save()
+                if stop.requested:
+                    interrupted = stop.signal_name
+                    break
+    finally:
+        plot_path = tracker.close()
+
+    if interrupted:
+        console.print(
+            f"Stopped by {interrupted} after step {counters.step}/{plan.total_steps}; checkpoint saved to "
+            f"{last_checkpoint}. To continue, run the same command with --set training.resume=latest "
+            "(or set training.resume: latest in the config).",
+            highlight=False,
+            markup=False,
+        )
+    return LoopResult(
+        start_step=start_step,
+        steps=counters.step,
+        total_steps=plan.total_steps,
+        final_loss=final_loss if final_loss is not None else _last_train_loss(tracker.rows),
+        eval_losses=[(r["step"], r["eval_loss"]) for r in tracker.rows if r.get("eval_loss") is not None],
+        skipped_steps=counters.skipped_steps,
+        interrupted=interrupted,
+        last_checkpoint=last_checkpoint,
+        metrics_path=tracker.metrics_path,
+        plot_path=plot_path,
+        elapsed_s=elapsed,
+        tokens=tokens_here,
+        trained_tokens=trained_here,
+        resumed_from=resume_from,
+        plan=plan,
+    )
+
+
+def _last_train_loss(rows: list[dict[str, Any]]) -> float | None:
+    losses = [r["loss"] for r in rows if r.get("loss") is not None and "eval_loss" not in r]
+    return losses[-1] if losses else None
+
+
+def _resume_notes(
+    saved: dict[str, Any], plan: StepPlan, seed: int, scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: HoneConfig
+) -> list[str]:
+    """Differences between the checkpoint's run and this one that change what follows.
+
+    The schedule's length follows this run's config (extending ``max_steps`` on resume is the
+    common case); everything else (optimizer moments, learning rates) is the checkpoint's.
+    """
+    notes = []
+    before = saved.get("plan", {})
+    if before.get("rows") not in (None, plan.rows) or before.get("rows_per_step") not in (None, plan.rows_per_step):
+        notes.append(
+            f"the data or batch shape changed since the checkpoint ({before.get('rows')} rows, "
+            f"{before.get('rows_per_step')} per step; now {plan.rows}, {plan.rows_per_step}): the data order "
+            "after resuming differs from the interrupted run's"
+        )
+    if saved.get("seed") not in (None, seed):
+        notes.append(f"training.seed changed ({saved.get('seed')} -> {seed}): the data order differs")
+    wanted = make_schedule(cfg.optimizer, plan.total_steps)
+    current = scheduler.lr_lambdas[0]
+    if asdict(current) != asdict(wanted):
+        current.__dict__.update(asdict(wanted))
+        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base_lr * wanted(scheduler.last_epoch)
+        notes.append(
+            f"the learning-rate schedule changed (total {before.get('total_steps')} -> {plan.total_steps} steps): "
+            "continuing on this config's schedule"
+        )
+    return notes

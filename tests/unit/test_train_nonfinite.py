@@ -1,0 +1,106 @@
+"""Non-finite losses and gradients: the step is skipped and counted; a streak stops the run."""
+
+import io
+import random
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from hone.errors import HoneError
+from hone.track.metrics import read_metrics
+from hone.train.loop import NonFiniteLossError, UnsupportedPrecision, train_loop
+from hone.train.testing import random_rows, tiny_config, tiny_llama
+
+CPU = torch.device("cpu")
+
+
+class PoisonedSteps(nn.Module):
+    """Wraps a model; on the chosen training forward calls its logits become NaN."""
+
+    def __init__(self, inner: nn.Module, bad_calls: set[int] | None):
+        super().__init__()
+        self.inner = inner
+        self.bad_calls = bad_calls  # None: every call
+        self.calls = 0
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        if self.training:
+            self.calls += 1
+            if self.bad_calls is None or self.calls in self.bad_calls:
+                out.logits = out.logits * float("nan")
+        return out
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_one_nan_loss_is_skipped_counted_and_training_goes_on(tmp_path):
+    cfg = tiny_config(
+        tmp_path,
+        training={"max_steps": 5, "micro_batch_size": 2},
+        optimizer={"lr_scheduler": "linear", "learning_rate": 1e-2},
+    )
+    model = PoisonedSteps(tiny_llama(random.randrange(1000)), bad_calls={2})
+    weights, lrs = [], []
+
+    def observe(metrics):
+        weights.append(_snapshot(model))
+        lrs.append(metrics.lr)
+
+    out = io.StringIO()
+    result = train_loop(
+        model, random_rows(12, seed=4), None, cfg, device=CPU, pad_id=0, console=Console(file=out), step_callback=observe
+    )
+    assert (result.steps, result.skipped_steps) == (5, 1)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["skipped"] for r in rows] == [False, True, False, False, False]
+    assert rows[1]["loss"] is None and all(r["loss"] is not None for r in rows if not r["skipped"])
+    for name, value in weights[1].items():  # step 2 changed nothing
+        assert torch.equal(value, weights[0][name])
+    assert any(not torch.equal(weights[2][n], weights[1][n]) for n in weights[1])  # step 3 trained again
+    assert lrs[1] == lrs[2]  # the schedule did not advance on the skipped step
+    assert lrs[2] > lrs[3]
+    assert "step 2: loss is nan; step skipped" in out.getvalue()
+    assert not any(p.grad is not None for p in model.parameters())  # zeroed after the skip
+
+
+def test_a_nan_gradient_is_skipped_too(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 3})
+    model = tiny_llama(random.randrange(1000))
+    poison = {"on": False}
+    weight = model.lm_head.weight
+    weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
+    seen = []
+
+    def observe(metrics):
+        seen.append((metrics.skipped, metrics.grad_norm))
+        poison["on"] = metrics.step == 1  # poison step 2's backward
+
+    result = train_loop(model, random_rows(8, seed=5), None, cfg, device=CPU, pad_id=0,
+                        console=Console(quiet=True), step_callback=observe)
+    assert result.skipped_steps == 1
+    assert seen[1][0] and seen[1][1] != seen[1][1]  # skipped with a NaN norm
+    assert not seen[0][0] and not seen[2][0]
+
+
+def test_nan_on_every_step_stops_after_the_configured_streak(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 20, "max_consecutive_nonfinite": 3})
+    model = PoisonedSteps(tiny_llama(0), bad_calls=None)
+    steps = []
+    with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*learning_rate") as info:
+        train_loop(model, random_rows(8, seed=6), None, cfg, device=CPU, pad_id=0,
+                   console=Console(quiet=True), step_callback=lambda m: steps.append(m.step))
+    assert isinstance(info.value, HoneError)
+    assert steps == [1, 2, 3]  # the third skipped step is reported, then the run stops
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["skipped"] for r in rows)
+
+
+def test_float16_training_is_refused_on_cpu(tmp_path):
+    cfg = tiny_config(tmp_path, model={"dtype": "float16"})
+    with pytest.raises(UnsupportedPrecision, match="float16.*CUDA"):
+        train_loop(tiny_llama(0), random_rows(8, seed=7), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True))
