@@ -4,11 +4,13 @@ Names in ``lora_target_modules`` and ``lora_modules_to_save`` are checked agains
 first: PEFT silently skips a misspelt name as long as another one matches, and a LoRA run that
 quietly trains fewer layers than asked is worse than an error.
 
-Mixture-of-experts models (Qwen3-MoE in transformers 5) keep their experts as 3-D parameters
-(``mlp.experts.gate_up_proj`` / ``down_proj``) inside one ``...Experts`` module, not as
-``nn.Linear`` layers, so ``target_modules`` (and ``all-linear``) reach only attention and the
-dense layers. PEFT can put LoRA on such parameters through ``LoraConfig.target_parameters``;
-hone does not expose that yet, and naming an experts module is refused with this explanation.
+``all-linear`` is resolved here, to the names of the ``nn.Linear`` layers except the output
+head, rather than handed to PEFT: PEFT (0.21, transformers 5) maps v4-era MoE names onto the
+fused expert parameters, so its own ``all-linear`` on Qwen3-MoE also wraps the experts and the
+router with ``target_parameters`` wrappers. Those rebuild a full-size delta of every expert's
+weights in each forward, refuse ``lora_dropout`` and adapt the router, so hone keeps LoRA on
+MoE models to attention (and dense layers) for now: experts stay frozen, and any config that
+would make PEFT adapt them is refused with an explanation.
 """
 
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -31,29 +33,41 @@ def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
         for param in model.parameters():
             param.requires_grad_(True)
         return model
-    return get_peft_model(model, lora_config(model, adapter_cfg), autocast_adapter_dtype=True)
+    config = lora_config(model, adapter_cfg)
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as exc:  # PEFT's refusals of a setting for a layer type
+        raise ModelError(f"adapter: PEFT cannot apply LoRA {describe_lora(config)} to {type(model).__name__}: {exc}") from None
+    check_no_expert_lora(peft_model, adapter_cfg)
+    return peft_model
 
 
 def lora_config(model: nn.Module, adapter_cfg: AdapterConfig) -> LoraConfig:
     """PEFT's config for ``adapter_cfg``, after checking every name against ``model``."""
-    targets = adapter_cfg.lora_target_modules
-    if targets != "all-linear":
-        check_target_modules(model, list(targets))
     to_save = list(adapter_cfg.lora_modules_to_save)
+    if adapter_cfg.lora_target_modules == "all-linear":
+        targets = all_linear_names(model, exclude=to_save)
+    else:
+        targets = list(adapter_cfg.lora_target_modules)
+        check_target_modules(model, targets)
     check_modules_to_save(model, to_save, targets)
     return LoraConfig(
         r=adapter_cfg.lora_r,
         lora_alpha=adapter_cfg.lora_alpha,
         lora_dropout=adapter_cfg.lora_dropout,
-        target_modules=targets if targets == "all-linear" else list(targets),
+        target_modules=targets,
         use_rslora=adapter_cfg.use_rslora,
         modules_to_save=to_save or None,
         bias="none",
         task_type="CAUSAL_LM",
         # A tied head and embedding are one weight: training a copy of only one of them would
         # silently untie them, and a merged model, still marked tied, would drop that copy.
-        ensure_weight_tying=touches_tied_embedding(model, [*to_save, *([] if targets == "all-linear" else targets)]),
+        ensure_weight_tying=touches_tied_embedding(model, [*to_save, *targets]),
     )
+
+
+def describe_lora(config: LoraConfig) -> str:
+    return f"(r={config.r}, dropout={config.lora_dropout}, targets={sorted(config.target_modules)})"
 
 
 def _matches(name: str, target: str) -> bool:
@@ -64,6 +78,29 @@ def _matches(name: str, target: str) -> bool:
 def linear_module_names(model: nn.Module) -> list[str]:
     """Short names of the linear layers (``q_proj``, ``down_proj``, ``lm_head`` ...)."""
     return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+
+
+def all_linear_names(model: nn.Module, exclude: list[str]) -> list[str]:
+    """What ``all-linear`` means: every linear layer but the output head (and modules_to_save)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head
+    }
+    return sorted(names - set(exclude))
+
+
+def check_no_expert_lora(model: PeftModel, adapter_cfg: AdapterConfig) -> None:
+    """Refuse what PEFT turned into LoRA on fused MoE parameters (see the module docstring)."""
+    mapped = sorted(model.peft_config[model.active_adapter].target_parameters or [])
+    if mapped:
+        raise ModelError(
+            f"adapter.lora_target_modules: on {type(model.get_base_model()).__name__}, PEFT maps "
+            f"{adapter_cfg.lora_target_modules} onto the fused expert/router parameters {mapped} "
+            "(MoE layers keep their experts as 3-D parameters in transformers 5); LoRA on experts is "
+            "not supported by hone yet: target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+        )
 
 
 def check_target_modules(model: nn.Module, targets: list[str]) -> None:

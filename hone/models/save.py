@@ -1,0 +1,160 @@
+"""Write the final adapter or model, and get/set exactly the weights a run trains.
+
+Final outputs are written whole into a hidden sibling directory and renamed into place, so a
+crash mid-save leaves the previous output (or nothing), never a directory that looks complete
+but holds half a model.
+"""
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from torch import nn
+
+from hone.config.adapter import AdapterConfig
+from hone.models.adapters import unwrap_compiled
+from hone.models.errors import ModelError
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory next to ``final``; on success it becomes ``final``.
+
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first moved
+    aside, the new one renamed in, and only then the old one deleted. The window between the
+    two renames is two syscalls; the old output is removed only once the new one is in place.
+    On any error the temporary directory is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = final.with_name(f".{final.name}.tmp-{tag}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{tag}")
+            final.rename(old)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            if old is not None:
+                old.rename(final)
+            raise
+        _fsync(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Make the files durable before the rename publishes them."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(root)
+
+
+def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig) -> Path:
+    """Save the trained result to ``out_dir``, atomically, in safetensors.
+
+    LoRA: a PEFT adapter directory (``PeftModel.from_pretrained(base, out_dir)`` loads it).
+    Full fine-tune: a save_pretrained model directory. Both get the tokenizer, so generation
+    needs nothing else from the run.
+    """
+    model = unwrap_compiled(model)
+    if adapter_cfg.is_lora != isinstance(model, PeftModel):
+        raise ModelError(
+            f"save_final: adapter.type is '{adapter_cfg.type}' but the model is "
+            f"{'a PEFT model' if isinstance(model, PeftModel) else 'a plain model'}"
+        )
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        write_model(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out_dir
+
+
+def write_model(model: nn.Module, directory: Path) -> None:
+    """save_pretrained in safetensors (a PEFT model writes only its adapter).
+
+    ``save_embedding_layers=False``: hone never resizes embeddings, and PEFT's ``"auto"`` asks the
+    Hub about the base model whenever its local directory is gone.
+    """
+    if isinstance(model, PeftModel):
+        model.save_pretrained(str(directory), safe_serialization=True, save_embedding_layers=False)
+    else:
+        model.save_pretrained(str(directory))
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Exactly the weights the optimizer updates (LoRA + modules_to_save, or every weight),
+    as contiguous CPU copies ready for ``safetensors.torch.save_file``.
+
+    Keys are ``named_parameters`` names of ``model`` as given (a PEFT model's names include
+    ``base_model.model.``), so they round-trip through :func:`load_trainable_state_dict` on a
+    model built the same way. Tied weights appear once, so no two tensors share memory.
+    """
+    model = unwrap_compiled(model)
+    return {
+        name: param.detach().to("cpu", copy=True).contiguous()
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    }
+
+
+@torch.no_grad()
+def load_trainable_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """Copy ``state_dict`` into the trainable weights of ``model`` (in their dtype and device).
+
+    The key sets must match exactly: a checkpoint from a run with another adapter or model
+    would otherwise resume with part of its weights silently untouched.
+    """
+    model = unwrap_compiled(model)
+    params = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        parts = [
+            f"{len(keys)} {label} (e.g. {', '.join(keys[:3])})"
+            for label, keys in (
+                ("trainable weight(s) missing from it", missing),
+                ("weight(s) the model does not train", unexpected),
+            )
+            if keys
+        ]
+        raise ModelError(
+            f"{source} does not match the model's trainable weights: {'; '.join(parts)}. It was "
+            "written by a run with another model or adapter config; use that config, or start a new run"
+        )
+    for name, param in params.items():
+        value = state_dict[name]
+        if value.shape != param.shape:
+            raise ModelError(
+                f"{source}: weight '{name}' has shape {tuple(value.shape)} but the model's is "
+                f"{tuple(param.shape)} (another lora_r or model size?)"
+            )
+        param.copy_(value.to(param.device, param.dtype))
