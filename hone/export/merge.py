@@ -1,0 +1,41 @@
+"""``hone merge``: fold a LoRA adapter into its base weights and save a plain model.
+
+The merge runs in float32 on a base identical to the one training saw (so a bf16 base is
+rounded once, at the end, not twice), then the merged weights are stored in the run's
+``model.dtype``. This needs the whole model in float32 memory on ``device`` (CPU by default).
+"""
+
+from pathlib import Path
+
+import torch
+
+from hone.export.run_dir import read_run
+from hone.models.errors import ModelError
+from hone.models.loader import cast_parameters
+from hone.models.precision import DTYPES
+from hone.models.save import atomic_directory
+
+
+def merge_adapter(run_dir: Path, out_dir: Path, device: torch.device | str = "cpu") -> Path:
+    """Write base + LoRA of ``run_dir`` as a full safetensors model (with tokenizer) to ``out_dir``."""
+    from hone.export.generate import load_for_inference  # generate re-exports this module
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run = read_run(run_dir)
+    if not run.is_adapter:
+        raise ModelError(
+            f"'{run_dir}' is a full fine-tune: {run.final} already holds the full model, there is "
+            "no adapter to merge (point model.path at it directly)"
+        )
+    resolved = out_dir.resolve()
+    if resolved == run_dir.resolve() or resolved.is_relative_to(run.final.resolve()):
+        raise ModelError(f"--output '{out_dir}' would overwrite the run itself; choose a new directory")
+    model, tokenizer = load_for_inference(run_dir, device=device, dtype="float32")
+    merged = model.merge_and_unload()
+    dtype = DTYPES[run.cfg.model.dtype]
+    cast_parameters(merged, dtype)
+    merged.config.dtype = dtype
+    with atomic_directory(out_dir) as tmp:
+        merged.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    return out_dir
