@@ -74,6 +74,7 @@ class ProgressDisplay:
             f" | eta {format_eta(self.eta_s(step))}{skipped}",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
 
     def advance(self, step: int) -> None:
@@ -83,7 +84,7 @@ class ProgressDisplay:
 
     def print(self, message: str) -> None:
         """A message above the bar (or a plain line)."""
-        self.console.print(message, highlight=False, markup=False)
+        self.console.print(message, highlight=False, markup=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -386,6 +386,7 @@ def train_loop(
             "(or set training.resume: latest in the config).",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
     return LoopResult(
         start_step=start_step,

@@ -1,0 +1,204 @@
+"""``hone train``: from a validated config to a trained adapter or model, in one function.
+
+    output dir checks + config.yml -> tokenizer -> data -> model -> loop -> final/ -> report
+
+:func:`run_training` is also the code path ``hone bench`` measures (``step_callback`` sees
+every optimizer step), so a benchmark times exactly what users run. The tokenizer, data and
+model modules are imported inside the function: this module imports (and its helpers are
+testable) without them.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from hone.config.root import HoneConfig
+from hone.errors import HoneError
+from hone.track.atomic import atomic_write_text
+from hone.track.metrics import METRICS_FILE
+from hone.track.plot import PLOT_FILE
+from hone.track.report import format_report
+from hone.track.tracker import TENSORBOARD_DIR
+from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
+from hone.train.device import resolve_device
+from hone.train.loop import LoopResult, StepMetrics, train_loop
+from hone.train.seed import seed_everything
+
+CONFIG_FILE = "config.yml"
+FINAL_DIR = "final"
+#: What a started run leaves behind (config.yml alone is not enough: a run that failed while
+#: loading its data or model wrote it and left nothing else worth protecting).
+RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)
+
+
+class OutputDirInUse(HoneError):
+    """``training.output_dir`` holds another run and the config does not ask to resume it."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    """Optimizer step reached (== ``total_steps`` unless interrupted)."""
+    total_steps: int
+    final_train_loss: float | None
+    first_eval_loss: float | None
+    """The baseline eval (step 0) when there is eval data."""
+    last_eval_loss: float | None
+    metrics_path: Path
+    final_dir: Path | None
+    """``<output_dir>/final``; None when the run was interrupted before the end."""
+    skipped_steps: int
+    interrupted: str | None
+    """Signal name (``SIGINT``/``SIGTERM``) when stopped early; resume with ``training.resume``."""
+    last_checkpoint: Path | None
+    output_dir: Path
+    elapsed_s: float
+    tokens_per_s: float
+
+
+def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | None:
+    """Check ``training.output_dir`` against ``training.resume``, create it and write the
+    resolved config into it. Returns the checkpoint to resume from, if any.
+
+    A directory that already holds a run is never trained into afresh (its metrics and
+    checkpoints would be mixed with the new run's): the user picks another ``output_dir`` or
+    resumes it. The one exception: ``resume: latest`` on a run that died before its first
+    checkpoint starts over, with a warning, since there is nothing to continue.
+    """
+    from hone.config.loader import dump_config
+
+    out = Path(cfg.training.output_dir)
+    resume_from = resolve_resume(cfg.training, warn)
+    if resume_from is None and out.is_dir():
+        found = [name for name in RUN_MARKERS if (out / name).exists()]
+        restartable = cfg.training.resume == "latest" and FINAL_DIR not in found
+        if found and not restartable:
+            state = "a finished run" if FINAL_DIR in found else "another run"
+            raise OutputDirInUse(
+                f"training.output_dir '{out}' already holds {state} ({', '.join(found)}): pick another "
+                "training.output_dir, or set training.resume: latest to continue it"
+            )
+        if found:
+            warn(f"starting over in {out}: the previous run there left no checkpoint to resume from")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / CONFIG_FILE, dump_config(cfg))
+    return resume_from
+
+
+def pad_token_id(tokenizer) -> int:
+    """Padding id for collation; any id works (padding is masked), the pad token is tidiest."""
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def run_training(
+    cfg: HoneConfig,
+    *,
+    device: torch.device | str | None = None,
+    console: Console | None = None,
+    step_callback: Callable[[StepMetrics], None] | None = None,
+) -> TrainResult:
+    """Train the model of ``cfg`` on its data; outputs go to ``cfg.training.output_dir``."""
+    from hone.data.prepare import prepare_data
+    from hone.models.loader import load_model
+    from hone.models.save import save_final
+    from hone.models.tokenizer import load_tokenizer
+
+    console = console or Console()
+    device = resolve_device(device)
+    out = Path(cfg.training.output_dir)
+
+    def warn(message: str) -> None:
+        console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)
+
+    resume_from = prepare_output_dir(cfg, warn)
+
+    tokenizer = load_tokenizer(cfg.model)
+    data = prepare_data(cfg, tokenizer)
+    console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
+
+    seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
+    loaded = load_model(cfg, tokenizer, device)
+    console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
+    console.print(
+        f"trainable parameters: {loaded.trainable_params:,} of {loaded.total_params:,} "
+        f"({100 * loaded.trainable_params / max(loaded.total_params, 1):.2f}%) on {device}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+    loop = train_loop(
+        loaded.model,
+        data.train,
+        data.eval,
+        cfg,
+        device=device,
+        pad_id=pad_token_id(tokenizer),
+        console=console,
+        step_callback=step_callback,
+        resume_from=resume_from,
+        autocast_dtype=getattr(loaded, "autocast_dtype", None),
+    )
+
+    final_dir = None
+    if not loop.interrupted:
+        final_dir = Path(save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
+    result = _result(loop, out, final_dir)
+    console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
+    return result
+
+
+def _data_summary(data) -> str:
+    try:
+        from hone.data.summary import render_summary
+
+        return render_summary(data)
+    except ImportError:
+        return f"data: {len(data.train)} train rows, {len(data.eval) if data.eval is not None else 0} eval rows"
+
+
+def _result(loop: LoopResult, out: Path, final_dir: Path | None) -> TrainResult:
+    evals = loop.eval_losses
+    return TrainResult(
+        steps=loop.steps,
+        total_steps=loop.total_steps,
+        final_train_loss=loop.final_loss,
+        first_eval_loss=evals[0][1] if evals else None,
+        last_eval_loss=evals[-1][1] if evals else None,
+        metrics_path=loop.metrics_path,
+        final_dir=final_dir,
+        skipped_steps=loop.skipped_steps,
+        interrupted=loop.interrupted,
+        last_checkpoint=loop.last_checkpoint,
+        output_dir=out,
+        elapsed_s=loop.elapsed_s,
+        tokens_per_s=loop.tokens / loop.elapsed_s if loop.elapsed_s > 0 else 0.0,
+    )
+
+
+def _report(loop: LoopResult, result: TrainResult) -> str:
+    out = result.output_dir
+    extras = [p for p in (out / METRICS_FILE, out / PLOT_FILE, out / TENSORBOARD_DIR, out / CONFIG_FILE) if p.exists()]
+    return format_report(
+        steps=loop.steps,
+        total_steps=loop.total_steps,
+        start_step=loop.start_step,
+        elapsed_s=loop.elapsed_s,
+        tokens=loop.tokens,
+        trained_tokens=loop.trained_tokens,
+        final_loss=loop.final_loss,
+        eval_losses=loop.eval_losses,
+        skipped_steps=loop.skipped_steps,
+        interrupted=loop.interrupted,
+        output_dir=out,
+        final_dir=result.final_dir,
+        last_checkpoint=loop.last_checkpoint,
+        extra_outputs=extras,
+    )
