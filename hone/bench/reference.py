@@ -13,26 +13,17 @@ import torch
 from hone.bench.spec import Condition, Workload
 
 
-def build_reference_model(workload: Workload, device: torch.device, seed: int) -> tuple[torch.nn.Module, object, int]:
-    """(model, transformers config, total parameter count before adapters)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_reference_model(config: object, dtype: str, device: torch.device, seed: int) -> torch.nn.Module:
+    """The model as a user builds it: ``from_config`` on the device, sdpa attention."""
+    from transformers import AutoModelForCausalLM
 
-    if workload.preset is not None:
-        from hone.models.presets import build_preset_config
-
-        overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
-        config = build_preset_config(workload.preset, overrides, vocab_size=None)
-    else:
-        config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
     torch.manual_seed(seed)
-    dtype = getattr(torch, workload.dtype)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    total = sum(p.numel() for p in model.parameters())
-    return model, config, total
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
 
 
 def run_reference(
+    config: object,
     workload: Workload,
     condition: Condition,
     batches: list[torch.Tensor],
@@ -40,9 +31,9 @@ def run_reference(
     device: torch.device,
     seed: int,
     on_step: Callable[[int, float, float], None],
-) -> tuple[object, int]:
+) -> None:
     """Train ``steps`` optimizer steps; ``on_step(step, seconds, loss)`` after each one."""
-    model, config, total = build_reference_model(workload, device, seed)
+    model = build_reference_model(config, workload.dtype, device, seed)
     full_ft = workload.adapter.type == "none"
     if not full_ft:
         from peft import LoraConfig, get_peft_model
@@ -76,7 +67,6 @@ def run_reference(
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
         on_step(step, time.perf_counter() - start, float(loss.detach()) * accum)
-    return config, total
 
 
 def _sync(device: torch.device) -> None:

@@ -28,15 +28,19 @@ def random_batches(workload: Workload, count: int, vocab_size: int, seed: int, d
     return [torch.randint(1, vocab_size, shape, generator=generator).to(device) for _ in range(count)]
 
 
-def model_config_and_size(workload: Workload, vocab_size: int | None = None) -> tuple[Any, int]:
-    """The transformers config and parameter count, from a meta-device model (no memory used)."""
+def model_config_and_size(workload: Workload) -> tuple[Any, int]:
+    """The transformers config (as hone would build it) and its parameter count, from a
+    meta-device model (no memory used)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if workload.preset is not None:
+        from hone.config.model import ModelConfig
         from hone.models.presets import build_preset_config
+        from hone.models.tokenizer import load_tokenizer
 
         overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
-        config = build_preset_config(workload.preset, overrides, vocab_size=vocab_size)
+        vocab = len(load_tokenizer(ModelConfig(preset=workload.preset)))
+        config = build_preset_config(workload.preset, overrides, vocab_size=vocab)
     else:
         config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
     with torch.device("meta"):
@@ -106,7 +110,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
 
         from hone.bench.reference import run_reference
 
-        run_reference(w, condition, batches, total_steps, device, seed, on_step)
+        run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
         from hone.train.run import run_training
 

@@ -1,0 +1,69 @@
+"""`hone bench` end to end on CPU: a tiny preset, reference vs hone, two replicates, a failure."""
+
+import json
+
+import pytest
+
+from hone.bench.harness import classify_failure, run_bench
+from hone.bench.report import write_reports
+from hone.bench.spec import parse_spec
+from hone.config import ConfigError
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_spec(**extra):
+    raw = {
+        "name": "tiny",
+        "workload": {"preset": "tiny-llama", "sequence_len": 32, "micro_batch_size": 2, "dtype": "float32"},
+        "conditions": [
+            {"name": "reference", "reference": "hf-peft"},
+            {"name": "hone", "set": {"memory.gradient_checkpointing": True}},
+            {"name": "broken", "set": {"training.micro_batch_size": 0}},
+        ],
+        "warmup_steps": 1,
+        "timed_steps": 2,
+        "replicates": 2,
+        "timeout_s": 300,
+    }
+    raw.update(extra)
+    return parse_spec(raw)
+
+
+def test_bench_runs_conditions_and_writes_all_outputs(tmp_path):
+    spec = tiny_spec()
+    rows = run_bench(spec, tmp_path)
+    assert [(r["condition"], r["replicate"]) for r in rows] == [
+        ("reference", 0), ("reference", 1), ("hone", 0), ("hone", 1), ("broken", 0), ("broken", 1)
+    ]
+    ok = [r for r in rows if r["condition"] != "broken"]
+    for row in ok:
+        assert row["status"] == "ok", row.get("log_tail")
+        assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
+        assert row["final_loss"] == pytest.approx(row["final_loss"]) and 0 < row["final_loss"] < 20
+    broken = [r for r in rows if r["condition"] == "broken"]
+    assert all(r["status"] == "error" and "micro_batch_size" in r["error"] for r in broken)
+
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and json.loads(lines[0])["condition"] == "reference"
+    table, chart = write_reports(spec, rows, tmp_path, command="hone bench tiny.yml")
+    text = table.read_text()
+    assert "| hone |" in text and "x |" in text and "broken | error" in text
+    assert "speed-up vs reference" in text and "hone bench tiny.yml" in text
+    assert chart.stat().st_size > 1000 and chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_spec_rules():
+    with pytest.raises(ConfigError, match="unique"):
+        tiny_spec(conditions=[{"name": "a", "reference": "hf-peft"}, {"name": "a"}])
+    with pytest.raises(ConfigError, match="reference options"):
+        tiny_spec(conditions=[{"name": "a", "compile": True}])
+    with pytest.raises(ConfigError, match="exactly one"):
+        parse_spec({"workload": {}, "conditions": [{"name": "a"}]})
+
+
+def test_failure_classification():
+    assert classify_failure(1, "...\ntorch.OutOfMemoryError: CUDA out of memory. Tried")[0] == "oom"
+    status, reason = classify_failure(1, "Traceback\nValueError: boom\n")
+    assert status == "error" and reason == "ValueError: boom"
