@@ -1,0 +1,83 @@
+"""A plain-text summary of prepared data, for ``hone preprocess`` and the start of training.
+
+Plain text (no colour codes) so it reads the same in a terminal, a log file and a test.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hone.data.stats import DataStats, LengthBin, SplitStats
+
+if TYPE_CHECKING:
+    from hone.data.prepare import PreparedData
+
+BAR_WIDTH = 40
+
+
+def render_summary(prepared: "PreparedData") -> str:
+    stats = prepared.stats
+    lines = [f"data: {_n(stats.train.rows)} train rows" + (f", {_n(stats.eval.rows)} eval rows" if stats.eval else ", no eval split")]
+    lines += _split_table(stats)
+    lines += _drops(stats)
+    lines.append("per file:")
+    for source in stats.sources:
+        used = f"train {_n(source.rows_train)}" if source.split == "train" else ""
+        if source.rows_eval:
+            used = f"{used}, eval {_n(source.rows_eval)}" if used else f"eval {_n(source.rows_eval)}"
+        lines.append(
+            f"  {source.path} ({source.type}, weight {source.weight:g}): {_n(source.rows_read)} read, "
+            f"{_n(source.rows_kept)} kept -> {used or 'nothing used'}"
+        )
+        for example in source.skipped_examples:
+            lines.append(f"    skipped: {example}")
+    lines.append(f"length histogram (train, tokens per row, sequence_len {stats.sequence_len}):")
+    lines += _histogram(stats.train.histogram)
+    if prepared.cache_enabled:
+        lines.append(f"cache: {prepared.cache_dir} ({'hit' if prepared.cache_hit else 'written'})")
+    else:
+        lines.append("cache: not used (--no-cache)")
+    return "\n".join(lines)
+
+
+def _n(value: int) -> str:
+    return f"{value:,}"
+
+
+def _split_table(stats: DataStats) -> list[str]:
+    header = f"  {'':<6}{'rows':>10}{'tokens':>12}{'trained':>12}{'mean len':>10}{'max len':>9}"
+    rows = [header]
+    splits: list[tuple[str, SplitStats | None]] = [("train", stats.train), ("eval", stats.eval)]
+    for name, split in splits:
+        if split is None:
+            continue
+        rows.append(
+            f"  {name:<6}{_n(split.rows):>10}{_n(split.tokens):>12}{_n(split.trained_tokens):>12}"
+            f"{split.mean_length:>10.1f}{split.max_length:>9}"
+        )
+    return rows
+
+
+def _drops(stats: DataStats) -> list[str]:
+    too_long = sum(s.dropped_too_long for s in stats.sources)
+    no_trained = sum(s.dropped_no_trained for s in stats.sources)
+    skipped = sum(s.bad_rows_skipped for s in stats.sources)
+    truncated = sum(s.truncated for s in stats.sources)
+    return [
+        f"dropped: {_n(too_long)} longer than {stats.sequence_len} tokens"
+        f"{' (strategy: drop)' if stats.excess_length_strategy == 'drop' else ''}, "
+        f"{_n(no_trained)} with no trained token; skipped: {_n(skipped)} bad rows; "
+        f"truncated: {_n(truncated)}"
+    ]
+
+
+def _histogram(bins: list[LengthBin]) -> list[str]:
+    if not bins:
+        return ["  (empty)"]
+    peak = max(b.count for b in bins) or 1
+    label_width = max(len(f"{b.lo}-{b.hi}") for b in bins)
+    out = []
+    for b in bins:
+        bar = "#" * (round(BAR_WIDTH * b.count / peak) if b.count else 0)
+        out.append(f"  {f'{b.lo}-{b.hi}':>{label_width}} | {bar:<{BAR_WIDTH}} {_n(b.count)}")
+    return out
