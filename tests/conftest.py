@@ -1,0 +1,86 @@
+"""Shared fixtures: the bundled tokenizer, a JSONL writer, and a cache that never leaves tmp.
+
+``HONE_CACHE_DIR`` points into pytest's temporary directory for the whole session, so no
+test (data, training, CLI) ever writes prepared data into the user's ``~/.cache``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pytest
+
+
+def write_jsonl(directory: Path, rows: Iterable[Any], name: str = "data.jsonl") -> Path:
+    """Write ``rows`` (dicts, or raw strings written verbatim as lines) to ``directory/name``."""
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
+    return path
+
+
+@pytest.fixture(name="write_jsonl")
+def write_jsonl_fixture() -> Callable[..., Path]:
+    """``write_jsonl(tmp_path, rows, name="data.jsonl") -> Path``."""
+    return write_jsonl
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tokenizer bundled in ``hone/assets/tokenizer`` (loaded once per session)."""
+    from hone.config.model import ModelConfig
+    from hone.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(ModelConfig(preset="tiny-llama"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hone_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HONE_CACHE_DIR", str(tmp_path_factory.mktemp("hone_cache")))
+        yield
+
+
+@pytest.fixture
+def make_data_config(tmp_path: Path) -> Callable[..., Any]:
+    """``make_data_config(datasets, seed=42, **data_options) -> HoneConfig`` for a preset model,
+    with the prepared-data cache in ``tmp_path / "cache"`` unless the options say otherwise."""
+    from hone.config import parse_config
+
+    def make(datasets: list[dict[str, Any]], seed: int = 42, **data: Any):
+        data.setdefault("dataset_prepared_path", str(tmp_path / "cache"))
+        raw = {
+            "model": {"preset": "tiny-llama"},
+            "data": {"datasets": [{k: str(v) if isinstance(v, Path) else v for k, v in d.items()} for d in datasets], **data},
+            "training": {"seed": seed},
+        }
+        if "test_datasets" in data:
+            raw["data"]["test_datasets"] = [{k: str(v) if isinstance(v, Path) else v for k, v in d.items()} for d in data["test_datasets"]]
+        return parse_config(raw)
+
+    return make
+
+
+def trained_spans(tokenizer: Any, row: dict[str, Any]) -> list[str]:
+    """The decoded runs of consecutive trained tokens of an encoded row."""
+    spans, run = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != -100:
+            assert label == token, "a trained label must be the token at its position"
+            run.append(token)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    if run:
+        spans.append(tokenizer.decode(run))
+    return spans
+
+
+@pytest.fixture(name="trained_spans")
+def trained_spans_fixture() -> Callable[[Any, dict[str, Any]], list[str]]:
+    """``trained_spans(tokenizer, row) -> list[str]``: decoded runs of trained tokens."""
+    return trained_spans
