@@ -131,7 +131,7 @@ class DataConfig(Section):
     """Worker processes for tokenization (``datasets.map``); default: one."""
 
     dataset_prepared_path: Path | None = None
-    """Cache directory for tokenized data; default ``$HONE_CACHE_DIR`` or ``~/.cache/hone``."""
+    """Cache directory for tokenized data; default ``$HONE_CACHE_DIR/datasets`` or ``~/.cache/hone/datasets``."""
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":
