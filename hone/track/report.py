@@ -20,6 +20,7 @@ def format_report(
     total_steps: int,
     start_step: int,
     elapsed_s: float,
+    wall_s: float,
     tokens: int,
     trained_tokens: int,
     final_loss: float | None,
@@ -36,8 +37,9 @@ def format_report(
     resumed = f", resumed at step {start_step}" if start_step else ""
     rate = f"{tokens / elapsed_s:,.0f} tokens/s" if elapsed_s > 0 else "- tokens/s"
     lines = [
-        f"{head}: step {steps}/{total_steps} ({ran} steps in {format_duration(elapsed_s)}{resumed}; "
-        f"{rate}, {trained_tokens:,} trained tokens)",
+        f"{head}: step {steps}/{total_steps} ({ran} steps in {format_duration(wall_s)}{resumed})",
+        f"  throughput: {rate} over {format_duration(elapsed_s)} of optimizer steps (eval and checkpoints "
+        f"excluded), {trained_tokens:,} trained tokens",
         f"  train loss (last step): {'-' if final_loss is None else f'{final_loss:.4f}'}",
     ]
     if eval_losses:

@@ -93,7 +93,8 @@ class LoopResult:
     last_checkpoint: Path | None
     metrics_path: Path
     plot_path: Path | None
-    elapsed_s: float  # wall time of the steps run by this process
+    elapsed_s: float  # time spent in optimizer steps by this process (no eval, no saving)
+    wall_s: float  # the whole loop in this process, eval and checkpoints included
     tokens: int  # real input tokens processed by this process
     trained_tokens: int  # trained tokens processed by this process
     resumed_from: Path | None
@@ -272,6 +273,7 @@ def train_loop(
     interrupted: str | None = None
     elapsed = 0.0
     tokens_here = trained_here = 0
+    loop_start = time.perf_counter()
     try:
         if has_eval and start_step == 0:
             run_eval()  # the baseline the final eval is compared with
@@ -302,11 +304,12 @@ def train_loop(
                     if scaler is not None:
                         scaler.unscale_(optimizer)
                     grad_norm = _grad_norm(params, t.max_grad_norm).item()
-                    if not _is_finite(grad_norm):
+                    if not _is_finite(grad_norm) and scaler is not None:
+                        scaler.update()  # lowers the loss scale: the scaler's normal recovery
+                        problem = f"float16 gradient overflow (loss scale lowered to {scaler.get_scale():g})"
+                        overflow = True
+                    elif not _is_finite(grad_norm):
                         problem = f"gradient norm is {grad_norm}"
-                        if scaler is not None:
-                            scaler.update()  # lowers the loss scale; the scaler's normal recovery
-                            overflow = True
                     elif scaler is not None:
                         scaler.step(optimizer)
                         scaler.update()
@@ -373,7 +376,7 @@ def train_loop(
                     run_eval()
                 if (t.save_steps and counters.step % t.save_steps == 0) or last or stop.requested:
                     last_checkpoint = save()
-                if stop.requested:
+                if stop.requested and not last:
                     interrupted = stop.signal_name
                     break
     finally:
@@ -400,6 +403,7 @@ def train_loop(
         metrics_path=tracker.metrics_path,
         plot_path=plot_path,
         elapsed_s=elapsed,
+        wall_s=time.perf_counter() - loop_start,
         tokens=tokens_here,
         trained_tokens=trained_here,
         resumed_from=resume_from,

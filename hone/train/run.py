@@ -55,8 +55,10 @@ class TrainResult:
     """Signal name (``SIGINT``/``SIGTERM``) when stopped early; resume with ``training.resume``."""
     last_checkpoint: Path | None
     output_dir: Path
-    elapsed_s: float
+    wall_s: float
+    """Wall time of the training loop in this process (eval and checkpoints included)."""
     tokens_per_s: float
+    """Real input tokens per second of optimizer-step time."""
 
 
 def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | None:
@@ -178,7 +180,7 @@ def _result(loop: LoopResult, out: Path, final_dir: Path | None) -> TrainResult:
         interrupted=loop.interrupted,
         last_checkpoint=loop.last_checkpoint,
         output_dir=out,
-        elapsed_s=loop.elapsed_s,
+        wall_s=loop.wall_s,
         tokens_per_s=loop.tokens / loop.elapsed_s if loop.elapsed_s > 0 else 0.0,
     )
 
@@ -191,6 +193,7 @@ def _report(loop: LoopResult, result: TrainResult) -> str:
         total_steps=loop.total_steps,
         start_step=loop.start_step,
         elapsed_s=loop.elapsed_s,
+        wall_s=loop.wall_s,
         tokens=loop.tokens,
         trained_tokens=loop.trained_tokens,
         final_loss=loop.final_loss,

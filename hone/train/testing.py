@@ -5,13 +5,15 @@ package (like :mod:`hone.models.testing`) so unit and integration tests share th
 """
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hone.config.root import HoneConfig
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 VOCAB = 97
 
@@ -44,10 +46,18 @@ def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freez
 
 
 def random_rows(
-    n: int, *, seed: int, vocab: int = VOCAB, min_len: int = 5, max_len: int = 24, prompt_frac: float = 0.3
-) -> Dataset:
+    n: int,
+    *,
+    seed: int,
+    vocab: int = VOCAB,
+    min_len: int = 5,
+    max_len: int = 24,
+    prompt_frac: float = 0.3,
+    as_list: bool = False,
+) -> "Dataset | list[dict[str, list[int]]]":
     """``n`` rows of random tokens with unequal lengths; a random-length prompt prefix is
-    masked (-100) as an instruction dataset's would be."""
+    masked (-100) as an instruction dataset's would be. A ``datasets.Dataset``, or a plain
+    list of row dicts with ``as_list`` (the loop accepts both)."""
     gen = torch.Generator().manual_seed(seed)
     ids, labels = [], []
     for _ in range(n):
@@ -56,6 +66,10 @@ def random_rows(
         prompt = int(torch.randint(0, max(1, int(length * prompt_frac)) + 1, (1,), generator=gen))
         ids.append(row)
         labels.append([-100] * prompt + row[prompt:])
+    if as_list:
+        return [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]  # noqa: E741
+    from datasets import Dataset
+
     return Dataset.from_dict({"input_ids": ids, "labels": labels})
 
 

@@ -134,6 +134,7 @@ def test_report_names_steps_losses_change_and_outputs(tmp_path):
         total_steps=10,
         start_step=4,
         elapsed_s=12.0,
+        wall_s=75.0,
         tokens=1200,
         trained_tokens=800,
         final_loss=1.25,
@@ -145,7 +146,7 @@ def test_report_names_steps_losses_change_and_outputs(tmp_path):
         last_checkpoint=tmp_path / "checkpoints" / "step-10",
         extra_outputs=[tmp_path / "metrics.jsonl"],
     )
-    assert "step 10/10" in text and "6 steps" in text and "resumed at step 4" in text
+    assert "step 10/10" in text and "6 steps in 0:01:15" in text and "resumed at step 4" in text
     assert "100 tokens/s" in text and "1.2500" in text
     assert "2.0000 (step 0) -> 1.5000 (step 10) (-25.0%)" in text
     assert "skipped steps" in text and "final/" in text and "checkpoints/step-10/" in text and "metrics.jsonl" in text
