@@ -20,6 +20,7 @@ from hone.export.run_dir import Run, read_run
 from hone.models.errors import ModelError
 from hone.models.loader import build_base_model, cast_parameters, load_pretrained
 from hone.models.precision import DTYPES, precision_for
+from hone.train.device import resolve_device
 
 PromptStyle = Literal["raw", "chat", "alpaca"]
 
@@ -45,12 +46,6 @@ def prompt_setup(cfg: HoneConfig) -> PromptSetup:
     if kinds == {"alpaca"}:
         return PromptSetup("alpaca")
     return PromptSetup("raw")
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_for_inference(

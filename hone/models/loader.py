@@ -209,7 +209,7 @@ def describe(base: PreTrainedModel, cfg: HoneConfig, precision: Precision, train
     def name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
 
-    dtypes = name(precision.weights)
+    dtypes = f"weights {name(precision.weights)}"
     if precision.trainable != precision.weights:
         dtypes += f", trainable {name(precision.trainable)}"
     if precision.autocast_dtype is not None:

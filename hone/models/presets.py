@@ -4,7 +4,9 @@
 gating, experts) in seconds: a quickstart and tests need no download. Their vocabulary is the
 tokenizer's, whatever its size. The others copy the published shapes of real models so
 ``hone bench`` measures the speed and memory of the real thing without fetching weights; they
-keep the published vocabulary (the tokenizer only has to fit inside it).
+keep the published vocabulary (the tokenizer only has to fit inside it). Special-token ids
+(bos, eos, pad) belong to the tokenizer, not to the architecture: the loader sets them from
+the tokenizer in use.
 """
 
 from dataclasses import dataclass, fields
@@ -113,8 +115,6 @@ PRESETS: dict[str, Preset] = {
             tie_word_embeddings=False,
             attention_bias=False,
             mlp_bias=False,
-            bos_token_id=128_000,
-            eos_token_id=128_001,
         ),
         tiny=False,
     ),
@@ -135,8 +135,6 @@ PRESETS: dict[str, Preset] = {
             rope_theta=1_000_000.0,
             tie_word_embeddings=False,
             attention_bias=False,
-            bos_token_id=151_643,
-            eos_token_id=151_645,
         ),
         tiny=False,
     ),
@@ -163,8 +161,6 @@ PRESETS: dict[str, Preset] = {
             router_aux_loss_coef=0.001,
             tie_word_embeddings=False,
             attention_bias=False,
-            bos_token_id=151_643,
-            eos_token_id=151_645,
         ),
         tiny=False,
     ),
