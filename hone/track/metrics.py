@@ -7,7 +7,9 @@ abandoned continuation and would otherwise appear twice), rewriting the file ato
 Train rows hold ``step, epoch, loss, lr, grad_norm, tokens_per_s, trained_tokens,
 trained_tokens_total, tokens, step_time_s, peak_mem_gib, skipped``; eval rows hold
 ``step, epoch, eval_loss, eval_ppl, eval_tokens``. Non-finite numbers are written as ``null``
-(JSON has no NaN), so the file parses with any JSON reader.
+(JSON has no NaN), so the file parses with any JSON reader. With ``logging.logging_steps`` N
+a row is written every N steps (and for the last and every skipped step); it holds that
+step's own values, not an average over the N steps, so a resumed run writes the same rows.
 """
 
 import json

@@ -12,6 +12,11 @@ Each optimizer step:
 4. clips the gradient norm, steps the optimizer and the schedule, zeroes the gradients;
 5. logs, evaluates, checkpoints on their intervals, and stops cleanly on SIGINT/SIGTERM.
 
+A fresh run with eval data evaluates once before the first step (step 0), so the report can
+compare the final eval loss with the untrained model's; eval also runs every
+``training.eval_steps`` and after the last step. A checkpoint is written every
+``training.save_steps``, after the last step, and when a signal stops the run.
+
 Precision: the model arrives in its dtypes (see :mod:`hone.models.precision`). When the
 loader says so (``autocast_dtype``: float32 trainable weights beside bf16/fp16 compute) the
 forward runs under ``torch.autocast``; the loss is always computed outside it, in float32.
