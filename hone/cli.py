@@ -90,7 +90,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     from hone.train.run import run_training
 
-    run_training(cfg)
+    result = run_training(cfg)
+    if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
+        return 143 if result.interrupted == "SIGTERM" else 130
     return 0
 
 

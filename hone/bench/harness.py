@@ -77,7 +77,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
     with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
         workdir = Path(tmp)
         spec_file = workdir / "spec.json"
-        spec_file.write_text(spec.model_dump_json())
+        spec_file.write_text(spec.model_dump_json(exclude_unset=True))  # re-validated as written
         for condition in spec.conditions:
             for replicate in range(spec.replicates):
                 row = run_one(spec_file, spec, condition.name, replicate, workdir)

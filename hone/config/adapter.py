@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from hone.config.base import Section
 
@@ -55,6 +55,15 @@ class AdapterConfig(Section):
         if isinstance(self.lora_target_modules, list) and not self.lora_target_modules:
             raise ValueError("lora_target_modules is empty: name modules or use 'all-linear'")
         return self
+
+    @model_serializer(mode="wrap")
+    def _drop_lora_keys_without_lora(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """A full fine-tune's resolved config omits the LoRA keys, so it loads back as written."""
+        data = handler(self)
+        if self.type == "none":
+            for key in (*_LORA_KEYS, "lora_modules_to_save"):
+                data.pop(key, None)
+        return data
 
     @property
     def is_lora(self) -> bool:

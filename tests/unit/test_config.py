@@ -201,3 +201,12 @@ def test_config_reference_is_up_to_date():
     from hone.config.docs import DOC_PATH, render
 
     assert DOC_PATH.read_text() == render(), "docs/config.md is stale: run python -m hone.config.docs"
+
+
+def test_full_finetune_config_dumps_and_reloads():
+    import yaml
+
+    cfg = parse_config({**MINIMAL, "adapter": "none"})
+    dumped = yaml.safe_load(dump_config(cfg))
+    assert dumped["adapter"] == {"type": "none"}
+    assert parse_config(dumped) == cfg
