@@ -153,7 +153,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
         "first_step_s": round(step_times[0], 2),
         "tokens_per_s": round(tokens_per_s, 1),
         "trained_tokens_per_s": round(tokens_per_s, 1),  # random data: every token is trained
-        "mfu_pct": round(100 * mfu(config, total_params, w.sequence_len, full_ft, tokens_per_s, spec.peak_tflops), 2),
+        "mfu_pct": float(f"{100 * mfu(config, total_params, w.sequence_len, full_ft, tokens_per_s, spec.peak_tflops):.3g}"),
         "final_loss": round(losses[-1], 4) if losses else None,
         "total_params": total_params,
     }
