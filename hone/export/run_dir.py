@@ -32,7 +32,7 @@ def read_run(run_dir: Path) -> Run:
         raw = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
         raise ModelError(f"cannot read '{config_path}': {exc}") from None
-    cfg = parse_config(_drop_unused_lora_keys(raw), str(config_path))
+    cfg = parse_config(raw, str(config_path))
     final = run_dir / FINAL_DIR
     if not final.is_dir():
         raise ModelError(
@@ -45,11 +45,3 @@ def read_run(run_dir: Path) -> Run:
         return Run(run_dir, cfg, final, is_adapter=False)
     raise ModelError(f"'{final}' holds neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
 
-
-def _drop_unused_lora_keys(raw: object) -> object:
-    """A resolved config of a full fine-tune lists the (unused) LoRA defaults, which the schema
-    refuses next to ``adapter.type: none``; they carry no information, so drop them."""
-    adapter = raw.get("adapter") if isinstance(raw, dict) else None
-    if isinstance(adapter, dict) and adapter.get("type") == "none":
-        raw = dict(raw, adapter={"type": "none"})
-    return raw
