@@ -20,6 +20,11 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
             entry["max_ms"] = max(r["max_ms"] for r in ok)
+            # Throughput and MFU follow the aggregated step time, so a row is self-consistent.
+            scale = ok[0]["median_ms"] / entry["median_ms"]
+            entry["tokens_per_s"] = ok[0]["tokens_per_s"] * scale
+            entry["trained_tokens_per_s"] = ok[0]["trained_tokens_per_s"] * scale
+            entry["mfu_pct"] = ok[0]["mfu_pct"] * scale
         else:
             failed = mine[0] if mine else {}
             entry["status"] = failed.get("status", "missing")
@@ -69,7 +74,7 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         lines.append(
             f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
             f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
-            f"{s['first_step_s']:.1f} | {_fmt(s['final_loss'], '.3f')} |"
+            f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 
