@@ -25,6 +25,30 @@ examples:
 """
 
 
+def _prepare_libraries(verbose: bool) -> None:
+    """Offline first, and no per-shard progress bars from the libraries unless asked for.
+
+    Uses the libraries' documented switches (environment variables read at import, and their
+    public progress-bar toggles); nothing of theirs is patched.
+    """
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # not installed: nothing to quieten
+        pass
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", type=Path, help="YAML config file")
     parser.add_argument(
@@ -172,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hone {__version__}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="keep the libraries' own progress bars and warnings")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str, description: str) -> argparse.ArgumentParser:
@@ -271,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("preprocess", "train", "generate", "merge"):
+        _prepare_libraries(args.verbose)
     try:
         return args.func(args)
     except HoneError as exc:

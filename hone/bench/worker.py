@@ -28,24 +28,32 @@ def random_batches(workload: Workload, count: int, vocab_size: int, seed: int, d
     return [torch.randint(1, vocab_size, shape, generator=generator).to(device) for _ in range(count)]
 
 
-def model_config_and_size(workload: Workload) -> tuple[Any, int]:
-    """The transformers config (as hone would build it) and its parameter count, from a
-    meta-device model (no memory used)."""
+def model_config_and_size(workload: Workload) -> tuple[Any, int, int]:
+    """The transformers config (as hone builds it), its parameter count (from a meta-device
+    model: no memory used) and the exclusive upper bound for random token ids.
+
+    Ids stay inside the tokenizer's vocabulary because hone checks pretokenized data against
+    it; which ids are drawn does not change the cost of a step (the embedding is a gather and
+    the loss spans the whole vocabulary either way).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if workload.preset is not None:
-        from hone.config.model import ModelConfig
-        from hone.models.presets import build_preset_config
-        from hone.models.tokenizer import load_tokenizer
+    from hone.config.model import ModelConfig
+    from hone.models.tokenizer import load_tokenizer
 
+    if workload.preset is not None:
+        from hone.models.presets import build_preset_config
+
+        tokenizer = load_tokenizer(ModelConfig(preset=workload.preset))
         overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
-        vocab = len(load_tokenizer(ModelConfig(preset=workload.preset)))
-        config = build_preset_config(workload.preset, overrides, vocab_size=vocab)
+        config = build_preset_config(workload.preset, overrides, vocab_size=len(tokenizer))
     else:
+        tokenizer = load_tokenizer(ModelConfig(path=workload.path))
         config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return config, sum(p.numel() for p in model.parameters())
+    id_limit = min(config.vocab_size, len(tokenizer))
+    return config, sum(p.numel() for p in model.parameters()), id_limit
 
 
 def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file: Path):
@@ -94,13 +102,13 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = spec.workload
     total_steps = spec.warmup_steps + spec.timed_steps
-    config, total_params = model_config_and_size(w)
+    config, total_params, id_limit = model_config_and_size(w)
     seed = spec.seed + 1000 * replicate
     step_times: list[float] = []
     losses: list[float] = []
 
     if condition.reference == "hf-peft":
-        batches = random_batches(w, total_steps * w.gradient_accumulation_steps, config.vocab_size, seed, device)
+        batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
@@ -118,7 +126,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
             workdir = Path(tmp)
             data_file = workdir / "random.jsonl"
             cpu = torch.device("cpu")
-            _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, config.vocab_size, seed, cpu))
+            _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
             cfg = _hone_config(spec, condition, workdir, data_file)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()

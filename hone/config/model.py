@@ -40,7 +40,9 @@ class ModelConfig(Section):
     """Tokenizer directory; defaults to ``path`` (or the bundled tiny tokenizer for presets)."""
 
     dtype: Dtype = "bfloat16"
-    """Dtype of the frozen weights and of compute. Trainable parameters are kept in float32."""
+    """Dtype of the weights and of compute. LoRA adapters (and ``lora_modules_to_save``) are kept
+    in float32 under autocast; a bfloat16 full fine-tune trains in pure bfloat16; a float16 full
+    fine-tune keeps float32 weights and autocasts to float16 (with loss scaling)."""
 
     attn_implementation: AttnImplementation = "sdpa"
     """Attention backend registered with transformers' ``AttentionInterface``."""

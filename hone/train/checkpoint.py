@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
 from hone.track.atomic import fsync_dir
-from hone.train.weights import load_trainable_state_dict, trainable_state_dict
+from hone.models.save import load_trainable_state_dict, trainable_state_dict
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
