@@ -14,7 +14,7 @@ install-dev:
 quickstart: install
 	rm -rf runs/quickstart
 	$(HONE) train examples/quickstart.yml
-	$(HONE) generate runs/quickstart --prompt "What color is a lemon?" --prompt "What is the capital of Veloria?"
+	$(HONE) generate runs/quickstart --prompt "What color is a plum?" --prompt "Which country has Kelmport as its capital?" --prompt "Translate 'house' into Velish."
 
 ## The test suite (CPU; GPU tests are skipped without CUDA). pytest's exit 5 (no tests) fails too.
 test: install-dev
