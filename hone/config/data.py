@@ -130,6 +130,18 @@ class DataConfig(Section):
     num_proc: int | None = Field(None, ge=1)
     """Worker processes for tokenization (``datasets.map``); default: one."""
 
+    sample_packing: bool = False
+    """Pack several documents into each row of ``sequence_len`` tokens (best-fit decreasing),
+    with position ids restarting at 0 for every document and attention kept inside each one.
+    Steps and the LR schedule follow the packed row count. See docs/packing.md."""
+
+    eval_sample_packing: bool | None = None
+    """Pack the eval split too; default: the same as ``sample_packing``."""
+
+    sample_packing_group_size: int = Field(100_000, ge=1)
+    """Documents packed together: the shuffled training rows are cut into groups of this many,
+    each packed on its own (larger packs tighter, smaller mixes epochs' bins better)."""
+
     dataset_prepared_path: Path | None = None
     """Cache directory for tokenized data; default ``$HONE_CACHE_DIR/datasets`` or ``~/.cache/hone/datasets``."""
 
@@ -145,3 +157,8 @@ class DataConfig(Section):
     @property
     def has_eval(self) -> bool:
         return bool(self.test_datasets) or self.val_set_size > 0
+
+    @property
+    def packs_eval(self) -> bool:
+        """Whether the eval split is packed (``eval_sample_packing``, else ``sample_packing``)."""
+        return self.sample_packing if self.eval_sample_packing is None else self.eval_sample_packing

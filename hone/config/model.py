@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hone.config.base import Section
+from hone.models.attention.capabilities import BACKENDS, AttentionBackend
 
 #: Architecture presets built with random weights (``hone.models.presets`` builds them).
 #: ``tiny-*`` run on a laptop CPU; the others match real architectures for benchmarking.
@@ -21,7 +22,7 @@ PresetName = Literal[
 ]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AttnImplementation = Literal["eager", "sdpa"]
+AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
 
 
 class ModelConfig(Section):
@@ -45,7 +46,10 @@ class ModelConfig(Section):
     fine-tune keeps float32 weights and autocasts to float16 (with loss scaling)."""
 
     attn_implementation: AttnImplementation = "sdpa"
-    """Attention backend registered with transformers' ``AttentionInterface``."""
+    """Attention backend (transformers' ``AttentionInterface``): ``eager``, ``sdpa``,
+    ``flex_attention`` (skips the blocks between packed documents; trains on CUDA only),
+    ``flash_attention_2`` / ``flash_attention_3`` (CUDA, bf16/fp16, need the flash-attn package).
+    Every one isolates packed documents; see docs/packing.md."""
 
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""
@@ -59,7 +63,44 @@ class ModelConfig(Section):
             )
         if self.preset_overrides and self.preset is None:
             raise ValueError("model.preset_overrides only applies together with model.preset")
+        backend = self.attention
+        if not backend.installed:
+            usable = ", ".join(n for n, b in BACKENDS.items() if b.installed)
+            raise ValueError(
+                f"attn_implementation: '{self.attn_implementation}' needs the Python package "
+                f"'{backend.package}', which is not installed: install it, or use one of: {usable}"
+            )
+        if not backend.supports_float32 and self.dtype == "float32":
+            raise ValueError(
+                f"attn_implementation: '{self.attn_implementation}' computes in bfloat16/float16 only, "
+                "but model.dtype is float32: set model.dtype: bfloat16, or use sdpa or flex_attention"
+            )
         return self
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The capabilities of ``attn_implementation`` (see :mod:`hone.models.attention.capabilities`)."""
+        return BACKENDS[self.attn_implementation]
+
+    @property
+    def attention_isolates_packed_documents(self) -> bool:
+        return self.attention.isolates_packed_documents
+
+    @property
+    def attention_needs_cuda(self) -> bool:
+        return self.attention.needs_cuda
+
+    @property
+    def attention_trains_on_cpu(self) -> bool:
+        return self.attention.trains_on_cpu
+
+    @property
+    def attention_works_under_compile(self) -> bool:
+        return self.attention.works_under_compile
+
+    @property
+    def attention_supports_sliding_window(self) -> bool:
+        return self.attention.sliding_window
 
     @property
     def source(self) -> str:

@@ -32,6 +32,20 @@ class HoneConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _packing_needs_isolating_attention(self) -> "HoneConfig":
+        packs = self.data.sample_packing or self.data.packs_eval
+        if packs and not self.model.attention_isolates_packed_documents:
+            from hone.models.attention.capabilities import BACKENDS
+
+            usable = ", ".join(n for n, b in BACKENDS.items() if b.isolates_packed_documents and b.installed)
+            raise ValueError(
+                f"data.sample_packing needs an attention backend that keeps packed documents apart, but "
+                f"model.attn_implementation '{self.model.attn_implementation}' does not: use one of: {usable}, "
+                "or set data.sample_packing: false"
+            )
+        return self
+
     @property
     def tokens_per_step(self) -> int:
         """Upper bound on tokens in one optimizer step (all micro-batches, full length)."""

@@ -50,7 +50,7 @@ from hone.data.encode import (
 from hone.data.errors import DataError, at_row
 from hone.data.formats import Source, make_format
 from hone.data.load import check_file, load_file
-from hone.data.stats import MAX_EXAMPLES, DataStats, SourceStats, SplitStats
+from hone.data.stats import MAX_EXAMPLES, DataStats, PackingStats, SourceStats, SplitStats
 
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
 _TEXT_FORMATS = ("alpaca", "chat", "completion")
@@ -66,6 +66,9 @@ class PreparedData:
     cache_dir: Path
     cache_hit: bool
     cache_enabled: bool = True
+    #: Packed rows per split when ``data.sample_packing`` / ``eval_sample_packing`` is on
+    #: (recomputed on every call: packing takes seconds and depends on the seed, not the cache).
+    packing: dict[str, PackingStats] | None = None
 
 
 @dataclass
@@ -85,6 +88,29 @@ def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> 
     ``use_cache=False`` neither reads nor writes the cache (the datasets are kept in memory).
     Raises :class:`DataError` for any problem with the data or data options.
     """
+    prepared = _prepare(cfg, tokenizer, use_cache=use_cache)
+    prepared.packing = _packing_stats(cfg, prepared)
+    return prepared
+
+
+def _packing_stats(cfg: HoneConfig, prepared: PreparedData) -> dict[str, PackingStats] | None:
+    """Pack the splits as training will (same seed), to report how full the packed rows are."""
+    from hone.data.packing import pack
+
+    data = cfg.data
+    out: dict[str, PackingStats] = {}
+    splits = [("train", prepared.train, data.sample_packing, True), ("eval", prepared.eval, data.packs_eval, False)]
+    for name, split, packed, shuffle in splits:
+        if split is None or not packed:
+            continue
+        lengths = np.asarray(split["length"], dtype=np.int64)
+        group = data.sample_packing_group_size if shuffle else max(1, len(lengths))
+        packing = pack(lengths, data.sequence_len, cfg.training.seed, group, shuffle=shuffle)
+        out[name] = PackingStats(rows=len(lengths), bins=packing.num_bins, tokens=packing.tokens, capacity=data.sequence_len)
+    return out or None
+
+
+def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedData:
     _check_tokenizer(cfg, tokenizer)
     for section, entries in _sections(cfg):
         for index, entry in enumerate(entries):

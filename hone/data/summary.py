@@ -20,6 +20,11 @@ def render_summary(prepared: "PreparedData") -> str:
     lines = [f"data: {_n(stats.train.rows)} train rows" + (f", {_n(stats.eval.rows)} eval rows" if stats.eval else ", no eval split")]
     lines += _split_table(stats)
     lines += _drops(stats)
+    for split, packed in (prepared.packing or {}).items():
+        lines.append(
+            f"sample packing ({split}): {_n(packed.rows)} rows -> {_n(packed.bins)} packed rows of "
+            f"{packed.capacity} tokens, {100 * packed.efficiency:.1f}% of token slots real"
+        )
     lines.append("per file:")
     for source in stats.sources:
         used = f"train {_n(source.rows_train)}" if source.split == "train" else ""

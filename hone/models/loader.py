@@ -19,6 +19,7 @@ from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter
+from hone.models.attention.setup import check_attention
 from hone.models.errors import ModelError
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
@@ -48,6 +49,7 @@ class LoadedModel:
 def load_model(cfg: HoneConfig, tokenizer, device: torch.device | str) -> LoadedModel:
     """The model of ``cfg`` on ``device``, with its adapter, in train mode."""
     device = torch.device(device)
+    check_attention(cfg.model, device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
     base = build_base_model(cfg.model, tokenizer, device, precision.weights, seed=cfg.training.seed)
     with seeded(seed=cfg.training.seed + 1, device=device):  # new adapter weights, own stream

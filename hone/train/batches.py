@@ -12,17 +12,25 @@ Because each epoch shuffles anew, a different handful of rows sits out each epoc
 ``training.max_steps`` gives the total directly (wrapping into further epochs as needed);
 otherwise ``total = floor(num_epochs * steps_per_epoch)`` (fractions allowed, at least 1).
 
+With ``data.sample_packing`` the unit is a *packed row* instead of a dataset row: the rows
+are packed once into bins of ``sequence_len`` tokens (:mod:`hone.data.packing`, deterministic
+in the seed) and each epoch visits the bins in its own seeded order, so everything above holds
+with "bins" for "rows" (the step count and schedule follow the packed length).
+
 The position in the data is explicit, ``(epoch, index into that epoch's order)``, and is stored
 in checkpoints, so a resumed run continues with exactly the micro-batch that comes next.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hone.config.training import TrainingConfig
+from hone.data.packing import Packing, pack
 from hone.errors import HoneError
+from hone.train.collate import MicroBatch, collate, collate_packed, rows_at
 
 
 class NotEnoughData(HoneError):
@@ -143,3 +151,54 @@ class BatchStream:
             self.position = DataPosition(self.position.epoch + 1, 0)
         mbs = self.plan.micro_batch_size
         return [rows[i : i + mbs] for i in range(0, per_step, mbs)]
+
+
+def row_lengths(dataset: Any) -> np.ndarray:
+    """Token count of every row: the prepared ``length`` column, or measured from the rows."""
+    if hasattr(dataset, "column_names") and "length" in dataset.column_names:
+        return np.asarray(dataset["length"], dtype=np.int64)
+    return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
+
+
+class PaddedBatches:
+    """Units are dataset rows; a micro-batch pads its rows to the longest one."""
+
+    packing: Packing | None = None
+
+    def __init__(self, dataset: Any, pad_id: int):
+        self.dataset = dataset
+        self.pad_id = pad_id
+        self.units = len(dataset)
+
+    def __call__(self, indices: list[int]) -> MicroBatch:
+        return collate(rows_at(self.dataset, indices), self.pad_id)
+
+
+class PackedBatches:
+    """Units are packed rows (bins); a micro-batch is ``len(indices)`` rows of ``width`` tokens."""
+
+    def __init__(self, dataset: Any, packing: Packing, pad_id: int, pass_boundaries: bool = False):
+        self.dataset = dataset
+        self.packing = packing
+        self.pad_id = pad_id
+        self.pass_boundaries = pass_boundaries
+        self.units = packing.num_bins
+
+    def __call__(self, indices: list[int]) -> MicroBatch:
+        bins = [self.packing.bin(int(i)).tolist() for i in indices]
+        docs = rows_at(self.dataset, [d for b in bins for d in b])  # one read for the whole batch
+        grouped, at = [], 0
+        for b in bins:
+            grouped.append(docs[at : at + len(b)])
+            at += len(b)
+        return collate_packed(grouped, self.packing.capacity, self.pad_id, self.pass_boundaries)
+
+
+def micro_batches(
+    dataset: Any, *, packed: bool, sequence_len: int, seed: int, pad_id: int, group_size: int, pass_boundaries: bool = False, shuffle: bool = True
+) -> PaddedBatches | PackedBatches:
+    """The micro-batch builder of a split: padded rows, or bins packed by seed."""
+    if not packed:
+        return PaddedBatches(dataset, pad_id)
+    packing = pack(row_lengths(dataset), sequence_len, seed, group_size, shuffle=shuffle)
+    return PackedBatches(dataset, packing, pad_id, pass_boundaries)

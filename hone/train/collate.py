@@ -10,7 +10,17 @@ here keeps them from drifting apart.
 
 Padding is on the right with the pad id, attention mask 0 and target -100, so a padded row
 computes exactly what the unpadded row computes at its real positions (causal attention never
-looks right). An optional ``position_ids`` column (packed rows) is padded with zeros.
+looks right). An optional ``position_ids`` column is padded with zeros.
+
+Packed rows (:func:`collate_packed`) hold several documents each, always ``sequence_len``
+wide so every micro-batch has one shape (``torch.compile`` sees no new shapes). Each document
+gets its own ``position_ids`` from 0 and its own shifted targets: the target of a document's
+last token is -100, never the next document's first token. The batch carries no 2D
+``attention_mask``: with restarting ``position_ids`` and no mask, transformers builds the
+document-isolating mask itself (see :mod:`hone.models.attention`). The padding tail is one
+more "document" of pad tokens (positions from 0, targets -100) that no real token sees.
+``cu_seqlens`` / ``max_seqlen`` give the boundaries over the flattened batch, which the flash
+varlen kernels take directly.
 """
 
 from collections.abc import Mapping, Sequence
@@ -24,11 +34,14 @@ IGNORE_INDEX = -100
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] long, 1 = real token
+    attention_mask: torch.Tensor | None  # [B, T] long, 1 = real token; None for packed rows
     targets: torch.Tensor  # [B, T] long, next-token labels, -100 = no loss
     trained_tokens: int  # (targets != -100).sum(): the loss's denominator contribution
     tokens: int  # real (non-padding) input tokens
     position_ids: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None  # [docs + 1] int32 boundaries over the flattened batch
+    max_seqlen: int | None = None  # longest document (or padding tail) in the batch
+    pass_boundaries: bool = False  # hand cu_seqlens/max_seqlen to the model (flash varlen)
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -39,13 +52,30 @@ class MicroBatch:
             trained_tokens=self.trained_tokens,
             tokens=self.tokens,
             position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
+            max_seqlen=self.max_seqlen,
+            pass_boundaries=self.pass_boundaries,
         )
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def model_inputs(self) -> dict[str, torch.Tensor | int]:
         """Keyword arguments for the model's forward (no labels: the loop computes the loss)."""
-        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        inputs: dict[str, torch.Tensor | int] = {"input_ids": self.input_ids}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+        if self.pass_boundaries and self.cu_seqlens is not None and self.max_seqlen is not None:
+            # transformers' documented varlen kwargs (TransformersKwargs) for flash attention
+            inputs.update(
+                cu_seq_lens_q=self.cu_seqlens,
+                cu_seq_lens_k=self.cu_seqlens,
+                max_length_q=self.max_seqlen,
+                max_length_k=self.max_seqlen,
+            )
         return inputs
 
 
@@ -78,6 +108,55 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBa
         trained_tokens=int((targets != IGNORE_INDEX).sum()),
         tokens=int(attention_mask.sum()),
         position_ids=position_ids,
+    )
+
+
+def collate_packed(
+    bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int, pass_boundaries: bool = False
+) -> MicroBatch:
+    """One packed micro-batch of ``len(bins)`` rows, each ``width`` tokens wide.
+
+    ``bins[i]`` are the documents (rows with ``input_ids`` and ``labels``) packed into row ``i``.
+    """
+    if not bins:
+        raise ValueError("collate_packed needs at least one bin")
+    n = len(bins)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((n, width), dtype=torch.long)
+    segments: list[int] = []  # lengths of documents and padding tails, row after row
+    real = 0
+    for i, docs in enumerate(bins):
+        at = 0
+        for j, doc in enumerate(docs):
+            ids, labels = doc["input_ids"], doc["labels"]
+            length = len(ids)
+            if len(labels) != length:
+                raise ValueError(f"bin {i}, document {j}: {length} input_ids but {len(labels)} labels")
+            if at + length > width:
+                raise ValueError(f"bin {i} holds more than {width} tokens")
+            input_ids[i, at : at + length] = torch.as_tensor(ids, dtype=torch.long)
+            if length > 1:  # shifted inside the document: its last token has no target
+                targets[i, at : at + length - 1] = torch.as_tensor(labels[1:], dtype=torch.long)
+            position_ids[i, at : at + length] = torch.arange(length)
+            segments.append(length)
+            at += length
+        real += at
+        if at < width:
+            position_ids[i, at:] = torch.arange(width - at)
+            segments.append(width - at)
+    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.as_tensor(segments, dtype=torch.int32), 0)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=None,
+        targets=targets,
+        trained_tokens=int((targets != IGNORE_INDEX).sum()),
+        tokens=real,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(segments),
+        pass_boundaries=pass_boundaries,
     )
 
 

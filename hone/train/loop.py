@@ -40,13 +40,13 @@ from torch import nn
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.track.tracker import Tracker
-from hone.train.batches import BatchStream, DataPosition, StepPlan, plan_steps
+from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint import (
     load_checkpoint,
     remove_checkpoints_after,
     save_checkpoint,
 )
-from hone.train.collate import MicroBatch, collate, rows_at
+from hone.train.collate import MicroBatch
 from hone.train.device import peak_memory_gib, synchronize
 from hone.train.evaluate import evaluate
 from hone.train.loss import forward_logits, token_loss_sum
@@ -193,7 +193,16 @@ def train_loop(
 
     # ---- set-up: plan, optimizer, schedule, (loss scaler), state
     scaler = _check_precision(cfg, device)
-    plan = plan_steps(len(train_data), t)
+    batches = micro_batches(
+        train_data,
+        packed=cfg.data.sample_packing,
+        sequence_len=cfg.data.sequence_len,
+        seed=t.seed,
+        pad_id=pad_id,
+        group_size=cfg.data.sample_packing_group_size,
+        pass_boundaries=cfg.model.attn_implementation.startswith("flash_attention"),  # varlen kernels
+    )
+    plan = plan_steps(batches.units, t)
     seed_everything(t.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -254,7 +263,13 @@ def train_loop(
 
     def run_eval() -> None:
         result = evaluate(
-            model, eval_data, batch_size=t.micro_batch_size, pad_id=pad_id, device=device, autocast_dtype=autocast_dtype
+            model,
+            eval_data,
+            batch_size=t.micro_batch_size,
+            pad_id=pad_id,
+            device=device,
+            autocast_dtype=autocast_dtype,
+            pack_to=cfg.data.sequence_len if cfg.data.packs_eval else None,
         )
         tracker.log_eval(
             {
@@ -266,6 +281,8 @@ def train_loop(
             }
         )
 
+    if batches.packing is not None:
+        tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
     tracker.print(f"training: {plan.describe()}")
     if resume_from is not None:
         tracker.print(f"resumed from {resume_from} at step {start_step} (epoch {plan.epoch_at(start_step):.2f})")
@@ -288,7 +305,7 @@ def train_loop(
                 lr = optimizer.param_groups[0]["lr"]
 
                 # 1. the window's micro-batches and its trained-token count, before any backward
-                window = [collate(rows_at(train_data, rows), pad_id).to(device) for rows in stream.next_window()]
+                window = [batches(rows).to(device) for rows in stream.next_window()]
                 window_tokens = sum(b.trained_tokens for b in window)
                 window_real_tokens = sum(b.tokens for b in window)
 

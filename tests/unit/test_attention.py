@@ -1,0 +1,198 @@
+"""Attention backends: capabilities in the config, refusals with what would work instead, and
+packed-sequence isolation for every backend installed here (forward; LoRA gradients where the
+backend trains on the CPU)."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from hone.config import ConfigError, parse_config
+from hone.config.adapter import AdapterConfig
+from hone.config.model import ModelConfig
+from hone.errors import HoneError
+from hone.models.adapters import apply_adapter
+from hone.models.attention import capabilities
+from hone.models.attention.capabilities import BACKENDS, installed_backends
+from hone.models.attention.setup import check_attention
+from hone.models.testing import tiny_model, tiny_tokenizer
+from hone.train.collate import collate_packed
+
+INSTALLED = installed_backends()
+TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _pretend_installed(monkeypatch):
+    real = capabilities.importlib.util.find_spec
+    monkeypatch.setattr(capabilities.importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else real(name, *a))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_capabilities_are_computed_properties_of_the_config():
+    flex = ModelConfig(preset="tiny-llama", attn_implementation="flex_attention")
+    assert flex.attention_isolates_packed_documents and not flex.attention_trains_on_cpu
+    assert flex.attention_works_under_compile and flex.attention_supports_sliding_window
+    assert flex.attention.skips_masked_blocks and not flex.attention_needs_cuda
+    sdpa = ModelConfig(preset="tiny-llama")
+    assert sdpa.attn_implementation == "sdpa" and sdpa.attention_trains_on_cpu
+    assert "attention" not in sdpa.model_dump()  # derived, never written back
+
+
+def test_unknown_backend_lists_the_allowed_ones():
+    with pytest.raises(ConfigError) as info:
+        parse_config({"model": {"preset": "tiny-llama", "attn_implementation": "flash2"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}})
+    text = str(info.value)
+    for name in BACKENDS:
+        assert name in text
+
+
+@pytest.mark.skipif("flash_attention_2" in INSTALLED, reason="flash-attn is installed here")
+def test_flash_without_its_package_is_refused_with_alternatives():
+    with pytest.raises(ValueError, match="'flash_attn', which is not installed.*eager, sdpa, flex_attention"):
+        ModelConfig(preset="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_2")
+
+
+def test_flash_in_float32_is_refused(monkeypatch):
+    _pretend_installed(monkeypatch)
+    assert ModelConfig(preset="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_3").attention.needs_cuda
+    with pytest.raises(ValueError, match="bfloat16/float16 only.*model.dtype: bfloat16, or use sdpa"):
+        ModelConfig(preset="tiny-llama", dtype="float32", attn_implementation="flash_attention_2")
+
+
+def test_packing_with_a_backend_that_does_not_isolate_is_refused(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "eager", dataclasses.replace(BACKENDS["eager"], isolates_packed_documents=False))
+    raw = {
+        "model": {"preset": "tiny-llama", "attn_implementation": "eager"},
+        "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True},
+    }
+    with pytest.raises(ConfigError, match="keeps packed documents apart.*'eager' does not: use one of: sdpa"):
+        parse_config(raw)
+    raw["data"]["sample_packing"] = False
+    assert not parse_config(raw).data.packs_eval
+
+
+def test_eval_packing_follows_training_packing_unless_set():
+    base = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}}
+    assert parse_config(base).data.packs_eval
+    base["data"]["eval_sample_packing"] = False
+    assert not parse_config(base).data.packs_eval
+
+
+def test_device_checks_name_what_works(monkeypatch):
+    with pytest.raises(HoneError, match="no backward pass on the CPU.*train with sdpa"):
+        check_attention(ModelConfig(preset="tiny-llama", attn_implementation="flex_attention"), torch.device("cpu"))
+    check_attention(ModelConfig(preset="tiny-llama", attn_implementation="flex_attention"), torch.device("cpu"), training=False)
+    _pretend_installed(monkeypatch)
+    flash = ModelConfig(preset="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_2")
+    with pytest.raises(HoneError, match="CUDA GPUs only, but the device is cpu: use sdpa"):
+        check_attention(flash, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- packed == alone
+
+
+def _docs(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    for length in lengths:
+        ids = torch.randint(7, 300, (length,), generator=gen).tolist()
+        docs.append({"input_ids": ids, "labels": [-100] + ids[1:]})
+    return docs
+
+
+def _model(preset, tok, impl, seed, **overrides):
+    model = tiny_model(preset, tok, seed=seed, **overrides)
+    model.set_attn_implementation(impl)
+    return model.eval()
+
+
+BINS = [[0, 1, 2], [3, 4]]  # two packed rows: three documents, then two and a padding tail
+LENGTHS = [9, 4, 13, 11, 6]
+WIDTH = 28
+
+
+def _packed_logits(model, docs):
+    batch = collate_packed([[docs[i] for i in b] for b in BINS], WIDTH, pad_id=0)
+    out = model(**batch.model_inputs(), use_cache=False).logits
+    pieces = {}
+    for row, b in enumerate(BINS):
+        at = 0
+        for i in b:
+            n = len(docs[i]["input_ids"])
+            pieces[i] = out[row, at : at + n]
+            at += n
+    return pieces
+
+
+@pytest.mark.parametrize("impl", INSTALLED)
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [("tiny-llama", {}), ("tiny-qwen3-moe", {}), ("tiny-gemma", {"sliding_window": 5})],
+    ids=["llama", "qwen3-moe", "gemma-sliding5"],
+)
+def test_packed_forward_equals_each_document_alone(tok, impl, preset, overrides):
+    if impl == "flex_attention" and preset != "tiny-llama":
+        pytest.skip("flex compiles anew per model (~30 s on 2 CPU cores); the GPU tests cover it")
+    seed = random.randrange(10_000)
+    model = _model(preset, tok, impl, seed, **overrides)
+    docs = _docs(LENGTHS, seed)
+    with torch.no_grad():
+        packed = _packed_logits(model, docs)
+        for i, doc in enumerate(docs):
+            alone = model(input_ids=torch.tensor([doc["input_ids"]]), use_cache=False).logits[0]
+            torch.testing.assert_close(packed[i], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", INSTALLED)
+def test_perturbing_one_document_leaves_the_others_unchanged(tok, impl):
+    seed = random.randrange(10_000)
+    model = _model("tiny-llama", tok, impl, seed)
+    docs = _docs(LENGTHS, seed)
+    changed = [dict(d) for d in docs]
+    changed[1] = {"input_ids": [(t * 7 + 3) % 290 + 7 for t in docs[1]["input_ids"]], "labels": docs[1]["labels"]}
+    with torch.no_grad():
+        before, after = _packed_logits(model, docs), _packed_logits(model, changed)
+    assert not torch.allclose(before[1], after[1], atol=1e-3)  # the perturbation is real
+    for i in (0, 2, 3, 4):
+        torch.testing.assert_close(before[i], after[i], rtol=0, atol=0)
+
+
+def _lora(model, seed):
+    model = apply_adapter(model, AdapterConfig(type="lora", lora_r=4, lora_target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero, which would make every A gradient zero
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    return model
+
+
+@pytest.mark.parametrize("impl", TRAINS_ON_CPU)
+def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
+    seed = random.randrange(10_000)
+    model = _lora(_model("tiny-qwen3", tok, impl, seed), seed)
+    docs = _docs(LENGTHS, seed + 1)
+    # sum of per-position losses against random weights, so every position's logits matter
+    weights = {i: torch.randn(len(d["input_ids"]), 1, generator=torch.Generator().manual_seed(seed + i)) for i, d in enumerate(docs)}
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    packed = _packed_logits(model, docs)
+    g_packed = grads(sum((packed[i] * weights[i]).sum() for i in packed))
+    alone = sum((model(input_ids=torch.tensor([d["input_ids"]]), use_cache=False).logits[0] * weights[i]).sum() for i, d in enumerate(docs))
+    g_alone = grads(alone)
+    assert g_packed.keys() == g_alone.keys() and any("lora_A" in n for n in g_packed)
+    for name in g_packed:
+        assert g_packed[name].abs().max() > 0, name
+        scale = g_alone[name].abs().max().item()  # fp32: 1e-5 relative to the gradient's size
+        torch.testing.assert_close(g_packed[name], g_alone[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
