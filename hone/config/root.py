@@ -9,6 +9,7 @@ from hone.config.logging import LoggingConfig
 from hone.config.memory import MemoryConfig
 from hone.config.model import ModelConfig
 from hone.config.optimizer import OptimizerConfig
+from hone.config.performance import PerformanceConfig
 from hone.config.training import TrainingConfig
 
 
@@ -21,6 +22,7 @@ class HoneConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
@@ -43,6 +45,24 @@ class HoneConfig(Section):
                 f"data.sample_packing needs an attention backend that keeps packed documents apart, but "
                 f"model.attn_implementation '{self.model.attn_implementation}' does not: use one of: {usable}, "
                 "or set data.sample_packing: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
+        """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
+        records (and keeps the memory of) another graph, so they only pay off when every
+        micro-batch has one shape. Packed batches vary in their document boundaries."""
+        perf = self.performance
+        if not (perf.may_compile and perf.uses_cudagraphs):
+            return self
+        if getattr(self.data, "sample_packing", False):
+            raise ValueError(
+                f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "
+                "data.sample_packing is on: packed micro-batches differ in their document boundaries "
+                "(cu_seqlens), so every step would record a new graph. Turn CUDA graphs off "
+                "(triton.cudagraphs: false, or torch_compile_mode: default / max-autotune-no-cudagraphs) "
+                "or turn packing off"
             )
         return self
 

@@ -1,0 +1,133 @@
+"""Speed: ``torch.compile`` and the Inductor options a user may tune.
+
+Key names follow Axolotl (``torch_compile``, ``torch_compile_backend``, ``torch_compile_mode``,
+``torch_compile_options``) so configs carry over. Everything here is checked without importing
+torch: the allowlist below is plain data, and a test walks it on the installed torch so an
+upstream rename fails CI instead of a user's run.
+"""
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+
+from hone.config.base import Section
+
+#: The ``torch._inductor.config`` keys a config may set, with the Python type each one takes.
+#: Dotted keys name nested config objects (``triton.cudagraphs`` is ``config.triton.cudagraphs``).
+#: Kept short on purpose: each key here is one hone documents, tests on every torch it supports
+#: and can benchmark; anything else stays out of reach rather than silently doing nothing.
+INDUCTOR_OPTIONS: dict[str, type] = {
+    "coordinate_descent_tuning": bool,
+    "coordinate_descent_check_all_directions": bool,
+    "shape_padding": bool,
+    "epilogue_fusion": bool,
+    "max_autotune_gemm": bool,
+    "fx_graph_cache": bool,
+    "assume_aligned_inputs": bool,
+    "comprehensive_padding": bool,
+    "decompose_mem_bound_mm": bool,
+    "triton.cudagraphs": bool,
+}
+
+#: ``torch.compile`` modes and whether each one turns on CUDA graphs (``triton.cudagraphs``),
+#: as ``torch._inductor.list_mode_options`` maps them (a test checks this on the installed torch).
+COMPILE_MODES: dict[str, bool] = {
+    "default": False,
+    "reduce-overhead": True,
+    "max-autotune": True,
+    "max-autotune-no-cudagraphs": False,
+}
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+OptionValue = StrictBool | StrictInt | StrictFloat | StrictStr
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_COMPILE_KEYS = ("torch_compile_scope", "torch_compile_mode", "torch_compile_backend", "torch_compile_options")
+
+
+class PerformanceConfig(Section):
+    """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md)."""
+
+    torch_compile: bool | Literal["auto"] = False
+    """Compile the model with ``torch.compile``; ``auto`` compiles when training on CUDA."""
+
+    torch_compile_scope: Literal["regional", "model"] = "regional"
+    """``regional`` compiles each decoder layer (all layers share one compiled graph: a short
+    cold start, reused by every layer); ``model`` compiles the whole model forward at once."""
+
+    torch_compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """``inductor`` generates fused kernels; ``aot_eager``/``eager`` only trace (for finding
+    whether a problem lies in tracing or in code generation)."""
+
+    torch_compile_mode: CompileMode | None = None
+    """``torch.compile`` mode; ``reduce-overhead`` and ``max-autotune`` use CUDA graphs, which
+    need fixed shapes. Default: torch's ``default``."""
+
+    torch_compile_options: dict[str, OptionValue] = Field(default_factory=dict)
+    """Inductor options, applied to hone's compiled code only (not process-wide). Allowed:
+    coordinate_descent_tuning, coordinate_descent_check_all_directions, shape_padding,
+    epilogue_fusion, max_autotune_gemm, fx_graph_cache, assume_aligned_inputs,
+    comprehensive_padding, decompose_mem_bound_mm, triton.cudagraphs (all true/false)."""
+
+    @field_validator("torch_compile_options", mode="before")
+    @classmethod
+    def _allowlisted(cls, options: Any) -> Any:
+        """Checked before pydantic's own parsing, so a bad value gets the key's expected type
+        in the message rather than a list of union branches."""
+        if not isinstance(options, dict):
+            return options  # pydantic reports "expected a mapping"
+        problems = []
+        for key, value in options.items():
+            wanted = INDUCTOR_OPTIONS.get(key)
+            if wanted is None:
+                problems.append(f"'{key}' is not an allowed Inductor option")
+            elif type(value) is not wanted:
+                problems.append(f"'{key}' must be {_TYPE_WORDS[wanted]}, got {value!r} ({type(value).__name__})")
+        if problems:
+            raise ValueError("; ".join(problems) + f". Allowed keys: {', '.join(INDUCTOR_OPTIONS)}")
+        return options
+
+    @model_validator(mode="after")
+    def _compile_keys_need_compile(self) -> "PerformanceConfig":
+        if self.torch_compile is False:
+            # Values that differ from their defaults: a resolved config (every key written out)
+            # loads back as written.
+            stray = [k for k in _COMPILE_KEYS if getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} only apply when compiling but performance.torch_compile is false: "
+                    "set torch_compile: true (or auto), or remove them"
+                )
+        if self.torch_compile_backend != "inductor":
+            inductor_only = [k for k in ("torch_compile_mode", "torch_compile_options") if getattr(self, k)]
+            if inductor_only:
+                raise ValueError(
+                    f"{', '.join(inductor_only)} configure Inductor but torch_compile_backend is "
+                    f"'{self.torch_compile_backend}': use torch_compile_backend: inductor, or remove them"
+                )
+        return self
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether a run on ``device_type`` (``cuda``, ``cpu``, ...) compiles."""
+        if self.torch_compile == "auto":
+            return device_type == "cuda"
+        return self.torch_compile
+
+    @property
+    def may_compile(self) -> bool:
+        """True unless compilation is off whatever the device."""
+        return self.torch_compile is not False
+
+    @property
+    def uses_cudagraphs(self) -> bool:
+        """CUDA graphs, asked for directly (``triton.cudagraphs``) or through the mode."""
+        if "triton.cudagraphs" in self.torch_compile_options:
+            return bool(self.torch_compile_options["triton.cudagraphs"])
+        return COMPILE_MODES.get(self.torch_compile_mode or "default", False)
+
+    @property
+    def cudagraphs_source(self) -> str:
+        """The key that turned CUDA graphs on, for messages."""
+        if self.torch_compile_options.get("triton.cudagraphs"):
+            return "performance.torch_compile_options.triton.cudagraphs"
+        return f"performance.torch_compile_mode '{self.torch_compile_mode}'"
