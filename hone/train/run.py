@@ -17,6 +17,9 @@ from rich.console import Console
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.optim.planner import RunFacts, apply_optimizations, plan_optimizations, write_record
+from hone.optim.planner import describe as describe_optimizations
+from hone.optim.watch import CompileWatch
 from hone.track.atomic import atomic_write_text
 from hone.track.metrics import METRICS_FILE
 from hone.track.plot import PLOT_FILE
@@ -125,6 +128,9 @@ def run_training(
     data = prepare_data(cfg, tokenizer)
     console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
 
+    facts = RunFacts(device=device, shape_note=shape_note(cfg, data.stats))
+    plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
+
     seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
     loaded = load_model(cfg, tokenizer, device)
     console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
@@ -136,18 +142,42 @@ def run_training(
         soft_wrap=True,
     )
 
-    loop = train_loop(
-        loaded.model,
-        data.train,
-        data.eval,
-        cfg,
-        device=device,
-        pad_id=pad_token_id(tokenizer),
-        console=console,
-        step_callback=step_callback,
-        resume_from=resume_from,
-        autocast_dtype=getattr(loaded, "autocast_dtype", None),
-    )
+    applied = apply_optimizations(loaded.model, plan, cfg, facts)
+    console.print(describe_optimizations(applied, plan), highlight=False, markup=False, soft_wrap=True)
+    write_record(out, applied, plan)
+    watch = CompileWatch(warn).start() if any(a.name == "compile" for a in applied) else None
+
+    first_step = [True]
+
+    def on_step(metrics: StepMetrics) -> None:
+        if first_step[0]:  # the cold start: compilation, autotuning, allocator growth
+            first_step[0] = False
+            note = " (compilation included)" if watch is not None else ""
+            console.print(f"first step: {metrics.step_time_s:.1f} s{note}", highlight=False, markup=False)
+        if watch is not None:
+            watch.on_step(metrics.step, metrics.step_time_s)
+        if step_callback is not None:
+            step_callback(metrics)
+
+    try:
+        loop = train_loop(
+            loaded.model,
+            data.train,
+            data.eval,
+            cfg,
+            device=device,
+            pad_id=pad_token_id(tokenizer),
+            console=console,
+            step_callback=on_step,
+            resume_from=resume_from,
+            autocast_dtype=getattr(loaded, "autocast_dtype", None),
+        )
+    finally:
+        if watch is not None:
+            watch.stop()
+            write_record(out, applied, plan, watch.summary())
+    if watch is not None:
+        console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 
     final_dir = None
     if not loop.interrupted:
@@ -155,6 +185,29 @@ def run_training(
     result = _result(loop, out, final_dir)
     console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def shape_note(cfg: HoneConfig, stats) -> str | None:
+    """None when every training micro-batch has one shape; otherwise why not (for the planner:
+    CUDA graphs need a single shape)."""
+    if getattr(cfg.data, "sample_packing", False):
+        return "data.sample_packing packs documents whose boundaries differ from step to step"
+    train = getattr(stats, "train", None)
+    if train is not None and train.min_length != train.max_length:
+        return (
+            f"the training rows are {train.min_length} to {train.max_length} tokens long and each "
+            "micro-batch is padded to its longest row"
+        )
+    return None
+
+
+def _compile_summary(stats: dict) -> str:
+    text = (
+        f"torch.compile: {stats['forward_graphs']} forward and {stats['backward_graphs']} backward graph(s) compiled "
+        f"for training, {stats['eval_graphs']} for eval; {stats['recompiles']} recompile(s), "
+        f"{stats['compiles_after_first_step']} after the first step"
+    )
+    return text if stats.get("counted", True) else "torch.compile: compilations not counted (this torch has no compile callbacks)"
 
 
 def _data_summary(data) -> str:

@@ -1,0 +1,1 @@
+"""Optimizations as composable transforms, applied by one planner in a fixed order."""

@@ -1,0 +1,117 @@
+"""``torch.compile`` as a transform: each decoder layer (regional) or the whole model.
+
+Regional compilation compiles every decoder layer *in place* (``nn.Module.compile``): the
+module tree, parameter names and state-dict keys stay exactly as they were, so PEFT saving,
+checkpoints and resume see no ``_orig_mod`` prefix. All layers run the same code, so Dynamo
+traces one graph and every layer reuses it (its guards check the layer's structure, not its
+identity): the cold start is that of one layer, whatever the depth.
+
+Two things would make layers disagree and compile twice:
+
+- the first layer's input. With LoRA the embedding is frozen, so layer 0 receives a tensor
+  that does not require grad while every later layer's input does, and Dynamo guards on that.
+  The embedding output is marked as requiring grad (transformers' public
+  ``enable_input_require_grads``, the same switch activation checkpointing uses): one graph for
+  all layers, at the price of the input gradient of layer 0 (well under 1% of a step).
+- per-layer Python attributes read in the forward (e.g. alternating sliding-window layers of
+  Gemma 3). Those legitimately give one graph per distinct value; the compile watch counts them.
+
+Activation checkpointing composes either way round: transformers' checkpointing layer wraps the
+layer's ``forward``, so on recent versions the checkpoint is traced into the compiled region
+(Inductor then decides what to recompute) and on older ones it calls the compiled layer.
+Shapes: when every micro-batch has one shape (fixed-length rows, or packing into fixed bins)
+the graphs are static, which gives Inductor the most to specialise on. When rows of different
+lengths are padded per micro-batch, the graphs are compiled with dynamic shapes from the start
+(``dynamic=True``): otherwise the first new length would recompile (and the second variant of
+each graph, e.g. eval's, again), and those recompiles count against Dynamo's per-function
+limit, past which it silently falls back to eager.
+"""
+
+from typing import Any
+
+from torch import nn
+
+from hone.config.performance import PerformanceConfig
+from hone.errors import HoneError
+from hone.optim.inductor import compile_options
+
+
+class CompileError(HoneError):
+    """The model cannot be compiled the way the config asks."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers causal LM, looked up through a PEFT wrapper.
+
+    A layer is a module of one of the classes the model names in ``_no_split_modules`` (the
+    unit transformers itself shards and offloads by), outermost first; nested matches are skipped.
+    """
+    base = _base_model(model)
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers: list[nn.Module] = []
+    inside: list[str] = []
+    for path, module in base.named_modules():
+        if type(module).__name__ in names and not any(path.startswith(p + ".") for p in inside):
+            layers.append(module)
+            inside.append(path)
+    return layers
+
+
+def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
+    """Compile each decoder layer in place; returns what was done, for optimizations.json."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise CompileError(
+            f"performance.torch_compile_scope: regional found no decoder layers in {type(model).__name__} "
+            "(no module of a class listed in its _no_split_modules); use torch_compile_scope: model"
+        )
+    base = _base_model(model)
+    input_grads = _embedding_output_needs_grad(base)
+    kwargs = _compile_kwargs(perf, dynamic)
+    for layer in layers:
+        layer.compile(**kwargs)
+    classes = sorted({type(layer).__name__ for layer in layers})
+    return {
+        "scope": "regional",
+        "layers": len(layers),
+        "layer_classes": classes,
+        "backend": perf.torch_compile_backend,
+        "options": kwargs.get("options") or {},
+        "dynamic_shapes": dynamic,
+        "first_layer_input_requires_grad": input_grads,
+    }
+
+
+def compile_model(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
+    """Compile the whole model's forward in place (the loss stays outside, in the loop)."""
+    kwargs = _compile_kwargs(perf, dynamic)
+    model.compile(**kwargs)
+    return {"scope": "model", "backend": perf.torch_compile_backend, "options": kwargs.get("options") or {}, "dynamic_shapes": dynamic}
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def _compile_kwargs(perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
+    """``dynamic=False`` would recompile for every new shape, so fixed shapes get torch's
+    ``None`` (static first) and varying ones ``True``."""
+    kwargs: dict[str, Any] = {"backend": perf.torch_compile_backend, "dynamic": True if dynamic else None}
+    options = compile_options(perf)
+    if options:
+        kwargs["options"] = options
+    return kwargs
+
+
+def _embedding_output_needs_grad(base: nn.Module) -> bool:
+    """Make layer 0's input require grad like every other layer's (see the module docstring).
+    Returns whether it had to (False when the embedding trains, or the model has no hook)."""
+    embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    if embedding is None or embedding.weight.requires_grad or not hasattr(base, "enable_input_require_grads"):
+        return False
+    if getattr(base, "_require_grads_hook", None) is None:  # not already on (checkpointing turns it on)
+        base.enable_input_require_grads()
+    return True

@@ -1,0 +1,95 @@
+"""``run_training`` with torch.compile on CPU (``aot_eager``: Dynamo and AOTAutograd trace for
+real, no code generation): regional and whole-model compilation train exactly like eager, with
+and without activation checkpointing; all layers share one graph; the record and the
+recompile warning. Inductor itself is covered by tests/unit/test_compile_options.py and, at
+real shapes, by tests/gpu/test_compile_gpu.py."""
+
+import io
+import json
+import random
+
+import pytest
+import torch
+from rich.console import Console
+
+from hone.config import parse_config
+from hone.optim.planner import OPTIMIZATIONS_FILE
+from hone.train.run import run_training
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches live per process: a graph an earlier test compiled would turn this
+    test's first compilation into a "recompile"."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _train(tmp_path, name, performance=None, *, checkpointing=False, fixed=True, eval_data=False):
+    data = tmp_path / ("fixed.jsonl" if fixed else "varied.jsonl")
+    if not data.exists():
+        rng = random.Random(0)
+        rows = [{"input_ids": [rng.randint(5, 90) for _ in range(16 if fixed else rng.randint(6, 24))]} for _ in range(12)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 2}, "dtype": "float32"},
+            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32,
+                     "dataset_prepared_path": str(tmp_path / "cache"), "val_set_size": 0.2 if eval_data else 0.0},
+            "adapter": {"type": "lora", "lora_r": 4},
+            "training": {"max_steps": 3, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
+            "optimizer": {"learning_rate": 5e-3},
+            "memory": {"gradient_checkpointing": checkpointing},
+            "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+            "performance": performance or {},
+        }
+    )
+    out = io.StringIO()
+    losses = []
+    run_training(cfg, device="cpu", console=Console(file=out, width=400), step_callback=lambda m: losses.append(m.loss))
+    record = json.loads((tmp_path / name / OPTIMIZATIONS_FILE).read_text())
+    return losses, record, out.getvalue()
+
+
+REGIONAL = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory):
+    """Checkpointing recomputes the same values, so one eager run is the reference for all."""
+    losses, record, console = _train(tmp_path_factory.mktemp("eager"), "eager")
+    assert record["applied"] == [] and "compile" not in record and "first step: " in console
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("performance", "checkpointing"),
+    [(REGIONAL, False), (REGIONAL, True), ({**REGIONAL, "torch_compile_scope": "model"}, False)],
+    ids=["regional", "regional+checkpointing", "model"],
+)
+def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, eager_losses, performance, checkpointing):
+    eager = eager_losses
+    compiled, record, console = _train(tmp_path, "compiled", performance, checkpointing=checkpointing)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-5)
+    (applied,) = record["applied"]
+    assert applied["name"] == "compile" and applied["switch"] == "performance.torch_compile"
+    details = applied["details"]
+    assert details["scope"] == performance.get("torch_compile_scope", "regional") and details["backend"] == "aot_eager"
+    assert details["dynamic_shapes"] is False  # every row has 16 tokens
+    stats = record["compile"]
+    assert stats["counted"] and stats["compiles_after_first_step"] == 0 and stats["recompiles"] == 0, stats
+    if details["scope"] == "regional":
+        assert details["layers"] == 2 and details["layer_classes"] == ["Qwen3DecoderLayer"]
+        assert stats["forward_graphs"] == 1, stats  # one graph, reused by both layers
+    assert "optimizations: compile (" in console and "(compilation included)" in console
+    assert "torch.compile: 1 forward" in console
+
+
+def test_varying_lengths_compile_dynamic_shapes_and_late_compiles_are_reported(tmp_path):
+    _, record, console = _train(tmp_path, "varied", REGIONAL, fixed=False, eval_data=True)
+    assert record["applied"][0]["details"]["dynamic_shapes"] is True
+    stats = record["compile"]
+    assert stats["eval_graphs"] >= 1 and stats["forward_graphs"] >= 1
+    late = stats["compiles_after_first_step"]
+    assert ("compiled again after the first step" in console) == (late > 0)

@@ -1,0 +1,169 @@
+"""The optimization planner: what it applies in which order, what it refuses before the model
+loads, the record it writes; finding decoder layers through PEFT; the compile watch."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hone.config import parse_config
+from hone.config.adapter import AdapterConfig
+from hone.config.performance import PerformanceConfig
+from hone.models.adapters import apply_adapter
+from hone.models.testing import tiny_model
+from hone.optim.compile import compile_regional, decoder_layers
+from hone.optim.planner import (
+    OPTIMIZATIONS_FILE,
+    TRANSFORMS,
+    Applied,
+    PlanError,
+    RunFacts,
+    Transform,
+    apply_optimizations,
+    describe,
+    plan_optimizations,
+    write_record,
+)
+from hone.optim.watch import CompileEvent, CompileWatch
+from hone.train.run import shape_note
+
+CPU, CUDA = RunFacts(torch.device("cpu")), RunFacts(torch.device("cuda"))
+VARYING = RunFacts(torch.device("cuda"), shape_note="the training rows are 3 to 9 tokens long")
+
+
+def cfg(**performance):
+    raw = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}}
+    return parse_config({**raw, "performance": performance})
+
+
+def test_nothing_asked_nothing_planned():
+    plan = plan_optimizations(cfg(), CUDA)
+    assert plan.names == [] and plan.skipped == []
+    assert describe([], plan) == "optimizations: none"
+
+
+def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
+    assert plan_optimizations(cfg(torch_compile=True), CPU).names == ["compile"]
+    assert plan_optimizations(cfg(torch_compile="auto"), CUDA).names == ["compile"]
+    plan = plan_optimizations(cfg(torch_compile="auto"), CPU)
+    assert plan.names == [] and plan.skipped == [
+        {"name": "compile", "switch": "performance.torch_compile", "reason": "torch_compile: auto compiles on CUDA only; this run trains on cpu"}
+    ]
+    assert "skipped compile: torch_compile: auto compiles on CUDA only" in describe([], plan)
+
+
+def test_cudagraphs_need_cuda_and_one_shape():
+    options = {"triton.cudagraphs": True}
+    with pytest.raises(PlanError, match="need a CUDA device"):
+        plan_optimizations(cfg(torch_compile=True, torch_compile_options=options), CPU)
+    with pytest.raises(PlanError) as info:
+        plan_optimizations(cfg(torch_compile=True, torch_compile_mode="reduce-overhead"), VARYING)
+    message = str(info.value)
+    assert "torch_compile_mode 'reduce-overhead' uses CUDA graphs" in message and "3 to 9 tokens" in message
+    assert "max-autotune-no-cudagraphs" in message
+    assert plan_optimizations(cfg(torch_compile=True, torch_compile_options=options), CUDA).names == ["compile"]
+
+
+def _transform(name, log, conflicts=()):
+    return Transform(
+        name=name,
+        switch=f"performance.{name}",
+        wanted=lambda c, f: True,
+        check=lambda c, f: [],
+        apply=lambda model, c, f: log.append(name) or {"n": len(log)},
+        conflicts=conflicts,
+    )
+
+
+def test_transforms_apply_in_the_fixed_order_and_conflicts_are_refused():
+    log = []
+    order = (_transform("first", log), _transform("second", log))
+    plan = plan_optimizations(cfg(), CPU, order)
+    applied = apply_optimizations(nn.Linear(1, 1), plan, cfg(), CPU)
+    assert log == ["first", "second"] and [a.details["n"] for a in applied] == [1, 2]
+    with pytest.raises(PlanError, match=r"performance.b \(b\) cannot be combined with a"):
+        plan_optimizations(cfg(), CPU, (_transform("a", log), _transform("b", log, conflicts=("a",))))
+    assert TRANSFORMS[0].name == "compile"
+
+
+def test_record_lists_applied_then_skipped_then_compile_counts(tmp_path):
+    plan = plan_optimizations(cfg(torch_compile="auto"), CPU)
+    applied = [Applied("compile", "performance.torch_compile", {"scope": "regional", "layers": 2, "backend": "inductor",
+                                                                 "mode": "default", "user_options": {"shape_padding": False}})]
+    path = write_record(tmp_path, applied, plan, {"recompiles": 0})
+    record = json.loads(path.read_text())
+    assert path.name == OPTIMIZATIONS_FILE and record["applied"][0]["details"]["layers"] == 2
+    assert record["skipped"][0]["name"] == "compile" and record["compile"] == {"recompiles": 0}
+    assert describe(applied, plan).startswith("optimizations: compile (regional, 2 layers, inductor, shape_padding=False)")
+
+
+@pytest.mark.parametrize(("preset", "layers"), [("tiny-llama", 2), ("tiny-gemma", 2), ("tiny-qwen3-moe", 2)])
+def test_decoder_layers_are_found_through_the_peft_wrapper(tokenizer, preset, layers):
+    model = apply_adapter(tiny_model(preset, tokenizer), AdapterConfig())
+    found = decoder_layers(model)
+    assert len(found) == layers and all(type(layer).__name__.endswith("DecoderLayer") for layer in found)
+
+
+def test_regional_compile_keeps_the_module_tree_and_state_dict_keys(tokenizer):
+    model = apply_adapter(tiny_model("tiny-qwen3", tokenizer), AdapterConfig())
+    keys = list(model.state_dict())
+    details = compile_regional(model, PerformanceConfig(torch_compile=True, torch_compile_backend="eager"), dynamic=False)
+    assert details["layers"] == 2 and details["first_layer_input_requires_grad"] is True
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+    assert list(model.state_dict()) == keys  # no _orig_mod: adapters and checkpoints save as before
+
+
+def test_regional_compile_without_decoder_layers_says_what_to_use_instead():
+    from hone.optim.compile import CompileError
+
+    with pytest.raises(CompileError, match="torch_compile_scope: model"):
+        compile_regional(nn.Linear(2, 2), PerformanceConfig(torch_compile=True), dynamic=False)
+
+
+def test_shape_note_tells_fixed_from_varying_lengths():
+    from types import SimpleNamespace
+
+    config = cfg()
+    assert shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8))) is None
+    note = shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=3, max_length=9)))
+    assert "3 to 9 tokens" in note and "padded" in note
+
+
+def test_compile_event_tells_recompiles_from_new_frames():
+    assert CompileEvent("0/1", "forward", 2, True).recompile
+    assert not CompileEvent("3/0", "forward", 2, True).recompile
+
+
+def test_watch_warns_about_late_compiles_only_and_caps_its_warnings(monkeypatch):
+    warnings = []
+    watch = CompileWatch(warnings.append)
+    monkeypatch.setattr("hone.optim.watch.recompile_reasons", lambda ids: {i: "size mismatch at index 1" for i in ids})
+
+    class Args:
+        def __init__(self, trigger, compile_id):
+            self.callback_trigger = type("T", (), {"name": trigger})()
+            self.compile_id = compile_id
+
+    watch._on_compile_end(Args("DYNAMO", "0/0"))
+    watch._on_compile_end(Args("LAZY_BACKWARD", "0/0"))
+    watch.on_step(1, 12.5)  # the cold start: no warning
+    assert warnings == [] and watch.first_step_s == 12.5
+    for step in range(2, 7):
+        watch._on_compile_end(Args("DYNAMO", f"0/{step - 1}"))
+        watch.on_step(step, 0.1)
+    assert len(warnings) == 3 and "step 2: torch.compile compiled again" in warnings[0]
+    assert "size mismatch at index 1" in warnings[0] and "only counted" in warnings[-1]
+    stats = watch.summary()
+    assert stats["forward_graphs"] == 6 and stats["backward_graphs"] == 1 and stats["recompiles"] == 5
+    assert stats["compiles_after_first_step"] == 5 and stats["first_step_s"] == 12.5
+
+
+def test_watch_registers_with_dynamo_and_unregisters():
+    from torch._dynamo.callback import callback_handler
+
+    before = len(callback_handler.end_callbacks)
+    watch = CompileWatch(lambda m: None).start()
+    assert watch.available and len(callback_handler.end_callbacks) == before + 1
+    watch.stop()
+    assert len(callback_handler.end_callbacks) == before
