@@ -15,7 +15,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
         ok = [r for r in mine if r.get("status") == "ok"]
         entry: dict[str, Any] = {"condition": condition.name, "kind": condition.reference or "hone", "runs": len(mine), "ok": len(ok)}
         if ok:
-            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "mfu_pct", "final_loss"):
+            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median"):
                 values = [r[key] for r in ok if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
@@ -43,8 +43,10 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None) -> str:
-    base = baseline_of(summary)
     w = spec.workload
+    if w.data == "lengths":
+        return _lengths_table(spec, summary, env, command)
+    base = baseline_of(summary)
     model = w.preset or str(w.path)
     if w.layers:
         model += f", {w.layers} layers"
@@ -75,6 +77,52 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
             f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
             f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None, command: str | None) -> str:
+    """Batching conditions on a length mix: steps differ in size, so compare trained tokens/s
+    (ratios to the first condition that ran), not ms/step: over all timed steps (stalls
+    included), and mean trained tokens per step over the median step time (the steady state)."""
+    w = spec.workload
+    model = w.preset or str(w.path)
+    if w.layers:
+        model += f", {w.layers} layers"
+    adapter = f"LoRA r={w.adapter.lora_r} on {','.join(w.adapter.lora_target_modules)}" if w.adapter.type == "lora" else "full fine-tune"
+    lines = [
+        f"### {spec.name}",
+        "",
+        f"{model}; sequence_len {w.sequence_len}; micro-batch {w.micro_batch_size} x accum {w.gradient_accumulation_steps} "
+        f"unless a condition sets otherwise; {w.dtype}; {adapter}; {w.documents} documents of random tokens, log-normal "
+        f"lengths (median {w.length_median}, sigma {w.length_sigma:g}, clipped to {w.sequence_len}). Throughput over "
+        f"{spec.timed_steps} steps after {spec.warmup_steps} warm-up; MFU vs {spec.peak_tflops:g} TFLOP/s with attention "
+        "FLOPs of the documents' own lengths.",
+    ]
+    if env:
+        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
+    if command:
+        lines += ["", f"Command: `{command}`"]
+    base = next((s for s in summary if s["ok"]), None)
+    ref_name = base["condition"] if base else "first row"
+    lines += [
+        "",
+        f"| condition | trained tok/s | vs {ref_name} | trained tok/s at the median step | vs {ref_name} | real tok/s | ms/step (min-max) | packing efficiency | peak alloc GiB | MFU | first step s | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        if not s["ok"]:
+            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | | | | |")
+            continue
+        ratio = f"{s['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else ""
+        at_median = s.get("trained_tokens_per_s_at_median")
+        base_median = base.get("trained_tokens_per_s_at_median") if base else None
+        median_ratio = f"{at_median / base_median:.2f}x" if at_median and base_median else ""
+        eff = f"{100 * s['packing_efficiency']:.1f}%" if s.get("packing_efficiency") is not None else ""
+        lines.append(
+            f"| {s['condition']} | {s['trained_tokens_per_s']:,.0f} | {ratio} | {_fmt(at_median, ',.0f')} | {median_ratio} | {s['tokens_per_s']:,.0f} | "
+            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {eff} | {_fmt(s['peak_alloc_gib'], '.1f')} | "
+            f"{_fmt(s['mfu_pct'], '.1f')}% | {s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -37,8 +37,19 @@ class Workload(Section):
     gradient_accumulation_steps: int = Field(1, ge=1)
     dtype: Dtype = "bfloat16"
     adapter: BenchAdapter = Field(default_factory=BenchAdapter)
-    data: Literal["random"] = "random"
-    """Random token ids, every token trained (datasets with packing come with packing)."""
+    data: Literal["random", "lengths"] = "random"
+    """``random``: full-length rows of random ids, every token trained. ``lengths``: documents
+    of random ids with log-normal lengths (see ``length_median``), to compare batching
+    (padded vs ``data.sample_packing``) by trained tokens per second."""
+
+    length_median: int = Field(300, ge=8)
+    """``data: lengths``: median document length in tokens."""
+
+    length_sigma: float = Field(1.0, gt=0)
+    """``data: lengths``: sigma of the log-normal lengths (1.0: a tail to ~10x the median)."""
+
+    documents: int = Field(4000, ge=1)
+    """``data: lengths``: documents in the dataset (steps stop at the spec's step count)."""
 
     @model_validator(mode="after")
     def _one_model(self) -> "Workload":
@@ -108,6 +119,16 @@ class BenchSpec(Section):
     """A replicate running longer than this becomes a failure row."""
 
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _lengths_are_hone_only(self) -> "BenchSpec":
+        refs = [c.name for c in self.conditions if c.reference is not None]
+        if self.workload.data == "lengths" and refs:
+            raise ValueError(
+                f"workload.data 'lengths' varies document lengths, which the reference step (full-length "
+                f"random rows) does not; remove the reference condition(s) {', '.join(refs)} or use data: random"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> "BenchSpec":

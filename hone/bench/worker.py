@@ -106,6 +106,9 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
     seed = spec.seed + 1000 * replicate
     step_times: list[float] = []
     losses: list[float] = []
+    step_tokens: list[tuple[int, int]] = []  # (real, trained) tokens per step, hone rows
+    attention_len: float = float(w.sequence_len)
+    packing_efficiency: float | None = None
 
     if condition.reference == "hf-peft":
         batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
@@ -126,8 +129,18 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
             workdir = Path(tmp)
             data_file = workdir / "random.jsonl"
             cpu = torch.device("cpu")
-            _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
+            if w.data == "lengths":
+                from hone.bench.lengths import attention_span, write_length_mix
+
+                lengths = write_length_mix(data_file, w, id_limit, spec.seed)
+                attention_len = attention_span(lengths)
+            else:
+                _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
             cfg = _hone_config(spec, condition, workdir, data_file)
+            if w.data == "lengths" and cfg.data.sample_packing:
+                from hone.data.packing import pack
+
+                packing_efficiency = pack(lengths, w.sequence_len, cfg.training.seed, cfg.data.sample_packing_group_size).efficiency
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             last = [None]
@@ -144,6 +157,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
                 last[0] = now
                 loss = get("loss")
                 losses.append(float(loss) if loss is not None else float("nan"))
+                step_tokens.append((int(get("tokens", 0)), int(get("trained_tokens", 0))))
 
             run_training(cfg, device=device, step_callback=step_callback)
 
@@ -152,7 +166,14 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
         raise RuntimeError(f"only {len(step_times)} steps reported, expected {total_steps}")
     median_s = statistics.median(timed)
     tokens = w.tokens_per_step
-    tokens_per_s = tokens / median_s
+    tokens_per_s = trained_per_s = tokens / median_s  # random data: every token is trained
+    trained_at_median: float | None = None
+    if w.data == "lengths":  # steps differ in size: what the timed steps did over their time
+        timed_tokens = step_tokens[spec.warmup_steps :]
+        tokens_per_s = sum(t for t, _ in timed_tokens) / sum(timed)
+        trained_per_s = sum(t for _, t in timed_tokens) / sum(timed)
+        # the typical step, without one-off stalls (a recompile, an allocator retry) in the sum
+        trained_at_median = statistics.mean(t for _, t in timed_tokens) / median_s
     full_ft = w.adapter.type == "none"
     row: dict[str, Any] = {
         "median_ms": round(median_s * 1000, 2),
@@ -160,11 +181,15 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
         "max_ms": round(max(timed) * 1000, 2),
         "first_step_s": round(step_times[0], 2),
         "tokens_per_s": round(tokens_per_s, 1),
-        "trained_tokens_per_s": round(tokens_per_s, 1),  # random data: every token is trained
-        "mfu_pct": float(f"{100 * mfu(config, total_params, w.sequence_len, full_ft, tokens_per_s, spec.peak_tflops):.3g}"),
+        "trained_tokens_per_s": round(trained_per_s, 1),
+        "mfu_pct": float(f"{100 * mfu(config, total_params, round(attention_len), full_ft, tokens_per_s, spec.peak_tflops):.3g}"),
         "final_loss": round(losses[-1], 4) if losses else None,
         "total_params": total_params,
     }
+    if trained_at_median is not None:
+        row["trained_tokens_per_s_at_median"] = round(trained_at_median, 1)
+    if packing_efficiency is not None:
+        row["packing_efficiency"] = round(packing_efficiency, 4)
     if device.type == "cuda":
         row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
