@@ -56,7 +56,7 @@ class HoneConfig(Section):
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
-        if getattr(self.data, "sample_packing", False):
+        if self.data.sample_packing:
             raise ValueError(
                 f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "
                 "data.sample_packing is on: packed micro-batches differ in their document boundaries "

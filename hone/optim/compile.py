@@ -19,8 +19,9 @@ Two things would make layers disagree and compile twice:
 Activation checkpointing composes either way round: transformers' checkpointing layer wraps the
 layer's ``forward``, so on recent versions the checkpoint is traced into the compiled region
 (Inductor then decides what to recompute) and on older ones it calls the compiled layer.
-Shapes: when every micro-batch has one shape (fixed-length rows, or packing into fixed bins)
-the graphs are static, which gives Inductor the most to specialise on. When rows of different
+Shapes: when every micro-batch has one shape (fixed-length rows, or packing into bins of
+``sequence_len``) the graphs are static, which gives Inductor the most to specialise on (with
+packing, a flash backend's varying document count recompiles once into a dynamic graph). When rows of different
 lengths are padded per micro-batch, the graphs are compiled with dynamic shapes from the start
 (``dynamic=True``): otherwise the first new length would recompile (and the second variant of
 each graph, e.g. eval's, again), and those recompiles count against Dynamo's per-function

@@ -45,8 +45,10 @@ class RunFacts:
 
     device: torch.device
     shape_note: str | None = None
-    """None when every training micro-batch has the same shape; otherwise why not (packing,
-    rows of different lengths padded per micro-batch)."""
+    """None when every training micro-batch has one shape and layout; otherwise why not
+    (packing: fixed width but document boundaries that move; rows of different lengths)."""
+    lengths_vary: bool = False
+    """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def _compile_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
 def _compile_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
     cache_dir, chosen_by_hone = configure_cache_dir()
     perf = cfg.performance
-    dynamic = facts.shape_note is not None
+    dynamic = facts.lengths_vary
     if perf.torch_compile_scope == "regional":
         details = compile_transform.compile_regional(model, perf, dynamic)
     else:

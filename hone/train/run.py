@@ -128,7 +128,8 @@ def run_training(
     data = prepare_data(cfg, tokenizer)
     console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
 
-    facts = RunFacts(device=device, shape_note=shape_note(cfg, data.stats))
+    note = shape_note(cfg, data.stats)
+    facts = RunFacts(device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing)
     plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
 
     seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
@@ -190,7 +191,7 @@ def run_training(
 def shape_note(cfg: HoneConfig, stats) -> str | None:
     """None when every training micro-batch has one shape; otherwise why not (for the planner:
     CUDA graphs need a single shape)."""
-    if getattr(cfg.data, "sample_packing", False):
+    if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
         return "data.sample_packing packs documents whose boundaries differ from step to step"
     train = getattr(stats, "train", None)
     if train is not None and train.min_length != train.max_length:

@@ -93,3 +93,25 @@ def test_varying_lengths_compile_dynamic_shapes_and_late_compiles_are_reported(t
     assert stats["eval_graphs"] >= 1 and stats["forward_graphs"] >= 1
     late = stats["compiles_after_first_step"]
     assert ("compiled again after the first step" in console) == (late > 0)
+
+
+def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path):
+    rng = random.Random(1)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 90) for _ in range(rng.randint(3, 20))]}) + "\n" for _ in range(60)))
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-qwen3", "dtype": "float32"},
+            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 64,
+                     "dataset_prepared_path": str(tmp_path / "cache"), "sample_packing": True},
+            "adapter": {"type": "lora", "lora_r": 4},
+            "training": {"max_steps": 4, "micro_batch_size": 1, "output_dir": str(tmp_path / "run")},
+            "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+            "performance": REGIONAL,
+        }
+    )
+    run_training(cfg, device="cpu", console=Console(file=io.StringIO()))
+    record = json.loads((tmp_path / "run" / OPTIMIZATIONS_FILE).read_text())
+    assert record["applied"][0]["details"]["dynamic_shapes"] is False  # bins are sequence_len wide
+    stats = record["compile"]
+    assert stats["forward_graphs"] == 1 and stats["compiles_after_first_step"] == 0, stats

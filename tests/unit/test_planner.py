@@ -128,6 +128,8 @@ def test_shape_note_tells_fixed_from_varying_lengths():
     assert shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8))) is None
     note = shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=3, max_length=9)))
     assert "3 to 9 tokens" in note and "padded" in note
+    packed = parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}})
+    assert "sample_packing" in shape_note(packed, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8)))
 
 
 def test_compile_event_tells_recompiles_from_new_frames():
