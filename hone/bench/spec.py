@@ -80,6 +80,11 @@ class Condition(Section):
     set: dict[str, Any] = Field(default_factory=dict)
     """hone only: config overrides as dotted keys, e.g. ``memory.gradient_checkpointing: true``."""
 
+    compile_cache: Literal["cold", "shared"] = "cold"
+    """Inductor's cache for this row: ``cold`` starts from an empty directory (the first-step
+    time is a true cold start); ``shared`` uses one directory for all ``shared`` rows of this
+    bench run, so a row repeating an earlier row's config measures a second run's start."""
+
     @model_validator(mode="after")
     def _options_match_kind(self) -> "Condition":
         if self.reference is None and (self.explicitly_set("gradient_checkpointing") or self.explicitly_set("compile")):

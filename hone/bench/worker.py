@@ -109,6 +109,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
     step_tokens: list[tuple[int, int]] = []  # (real, trained) tokens per step, hone rows
     attention_len: float = float(w.sequence_len)
     packing_efficiency: float | None = None
+    compile_stats: dict[str, Any] | None = None
 
     if condition.reference == "hf-peft":
         batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
@@ -160,6 +161,9 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
                 step_tokens.append((int(get("tokens", 0)), int(get("trained_tokens", 0))))
 
             run_training(cfg, device=device, step_callback=step_callback)
+            record = workdir / "run" / "optimizations.json"
+            if record.exists():  # compile counts (graphs, recompiles) for the row
+                compile_stats = json.loads(record.read_text()).get("compile")
 
     timed = step_times[spec.warmup_steps :]
     if len(timed) < spec.timed_steps:
@@ -190,6 +194,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
         row["trained_tokens_per_s_at_median"] = round(trained_at_median, 1)
     if packing_efficiency is not None:
         row["packing_efficiency"] = round(packing_efficiency, 4)
+    if compile_stats is not None:
+        row["compile"] = compile_stats
     if device.type == "cuda":
         row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
@@ -200,11 +206,32 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
     return row
 
 
+def compile_cache_dir(condition: Condition, spec_file: Path) -> Path:
+    """An empty directory (``cold``), or the bench run's shared one (``shared``), for Inductor's
+    caches; set through TORCHINDUCTOR_CACHE_DIR before anything compiles, so no row's cold start
+    is shortened by kernels an earlier row (or an earlier bench) left on the machine."""
+    if condition.compile_cache == "shared":
+        path = spec_file.parent / "inductor-shared"
+        path.mkdir(exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix="hone-inductor-"))
+
+
 def main(argv: list[str]) -> int:
     spec_file, condition_name, replicate, result_file = argv
     spec = BenchSpec.model_validate_json(Path(spec_file).read_text())
     condition = next(c for c in spec.conditions if c.name == condition_name)
-    row = run_condition(spec, condition, int(replicate))
+    cache = compile_cache_dir(condition, Path(spec_file))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    os.environ.pop("TRITON_CACHE_DIR", None)  # Triton's kernels then live under the same directory
+    try:
+        row = run_condition(spec, condition, int(replicate))
+    finally:
+        if condition.compile_cache == "cold":
+            import shutil
+
+            shutil.rmtree(cache, ignore_errors=True)
+    row["compile_cache"] = condition.compile_cache
     tmp = Path(result_file + ".tmp")
     tmp.write_text(json.dumps(row))
     os.replace(tmp, result_file)

@@ -106,3 +106,15 @@ def test_cache_dir_chosen_by_the_user_is_kept(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
     path, chosen = configure_cache_dir()
     assert not chosen and path == Path(tmp_path / "mine") and os.environ[CACHE_ENV] == str(tmp_path / "mine")
+
+
+def test_bench_rows_get_a_cold_or_a_shared_inductor_cache(tmp_path):
+    from hone.bench.spec import Condition
+    from hone.bench.worker import compile_cache_dir
+
+    spec_file = tmp_path / "spec.json"
+    cold_a = compile_cache_dir(Condition(name="a"), spec_file)
+    cold_b = compile_cache_dir(Condition(name="b"), spec_file)
+    assert cold_a != cold_b and not any(cold_a.iterdir())
+    shared = [compile_cache_dir(Condition(name=n, compile_cache="shared"), spec_file) for n in "cd"]
+    assert shared[0] == shared[1] == tmp_path / "inductor-shared" and shared[0].is_dir()
