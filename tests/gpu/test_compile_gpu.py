@@ -1,0 +1,78 @@
+"""torch.compile through ``run_training`` on CUDA with Inductor: regional and whole-model,
+with and without activation checkpointing, an Inductor option and CUDA graphs. Each run must
+train like the eager run (bf16 tolerance), compile one graph shared by every layer, and never
+recompile after the first step on fixed-shape data. Skipped without a GPU."""
+
+import json
+import random
+
+import pytest
+import torch
+from rich.console import Console
+
+from hone.config import parse_config
+from hone.optim.inductor import read_option
+from hone.train.run import run_training
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches live per process: a graph an earlier test compiled would turn this
+    test's first compilation into a "recompile"."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _train(tmp_path, name, performance=None, checkpointing=False, rows=16, length=64):
+    rng = random.Random(0)
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(length)]}) + "\n" for _ in range(rows)))
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 4}, "dtype": "bfloat16"},
+            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": length,
+                     "dataset_prepared_path": str(tmp_path / "cache")},
+            "adapter": {"type": "lora", "lora_r": 8},
+            "training": {"max_steps": 6, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 3},
+            "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
+            "memory": {"gradient_checkpointing": checkpointing},
+            "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+            "performance": performance or {},
+        }
+    )
+    losses = []
+    run_training(cfg, device="cuda", console=Console(quiet=True), step_callback=lambda m: losses.append(m.loss))
+    record = json.loads((tmp_path / name / "optimizations.json").read_text())
+    return losses, record
+
+
+@pytest.mark.parametrize(
+    ("scope", "checkpointing", "options"),
+    [
+        ("regional", False, {}),
+        ("regional", True, {}),
+        ("model", False, {}),
+        ("regional", False, {"coordinate_descent_tuning": True, "triton.cudagraphs": True}),
+    ],
+)
+def test_compiled_training_matches_eager_without_recompiles(tmp_path, scope, checkpointing, options):
+    eager, record = _train(tmp_path, "eager", checkpointing=checkpointing)
+    assert record["applied"] == []
+    perf = {"torch_compile": True, "torch_compile_scope": scope}
+    if options:
+        perf["torch_compile_options"] = options
+    compiled, record = _train(tmp_path, "compiled", perf, checkpointing=checkpointing)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=2e-2)
+    (applied,) = record["applied"]
+    assert applied["details"]["scope"] == scope and applied["details"]["options"] == options
+    stats = record["compile"]
+    assert stats["compiles_after_first_step"] == 0 and stats["recompiles"] == 0, stats
+    if scope == "regional":
+        assert applied["details"]["layers"] == 4
+        assert stats["forward_graphs"] == 1, stats  # one graph, reused by all four layers
+    for key in options:  # applied to hone's compilation only, never left in the global config
+        assert read_option(key) is False
