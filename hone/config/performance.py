@@ -79,7 +79,13 @@ class PerformanceConfig(Section):
         problems = []
         for key, value in options.items():
             wanted = INDUCTOR_OPTIONS.get(key)
-            if wanted is None:
+            if wanted is None and isinstance(value, dict):
+                dotted = f"{key}.{next(iter(value), 'name')}"
+                problems.append(
+                    f"'{key}' is not an allowed Inductor option (a nested option is one dotted key, e.g. "
+                    f"'{dotted}'; on the command line: --set 'performance.torch_compile_options={{{dotted}: true}}')"
+                )
+            elif wanted is None:
                 problems.append(f"'{key}' is not an allowed Inductor option")
             elif type(value) is not wanted:
                 problems.append(f"'{key}' must be {_TYPE_WORDS[wanted]}, got {value!r} ({type(value).__name__})")

@@ -95,13 +95,20 @@ def test_varying_lengths_compile_dynamic_shapes_and_late_compiles_are_reported(t
     assert ("compiled again after the first step" in console) == (late > 0)
 
 
-def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path):
+def _cpu_backends() -> list[str]:
+    from hone.models.attention.capabilities import BACKENDS
+
+    return [name for name, b in BACKENDS.items() if b.trains_on_cpu and b.installed and b.works_under_compile]
+
+
+@pytest.mark.parametrize("attention", _cpu_backends())
+def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path, attention):
     rng = random.Random(1)
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 90) for _ in range(rng.randint(3, 20))]}) + "\n" for _ in range(60)))
     cfg = parse_config(
         {
-            "model": {"preset": "tiny-qwen3", "dtype": "float32"},
+            "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": attention},
             "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 64,
                      "dataset_prepared_path": str(tmp_path / "cache"), "sample_packing": True},
             "adapter": {"type": "lora", "lora_r": 4},

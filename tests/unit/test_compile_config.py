@@ -48,6 +48,11 @@ def test_unknown_option_is_refused_with_the_allowed_keys():
     assert "Allowed keys: " + ", ".join(INDUCTOR_OPTIONS) in message
 
 
+def test_nested_options_are_pointed_to_their_dotted_key():
+    found = issues({"torch_compile": True, "torch_compile_options": {"triton": {"cudagraphs": True}}})
+    assert "a nested option is one dotted key, e.g. 'triton.cudagraphs'" in found["performance.torch_compile_options"]
+
+
 @pytest.mark.parametrize("value", [1, "true", 0.5, None])
 def test_option_values_must_have_the_keys_type(value):
     found = issues({"torch_compile": True, "torch_compile_options": {"epilogue_fusion": value}})
