@@ -89,9 +89,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     text = json.dumps(HoneConfig.model_json_schema(), indent=2)
     if args.output:
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        tmp.write_text(text + "\n", encoding="utf-8")
-        tmp.replace(args.output)
+        from hone.atomic import atomic_write_text
+
+        atomic_write_text(args.output, text + "\n")
         print(f"wrote {args.output}")
     else:
         print(text)

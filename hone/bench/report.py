@@ -4,6 +4,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from hone.atomic import atomic_write_text, atomic_write_with
 from hone.bench.spec import BenchSpec
 
 
@@ -146,19 +147,15 @@ def bar_chart(summary: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_xlabel("ms per optimizer step (lower is better)")
     ax.set_title(title)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    tmp.replace(path)
 
 
 def write_reports(spec: BenchSpec, rows: list[dict[str, Any]], out_dir: Path, command: str | None = None) -> tuple[Path, Path]:
     summary = summarise(spec, rows)
     env = rows[0].get("env") if rows else None
     table = out_dir / "table.md"
-    tmp = table.with_suffix(".md.tmp")
-    tmp.write_text(markdown_table(spec, summary, env, command))
-    tmp.replace(table)
+    atomic_write_text(table, markdown_table(spec, summary, env, command))
     chart = out_dir / "chart.png"
     bar_chart(summary, chart, spec.name)
     return table, chart

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hone.atomic import atomic_write_text
 from hone.bench.flops import mfu
 from hone.bench.spec import BenchSpec, Condition, Workload
 
@@ -232,9 +233,7 @@ def main(argv: list[str]) -> int:
 
             shutil.rmtree(cache, ignore_errors=True)
     row["compile_cache"] = condition.compile_cache
-    tmp = Path(result_file + ".tmp")
-    tmp.write_text(json.dumps(row))
-    os.replace(tmp, result_file)
+    atomic_write_text(Path(result_file), json.dumps(row))
     return 0
 
 

@@ -81,7 +81,7 @@ if __name__ == "__main__":
     text = render()
     if "--check" in sys.argv:
         sys.exit(0 if DOC_PATH.read_text() == text else 1)
-    tmp = DOC_PATH.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    tmp.replace(DOC_PATH)
+    from hone.atomic import atomic_write_text
+
+    atomic_write_text(DOC_PATH, text)
     print(f"wrote {DOC_PATH}")

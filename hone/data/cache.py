@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.config.data import DataConfig
 from hone.data.errors import DataError
@@ -104,21 +105,8 @@ class FileHasher:
     def save(self) -> None:
         if self.index_path is None or not self._dirty:
             return
-        write_text_atomic(self.index_path, json.dumps(self._index, indent=1, sort_keys=True))
+        atomic_write_text(self.index_path, json.dumps(self._index, indent=1, sort_keys=True))
         self._dirty = False
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a unique temp name in the same directory, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import datasets
 import numpy as np
 
+from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.data import mix
 from hone.data.cache import (
@@ -36,7 +37,6 @@ from hone.data.cache import (
     key_of,
     publish,
     staging_dir,
-    write_text_atomic,
 )
 from hone.data.encode import (
     STATUS_BAD_ROW,
@@ -133,9 +133,9 @@ def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedDat
     parent = root if use_cache else Path(tempfile.gettempdir())
     with staging_dir(parent, key, clean_stale=use_cache) as stage:
         stats = _build(cfg, tokenizer, stage)
-        write_text_atomic(stage / "stats.json", stats.to_json())
+        atomic_write_text(stage / "stats.json", stats.to_json())
         inputs["paths"] = [str(e.path) for _, entries in _sections(cfg) for e in entries]
-        write_text_atomic(stage / "key.json", json.dumps(inputs, indent=2, sort_keys=True))
+        atomic_write_text(stage / "key.json", json.dumps(inputs, indent=2, sort_keys=True))
         shutil.rmtree(stage / "scratch", ignore_errors=True)
         if not use_cache:
             loaded = _load_entry(stage, keep_in_memory=True)

@@ -5,76 +5,16 @@ crash mid-save leaves the previous output (or nothing), never a directory that l
 but holds half a model.
 """
 
-import os
-import shutil
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from peft import PeftModel
 from torch import nn
 
+from hone.atomic import atomic_directory
 from hone.config.adapter import AdapterConfig
 from hone.models.adapters import unwrap_compiled
 from hone.models.errors import ModelError
-
-
-@contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory next to ``final``; on success it becomes ``final``.
-
-    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first moved
-    aside, the new one renamed in, and only then the old one deleted. The window between the
-    two renames is two syscalls; the old output is removed only once the new one is in place.
-    On any error the temporary directory is removed and ``final`` is left as it was.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = final.with_name(f".{final.name}.tmp-{tag}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        old = None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{tag}")
-            final.rename(old)
-        try:
-            tmp.rename(final)
-        except BaseException:
-            if old is not None:
-                old.rename(final)
-            raise
-        _fsync(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Make the files durable before the rename publishes them."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            _fsync(path)
-    _fsync(root)
 
 
 def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig) -> Path:

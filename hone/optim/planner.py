@@ -195,7 +195,7 @@ def describe(applied: list[Applied], plan: Plan) -> str:
 
 def write_record(out_dir: Path, applied: list[Applied], plan: Plan, compile_stats: dict[str, Any] | None = None) -> Path:
     """``optimizations.json``: applied transforms in order, skipped ones, compile counts."""
-    from hone.track.atomic import atomic_write_text
+    from hone.atomic import atomic_write_text
 
     record: dict[str, Any] = {
         "applied": [asdict(a) for a in applied],

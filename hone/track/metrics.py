@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hone.track.atomic import atomic_write_text
+from hone.atomic import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 

@@ -7,7 +7,7 @@ caller's matplotlib state is left alone) and no display is needed.
 from pathlib import Path
 from typing import Any
 
-from hone.track.atomic import atomic_write_with
+from hone.atomic import atomic_write_with
 
 PLOT_FILE = "loss.png"
 

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
-from hone.track.atomic import fsync_dir
+from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -218,7 +218,7 @@ def save_checkpoint(
     _write_torch(tmp, RNG_FILE, capture_rng())
     _write_state(tmp, state)
     _write_marker(tmp, step)
-    fsync_dir(tmp)
+    fsync_path(tmp)
 
     if final.exists():  # the same step saved before (e.g. re-run after a resume): replace it
         old = root / f".old-step-{step}-{os.getpid()}"
@@ -227,7 +227,7 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    fsync_dir(root)
+    fsync_path(root)
     if keep is not None:
         prune_checkpoints(output_dir, keep)
     return final

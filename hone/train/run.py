@@ -20,7 +20,7 @@ from hone.errors import HoneError
 from hone.optim.planner import RunFacts, apply_optimizations, plan_optimizations, write_record
 from hone.optim.planner import describe as describe_optimizations
 from hone.optim.watch import CompileWatch
-from hone.track.atomic import atomic_write_text
+from hone.atomic import atomic_write_text
 from hone.track.metrics import METRICS_FILE
 from hone.track.plot import PLOT_FILE
 from hone.track.report import format_report

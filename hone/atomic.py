@@ -1,0 +1,104 @@
+"""Write files and directories so that a reader (or a resumed run) never sees half of one.
+
+Everything goes to a temporary name in the same directory, is flushed and fsync'd, then
+renamed over the target: ``os.replace`` is atomic on POSIX within one filesystem, so a crash
+leaves either the old file or the new one, never a truncated mix. One module for the whole
+package: configs, metrics, plots, the data cache, final models and merges all write this way.
+"""
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename is only durable once its
+    directory is synced), to disk; filesystems that refuse are left as they are."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not let a directory be opened; nothing more to do
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_name(target: Path) -> Path:
+    """A hidden sibling of ``target``: same filesystem, never mistaken for the real file."""
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+
+
+def atomic_write_with(target: Path, write: Callable[[Path], None]) -> None:
+    """Let ``write`` fill a temp file, then fsync it and rename it onto ``target``.
+
+    For writers that insist on a path of their own (matplotlib, ``safetensors``, ``torch.save``).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(target)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(target.parent)
+
+
+def atomic_write_bytes(target: Path, data: bytes) -> None:
+    atomic_write_with(Path(target), lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_text(target: Path, text: str) -> None:
+    atomic_write_bytes(Path(target), text.encode("utf-8"))
+
+
+def fsync_tree(root: Path) -> None:
+    """Make every file below ``root`` durable before a rename publishes the directory."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fsync_path(path)
+    fsync_path(root)
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory next to ``final``; on success it becomes ``final``.
+
+    A directory cannot be renamed over a non-empty one, so an existing ``final`` is first moved
+    aside, the new one renamed in, and only then the old one deleted. The window between the
+    two renames is two syscalls; the old output is removed only once the new one is in place.
+    On any error the temporary directory is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = final.with_name(f".{final.name}.tmp-{tag}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        old = None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{tag}")
+            final.rename(old)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            if old is not None:
+                old.rename(final)
+            raise
+        fsync_path(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
