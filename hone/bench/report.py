@@ -43,15 +43,32 @@ def _fmt(value: Any, spec: str = "") -> str:
     return "" if value is None else format(value, spec)
 
 
+def _describe(w: Any) -> tuple[str, str]:
+    """(model, adapter) phrases for a table's heading."""
+    model = w.preset or str(w.path)
+    if w.layers:
+        model += f", {w.layers} layers"
+    if w.adapter.type == "lora":
+        return model, f"LoRA r={w.adapter.lora_r} on {','.join(w.adapter.lora_target_modules)}"
+    return model, "full fine-tune"
+
+
+def _provenance(env: dict[str, Any] | None, command: str | None) -> list[str]:
+    """The card, the versions and the command: what a reader needs to reproduce a table."""
+    lines = []
+    if env:
+        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
+    if command:
+        lines += ["", f"Command: `{command}`"]
+    return lines
+
+
 def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None) -> str:
     w = spec.workload
     if w.data == "lengths":
         return _lengths_table(spec, summary, env, command)
     base = baseline_of(summary)
-    model = w.preset or str(w.path)
-    if w.layers:
-        model += f", {w.layers} layers"
-    adapter = f"LoRA r={w.adapter.lora_r} on {','.join(w.adapter.lora_target_modules)}" if w.adapter.type == "lora" else "full fine-tune"
+    model, adapter = _describe(w)
     lines = [
         f"### {spec.name}",
         "",
@@ -59,10 +76,7 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         f"{w.dtype}; {adapter}; random tokens. Median of {spec.timed_steps} steps after {spec.warmup_steps} warm-up, "
         f"{spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
     ]
-    if env:
-        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
-    if command:
-        lines += ["", f"Command: `{command}`"]
+    lines += _provenance(env, command)
     ref_name = base["condition"] if base else "reference"
     lines += [
         "",
@@ -87,10 +101,7 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     (ratios to the first condition that ran), not ms/step: over all timed steps (stalls
     included), and mean trained tokens per step over the median step time (the steady state)."""
     w = spec.workload
-    model = w.preset or str(w.path)
-    if w.layers:
-        model += f", {w.layers} layers"
-    adapter = f"LoRA r={w.adapter.lora_r} on {','.join(w.adapter.lora_target_modules)}" if w.adapter.type == "lora" else "full fine-tune"
+    model, adapter = _describe(w)
     lines = [
         f"### {spec.name}",
         "",
@@ -100,10 +111,7 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         f"{spec.timed_steps} steps after {spec.warmup_steps} warm-up; MFU vs {spec.peak_tflops:g} TFLOP/s with attention "
         "FLOPs of the documents' own lengths.",
     ]
-    if env:
-        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
-    if command:
-        lines += ["", f"Command: `{command}`"]
+    lines += _provenance(env, command)
     base = next((s for s in summary if s["ok"]), None)
     ref_name = base["condition"] if base else "first row"
     lines += [
