@@ -16,8 +16,8 @@ Packed rows (:func:`collate_packed`) hold several documents each, always ``seque
 wide so every micro-batch has one shape (``torch.compile`` sees no new shapes). Each document
 gets its own ``position_ids`` from 0 and its own shifted targets: the target of a document's
 last token is -100, never the next document's first token. The batch carries no 2D
-``attention_mask``: with restarting ``position_ids`` and no mask, transformers builds the
-document-isolating mask itself (see :mod:`hone.models.attention`). The padding tail is one
+``attention_mask``: the document-isolating mask is built from the restarting ``position_ids``
+at forward time (see :mod:`hone.models.attention`). The padding tail is one
 more "document" of pad tokens (positions from 0, targets -100) that no real token sees.
 ``cu_seqlens`` / ``max_seqlen`` give the boundaries over the flattened batch, which the flash
 varlen kernels take directly.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hone.models.attention.packed_mask import packed_attention_mask
 from hone.train.collate import IGNORE_INDEX, MicroBatch
 
 
@@ -33,7 +34,12 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The model's logits for ``batch``, under ``torch.autocast`` when the precision needs it
     (float32 trainable weights beside bf16/fp16 compute, see :mod:`hone.models.precision`)."""
+    inputs = batch.model_inputs()
+    if batch.packed and batch.position_ids is not None:
+        mask = packed_attention_mask(model, batch.position_ids)  # once per micro-batch, all layers
+        if mask is not None:
+            inputs["attention_mask"] = mask
     if autocast_dtype is None:
-        return model(**batch.model_inputs(), use_cache=False).logits
+        return model(**inputs, use_cache=False).logits
     with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-        return model(**batch.model_inputs(), use_cache=False).logits
+        return model(**inputs, use_cache=False).logits

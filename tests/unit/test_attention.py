@@ -15,9 +15,11 @@ from hone.errors import HoneError
 from hone.models.adapters import apply_adapter
 from hone.models.attention import capabilities
 from hone.models.attention.capabilities import BACKENDS, installed_backends
+from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
 from hone.models.testing import tiny_model, tiny_tokenizer
 from hone.train.collate import collate_packed
+from hone.train.loss import forward_logits
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]
@@ -196,3 +198,38 @@ def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
         assert g_packed[name].abs().max() > 0, name
         scale = g_alone[name].abs().max().item()  # fp32: 1e-5 relative to the gradient's size
         torch.testing.assert_close(g_packed[name], g_alone[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+# ---------------------------------------------------------------- hone's own flex document mask
+
+
+def test_document_ids_follow_restarting_positions():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    assert document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 3], [1, 1, 1, 1, 1, 1]]
+
+
+def test_own_document_mask_only_for_sdpa_and_flex_without_sliding_windows(tok):
+    assert uses_own_document_mask(_model("tiny-llama", tok, "flex_attention", 0))
+    assert uses_own_document_mask(_model("tiny-llama", tok, "sdpa", 0))
+    assert not uses_own_document_mask(_model("tiny-llama", tok, "eager", 0))
+    assert not uses_own_document_mask(_model("tiny-gemma", tok, "sdpa", 0))  # sliding layers
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex_attention"])
+def test_own_document_mask_equals_each_document_alone(tok, impl):
+    """Through the loop's forward (hone's mask), including a row that one document fills
+    exactly: the case where transformers alone would switch to a mask of another kind."""
+    seed = random.randrange(10_000)
+    model = _model("tiny-llama", tok, impl, seed)
+    docs = _docs([*LENGTHS, WIDTH], seed)
+    bins = [*BINS, [len(LENGTHS)]]
+    batch = collate_packed([[docs[i] for i in b] for b in bins], WIDTH, pad_id=0)
+    with torch.no_grad():
+        out = forward_logits(model, batch)
+        for row, b in enumerate(bins):
+            at = 0
+            for i in b:
+                n = len(docs[i]["input_ids"])
+                alone = model(input_ids=torch.tensor([docs[i]["input_ids"]]), use_cache=False).logits[0]
+                torch.testing.assert_close(out[row, at : at + n], alone, rtol=1e-5, atol=1e-5)
+                at += n

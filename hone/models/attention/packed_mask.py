@@ -1,0 +1,67 @@
+"""The document mask of packed rows, built by hone once per micro-batch (sdpa and flex).
+
+transformers can derive a document mask from restarting ``position_ids`` itself, but it
+decides per batch whether a batch is packed at all: a packed row that one document fills
+exactly looks unpacked and gets a plain causal mask of another kind (for sdpa none at all),
+and every compiled attention layer recompiles (seen on the GPU: 7-9 s inside a timed window
+with flex). Handing the model a mask of hone's own keeps one mask kind for every batch:
+transformers passes a ready 4D tensor or ``BlockMask`` ``attention_mask`` through unchanged
+(its documented behaviour in ``masking_utils``). Models with sliding-window layers keep
+transformers' own path, which combines the document mask with each layer's window; eager
+keeps it too (it wants an additive float mask, and is not the backend to compile).
+"""
+
+from typing import Any
+
+import torch
+
+#: Backends that get hone's mask on packed batches.
+OWN_MASK_BACKENDS = ("sdpa", "flex_attention")
+
+
+def uses_own_document_mask(model: Any) -> bool:
+    """Whether packed batches for ``model`` get hone's mask: sdpa or flex attention, and no
+    sliding windows (one mask serves every layer only when all layers attend the same way)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) not in OWN_MASK_BACKENDS:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] index of the document each token belongs to (a new one wherever positions restart
+    at 0; a row's padding tail is one more document that no real token sees)."""
+    return torch.cumsum((position_ids == 0).to(torch.int32), dim=1)
+
+
+def document_block_mask(position_ids: torch.Tensor):
+    """A causal, document-isolating flex ``BlockMask`` for packed rows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = document_ids(position_ids)
+    batch, width = docs.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+    return create_block_mask(same_document_causal, batch, None, width, width, device=position_ids.device)
+
+
+def document_dense_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The same mask as a [B, 1, T, T] boolean tensor (True = attend), as sdpa takes it."""
+    docs = document_ids(position_ids)
+    width = docs.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+
+
+def packed_attention_mask(model: Any, position_ids: torch.Tensor) -> Any | None:
+    """hone's mask for a packed batch of ``model``, or None to leave it to transformers."""
+    if not uses_own_document_mask(model):
+        return None
+    if model.config._attn_implementation == "flex_attention":
+        return document_block_mask(position_ids)
+    return document_dense_mask(position_ids)
