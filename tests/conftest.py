@@ -84,3 +84,15 @@ def trained_spans(tokenizer: Any, row: dict[str, Any]) -> list[str]:
 def trained_spans_fixture() -> Callable[[Any, dict[str, Any]], list[str]]:
     """``trained_spans(tokenizer, row) -> list[str]``: decoded runs of trained tokens."""
     return trained_spans
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches live per process: a graph an earlier test compiled would turn a test's
+    first compilation into a "recompile". Compile tests opt in with
+    ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

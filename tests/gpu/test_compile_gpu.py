@@ -14,16 +14,11 @@ from hone.config import parse_config
 from hone.optim.inductor import read_option
 from hone.train.run import run_training
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Dynamo's caches live per process: a graph an earlier test compiled would turn this
-    test's first compilation into a "recompile"."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 
 def _train(tmp_path, name, performance=None, checkpointing=False, rows=16, length=64):

@@ -16,14 +16,7 @@ from hone.config import parse_config
 from hone.optim.planner import OPTIMIZATIONS_FILE
 from hone.train.run import run_training
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Dynamo's caches live per process: a graph an earlier test compiled would turn this
-    test's first compilation into a "recompile"."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _train(tmp_path, name, performance=None, *, checkpointing=False, fixed=True, eval_data=False):
