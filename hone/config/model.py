@@ -51,6 +51,13 @@ class ModelConfig(Section):
     ``flash_attention_2`` / ``flash_attention_3`` (CUDA, bf16/fp16, need the flash-attn package).
     Every one isolates packed documents; see docs/packing.md."""
 
+    sdpa_varlen: bool | Literal["auto"] = "auto"
+    """Packed rows under ``sdpa``: ``auto`` runs them through torch's per-document varlen kernel
+    (FlashAttention-2; computes each document's causal triangle only, no mask) where it can run:
+    CUDA, bfloat16/float16, a model without sliding-window layers, attention dropout or logit
+    soft-capping; elsewhere through hone's block-diagonal mask. ``false``: always the mask.
+    ``true``: the kernel or a clear error before training. Read only with ``sample_packing``."""
+
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""
 
@@ -74,6 +81,16 @@ class ModelConfig(Section):
             raise ValueError(
                 f"attn_implementation: '{self.attn_implementation}' computes in bfloat16/float16 only, "
                 "but model.dtype is float32: set model.dtype: bfloat16, or use sdpa or flex_attention"
+            )
+        if self.sdpa_varlen is True and self.attn_implementation != "sdpa":
+            raise ValueError(
+                f"model.sdpa_varlen: true applies to attn_implementation: sdpa, but it is "
+                f"'{self.attn_implementation}': remove sdpa_varlen, or use sdpa"
+            )
+        if self.sdpa_varlen is True and self.dtype == "float32":
+            raise ValueError(
+                "model.sdpa_varlen: true needs bfloat16/float16 compute (the varlen kernel is "
+                "FlashAttention-2), but model.dtype is float32: set model.dtype: bfloat16, or sdpa_varlen: auto"
             )
         return self
 

@@ -49,6 +49,15 @@ class HoneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _varlen_needs_packing(self) -> "HoneConfig":
+        if self.model.sdpa_varlen is True and not (self.data.sample_packing or self.data.packs_eval):
+            raise ValueError(
+                "model.sdpa_varlen: true only changes packed rows, but data.sample_packing is off: "
+                "set data.sample_packing: true, or remove sdpa_varlen"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
         """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
         records (and keeps the memory of) another graph, so they only pay off when every

@@ -19,7 +19,7 @@ from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter
-from hone.models.attention.setup import check_attention
+from hone.models.attention.setup import check_attention, select_packed_kernel
 from hone.models.errors import ModelError
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
@@ -52,6 +52,7 @@ def load_model(cfg: HoneConfig, tokenizer, device: torch.device | str) -> Loaded
     check_attention(cfg.model, device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
     base = build_base_model(cfg.model, tokenizer, device, precision.weights, seed=cfg.training.seed)
+    packed_kernel = select_packed_kernel(base, cfg, device, precision.compute)
     with seeded(seed=cfg.training.seed + 1, device=device):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
     cast_trainable(model, precision.trainable)
@@ -59,7 +60,7 @@ def load_model(cfg: HoneConfig, tokenizer, device: torch.device | str) -> Loaded
         enable_gradient_checkpointing(model)
     model.train()
     trainable, total = count_parameters(model)
-    description = describe(base, cfg, precision, trainable, total)
+    description = describe(base, cfg, precision, trainable, total, packed_kernel)
     return LoadedModel(model, trainable, total, description, precision)
 
 
@@ -207,7 +208,9 @@ def describe_adapter(adapter_cfg: AdapterConfig) -> str:
     return text
 
 
-def describe(base: PreTrainedModel, cfg: HoneConfig, precision: Precision, trainable: int, total: int) -> str:
+def describe(
+    base: PreTrainedModel, cfg: HoneConfig, precision: Precision, trainable: int, total: int, packed_kernel: str | None = None
+) -> str:
     def name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
 
@@ -221,7 +224,7 @@ def describe(base: PreTrainedModel, cfg: HoneConfig, precision: Precision, train
         f"{format_count(total)} params, {format_count(trainable)} trainable ({100 * trainable / max(total, 1):.2f}%)",
         describe_adapter(cfg.adapter),
         dtypes,
-        f"attention {cfg.model.attn_implementation}",
+        f"attention {cfg.model.attn_implementation}" + (f" ({packed_kernel})" if packed_kernel else ""),
     ]
     if cfg.memory.gradient_checkpointing:
         parts.append("activation checkpointing")

@@ -177,11 +177,10 @@ class PaddedBatches:
 class PackedBatches:
     """Units are packed rows (bins); a micro-batch is ``len(indices)`` rows of ``width`` tokens."""
 
-    def __init__(self, dataset: Any, packing: Packing, pad_id: int, pass_boundaries: bool = False):
+    def __init__(self, dataset: Any, packing: Packing, pad_id: int):
         self.dataset = dataset
         self.packing = packing
         self.pad_id = pad_id
-        self.pass_boundaries = pass_boundaries
         self.units = packing.num_bins
 
     def __call__(self, indices: list[int]) -> MicroBatch:
@@ -191,14 +190,14 @@ class PackedBatches:
         for b in bins:
             grouped.append(docs[at : at + len(b)])
             at += len(b)
-        return collate_packed(grouped, self.packing.capacity, self.pad_id, self.pass_boundaries)
+        return collate_packed(grouped, self.packing.capacity, self.pad_id)
 
 
 def micro_batches(
-    dataset: Any, *, packed: bool, sequence_len: int, seed: int, pad_id: int, group_size: int, pass_boundaries: bool = False, shuffle: bool = True
+    dataset: Any, *, packed: bool, sequence_len: int, seed: int, pad_id: int, group_size: int, shuffle: bool = True
 ) -> PaddedBatches | PackedBatches:
     """The micro-batch builder of a split: padded rows, or bins packed by seed."""
     if not packed:
         return PaddedBatches(dataset, pad_id)
     packing = pack(row_lengths(dataset), sequence_len, seed, group_size, shuffle=shuffle)
-    return PackedBatches(dataset, packing, pad_id, pass_boundaries)
+    return PackedBatches(dataset, packing, pad_id)

@@ -19,8 +19,8 @@ last token is -100, never the next document's first token. The batch carries no 
 ``attention_mask``: the document-isolating mask is built from the restarting ``position_ids``
 at forward time (see :mod:`hone.models.attention`). The padding tail is one
 more "document" of pad tokens (positions from 0, targets -100) that no real token sees.
-``cu_seqlens`` / ``max_seqlen`` give the boundaries over the flattened batch, which the flash
-varlen kernels take directly.
+``cu_seqlens`` gives the boundaries over the flattened batch, which varlen kernels (torch's,
+flash-attn's) take instead of a mask; see :meth:`MicroBatch.boundaries`.
 """
 
 from collections.abc import Mapping, Sequence
@@ -40,8 +40,6 @@ class MicroBatch:
     tokens: int  # real (non-padding) input tokens
     position_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # [docs + 1] int32 boundaries over the flattened batch
-    max_seqlen: int | None = None  # longest document (or padding tail) in the batch
-    pass_boundaries: bool = False  # hand cu_seqlens/max_seqlen to the model (flash varlen)
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -53,8 +51,6 @@ class MicroBatch:
             tokens=self.tokens,
             position_ids=move(self.position_ids),
             cu_seqlens=move(self.cu_seqlens),
-            max_seqlen=self.max_seqlen,
-            pass_boundaries=self.pass_boundaries,
         )
 
     @property
@@ -68,15 +64,22 @@ class MicroBatch:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
-        if self.pass_boundaries and self.cu_seqlens is not None and self.max_seqlen is not None:
-            # transformers' documented varlen kwargs (TransformersKwargs) for flash attention
-            inputs.update(
-                cu_seq_lens_q=self.cu_seqlens,
-                cu_seq_lens_k=self.cu_seqlens,
-                max_length_q=self.max_seqlen,
-                max_length_k=self.max_seqlen,
-            )
         return inputs
+
+    def boundaries(self) -> dict[str, torch.Tensor | int]:
+        """The document boundaries of a packed batch as the keyword arguments transformers
+        defines for varlen attention (``FlashAttentionKwargs``).
+
+        The longest-segment argument is the row width, an upper bound the kernels accept (it
+        only sizes their launch grid), so that a compiled layer sees the same int every step;
+        the number of boundaries varies from batch to batch and is marked dynamic for the same
+        reason.
+        """
+        if self.cu_seqlens is None:
+            raise ValueError("boundaries() is for packed micro-batches (collate_packed)")
+        torch._dynamo.maybe_mark_dynamic(self.cu_seqlens, 0)
+        width = self.input_ids.shape[1]
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": width, "max_length_k": width}
 
 
 def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBatch:
@@ -112,7 +115,7 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBa
 
 
 def collate_packed(
-    bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int, pass_boundaries: bool = False
+    bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int
 ) -> MicroBatch:
     """One packed micro-batch of ``len(bins)`` rows, each ``width`` tokens wide.
 
@@ -155,8 +158,6 @@ def collate_packed(
         tokens=real,
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
-        max_seqlen=max(segments),
-        pass_boundaries=pass_boundaries,
     )
 
 

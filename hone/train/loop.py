@@ -200,7 +200,6 @@ def train_loop(
         seed=t.seed,
         pad_id=pad_id,
         group_size=cfg.data.sample_packing_group_size,
-        pass_boundaries=cfg.model.attn_implementation.startswith("flash_attention"),  # varlen kernels
     )
     plan = plan_steps(batches.units, t)
     seed_everything(t.seed)

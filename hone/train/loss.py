@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hone.models.attention.packed_mask import packed_attention_mask
+from hone.models.attention.packed_mask import packed_attention_mask, takes_document_boundaries
 from hone.train.collate import IGNORE_INDEX, MicroBatch
 
 
@@ -35,7 +35,9 @@ def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dt
     """The model's logits for ``batch``, under ``torch.autocast`` when the precision needs it
     (float32 trainable weights beside bf16/fp16 compute, see :mod:`hone.models.precision`)."""
     inputs = batch.model_inputs()
-    if batch.packed and batch.position_ids is not None:
+    if batch.packed and takes_document_boundaries(model):
+        inputs.update(batch.boundaries())
+    elif batch.packed and batch.position_ids is not None:
         mask = packed_attention_mask(model, batch.position_ids)  # once per micro-batch, all layers
         if mask is not None:
             inputs["attention_mask"] = mask

@@ -73,7 +73,15 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path, scope, che
         assert read_option(key) is False
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        {"attn_implementation": "sdpa", "sdpa_varlen": True},
+        {"attn_implementation": "sdpa", "sdpa_varlen": False},
+        {"attn_implementation": "flex_attention"},
+    ],
+    ids=["sdpa-varlen", "sdpa-mask", "flex"],
+)
 def test_regional_compile_with_packing_matches_eager(tmp_path, attention):
     """Packed rows (one fixed shape) with each GPU attention backend: the regional compile
     trains like eager and compiles nothing after the first step."""
@@ -87,7 +95,7 @@ def test_regional_compile_with_packing_matches_eager(tmp_path, attention):
     def train(name, performance):
         cfg = parse_config(
             {
-                "model": {"preset": "tiny-llama", "dtype": "bfloat16", "attn_implementation": attention},
+                "model": {"preset": "tiny-llama", "dtype": "bfloat16", **attention},
                 "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 256,
                          "sample_packing": True, "dataset_prepared_path": str(tmp_path / "cache")},
                 "adapter": {"type": "lora", "lora_r": 8},

@@ -13,7 +13,9 @@ from hone.config.adapter import AdapterConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.capabilities import installed_backends
 from hone.models.testing import tiny_model, tiny_tokenizer
+from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, register_varlen_sdpa, varlen_attention
 from hone.train.collate import collate_packed
+from hone.train.loss import forward_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -51,9 +53,11 @@ def _model(preset, tok, impl, seed, lora=False, **overrides):
     return model.to(CUDA)
 
 
-def _packed(model, docs):
+def _packed(model, docs, autocast=None):
+    """Per-document logits of a packed forward through the loop's own forward (hone's mask or
+    boundaries, as training hands them to the model)."""
     batch = collate_packed([[docs[i] for i in b] for b in BINS], WIDTH, pad_id=0).to(CUDA)
-    out = model(**batch.model_inputs(), use_cache=False).logits
+    out = forward_logits(model, batch, autocast)
     pieces = {}
     for row, b in enumerate(BINS):
         at = 0
@@ -68,12 +72,16 @@ def _alone(model, doc):
     return model(input_ids=torch.tensor([doc["input_ids"]], device=CUDA), use_cache=False).logits[0]
 
 
-@pytest.mark.parametrize("impl", [b for b in installed_backends() if b != "eager"])
+@pytest.mark.parametrize("impl", [*(b for b in installed_backends() if b != "eager"), VARLEN_SDPA])
 @pytest.mark.parametrize("preset,overrides", [("tiny-llama", {}), ("tiny-qwen3-moe", {}), ("tiny-gemma", {"sliding_window": 48})])
 def test_packed_forward_equals_alone_on_cuda(tok, impl, preset, overrides):
     if impl.startswith("flash"):
         pytest.skip("flash kernels compute in bf16/fp16; this test is fp32")
     seed = random.randrange(10_000)
+    if impl == VARLEN_SDPA:
+        if "sliding_window" in overrides:
+            pytest.skip("sliding-window models keep the document mask (select_packed_kernel)")
+        register_varlen_sdpa()  # float32 here: its reference path on CUDA; the kernel is tested below
     model = _model(preset, tok, impl, seed, **overrides).eval()
     docs = _docs(seed)
     with torch.no_grad():
@@ -138,4 +146,59 @@ def test_bf16_lora_run_with_packing_learns(tmp_path, impl):
     out = io.StringIO()
     result = run_training(cfg, device="cuda", console=Console(file=out, width=300))
     assert result.skipped_steps == 0 and "sample packing: 180 rows" in out.getvalue()
+    assert ("varlen kernel" in out.getvalue()) == (impl == "sdpa"), out.getvalue()
     assert result.last_eval_loss < result.first_eval_loss
+
+
+# ---------------------------------------------------------------- torch's varlen kernel (bf16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_varlen_kernel_matches_the_reference_forward_and_backward(dtype):
+    """torch's kernel (grouped heads, head dim 128, documents of 1 to 700 tokens) against the
+    per-document sdpa reference in float32, values and gradients at half-precision tolerance."""
+    gen = torch.Generator(device=CUDA).manual_seed(random.randrange(10_000))
+    lengths = [700, 1, 33, 300, 129, 64, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    n, heads, kv_heads, dim = sum(lengths), 8, 2, 128
+    inputs = [torch.randn(n, h, dim, generator=gen, device=CUDA, dtype=dtype) for h in (heads, kv_heads, kv_heads)]
+    fused_in = [t.clone().requires_grad_() for t in inputs]
+    ref_in = [t.float().requires_grad_() for t in inputs]
+    fused = varlen_attention(*fused_in, cu, 1024, scale=dim**-0.5)
+    ref = reference_varlen_attention(*ref_in, cu, scale=dim**-0.5)
+    assert fused.dtype == dtype
+    torch.testing.assert_close(fused.float(), ref, rtol=2e-2, atol=2e-2)
+    upstream = torch.randn(n, heads, dim, generator=gen, device=CUDA)
+    (fused.float() * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    for name, a, b in zip("qkv", fused_in, ref_in):
+        scale = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad.float(), b.grad, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_varlen_packed_lora_equals_the_masked_sdpa_in_bf16(tok):
+    """A bf16 LoRA model through the kernel and through hone's document mask: the same logits
+    and LoRA gradients, at bf16 tolerance."""
+    seed = random.randrange(10_000)
+    model = _model("tiny-qwen3", tok, "sdpa", seed, lora=True).to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # adapters train in float32 under bf16 autocast, as in a run
+    docs = _docs(seed + 1)
+    weights = {i: torch.randn(len(d["input_ids"]), 1, device=CUDA) for i, d in enumerate(docs)}
+
+    def run(impl):
+        model.base_model.model.set_attn_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        packed = _packed(model, docs, torch.bfloat16)
+        sum((packed[i].float() * weights[i]).sum() for i in packed).backward()
+        return packed, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    masked, g_masked = run("sdpa")
+    fused, g_fused = run(register_varlen_sdpa())
+    for i in masked:
+        torch.testing.assert_close(fused[i].float(), masked[i].float(), rtol=2e-2, atol=2e-2)
+    for name, grad in g_masked.items():
+        scale = grad.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(g_fused[name], grad, rtol=5e-2, atol=2e-2 * scale, msg=name)

@@ -17,12 +17,16 @@ from hone.models.attention import capabilities
 from hone.models.attention.capabilities import BACKENDS, installed_backends
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
+from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
 from hone.models.testing import tiny_model, tiny_tokenizer
 from hone.train.collate import collate_packed
 from hone.train.loss import forward_logits
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]
+# hone's varlen sdpa runs its reference (one sdpa call per document) on the CPU: these tests
+# check its plumbing (boundaries, flattening, grouped heads); the GPU tests check the kernel
+PACKED_PATHS = [*INSTALLED, VARLEN_SDPA]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +116,8 @@ def _docs(lengths, seed):
 
 def _model(preset, tok, impl, seed, **overrides):
     model = tiny_model(preset, tok, seed=seed, **overrides)
+    if impl == VARLEN_SDPA:
+        register_varlen_sdpa()
     model.set_attn_implementation(impl)
     return model.eval()
 
@@ -119,6 +125,13 @@ def _model(preset, tok, impl, seed, **overrides):
 BINS = [[0, 1, 2], [3, 4]]  # two packed rows: three documents, then two and a padding tail
 LENGTHS = [9, 4, 13, 11, 6]
 WIDTH = 28
+
+
+def _alone(model, doc):
+    """One document's logits on its own. The explicit all-ones mask sends hone's varlen backend
+    down transformers' sdpa path, so the reference is never the code under test."""
+    ids = torch.tensor([doc["input_ids"]])
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
 
 
 def _packed_logits(model, docs, bins=BINS):
@@ -136,7 +149,7 @@ def _packed_logits(model, docs, bins=BINS):
     return pieces
 
 
-@pytest.mark.parametrize("impl", INSTALLED)
+@pytest.mark.parametrize("impl", PACKED_PATHS)
 @pytest.mark.parametrize(
     ("preset", "overrides"),
     [("tiny-llama", {}), ("tiny-qwen3-moe", {}), ("tiny-gemma", {"sliding_window": 5})],
@@ -145,17 +158,19 @@ def _packed_logits(model, docs, bins=BINS):
 def test_packed_forward_equals_each_document_alone(tok, impl, preset, overrides):
     if impl == "flex_attention" and preset != "tiny-llama":
         pytest.skip("flex compiles anew per model (~30 s on 2 CPU cores); the GPU tests cover it")
+    if impl == VARLEN_SDPA and overrides.get("sliding_window"):
+        pytest.skip("sliding-window models keep the document mask (select_packed_kernel)")
     seed = random.randrange(10_000)
     model = _model(preset, tok, impl, seed, **overrides)
     docs = _docs(LENGTHS, seed)
     with torch.no_grad():
         packed = _packed_logits(model, docs)
         for i, doc in enumerate(docs):
-            alone = model(input_ids=torch.tensor([doc["input_ids"]]), use_cache=False).logits[0]
+            alone = _alone(model, doc)
             torch.testing.assert_close(packed[i], alone, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", INSTALLED)
+@pytest.mark.parametrize("impl", PACKED_PATHS)
 def test_perturbing_one_document_leaves_the_others_unchanged(tok, impl):
     seed = random.randrange(10_000)
     model = _model("tiny-llama", tok, impl, seed)
@@ -178,7 +193,7 @@ def _lora(model, seed):
     return model
 
 
-@pytest.mark.parametrize("impl", TRAINS_ON_CPU)
+@pytest.mark.parametrize("impl", [*TRAINS_ON_CPU, VARLEN_SDPA])
 def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
     seed = random.randrange(10_000)
     model = _lora(_model("tiny-qwen3", tok, impl, seed), seed)
@@ -193,7 +208,7 @@ def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
 
     packed = _packed_logits(model, docs)
     g_packed = grads(sum((packed[i] * weights[i]).sum() for i in packed))
-    alone = sum((model(input_ids=torch.tensor([d["input_ids"]]), use_cache=False).logits[0] * weights[i]).sum() for i, d in enumerate(docs))
+    alone = sum((_alone(model, d) * weights[i]).sum() for i, d in enumerate(docs))
     g_alone = grads(alone)
     assert g_packed.keys() == g_alone.keys() and any("lora_A" in n for n in g_packed)
     for name in g_packed:
@@ -227,5 +242,5 @@ def test_own_document_mask_equals_each_document_alone(tok, impl):
     with torch.no_grad():
         packed = _packed_logits(model, docs, bins=[*BINS, [len(LENGTHS)]])
         for i, doc in enumerate(docs):
-            alone = model(input_ids=torch.tensor([doc["input_ids"]]), use_cache=False).logits[0]
+            alone = _alone(model, doc)
             torch.testing.assert_close(packed[i], alone, rtol=1e-5, atol=1e-5)

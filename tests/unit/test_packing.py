@@ -79,12 +79,14 @@ def test_packed_rows_restart_positions_and_never_target_the_next_document():
     assert batch.targets[0].tolist() == expect
     assert batch.targets[0, 4] == IGNORE_INDEX and batch.targets[0, 5] == IGNORE_INDEX  # boundaries
     assert batch.cu_seqlens.tolist() == [0, 5, 6, 13, 16, 20, 32]
-    assert batch.max_seqlen == 12
     assert batch.tokens == 17
     assert batch.trained_tokens == sum(sum(l != IGNORE_INDEX for l in d["labels"][1:]) for d in docs)
     assert "attention_mask" not in batch.model_inputs() and "cu_seq_lens_q" not in batch.model_inputs()
-    flash = collate_packed([docs[:3]], width=16, pad_id=0, pass_boundaries=True).model_inputs()
-    assert flash["cu_seq_lens_q"].tolist() == [0, 5, 6, 13, 16] and flash["max_length_k"] == 7
+    varlen = collate_packed([docs[:3]], width=16, pad_id=0).boundaries()
+    assert varlen["cu_seq_lens_q"].tolist() == varlen["cu_seq_lens_k"].tolist() == [0, 5, 6, 13, 16]
+    assert varlen["max_length_q"] == varlen["max_length_k"] == 16  # the row width: one int every step
+    with pytest.raises(ValueError, match="packed micro-batches"):
+        collate([docs[0]], pad_id=0).boundaries()
 
 
 def test_prepared_rows_make_the_shift_safe_either_way(tmp_path, tokenizer, write_jsonl, make_data_config):

@@ -1,4 +1,8 @@
-"""The document mask of packed rows, built by hone once per micro-batch (sdpa and flex).
+"""How a packed micro-batch reaches the attention: boundaries for varlen kernels, else the
+document mask built by hone once per micro-batch (sdpa and flex).
+
+Varlen kernels (hone's :data:`~hone.models.attention.varlen.VARLEN_SDPA`, flash attention)
+take the documents' boundaries (``cu_seqlens``) and need no mask at all.
 
 transformers can derive a document mask from restarting ``position_ids`` itself, but it
 decides per batch whether a batch is packed at all: a packed row that one document fills
@@ -15,8 +19,17 @@ from typing import Any
 
 import torch
 
+from hone.models.attention.varlen import VARLEN_SDPA
+
 #: Backends that get hone's mask on packed batches.
 OWN_MASK_BACKENDS = ("sdpa", "flex_attention")
+#: Backends that get the document boundaries instead of a mask.
+BOUNDARY_BACKENDS = (VARLEN_SDPA, "flash_attention_2", "flash_attention_3")
+
+
+def takes_document_boundaries(model: Any) -> bool:
+    """Whether packed batches for ``model`` go in as boundaries (varlen kernels), not a mask."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in BOUNDARY_BACKENDS
 
 
 def uses_own_document_mask(model: Any) -> bool:
@@ -25,6 +38,12 @@ def uses_own_document_mask(model: Any) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in OWN_MASK_BACKENDS:
         return False
+    return all_layers_attend_fully(config)
+
+
+def all_layers_attend_fully(config: Any) -> bool:
+    """Whether every layer of a model with ``config`` attends to all earlier tokens (no
+    sliding-window layers), so one document mask or one set of boundaries serves them all."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return all(kind == "full_attention" for kind in layer_types)

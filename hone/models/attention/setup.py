@@ -1,13 +1,19 @@
-"""Checks a chosen attention backend against the machine, before a model is built.
+"""Fits a chosen attention backend to the machine: checks it before a model is built, and
+picks the packed-row kernel once the model is there.
 
 The config already refused what is impossible anywhere (a missing package, float32 flash);
-what depends on the device (CUDA-only kernels, flex_attention's forward-only CPU path) can
-only be checked here, once the device is known.
+what depends on the device (CUDA-only kernels, flex_attention's forward-only CPU path, the
+varlen kernel's CUDA + half-precision needs) can only be decided here, once the device is known.
 """
+
+from typing import Any
 
 import torch
 
+from hone.config import HoneConfig
 from hone.config.model import ModelConfig
+from hone.models.attention.packed_mask import all_layers_attend_fully
+from hone.models.attention.varlen import fused_kernel_runs, register_varlen_sdpa
 from hone.models.errors import ModelError
 
 
@@ -25,3 +31,45 @@ def check_attention(model_cfg: ModelConfig, device: torch.device, training: bool
             f"model.attn_implementation: '{name}' has no backward pass on the CPU (forward only): "
             "train with sdpa on the CPU, or train on a GPU"
         )
+
+
+def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:
+    """Switch a packed ``sdpa`` run to per-document varlen attention (``model.sdpa_varlen``),
+    and say so in one line; None when the run keeps sdpa with hone's document mask.
+
+    The varlen kernel is torch's FlashAttention-2 (CUDA, bf16/fp16) and computes plain causal
+    attention per document, so models with sliding-window layers, attention dropout or logit
+    soft-capping keep the mask, which expresses all of those. ``auto`` falls back quietly;
+    ``true`` stops with the reasons.
+    """
+    choice = cfg.model.sdpa_varlen
+    packs = cfg.data.sample_packing or cfg.data.packs_eval
+    if cfg.model.attn_implementation != "sdpa" or not packs or choice is False:
+        return None
+    blockers = varlen_blockers(model.config, device, compute)
+    if blockers:
+        if choice is True:
+            raise ModelError(
+                "model.sdpa_varlen: true, but the varlen kernel cannot run here: " + "; ".join(blockers)
+                + ". Set sdpa_varlen: auto (hone's document mask instead) or false"
+            )
+        return None
+    model.set_attn_implementation(register_varlen_sdpa())
+    return "packed rows through torch's varlen kernel"
+
+
+def varlen_blockers(config: Any, device: torch.device, compute: torch.dtype) -> list[str]:
+    """Why the varlen kernel cannot run a model with ``config`` on ``device`` (empty: it can)."""
+    blockers = []
+    if not fused_kernel_runs(device, compute):
+        blockers.append(
+            f"it needs CUDA and bfloat16/float16 with torch >= 2.10 (here: {device.type}, "
+            f"{str(compute).removeprefix('torch.')}, torch {torch.__version__})"
+        )
+    if not all_layers_attend_fully(config):
+        blockers.append("the model has sliding-window layers")
+    if getattr(config, "attention_dropout", 0.0):
+        blockers.append(f"the model uses attention dropout ({config.attention_dropout})")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        blockers.append("the model soft-caps attention logits")
+    return blockers

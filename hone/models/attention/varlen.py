@@ -1,0 +1,155 @@
+"""sdpa for packed rows that computes each document's causal triangle only (varlen kernel).
+
+With a document mask, sdpa still computes every query of a row against every key of the row
+and throws the other documents' scores away; the mask itself is ``B * T * T`` bytes (1 GiB per
+row at 32k tokens). torch (>= 2.10) ships ``torch.nn.attention.varlen.varlen_attn``, its
+FlashAttention-2 kernel for CUDA in bf16/fp16, which takes the documents' boundaries
+(``cu_seqlens``) instead of a mask and never touches the blocks between documents.
+
+hone registers it with transformers as the attention backend :data:`VARLEN_SDPA` (through
+``AttentionInterface`` and ``AttentionMaskInterface``; no model code is patched). A packed
+``sdpa`` run is switched to it by :func:`hone.models.attention.setup.select_packed_kernel`
+when the kernel can run; the user's switch stays ``attn_implementation: sdpa``. The
+boundaries travel as the keyword arguments transformers defines for flash varlen attention
+(``cu_seq_lens_q`` ...). A call without them (an unpacked or padded batch) is transformers'
+own sdpa, unchanged.
+
+:func:`reference_varlen_attention` is the plain-PyTorch definition of the kernel (one sdpa
+call per document); it runs wherever the fused kernel cannot (CPU, float32), which is what
+the CPU tests check the plumbing with.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _FUSED_KERNEL
+except ImportError:  # torch < 2.10
+    _FUSED_KERNEL = None
+
+#: The name the backend is registered under with transformers.
+VARLEN_SDPA = "hone_sdpa_varlen"
+
+_HALF = (torch.bfloat16, torch.float16)
+# Read once at import, not while a compiled layer is traced: torch 2.10 says is_causal=True,
+# later ones window_size=(-1, 0); enable_gqa (grouped key/value heads) is newer still.
+_KERNEL_PARAMS = inspect.signature(_FUSED_KERNEL).parameters if _FUSED_KERNEL is not None else {}
+_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _KERNEL_PARAMS else {"is_causal": True}
+_TAKES_GQA = "enable_gqa" in _KERNEL_PARAMS
+
+
+def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernel can compute attention for tensors on ``device`` in ``dtype``."""
+    return device.type == "cuda" and dtype in _HALF and _FUSED_KERNEL is not None
+
+
+def reference_varlen_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Causal attention within each segment of ``cu_seqlens``: [N, Hq, D] x [N, Hkv, D] -> [N, Hq, D]."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, n, D]
+            out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def varlen_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float | None
+) -> torch.Tensor:
+    """Per-document causal attention over flattened tokens [N, H, D]: the fused kernel where it
+    runs, the reference otherwise."""
+    if not fused_kernel_runs(query.device, query.dtype):
+        return reference_varlen_attention(query, key, value, cu_seqlens, scale)
+    groups = query.shape[1] // key.shape[1]
+    extra: dict[str, Any] = dict(_CAUSAL)
+    if groups > 1:
+        if _TAKES_GQA:
+            extra["enable_gqa"] = True
+        else:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return _FUSED_KERNEL(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **extra)
+
+
+def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cast as autocast would cast sdpa's inputs (a custom op is not on autocast's lists): a
+    float32 query from an fp32 norm weight meets bf16 keys under bf16 autocast."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` over the flattened batch: a segment starts at every row and wherever the
+    positions do not go up by one (transformers' own reading of packed ``position_ids``)."""
+    batch, width = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    at = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
+    return torch.cat([at, at.new_tensor([batch * width])])
+
+
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: [B, H, T, D] in, ([B, T, H, D], None) out.
+
+    Boundaries come from ``cu_seq_lens_q`` / ``max_length_q`` (hone's packed micro-batches), or,
+    for a caller that passes packed ``position_ids`` and no mask, from the positions. Anything
+    else (a padding mask, a KV cache) is transformers' sdpa.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seqlens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    batch, heads, width, dim = query.shape
+    if cu_seqlens is None:
+        positions = kwargs.get("position_ids")
+        if attention_mask is not None or positions is None or key.shape[2] != width or width == 1:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        cu_seqlens, max_length = boundaries_from_positions(positions.expand(batch, -1)), width
+    if dropout or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"{VARLEN_SDPA} computes plain causal attention per document; this layer asks for "
+            f"dropout {dropout}, sliding_window {kwargs.get('sliding_window')}, softcap {kwargs.get('softcap')}"
+        )
+    flat = [t.transpose(1, 2).reshape(batch * width, t.shape[1], dim) for t in _autocast_inputs(query, key, value)]
+    out = varlen_attention(*flat, cu_seqlens, int(max_length or width), scaling)
+    return out.view(batch, width, heads, dim), None
+
+
+def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
+    """The mask transformers builds for this backend: none without a padding mask (boundaries
+    or positions say everything), else sdpa's mask, always materialised, so the attention
+    function never has to tell "no padding" from "no mask given" on its own."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
+
+
+def register_varlen_sdpa() -> str:
+    """Make :data:`VARLEN_SDPA` a valid ``attn_implementation`` (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+    return VARLEN_SDPA
