@@ -136,23 +136,30 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(summary: list[dict[str, Any]], path: Path, title: str) -> None:
-    """ms/step per condition (failures drawn as empty bars with their status), written atomically."""
+def bar_chart(summary: list[dict[str, Any]], path: Path, title: str, trained_tokens: bool = False) -> None:
+    """ms/step per condition, or trained tokens/s where steps differ in size (a length mix:
+    a short padded step is fast and trains little); failures are empty bars with their status.
+    Written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    key, unit, axis = (
+        ("trained_tokens_per_s", "tok/s", "trained tokens per second (higher is better)")
+        if trained_tokens
+        else ("median_ms", "ms", "ms per optimizer step (lower is better)")
+    )
     names = [s["condition"] for s in summary]
-    values = [s.get("median_ms") or 0.0 for s in summary]
+    values = [(s.get(key) or 0.0) if s["ok"] else 0.0 for s in summary]
     colors = ["#888888" if s["kind"] != "hone" else "#2a7ab0" for s in summary]
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(names) + 1.5))
     bars = ax.barh(names, values, color=colors)
-    for bar, s in zip(bars, summary):
-        label = f"{s['median_ms']:.1f} ms" if s["ok"] else s.get("status", "failed")
+    for bar, s, value in zip(bars, summary, values):
+        label = f"{value:,.{0 if trained_tokens else 1}f} {unit}" if s["ok"] else s.get("status", "failed")
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {label}", va="center", fontsize=9)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per optimizer step (lower is better)")
+    ax.set_xlabel(axis)
     ax.set_title(title)
     fig.tight_layout()
     atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
@@ -165,5 +172,5 @@ def write_reports(spec: BenchSpec, rows: list[dict[str, Any]], out_dir: Path, co
     table = out_dir / "table.md"
     atomic_write_text(table, markdown_table(spec, summary, env, command))
     chart = out_dir / "chart.png"
-    bar_chart(summary, chart, spec.name)
+    bar_chart(summary, chart, spec.name, trained_tokens=spec.workload.data == "lengths")
     return table, chart

@@ -1,11 +1,12 @@
-"""Attention backends: what each one can do (``capabilities``, import-free, read by the config)
-and how a loaded model is set up to use it (``setup``).
+"""Attention backends: what each one can do (``capabilities``, import-free, read by the config),
+how a loaded model is fitted to the machine (``setup``), and how packed rows reach it.
 
-Every backend is transformers' own implementation selected through ``attn_implementation``
-(its ``AttentionInterface`` / ``AttentionMaskInterface`` registries); hone patches no model
-code. Packed micro-batches carry ``position_ids`` that restart at 0 for every document. For
-sdpa and flex_attention hone builds the document mask itself, once per micro-batch
-(``packed_mask``), and passes it as ``attention_mask``; for eager and sliding-window models the
-model gets no 2D mask and transformers builds it from the positions; flash attention gets
-varlen boundaries (``cu_seq_lens_*``).
+Every backend plugs in through transformers' ``AttentionInterface`` / ``AttentionMaskInterface``
+registries, selected by ``attn_implementation``; hone patches no model code. Packed
+micro-batches carry ``position_ids`` that restart at 0 for every document and the documents'
+boundaries (``cu_seqlens``). Varlen kernels take the boundaries: hone's own ``sdpa`` variant
+(``varlen``, torch's per-document kernel, chosen for packed sdpa runs where it can run) and
+flash attention. For sdpa elsewhere and flex_attention hone builds the document mask itself,
+once per micro-batch (``packed_mask``); eager and sliding-window models get their mask from
+transformers, which reads it from the positions.
 """
