@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
+from hone.models.attention.varlen import register_varlen_sdpa
 from hone.track.metrics import read_metrics
 from hone.train.batches import micro_batches
 from hone.train.collate import collate
@@ -19,7 +20,7 @@ from hone.train.loop import train_loop
 from hone.train.loss import forward_logits, token_loss_sum
 from hone.train.testing import random_rows, tiny_config, tiny_llama
 
-BACKENDS = ["eager", "sdpa"]
+BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU
 
 
 def _grads(model, batches):
