@@ -74,17 +74,19 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path, scope, che
 
 
 @pytest.mark.parametrize(
-    "attention",
+    ("attention", "scope"),
     [
-        {"attn_implementation": "sdpa", "sdpa_varlen": True},
-        {"attn_implementation": "sdpa", "sdpa_varlen": False},
-        {"attn_implementation": "flex_attention"},
+        ({"attn_implementation": "sdpa", "sdpa_varlen": True}, "regional"),
+        ({"attn_implementation": "sdpa", "sdpa_varlen": False}, "regional"),
+        ({"attn_implementation": "flex_attention"}, "regional"),
+        ({"attn_implementation": "sdpa", "sdpa_varlen": True}, "model"),
+        ({"attn_implementation": "flex_attention"}, "model"),
     ],
-    ids=["sdpa-varlen", "sdpa-mask", "flex"],
+    ids=["sdpa-varlen", "sdpa-mask", "flex", "sdpa-varlen-model", "flex-model"],
 )
-def test_regional_compile_with_packing_matches_eager(tmp_path, attention):
-    """Packed rows (one fixed shape) with each GPU attention backend: the regional compile
-    trains like eager and compiles nothing after the first step."""
+def test_compile_with_packing_matches_eager(tmp_path, attention, scope):
+    """Packed rows (one fixed shape) with each GPU attention backend: the compiled run trains
+    like eager and compiles nothing after the first step."""
     rng = random.Random(1)
     data = tmp_path / "docs.jsonl"
     # Some documents fill a packed row on their own: a batch of only those looks unpacked to
@@ -110,7 +112,7 @@ def test_regional_compile_with_packing_matches_eager(tmp_path, attention):
         return losses, json.loads((tmp_path / name / "optimizations.json").read_text())
 
     eager, _ = train("eager", {})
-    compiled, record = train("compiled", {"torch_compile": True})
+    compiled, record = train("compiled", {"torch_compile": True, "torch_compile_scope": scope})
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=2e-2)
     assert all(torch.isfinite(torch.tensor(compiled)))
     stats = record["compile"]
