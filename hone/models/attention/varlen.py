@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _FUSED_KERNEL
@@ -115,8 +118,6 @@ def varlen_sdpa_attention(
     for a caller that passes packed ``position_ids`` and no mask, from the positions. Anything
     else (a padding mask, a KV cache) is transformers' sdpa.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     cu_seqlens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     batch, heads, width, dim = query.shape
     if cu_seqlens is None:
@@ -138,8 +139,6 @@ def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
     """The mask transformers builds for this backend: none without a padding mask (boundaries
     or positions say everything), else sdpa's mask, always materialised, so the attention
     function never has to tell "no padding" from "no mask given" on its own."""
-    from transformers.masking_utils import sdpa_mask
-
     if kwargs.get("attention_mask") is None:
         return None
     return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
@@ -147,9 +146,6 @@ def varlen_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
 
 def register_varlen_sdpa() -> str:
     """Make :data:`VARLEN_SDPA` a valid ``attn_implementation`` (idempotent); returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
     AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
     return VARLEN_SDPA
