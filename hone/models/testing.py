@@ -70,3 +70,17 @@ def save_tiny_model(path: Path, preset: PresetName, tokenizer, seed: int = 0, **
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def with_random_lora(model: PreTrainedModel, seed: int, rank: int = 4):
+    """``model`` with LoRA on every linear layer, its B matrices random instead of PEFT's zeros
+    (zero B makes every A gradient zero, and a gradient test of zeros cannot fail)."""
+    from hone.config.adapter import AdapterConfig
+    from hone.models.adapters import apply_adapter
+
+    model = apply_adapter(model, AdapterConfig(type="lora", lora_r=rank, lora_target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    return model

@@ -4,6 +4,7 @@ Nothing is downloaded; everything is made from seeds in well under a second. Kep
 package (like :mod:`hone.models.testing`) so unit and integration tests share them.
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,50 @@ def random_rows(
     from datasets import Dataset
 
     return Dataset.from_dict({"input_ids": ids, "labels": labels})
+
+
+def random_documents(lengths: Sequence[int], seed: int) -> list[dict[str, list[int]]]:
+    """Documents of random token ids with ``lengths``, labelled as prepared rows are (a
+    document's first token has nothing before it to be predicted from)."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = []
+    for length in lengths:
+        ids = torch.randint(7, 300, (length,), generator=gen).tolist()
+        docs.append({"input_ids": ids, "labels": [-100] + ids[1:]})
+    return docs
+
+
+def packed_document_logits(
+    model: torch.nn.Module,
+    docs: Sequence[dict[str, list[int]]],
+    bins: Sequence[Sequence[int]],
+    width: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[int, torch.Tensor]:
+    """Each document's logits from one packed forward (``bins[r]``: the documents of row ``r``)
+    through the loop's own forward, so the mask or boundaries training hands the model are
+    what a parity test checks."""
+    from hone.train.collate import collate_packed
+    from hone.train.loss import forward_logits
+
+    device = next(model.parameters()).device
+    batch = collate_packed([[docs[i] for i in b] for b in bins], width, pad_id=0).to(device)
+    out = forward_logits(model, batch, autocast_dtype)
+    pieces = {}
+    for row, b in enumerate(bins):
+        at = 0
+        for i in b:
+            n = len(docs[i]["input_ids"])
+            pieces[i] = out[row, at : at + n]
+            at += n
+    return pieces
+
+
+def document_logits_alone(model: torch.nn.Module, doc: dict[str, list[int]]) -> torch.Tensor:
+    """One document's logits on its own. The explicit all-ones mask sends hone's varlen sdpa
+    down transformers' sdpa path, so a parity test's reference is never the code under test."""
+    ids = torch.tensor([doc["input_ids"]], device=next(model.parameters()).device)
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
 
 
 def tiny_config(output_dir: Path, **sections: dict[str, Any]) -> HoneConfig:

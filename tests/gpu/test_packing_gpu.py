@@ -9,13 +9,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from hone.config.adapter import AdapterConfig
-from hone.models.adapters import apply_adapter
 from hone.models.attention.capabilities import installed_backends
-from hone.models.testing import tiny_model, tiny_tokenizer
 from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, register_varlen_sdpa, varlen_attention
-from hone.train.collate import collate_packed
-from hone.train.loss import forward_logits
+from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.train.testing import document_logits_alone, packed_document_logits, random_documents
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,43 +30,19 @@ def tok():
 
 
 def _docs(seed):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for n in LENGTHS:
-        ids = torch.randint(7, 300, (n,), generator=gen).tolist()
-        out.append({"input_ids": ids, "labels": [-100] + ids[1:]})
-    return out
+    return random_documents(LENGTHS, seed)
 
 
 def _model(preset, tok, impl, seed, lora=False, **overrides):
     model = tiny_model(preset, tok, seed=seed, **overrides)
     model.set_attn_implementation(impl)
     if lora:
-        model = apply_adapter(model, AdapterConfig(type="lora", lora_r=4, lora_target_modules="all-linear"))
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.data = torch.randn(p.shape, generator=gen) * 0.1
+        model = with_random_lora(model, seed)
     return model.to(CUDA)
 
 
 def _packed(model, docs, autocast=None):
-    """Per-document logits of a packed forward through the loop's own forward (hone's mask or
-    boundaries, as training hands them to the model)."""
-    batch = collate_packed([[docs[i] for i in b] for b in BINS], WIDTH, pad_id=0).to(CUDA)
-    out = forward_logits(model, batch, autocast)
-    pieces = {}
-    for row, b in enumerate(BINS):
-        at = 0
-        for i in b:
-            n = len(docs[i]["input_ids"])
-            pieces[i] = out[row, at : at + n]
-            at += n
-    return pieces
-
-
-def _alone(model, doc):
-    return model(input_ids=torch.tensor([doc["input_ids"]], device=CUDA), use_cache=False).logits[0]
+    return packed_document_logits(model, docs, BINS, WIDTH, autocast)
 
 
 @pytest.mark.parametrize("impl", [*(b for b in installed_backends() if b != "eager"), VARLEN_SDPA])
@@ -87,7 +60,7 @@ def test_packed_forward_equals_alone_on_cuda(tok, impl, preset, overrides):
     with torch.no_grad():
         packed = _packed(model, docs)
         for i, doc in enumerate(docs):
-            torch.testing.assert_close(packed[i], _alone(model, doc), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(packed[i], document_logits_alone(model, doc), rtol=1e-4, atol=1e-4)
 
 
 def test_flex_trains_packed_lora_with_the_per_document_gradients(tok):
@@ -103,7 +76,7 @@ def test_flex_trains_packed_lora_with_the_per_document_gradients(tok):
 
     packed = _packed(model, docs)
     g_packed = grads(sum((packed[i] * weights[i]).sum() for i in packed))
-    g_alone = grads(sum((_alone(model, d) * weights[i]).sum() for i, d in enumerate(docs)))
+    g_alone = grads(sum((document_logits_alone(model, d) * weights[i]).sum() for i, d in enumerate(docs)))
     for name, grad in g_alone.items():
         scale = grad.abs().max().item()
         assert scale > 0, name

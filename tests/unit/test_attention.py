@@ -9,18 +9,15 @@ import pytest
 import torch
 
 from hone.config import ConfigError, parse_config
-from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.errors import HoneError
-from hone.models.adapters import apply_adapter
 from hone.models.attention import capabilities
 from hone.models.attention.capabilities import BACKENDS, installed_backends
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
-from hone.models.testing import tiny_model, tiny_tokenizer
-from hone.train.collate import collate_packed
-from hone.train.loss import forward_logits
+from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.train.testing import document_logits_alone, packed_document_logits, random_documents
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]
@@ -105,15 +102,6 @@ def test_device_checks_name_what_works(monkeypatch):
 # ---------------------------------------------------------------- packed == alone
 
 
-def _docs(lengths, seed):
-    gen = torch.Generator().manual_seed(seed)
-    docs = []
-    for length in lengths:
-        ids = torch.randint(7, 300, (length,), generator=gen).tolist()
-        docs.append({"input_ids": ids, "labels": [-100] + ids[1:]})
-    return docs
-
-
 def _model(preset, tok, impl, seed, **overrides):
     model = tiny_model(preset, tok, seed=seed, **overrides)
     if impl == VARLEN_SDPA:
@@ -127,26 +115,8 @@ LENGTHS = [9, 4, 13, 11, 6]
 WIDTH = 28
 
 
-def _alone(model, doc):
-    """One document's logits on its own. The explicit all-ones mask sends hone's varlen backend
-    down transformers' sdpa path, so the reference is never the code under test."""
-    ids = torch.tensor([doc["input_ids"]])
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0]
-
-
 def _packed_logits(model, docs, bins=BINS):
-    """Per-document logits of a packed forward, through the loop's own forward (so hone's
-    document mask is what these tests check, where it applies)."""
-    batch = collate_packed([[docs[i] for i in b] for b in bins], WIDTH, pad_id=0)
-    out = forward_logits(model, batch)
-    pieces = {}
-    for row, b in enumerate(bins):
-        at = 0
-        for i in b:
-            n = len(docs[i]["input_ids"])
-            pieces[i] = out[row, at : at + n]
-            at += n
-    return pieces
+    return packed_document_logits(model, docs, bins, WIDTH)
 
 
 @pytest.mark.parametrize("impl", PACKED_PATHS)
@@ -162,11 +132,11 @@ def test_packed_forward_equals_each_document_alone(tok, impl, preset, overrides)
         pytest.skip("sliding-window models keep the document mask (select_packed_kernel)")
     seed = random.randrange(10_000)
     model = _model(preset, tok, impl, seed, **overrides)
-    docs = _docs(LENGTHS, seed)
+    docs = random_documents(LENGTHS, seed)
     with torch.no_grad():
         packed = _packed_logits(model, docs)
         for i, doc in enumerate(docs):
-            alone = _alone(model, doc)
+            alone = document_logits_alone(model, doc)
             torch.testing.assert_close(packed[i], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -174,7 +144,7 @@ def test_packed_forward_equals_each_document_alone(tok, impl, preset, overrides)
 def test_perturbing_one_document_leaves_the_others_unchanged(tok, impl):
     seed = random.randrange(10_000)
     model = _model("tiny-llama", tok, impl, seed)
-    docs = _docs(LENGTHS, seed)
+    docs = random_documents(LENGTHS, seed)
     changed = [dict(d) for d in docs]
     changed[1] = {"input_ids": [(t * 7 + 3) % 290 + 7 for t in docs[1]["input_ids"]], "labels": docs[1]["labels"]}
     with torch.no_grad():
@@ -184,20 +154,11 @@ def test_perturbing_one_document_leaves_the_others_unchanged(tok, impl):
         torch.testing.assert_close(before[i], after[i], rtol=0, atol=0)
 
 
-def _lora(model, seed):
-    model = apply_adapter(model, AdapterConfig(type="lora", lora_r=4, lora_target_modules="all-linear"))
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # PEFT starts B at zero, which would make every A gradient zero
-            param.data = torch.randn(param.shape, generator=gen) * 0.1
-    return model
-
-
 @pytest.mark.parametrize("impl", [*TRAINS_ON_CPU, VARLEN_SDPA])
 def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
     seed = random.randrange(10_000)
-    model = _lora(_model("tiny-qwen3", tok, impl, seed), seed)
-    docs = _docs(LENGTHS, seed + 1)
+    model = with_random_lora(_model("tiny-qwen3", tok, impl, seed), seed)
+    docs = random_documents(LENGTHS, seed + 1)
     # sum of per-position losses against random weights, so every position's logits matter
     weights = {i: torch.randn(len(d["input_ids"]), 1, generator=torch.Generator().manual_seed(seed + i)) for i, d in enumerate(docs)}
 
@@ -208,7 +169,7 @@ def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
 
     packed = _packed_logits(model, docs)
     g_packed = grads(sum((packed[i] * weights[i]).sum() for i in packed))
-    alone = sum((_alone(model, d) * weights[i]).sum() for i, d in enumerate(docs))
+    alone = sum((document_logits_alone(model, d) * weights[i]).sum() for i, d in enumerate(docs))
     g_alone = grads(alone)
     assert g_packed.keys() == g_alone.keys() and any("lora_A" in n for n in g_packed)
     for name in g_packed:
@@ -238,9 +199,9 @@ def test_own_document_mask_equals_each_document_alone(tok, impl):
     exactly: the case where transformers alone would switch to a mask of another kind."""
     seed = random.randrange(10_000)
     model = _model("tiny-llama", tok, impl, seed)
-    docs = _docs([*LENGTHS, WIDTH], seed)
+    docs = random_documents([*LENGTHS, WIDTH], seed)
     with torch.no_grad():
         packed = _packed_logits(model, docs, bins=[*BINS, [len(LENGTHS)]])
         for i, doc in enumerate(docs):
-            alone = _alone(model, doc)
+            alone = document_logits_alone(model, doc)
             torch.testing.assert_close(packed[i], alone, rtol=1e-5, atol=1e-5)
