@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from hone.config.root import HoneConfig
+from hone.models.presets import build_preset_config
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -25,18 +26,10 @@ def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freez
     ``freeze_embeddings`` leaves the input embedding frozen, so the trainable set is a strict
     subset of the weights (as with adapters) and checkpoints must restore only that subset.
     """
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attention_dropout=dropout,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
+    # the tiny-llama preset, narrower still: loop tests build hundreds of these
+    overrides = dict(hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=128, attention_dropout=dropout)
+    config = build_preset_config("tiny-llama", overrides, vocab)
+    config.pad_token_id = 0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
