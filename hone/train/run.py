@@ -17,9 +17,9 @@ from rich.console import Console
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
-from hone.optim.planner import RunFacts, apply_optimizations, plan_optimizations, write_record
-from hone.optim.planner import describe as describe_optimizations
-from hone.optim.watch import CompileWatch
+from hone.transforms.planner import RunFacts, apply_optimizations, plan_optimizations, write_record
+from hone.transforms.planner import describe as describe_optimizations
+from hone.transforms.watch import CompileWatch
 from hone.atomic import atomic_write_text
 from hone.track.metrics import METRICS_FILE
 from hone.track.plot import PLOT_FILE

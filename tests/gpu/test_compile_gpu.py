@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
-from hone.optim.inductor import read_option
+from hone.transforms.inductor import read_option
 from hone.train.run import run_training
 
 pytestmark = [

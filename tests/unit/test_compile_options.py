@@ -10,7 +10,7 @@ import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from hone.config.performance import INDUCTOR_OPTIONS, PerformanceConfig
-from hone.optim.inductor import CACHE_ENV, compile_options, configure_cache_dir, installed_defaults, read_option
+from hone.transforms.inductor import CACHE_ENV, compile_options, configure_cache_dir, installed_defaults, read_option
 
 
 @pytest.mark.parametrize("key", list(INDUCTOR_OPTIONS))

@@ -12,8 +12,8 @@ from hone.config.adapter import AdapterConfig
 from hone.config.performance import PerformanceConfig
 from hone.models.adapters import apply_adapter
 from hone.models.testing import tiny_model
-from hone.optim.compile import compile_regional, decoder_layers
-from hone.optim.planner import (
+from hone.transforms.compile import compile_regional, decoder_layers
+from hone.transforms.planner import (
     OPTIMIZATIONS_FILE,
     TRANSFORMS,
     Applied,
@@ -25,7 +25,7 @@ from hone.optim.planner import (
     plan_optimizations,
     write_record,
 )
-from hone.optim.watch import CompileEvent, CompileWatch
+from hone.transforms.watch import CompileEvent, CompileWatch
 from hone.train.run import shape_note
 
 CPU, CUDA = RunFacts(torch.device("cpu")), RunFacts(torch.device("cuda"))
@@ -115,7 +115,7 @@ def test_regional_compile_keeps_the_module_tree_and_state_dict_keys(tokenizer):
 
 
 def test_regional_compile_without_decoder_layers_says_what_to_use_instead():
-    from hone.optim.compile import CompileError
+    from hone.transforms.compile import CompileError
 
     with pytest.raises(CompileError, match="torch_compile_scope: model"):
         compile_regional(nn.Linear(2, 2), PerformanceConfig(torch_compile=True), dynamic=False)
@@ -140,7 +140,7 @@ def test_compile_event_tells_recompiles_from_new_frames():
 def test_watch_warns_about_late_compiles_only_and_caps_its_warnings(monkeypatch):
     warnings = []
     watch = CompileWatch(warnings.append)
-    monkeypatch.setattr("hone.optim.watch.recompile_reasons", lambda ids: {i: "size mismatch at index 1" for i in ids})
+    monkeypatch.setattr("hone.transforms.watch.recompile_reasons", lambda ids: {i: "size mismatch at index 1" for i in ids})
 
     class Args:
         def __init__(self, trigger, compile_id):

@@ -12,7 +12,7 @@ model: one list, read top to bottom):
 1. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole model. Compilation
    traces whatever modules it finds, so transforms that swap modules or kernels (fused LoRA,
    fused loss, tiled MLP, ...) go *before* it; activation checkpointing is switched on by the
-   loader and composes with it (see :mod:`hone.optim.compile`). Sharding (FSDP2) would come after.
+   loader and composes with it (see :mod:`hone.transforms.compile`). Sharding (FSDP2) would come after.
 
 The applied list is printed and written to ``optimizations.json`` in the run directory,
 together with what was skipped and why, and the compile counts once training ends.
@@ -29,8 +29,8 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
-from hone.optim import compile as compile_transform
-from hone.optim.inductor import configure_cache_dir
+from hone.transforms import compile as compile_transform
+from hone.transforms.inductor import configure_cache_dir
 
 OPTIMIZATIONS_FILE = "optimizations.json"
 

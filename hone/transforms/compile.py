@@ -34,7 +34,7 @@ from torch import nn
 
 from hone.config.performance import PerformanceConfig
 from hone.errors import HoneError
-from hone.optim.inductor import compile_options
+from hone.transforms.inductor import compile_options
 
 
 class CompileError(HoneError):
