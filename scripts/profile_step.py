@@ -1,0 +1,102 @@
+"""Profile hone's training step on a GPU: the top kernels by time and the GEMM share.
+
+    python scripts/profile_step.py --preset qwen3-8b --seq 2048 --set performance.torch_compile=true \
+        --out profile.md [--trace trace.json]
+
+Runs ``run_training`` (the code path of ``hone train``) on random tokens, records steps
+``warmup+1 .. warmup+active`` with ``torch.profiler`` and writes a markdown table: kernels
+grouped by name, their share of device time, and GEMM (matmul) time against everything else.
+Not a benchmark (the profiler adds overhead); use ``hone bench`` for step times.
+"""
+
+import argparse
+import json
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import yaml
+
+GEMM = re.compile(r"gemm|cutlass|sm90_xmma|nvjet|wgmma|_mm_|matmul|cublas", re.I)
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--active", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("profile.md"))
+    p.add_argument("--trace", type=Path, default=None)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+
+    from hone.bench.spec import parse_spec
+    from hone.bench.worker import _hone_config, _write_random_dataset, model_config_and_size, random_batches
+    from hone.train.run import run_training
+
+    spec = parse_spec(
+        {
+            "name": "profile",
+            "workload": {
+                "preset": args.preset,
+                "sequence_len": args.seq,
+                "micro_batch_size": args.mbs,
+                "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
+            },
+            "conditions": [{"name": "hone", "set": {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}}],
+            "warmup_steps": args.warmup,
+            "timed_steps": args.active + 1,
+        },
+        "flags",
+    )
+    cond = spec.conditions[0]
+    _, _, id_limit = model_config_and_size(spec.workload)
+    steps = args.warmup + args.active + 1
+    sched = torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.active, repeat=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        data = work / "random.jsonl"
+        _write_random_dataset(data, random_batches(spec.workload, steps, id_limit, 0, torch.device("cpu")))
+        cfg = _hone_config(spec, cond, work, data)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched) as prof:
+            run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():  # kernels and copies only: CPU ranges (ProfilerStep#, ops) carry no device time of their own
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        by_name[evt.name][0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+        by_name[evt.name][1] += 1
+    total = sum(v[0] for v in by_name.values())
+    gemm = sum(v[0] for k, v in by_name.items() if GEMM.search(k))
+    attn = sum(v[0] for k, v in by_name.items() if ATTENTION.search(k) and not GEMM.search(k))
+    lines = [
+        f"# profile: {args.preset} seq {args.seq} mbs {args.mbs}, {' '.join(args.overrides) or 'defaults'}",
+        "",
+        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.active} steps profiled; "
+        f"device time per step {total / args.active / 1000:.1f} ms",
+        "",
+        f"GEMM {100 * gemm / total:.1f}% | attention {100 * attn / total:.1f}% | other {100 * (total - gemm - attn) / total:.1f}%",
+        "",
+        "| kernel | ms/step | share | calls/step |",
+        "|---|---|---|---|",
+    ]
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
+        short = name if len(name) < 110 else name[:107] + "..."
+        lines.append(f"| `{short}` | {t / args.active / 1000:.2f} | {100 * t / total:.1f}% | {n // args.active} |")
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text)
+    print(json.dumps({"total_ms_per_step": total / args.active / 1000, "gemm_share": gemm / total}))
+
+
+if __name__ == "__main__":
+    main()
