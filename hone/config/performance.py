@@ -46,7 +46,7 @@ _COMPILE_KEYS = ("torch_compile_scope", "torch_compile_mode", "torch_compile_bac
 
 
 class PerformanceConfig(Section):
-    """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md)."""
+    """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md); the loss computation."""
 
     torch_compile: bool | Literal["auto"] = False
     """Compile the model with ``torch.compile``; ``auto`` compiles when training on CUDA."""
@@ -68,6 +68,13 @@ class PerformanceConfig(Section):
     coordinate_descent_tuning, coordinate_descent_check_all_directions, shape_padding,
     epilogue_fusion, max_autotune_gemm, fx_graph_cache, assume_aligned_inputs,
     comprehensive_padding, decompose_mem_bound_mm, triton.cudagraphs (all true/false)."""
+
+    loss: Literal["auto", "fused_linear_ce", "standard"] = "auto"
+    """How the training and eval loss is computed from the last hidden states. ``fused_linear_ce``
+    never materialises the [tokens x vocab] logits (chunks over tokens, gradients produced chunk
+    by chunk; equal to ``standard`` within float rounding); ``standard`` computes the logits and
+    upcasts them to float32 as transformers does. ``auto``: the fused loss wherever it applies
+    (models whose logits are the plain output projection), the standard one elsewhere."""
 
     @field_validator("torch_compile_options", mode="before")
     @classmethod

@@ -1,17 +1,18 @@
 """Load the model a run trains: from a local directory or a preset, adapted, ready to train.
 
 The steps run in a fixed order, each a small function: build or load the base model in the
-dtype of :mod:`hone.models.precision`, apply the adapter, cast the trainable weights to their
-master dtype, enable activation checkpointing, switch to train mode.
+dtype of :mod:`hone.models.precision`, hand it to the caller's ``before_adapter`` step (the
+plan's base-model transforms), apply the adapter, cast the trainable weights to their master
+dtype, switch to train mode. The loader applies no optimization itself: attention kernels,
+checkpointing and compilation are transforms of the plan (:mod:`hone.transforms.planner`).
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -19,7 +20,6 @@ from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter
-from hone.models.attention.setup import check_attention, select_packed_kernel
 from hone.models.errors import ModelError
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
@@ -46,21 +46,27 @@ class LoadedModel:
         return self.precision.autocast_dtype
 
 
-def load_model(cfg: HoneConfig, tokenizer, device: torch.device | str) -> LoadedModel:
-    """The model of ``cfg`` on ``device``, with its adapter, in train mode."""
+def load_model(
+    cfg: HoneConfig,
+    tokenizer,
+    device: torch.device | str,
+    before_adapter: Callable[[PreTrainedModel], object] | None = None,
+) -> LoadedModel:
+    """The model of ``cfg`` on ``device``, with its adapter, in train mode.
+
+    ``before_adapter(base)`` runs on the base model before the adapter is attached (the plan's
+    base-stage transforms, e.g. the attention kernel)."""
     device = torch.device(device)
-    check_attention(cfg.model, device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
     base = build_base_model(cfg.model, tokenizer, device, precision.weights, seed=cfg.training.seed)
-    packed_kernel = select_packed_kernel(base, cfg, device, precision.compute)
+    if before_adapter is not None:
+        before_adapter(base)
     with seeded(seed=cfg.training.seed + 1, device=device):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
     cast_trainable(model, precision.trainable)
-    if cfg.memory.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
     model.train()
     trainable, total = count_parameters(model)
-    description = describe(base, cfg, precision, trainable, total, packed_kernel)
+    description = describe(base, cfg, precision, trainable, total)
     return LoadedModel(model, trainable, total, description, precision)
 
 
@@ -157,27 +163,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer in the backward (non-reentrant checkpointing).
-
-    With LoRA the embedding output gets ``requires_grad`` (PEFT's convention), so a checkpointed
-    block whose inputs come straight from frozen weights still reaches the adapters.
-    """
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    if not getattr(base, "supports_gradient_checkpointing", False):
-        raise ModelError(
-            f"memory.gradient_checkpointing: {type(base).__name__} does not support activation "
-            "checkpointing; set it to false"
-        )
-    kwargs = {"use_reentrant": False}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if isinstance(model, PeftModel):
-        base.enable_input_require_grads()
-
-
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts; tied weights count once."""
     trainable = total = 0
@@ -208,9 +193,7 @@ def describe_adapter(adapter_cfg: AdapterConfig) -> str:
     return text
 
 
-def describe(
-    base: PreTrainedModel, cfg: HoneConfig, precision: Precision, trainable: int, total: int, packed_kernel: str | None = None
-) -> str:
+def describe(base: PreTrainedModel, cfg: HoneConfig, precision: Precision, trainable: int, total: int) -> str:
     def name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
 
@@ -224,8 +207,5 @@ def describe(
         f"{format_count(total)} params, {format_count(trainable)} trainable ({100 * trainable / max(total, 1):.2f}%)",
         describe_adapter(cfg.adapter),
         dtypes,
-        f"attention {cfg.model.attn_implementation}" + (f" ({packed_kernel})" if packed_kernel else ""),
     ]
-    if cfg.memory.gradient_checkpointing:
-        parts.append("activation checkpointing")
     return " | ".join(parts)

@@ -17,16 +17,21 @@ wide so every micro-batch has one shape (``torch.compile`` sees no new shapes). 
 gets its own ``position_ids`` from 0 and its own shifted targets: the target of a document's
 last token is -100, never the next document's first token. The batch carries no 2D
 ``attention_mask``: the document-isolating mask is built from the restarting ``position_ids``
-at forward time (see :mod:`hone.models.attention`). The padding tail is one
+once per micro-batch on the device, in the form the run's attention kernel takes (see
+:mod:`hone.models.attention.layout`). The padding tail is one
 more "document" of pad tokens (positions from 0, targets -100) that no real token sees.
 ``cu_seqlens`` gives the boundaries over the flattened batch, which varlen kernels (torch's,
 flash-attn's) take instead of a mask; see :meth:`MicroBatch.boundaries`.
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from hone.models.attention.layout import AttentionLayout
 
 IGNORE_INDEX = -100
 
@@ -40,6 +45,9 @@ class MicroBatch:
     tokens: int  # real (non-padding) input tokens
     position_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None  # [docs + 1] int32 boundaries over the flattened batch
+    attention_inputs: dict[str, Any] = field(default_factory=dict)
+    """What a packed batch carries for the run's attention kernel (boundaries or hone's document
+    mask), attached once per micro-batch by :meth:`with_attention` on the device."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -51,7 +59,15 @@ class MicroBatch:
             tokens=self.tokens,
             position_ids=move(self.position_ids),
             cu_seqlens=move(self.cu_seqlens),
+            attention_inputs=self.attention_inputs,
         )
+
+    def with_attention(self, layout: "AttentionLayout") -> "MicroBatch":
+        """This batch carrying what ``layout`` needs (packed batches only; built once, used by
+        every layer). Call it after :meth:`to`, so masks are built on the device."""
+        if not self.packed or self.position_ids is None:
+            return self
+        return replace(self, attention_inputs=layout.packed_inputs(self.position_ids, self.boundaries()))
 
     @property
     def packed(self) -> bool:
@@ -64,6 +80,7 @@ class MicroBatch:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+        inputs.update(self.attention_inputs)
         return inputs
 
     def boundaries(self) -> dict[str, torch.Tensor | int]:

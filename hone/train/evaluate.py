@@ -6,12 +6,16 @@ count), so it does not depend on how the split is cut into batches.
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hone.train.batches import micro_batches
-from hone.train.loss import forward_logits, token_loss_sum
+from hone.train.loss import micro_batch_loss
+
+if TYPE_CHECKING:
+    from hone.transforms.base import RunHooks
 
 
 @dataclass(frozen=True)
@@ -38,11 +42,20 @@ def evaluate(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     pack_to: int | None = None,
+    hooks: "RunHooks | None" = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
     ``pack_to`` packs the rows into bins of that many tokens first (in order, no shuffle);
-    the loss is the same either way, only faster."""
+    the loss is the same either way, only faster. ``hooks`` give the run's loss function and
+    attention layout (default: the standard loss, the layout of the model as it stands)."""
+    if hooks is None:
+        from hone.models.attention.layout import layout_for
+        from hone.train.loss import logit_postprocess, standard_loss
+
+        loss_fn, layout = standard_loss(logit_postprocess(getattr(model, "config", None))), layout_for(model)
+    else:
+        loss_fn, layout = hooks.loss_fn, hooks.layout
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -53,11 +66,10 @@ def evaluate(
         )
         for start in range(0, batches.units, batch_size):
             indices = list(range(start, min(start + batch_size, batches.units)))
-            batch = batches(indices).to(device)
+            batch = batches(indices).to(device).with_attention(layout)
             if batch.trained_tokens == 0:
                 continue
-            logits = forward_logits(model, batch, autocast_dtype)
-            total += token_loss_sum(logits, batch.targets).double()
+            total += micro_batch_loss(model, batch, loss_fn, autocast_dtype).double()
             tokens += batch.trained_tokens
     finally:
         model.train(was_training)

@@ -47,9 +47,10 @@ from hone.train.checkpoint import (
     save_checkpoint,
 )
 from hone.train.collate import MicroBatch
-from hone.train.device import peak_memory_gib, synchronize
+from hone.transforms.base import RunFacts, RunHooks
+from hone.train.device import peak_memory_gib
 from hone.train.evaluate import evaluate
-from hone.train.loss import forward_logits, token_loss_sum
+from hone.train.loss import micro_batch_loss
 from hone.train.optim import build_optimizer, build_scheduler, make_schedule
 from hone.train.seed import seed_everything
 from hone.train.signals import graceful_stop
@@ -122,31 +123,43 @@ def _window_loss_backward(
     model: nn.Module,
     window: list[MicroBatch],
     window_tokens: int,
+    hooks: RunHooks,
     scaler: torch.amp.GradScaler | None,
     autocast_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """Forward + backward every micro-batch of the window; returns the window's mean token loss.
+    """Forward + backward every micro-batch of the window; returns the window's mean token loss
+    as a device tensor (nothing here waits for the device).
 
     Each micro-batch contributes ``sum of its token losses / window_tokens``, so the gradients
     accumulated over the window equal those of one big batch holding all of its rows.
     """
     total = None
     for batch in window:
-        logits = forward_logits(model, batch, autocast_dtype)
-        loss_sum = token_loss_sum(logits, batch.targets)
-        loss = loss_sum / window_tokens
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with hooks.step_context(batch):
+            loss_sum = micro_batch_loss(model, batch, hooks.loss_fn, autocast_dtype)
+            loss = loss_sum / window_tokens
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
-        del logits, loss_sum, loss  # free the activations' graph before the next micro-batch
+        del loss_sum, loss  # free the activations' graph before the next micro-batch
     assert total is not None
     return total / window_tokens
 
 
 def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of the gradients, clipping them to ``max_norm`` when it is set."""
+    """Global L2 norm of the gradients (a device tensor), clipping them to ``max_norm`` when it
+    is set. Clipping scales by ``min(1, max_norm / norm)`` on the device: no host sync."""
     if max_norm is None:
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _read_step(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float | None]:
+    """The step's loss and gradient norm on the host: the one device sync of an optimizer step
+    (both values in one copy), taken before the update so a non-finite step is skipped exactly."""
+    if grad_norm is None:
+        return float(loss.item()), None
+    values = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()
+    return values[0], values[1]
 
 
 def _is_finite(value: float) -> bool:
@@ -177,9 +190,14 @@ def train_loop(
     step_callback: Callable[[StepMetrics], None] | None = None,
     resume_from: Path | None = None,
     autocast_dtype: torch.dtype | None = None,
+    hooks: RunHooks | None = None,
 ) -> LoopResult:
     """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set)
     on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on ``eval_data`` if given.
+
+    ``hooks`` are what the run's plan gives the loop (loss function, attention layout, per
+    micro-batch contexts, after-step actions); without them the plan of ``cfg`` is drawn up
+    for this device and its hooks used, with the model taken as it is.
 
     Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
@@ -192,6 +210,11 @@ def train_loop(
     has_eval = eval_data is not None and len(eval_data) > 0
 
     # ---- set-up: plan, optimizer, schedule, (loss scaler), state
+    if hooks is None:
+        from hone.transforms.planner import plan_optimizations
+
+        facts = RunFacts(device)
+        hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
     scaler = _check_precision(cfg, device)
     batches = micro_batches(
         train_data,
@@ -269,6 +292,7 @@ def train_loop(
             device=device,
             autocast_dtype=autocast_dtype,
             pack_to=cfg.data.sequence_len if cfg.data.packs_eval else None,
+            hooks=hooks,
         )
         tracker.log_eval(
             {
@@ -304,40 +328,47 @@ def train_loop(
                 lr = optimizer.param_groups[0]["lr"]
 
                 # 1. the window's micro-batches and its trained-token count, before any backward
-                window = [batches(rows).to(device) for rows in stream.next_window()]
+                window = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
                 window_tokens = sum(b.trained_tokens for b in window)
                 window_real_tokens = sum(b.tokens for b in window)
 
                 # 2. forward/backward each micro-batch, loss normalised by the window's tokens
                 grad_norm: float | None = None
                 problem: str | None = None
+                overflow = False
                 if window_tokens == 0:
                     loss_value = math.nan
                     problem = "no trained tokens"
-                else:
-                    loss_value = _window_loss_backward(model, window, window_tokens, scaler, autocast_dtype).item()
+                elif scaler is None:
+                    # 3./4. clip on the device, then the step's one sync: loss and norm together
+                    loss_t = _window_loss_backward(model, window, window_tokens, hooks, scaler, autocast_dtype)
+                    loss_value, grad_norm = _read_step(loss_t, _grad_norm(params, t.max_grad_norm))
                     if not _is_finite(loss_value):
-                        problem = f"loss is {loss_value}"
-
-                # 3./4. clip, check the gradient, step (or skip)
-                overflow = False
-                if problem is None:
-                    if scaler is not None:
-                        scaler.unscale_(optimizer)
-                    grad_norm = _grad_norm(params, t.max_grad_norm).item()
-                    if not _is_finite(grad_norm) and scaler is not None:
-                        scaler.update()  # lowers the loss scale: the scaler's normal recovery
-                        problem = f"float16 gradient overflow (loss scale lowered to {scaler.get_scale():g})"
-                        overflow = True
+                        problem, grad_norm = f"loss is {loss_value}", None
                     elif not _is_finite(grad_norm):
                         problem = f"gradient norm is {grad_norm}"
-                    elif scaler is not None:
-                        scaler.step(optimizer)
-                        scaler.update()
-                        scheduler.step()
                     else:
                         optimizer.step()
                         scheduler.step()
+                else:
+                    # float16: the scaler unscales only a finite loss's gradients (its bookkeeping
+                    # allows one unscale per update), so the loss is read first
+                    loss_value = _read_step(_window_loss_backward(model, window, window_tokens, hooks, scaler, autocast_dtype), None)[0]
+                    if not _is_finite(loss_value):
+                        problem = f"loss is {loss_value}"
+                    else:
+                        scaler.unscale_(optimizer)
+                        grad_norm = _grad_norm(params, t.max_grad_norm).item()
+                        if not _is_finite(grad_norm):
+                            scaler.update()  # lowers the loss scale: the scaler's normal recovery
+                            problem = f"float16 gradient overflow (loss scale lowered to {scaler.get_scale():g})"
+                            overflow = True
+                        else:
+                            scaler.step(optimizer)
+                            scaler.update()
+                            scheduler.step()
+                if problem is None:
+                    hooks.after_optimizer_step()
                 optimizer.zero_grad(set_to_none=True)
 
                 counters.step += 1
@@ -357,7 +388,9 @@ def train_loop(
                     counters.trained_tokens_total += window_tokens
                     counters.tokens_total += window_real_tokens
 
-                synchronize(device)
+                # no sync of its own: the step's time ends at its one sync above (the optimizer's
+                # kernels, queued after it, fall into the next step's wait), so steps add up to
+                # the wall time and the device never idles for a clock reading
                 step_time = time.perf_counter() - step_start
                 elapsed += step_time
                 tokens_here += window_real_tokens

@@ -4,15 +4,22 @@ Models average their loss over the tokens of *one* forward call; with gradient a
 that weights a short micro-batch's tokens more than a long one's, so ``4 x 1`` and ``1 x 4``
 would give different updates. hone takes the **sum** of per-token losses of each micro-batch
 and divides it by the trained tokens of the whole accumulation window, counted before the
-first backward pass. Logits are upcast to float32 first: bf16 log-softmax over a large
-vocabulary loses digits that matter at the end of training.
+first backward pass.
+
+The forward stops at the decoder's last hidden states (:func:`forward_hidden`); the run's loss
+function (:data:`~hone.transforms.base.LossFn`, supplied by the loss transform) takes them with
+the output head. The standard one here computes the logits and upcasts them to float32 (bf16
+log-softmax over a large vocabulary loses digits that matter at the end of training); a fused
+one (:mod:`hone.kernels.cross_entropy`) gives the same numbers without ever holding them.
 """
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hone.models.attention.packed_mask import packed_attention_mask, takes_document_boundaries
 from hone.train.collate import IGNORE_INDEX, MicroBatch
 
 
@@ -31,17 +38,88 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The model's logits for ``batch``, under ``torch.autocast`` when the precision needs it
-    (float32 trainable weights beside bf16/fp16 compute, see :mod:`hone.models.precision`)."""
+def logit_postprocess(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a causal LM does to ``head(hidden)`` before its loss, read from its config; None
+    for the plain projection (Llama, Qwen, Mistral, ...). Gemma 2 soft-caps the logits, Cohere
+    scales them, Granite divides them: a loss that starts from the hidden states must do the same."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    divide = getattr(config, "logits_scaling", None)
+    if cap is None and scale in (None, 1.0) and divide in (None, 1.0):
+        return None
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if scale not in (None, 1.0):
+            logits = logits * scale
+        if divide not in (None, 1.0):
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return post
+
+
+def standard_loss(post: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """The plain loss: logits from the head, upcast to float32, summed cross entropy."""
+
+    def loss_fn(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(hidden)
+        if post is not None:
+            logits = post(logits)
+        return token_loss_sum(logits, targets), (targets != IGNORE_INDEX).sum()
+
+    return loss_fn
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder, output head) of a transformers causal LM, through a PEFT wrapper.
+
+    The decoder is the model without its head (``get_decoder``); LoRA layers live inside it
+    in place, so calling it trains the adapter as the wrapper's forward would.
+    """
+    from peft import PeftModel
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def forward_hidden(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, H] for ``batch`` (its attention inputs attached),
+    under ``torch.autocast`` when the precision needs it (float32 trainable weights beside
+    bf16/fp16 compute, see :mod:`hone.models.precision`)."""
+    decoder, _ = causal_lm_parts(model)
     inputs = batch.model_inputs()
-    if batch.packed and takes_document_boundaries(model):
-        inputs.update(batch.boundaries())
-    elif batch.packed and batch.position_ids is not None:
-        mask = packed_attention_mask(model, batch.position_ids)  # once per micro-batch, all layers
-        if mask is not None:
-            inputs["attention_mask"] = mask
     if autocast_dtype is None:
-        return model(**inputs, use_cache=False).logits
+        return decoder(**inputs, use_cache=False).last_hidden_state
     with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-        return model(**inputs, use_cache=False).logits
+        return decoder(**inputs, use_cache=False).last_hidden_state
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: MicroBatch, loss_fn, autocast_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Sum of the token losses of ``batch`` (float32 scalar on the device; no host sync)."""
+    hidden = forward_hidden(model, batch, autocast_dtype)
+    _, head = causal_lm_parts(model)
+    if autocast_dtype is None:
+        loss_sum, _ = loss_fn(hidden, head, batch.targets)
+    else:  # the head's matmul in the compute dtype, as the model's own forward does
+        with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
+            loss_sum, _ = loss_fn(hidden, head, batch.targets)
+    return loss_sum
+
+
+def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The model's logits for ``batch`` (tests and tools that need them whole; training and
+    eval go through :func:`micro_batch_loss`). A packed batch without attention inputs gets
+    those of the model's current kernel."""
+    if batch.packed and not batch.attention_inputs:
+        from hone.models.attention.layout import layout_for
+
+        batch = batch.with_attention(layout_for(model))
+    hidden = forward_hidden(model, batch, autocast_dtype)
+    _, head = causal_lm_parts(model)
+    post = logit_postprocess(getattr(model, "config", None))
+    logits = head(hidden)
+    return post(logits) if post is not None else logits

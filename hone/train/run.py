@@ -17,8 +17,8 @@ from rich.console import Console
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
-from hone.transforms.planner import RunFacts, apply_optimizations, plan_optimizations, write_record
-from hone.transforms.planner import describe as describe_optimizations
+from hone.transforms.base import RunFacts
+from hone.transforms.planner import plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 from hone.atomic import atomic_write_text
 from hone.track.metrics import METRICS_FILE
@@ -133,7 +133,7 @@ def run_training(
     plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
 
     seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
-    loaded = load_model(cfg, tokenizer, device)
+    loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
     console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
     console.print(
         f"trainable parameters: {loaded.trainable_params:,} of {loaded.total_params:,} "
@@ -143,10 +143,11 @@ def run_training(
         soft_wrap=True,
     )
 
-    applied = apply_optimizations(loaded.model, plan, cfg, facts)
-    console.print(describe_optimizations(applied, plan), highlight=False, markup=False, soft_wrap=True)
-    write_record(out, applied, plan)
-    watch = CompileWatch(warn).start() if any(a.name == "compile" for a in applied) else None
+    plan.apply(loaded.model, "adapted", cfg, facts)
+    hooks = plan.hooks(loaded.model, cfg, facts)
+    console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
+    write_record(out, plan)
+    watch = CompileWatch(warn).start() if cfg.performance.compiles_on(device.type) else None
 
     first_step = [True]
 
@@ -172,11 +173,12 @@ def run_training(
             step_callback=on_step,
             resume_from=resume_from,
             autocast_dtype=getattr(loaded, "autocast_dtype", None),
+            hooks=hooks,
         )
     finally:
         if watch is not None:
             watch.stop()
-            write_record(out, applied, plan, watch.summary())
+            write_record(out, plan, watch.summary())
     if watch is not None:
         console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 

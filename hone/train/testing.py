@@ -129,3 +129,14 @@ def tiny_config(output_dir: Path, **sections: dict[str, Any]) -> HoneConfig:
         if section == "training" and "num_epochs" in values:
             raw["training"].pop("max_steps", None)
     return HoneConfig.model_validate(raw)
+
+
+def run_hooks(model: torch.nn.Module, loss: str = "standard", device: str = "cpu"):
+    """The hooks the plan gives the loop for ``model`` (loss function, attention layout), drawn
+    up through the planner as a run would, with ``performance.loss: loss``."""
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    cfg = tiny_config(Path("unused"), performance={"loss": loss})
+    facts = RunFacts(torch.device(device))
+    return plan_optimizations(cfg, facts).hooks(model, cfg, facts)

@@ -84,9 +84,13 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -
 
 
 def compile_model(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
-    """Compile the whole model's forward in place (the loss stays outside, in the loop)."""
+    """Compile the whole decoder's forward in place: the loop runs the decoder and hands its
+    hidden states to the loss (which the loss transform compiles, or a fused op computes)."""
+    from hone.train.loss import causal_lm_parts
+
     kwargs = _compile_kwargs(perf, dynamic)
-    model.compile(**kwargs)
+    decoder, _ = causal_lm_parts(model)
+    decoder.compile(**kwargs)
     return {"scope": "model", "backend": perf.torch_compile_backend, "options": kwargs.get("options") or {}, "dynamic_shapes": dynamic}
 
 

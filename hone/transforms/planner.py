@@ -1,25 +1,34 @@
 """The optimization planner: which transforms a run applies, in which order, and the record.
 
-Each optimization is a :class:`Transform`: a name, the config key that switches it on, what it
-needs from the run (checked before the model is loaded) and an ``apply`` step that changes the
-loaded model in place and returns what it did. Combinations the config alone can rule out are
-refused earlier, by the config's validators (``hone validate`` catches them); the checks here
-are the ones that need the run: the device and the shapes of the prepared data.
+Each optimization is a :class:`~hone.transforms.base.Transform`. Combinations the config
+alone can rule out are refused earlier, by the config's validators (``hone validate`` catches
+them); the checks here are the ones that need the run: the device and the shapes of the
+prepared data.
 
 The order is fixed and is the order of :data:`TRANSFORMS` (torchtitan's ``parallelize`` is the
 model: one list, read top to bottom):
 
-1. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole model. Compilation
-   traces whatever modules it finds, so transforms that swap modules or kernels (fused LoRA,
-   fused loss, tiled MLP, ...) go *before* it; activation checkpointing is switched on by the
-   loader and composes with it (see :mod:`hone.transforms.compile`). Sharding (FSDP2) would come after.
+1. ``attention`` (base model) -- the attention kernel for this device and data: the backend the
+   config names, with packed ``sdpa`` rows switched to torch's varlen kernel where it runs. It
+   decides once how packed micro-batches reach the attention (boundaries or hone's mask).
+   Everything after it traces the attention the run will really use.
+2. (later: quantized base, fused kernels / experts backend, tiled MLP -- they swap modules,
+   so they come before anything that wraps or traces layers.)
+3. ``loss`` -- the loss function: the fused linear cross-entropy where it applies, else the
+   standard one. It changes no module; it sits before compile so that a compiled run compiles
+   the standard loss along with the layers.
+4. ``activation_checkpointing`` (adapted model) -- recompute (or offload) each decoder layer's
+   activations. It wraps the layers' forward, so compile, which comes next, traces the
+   checkpoint into each layer's graph (Inductor then decides what to recompute).
+5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
+   traces whatever modules it finds, so everything that swaps modules or kernels goes before.
+6. (later: context parallelism, then FSDP2 sharding, which must see the final modules.)
 
 The applied list is printed and written to ``optimizations.json`` in the run directory,
 together with what was skipped and why, and the compile counts once training ends.
 """
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,41 +39,16 @@ from torch import nn
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.transforms import compile as compile_transform
+from hone.transforms.base import RunFacts, RunHooks, Stage, Transform
 from hone.transforms.inductor import configure_cache_dir
+
+__all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
 
 OPTIMIZATIONS_FILE = "optimizations.json"
 
 
 class PlanError(HoneError):
     """The run cannot apply an optimization its config asks for."""
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the planner needs to know about the run beyond its config."""
-
-    device: torch.device
-    shape_note: str | None = None
-    """None when every training micro-batch has one shape and layout; otherwise why not
-    (packing: fixed width but document boundaries that move; rows of different lengths)."""
-    lengths_vary: bool = False
-    """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
-
-
-@dataclass(frozen=True)
-class Transform:
-    name: str
-    switch: str
-    """The config key that turns it on."""
-    wanted: Callable[[HoneConfig, RunFacts], bool]
-    """Whether the config asks for it on this run (e.g. ``torch_compile: auto`` on CUDA)."""
-    check: Callable[[HoneConfig, RunFacts], list[str]]
-    """Requirements on the run; each problem is one message naming the key and the fix."""
-    apply: Callable[[nn.Module, HoneConfig, RunFacts], dict[str, Any]]
-    conflicts: tuple[str, ...] = ()
-    """Transforms it cannot be combined with (also refused at validation time)."""
-    skipped_because: Callable[[HoneConfig, RunFacts], str | None] = lambda cfg, facts: None
-    """Why a transform the config mentions is not applied on this run, for the record."""
 
 
 @dataclass
@@ -74,17 +58,84 @@ class Applied:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class Plan:
-    transforms: list[Transform]
-    skipped: list[dict[str, str]]
-
-    @property
-    def names(self) -> list[str]:
-        return [t.name for t in self.transforms]
+# ---------------------------------------------------------------- 1. attention kernel
 
 
-# ---------------------------------------------------------------- 1. torch.compile
+def _attention_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    from hone.models.attention.setup import attention_problems
+
+    return attention_problems(cfg.model, facts.device)
+
+
+def _attention_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.models.attention.setup import select_packed_kernel
+    from hone.models.precision import precision_for
+
+    compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
+    kernel = select_packed_kernel(model, cfg, facts.device, compute)
+    return {"implementation": cfg.model.attn_implementation, "packed_kernel": kernel}
+
+
+def _attention_layout(model: nn.Module, cfg: HoneConfig):
+    from hone.models.attention.layout import layout_for
+
+    return layout_for(model)
+
+
+def _attention_label(details: dict[str, Any]) -> str:
+    extra = f", {details['packed_kernel']}" if details.get("packed_kernel") else ""
+    return f"attention ({details['implementation']}{extra})"
+
+
+ATTENTION = Transform(
+    name="attention",
+    switch="model.attn_implementation",
+    wanted=lambda cfg, facts: True,
+    check=_attention_check,
+    stage="base",
+    model=_attention_apply,
+    attention_layout=_attention_layout,
+    label=_attention_label,
+)
+
+
+# ---------------------------------------------------------------- 3. loss
+
+
+def _loss(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
+    from hone.transforms.loss import build_loss
+
+    return build_loss(cfg, facts, model)
+
+
+LOSS = Transform(
+    name="loss",
+    switch="performance.loss",
+    wanted=lambda cfg, facts: True,
+    loss=_loss,
+    label=lambda d: f"loss ({d['loss']})",
+)
+
+
+# ---------------------------------------------------------------- 4. activation checkpointing
+
+
+def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.transforms.checkpointing import apply_activation_checkpointing
+
+    return apply_activation_checkpointing(model, "full")
+
+
+CHECKPOINTING = Transform(
+    name="activation_checkpointing",
+    switch="memory.gradient_checkpointing",
+    wanted=lambda cfg, facts: cfg.memory.gradient_checkpointing,
+    model=_checkpointing_apply,
+    label=lambda d: f"activation checkpointing ({d.get('policy', 'full')})",
+)
+
+
+# ---------------------------------------------------------------- 5. torch.compile
 
 
 def _compile_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
@@ -126,20 +177,103 @@ def _compile_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
     return None
 
 
+def _compile_label(d: dict[str, Any]) -> str:
+    extra = f"{d['scope']}"
+    if d.get("layers"):
+        extra += f", {d['layers']} layers"
+    extra += f", {d['backend']}"
+    if d.get("mode") not in (None, "default"):
+        extra += f", mode {d['mode']}"
+    if d.get("user_options"):
+        extra += ", " + ", ".join(f"{k}={v}" for k, v in d["user_options"].items())
+    return f"compile ({extra})"
+
+
 COMPILE = Transform(
     name="compile",
     switch="performance.torch_compile",
     wanted=_compile_wanted,
     check=_compile_check,
-    apply=_compile_apply,
+    model=_compile_apply,
     skipped_because=_compile_skipped,
+    label=_compile_label,
 )
 
 #: Every transform, in the order they are applied (see the module docstring for why).
-TRANSFORMS: tuple[Transform, ...] = (COMPILE,)
+TRANSFORMS: tuple[Transform, ...] = (ATTENTION, LOSS, CHECKPOINTING, COMPILE)
 
 
 # ---------------------------------------------------------------- planning and applying
+
+
+@dataclass
+class Plan:
+    """The transforms of one run, in order, and what applying them did so far."""
+
+    transforms: list[Transform]
+    skipped: list[dict[str, str]]
+    applied: list[Applied] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.transforms]
+
+    def apply(self, model: nn.Module, stage: Stage, cfg: HoneConfig, facts: RunFacts) -> list[Applied]:
+        """Run the ``model`` hooks of this ``stage``, in order; records and returns what they did."""
+        done = []
+        for transform in self.transforms:
+            if transform.stage != stage:
+                continue
+            details = transform.model(model, cfg, facts) if transform.model is not None else {}
+            done.append(self._record(transform, details))
+        return done
+
+    def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
+        """What the loop and the eval use of the plan, once ``model`` has been through it."""
+        loss_fn = layout = None
+        step_contexts, after_step, state_dict = [], [], []
+        for transform in self.transforms:
+            if transform.loss is not None:
+                if loss_fn is not None:
+                    raise PlanError(f"two transforms supply the loss ({transform.name} and an earlier one)")
+                loss_fn, details = transform.loss(model, cfg, facts)
+                self._record(transform, details)
+            if transform.attention_layout is not None:
+                layout = transform.attention_layout(model, cfg)
+                self._record(transform, {"packed_batches_carry": layout.kind})
+            if transform.step_context is not None:
+                step_contexts.append(transform.step_context(cfg, facts))
+            if transform.after_optimizer_step is not None:
+                hook = transform.after_optimizer_step
+                after_step.append(lambda hook=hook: hook(model))
+            if transform.state_dict_hooks is not None:
+                state_dict.append(transform.state_dict_hooks(cfg, facts))
+        if loss_fn is None or layout is None:
+            raise PlanError("the plan has no loss or no attention transform; hone's own TRANSFORMS always do")
+        return RunHooks(loss_fn=loss_fn, layout=layout, step_contexts=step_contexts, after_step=after_step, state_dict=state_dict)
+
+    def _record(self, transform: Transform, details: dict[str, Any]) -> Applied:
+        for item in self.applied:
+            if item.name == transform.name:
+                item.details.update(details)
+                return item
+        item = Applied(transform.name, transform.switch, dict(details))
+        self.applied.append(item)
+        return item
+
+    def in_order(self) -> list[Applied]:
+        """The applied transforms in plan order (hooks run in stages, so not in that order)."""
+        rank = {t.name: i for i, t in enumerate(self.transforms)}
+        return sorted(self.applied, key=lambda a: rank.get(a.name, len(rank)))
+
+    def describe(self) -> str:
+        """One console line: what was applied (and what the config mentions but this run skips)."""
+        by_name = {t.name: t for t in self.transforms}
+        parts = [by_name[a.name].describe(a.details) for a in self.in_order() if a.name in by_name]
+        text = "optimizations: " + (", ".join(parts) if parts else "none")
+        for skip in self.skipped:
+            text += f"; skipped {skip['name']}: {skip['reason']}"
+        return text
 
 
 def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS) -> Plan:
@@ -163,42 +297,12 @@ def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Trans
     return Plan(chosen, skipped)
 
 
-def apply_optimizations(model: nn.Module, plan: Plan, cfg: HoneConfig, facts: RunFacts) -> list[Applied]:
-    """Apply ``plan`` to ``model`` in place, in order; returns the record of what was done."""
-    return [Applied(t.name, t.switch, t.apply(model, cfg, facts)) for t in plan.transforms]
-
-
-def describe(applied: list[Applied], plan: Plan) -> str:
-    """One console line: what was applied (and what the config mentions but this run skips)."""
-    if not applied and not plan.skipped:
-        return "optimizations: none"
-    parts = []
-    for item in applied:
-        d = item.details
-        if item.name == "compile":
-            extra = f"{d['scope']}"
-            if d.get("layers"):
-                extra += f", {d['layers']} layers"
-            extra += f", {d['backend']}"
-            if d.get("mode") not in (None, "default"):
-                extra += f", mode {d['mode']}"
-            if d.get("user_options"):
-                extra += ", " + ", ".join(f"{k}={v}" for k, v in d["user_options"].items())
-            parts.append(f"compile ({extra})")
-        else:
-            parts.append(item.name)
-    text = "optimizations: " + (", ".join(parts) if parts else "none")
-    for skip in plan.skipped:
-        text += f"; skipped {skip['name']}: {skip['reason']}"
-    return text
-
-
-def write_record(out_dir: Path, applied: list[Applied], plan: Plan, compile_stats: dict[str, Any] | None = None) -> Path:
+def write_record(out_dir: Path, plan: Plan, compile_stats: dict[str, Any] | None = None) -> Path:
     """``optimizations.json``: applied transforms in order, skipped ones, compile counts."""
     from hone.atomic import atomic_write_text
 
     record: dict[str, Any] = {
-        "applied": [asdict(a) for a in applied],
+        "applied": [asdict(a) for a in plan.in_order()],
         "skipped": plan.skipped,
         "torch": torch.__version__,
     }

@@ -11,7 +11,7 @@ from rich.console import Console
 from hone.train.collate import collate, rows_at
 from hone.train.loop import _window_loss_backward, train_loop
 from hone.train.loss import token_loss_sum
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.train.testing import random_rows, run_hooks, tiny_config, tiny_llama
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -22,7 +22,7 @@ def _window_grads(seed: int, rows, split: int) -> tuple[float, dict[str, torch.T
     model = tiny_llama(seed)
     window = [collate(rows[i : i + split], pad_id=0) for i in range(0, len(rows), split)]
     tokens = sum(b.trained_tokens for b in window)
-    loss = _window_loss_backward(model, window, tokens, scaler=None, autocast_dtype=None)
+    loss = _window_loss_backward(model, window, tokens, run_hooks(model), scaler=None, autocast_dtype=None)
     return loss.item(), _grads(model)
 
 

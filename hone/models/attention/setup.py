@@ -17,20 +17,28 @@ from hone.models.attention.varlen import fused_kernel_runs, register_varlen_sdpa
 from hone.models.errors import ModelError
 
 
-def check_attention(model_cfg: ModelConfig, device: torch.device, training: bool = True) -> None:
-    """Raise :class:`ModelError` if ``model.attn_implementation`` cannot run (or train) on ``device``."""
+def attention_problems(model_cfg: ModelConfig, device: torch.device, training: bool = True) -> list[str]:
+    """Why ``model.attn_implementation`` cannot run (or train) on ``device`` (empty: it can)."""
     backend = model_cfg.attention
     name = model_cfg.attn_implementation
     if backend.needs_cuda and device.type != "cuda":
-        raise ModelError(
+        return [
             f"model.attn_implementation: '{name}' runs on CUDA GPUs only, but the device is {device.type}: "
             "use sdpa (or flex_attention on a GPU)"
-        )
+        ]
     if training and not backend.trains_on_cpu and device.type == "cpu":
-        raise ModelError(
+        return [
             f"model.attn_implementation: '{name}' has no backward pass on the CPU (forward only): "
             "train with sdpa on the CPU, or train on a GPU"
-        )
+        ]
+    return []
+
+
+def check_attention(model_cfg: ModelConfig, device: torch.device, training: bool = True) -> None:
+    """Raise :class:`ModelError` if ``model.attn_implementation`` cannot run (or train) on ``device``."""
+    problems = attention_problems(model_cfg, device, training)
+    if problems:
+        raise ModelError(problems[0])
 
 
 def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:

@@ -1,0 +1,126 @@
+"""What a transform is: the seam every optimization plugs into.
+
+A transform is a small, named unit switched on by one config key. It says what it needs from
+the run (``check``, before any model loads), which other transforms it cannot be combined with,
+and then acts through any of these hooks (all optional):
+
+- ``model`` -- change the model in place (pick an attention kernel, checkpoint layers, compile,
+  shard) and return what it did, for ``optimizations.json``. ``stage`` says whether it runs on
+  the base model before the adapter is attached or on the adapted model.
+- ``loss`` -- supply the :data:`LossFn` of the run. Exactly one transform does (the loss
+  transform: the standard one computes logits, a fused one never materialises them).
+- ``attention_layout`` -- decide once, for the loaded model, how packed micro-batches reach the
+  attention (document boundaries, hone's mask, or transformers' own handling); the micro-batch
+  then carries it, so the loss and the loop know nothing about attention.
+- ``step_context`` -- a context manager around each micro-batch's forward and backward
+  (activation offload, later context parallelism).
+- ``state_dict_hooks`` -- how its parameters are saved and loaded (quantized or sharded weights).
+- ``after_optimizer_step`` -- e.g. float8 scale updates.
+
+The planner (:mod:`hone.transforms.planner`) is the one place that orders and applies them;
+code elsewhere reaches a transform only through the plan's :class:`RunHooks`, never by name.
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from hone.config.root import HoneConfig
+
+if TYPE_CHECKING:
+    from hone.models.attention.layout import AttentionLayout
+    from hone.train.collate import MicroBatch
+
+#: ``loss_fn(hidden [B, T, H], head, targets [B, T]) -> (sum of token losses, float32 scalar;
+#: trained tokens, a scalar tensor)``. ``head`` is the model's output projection module; targets
+#: are already shifted, -100 where there is no loss.
+LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+#: ``step_context(batch)`` returns the context manager one micro-batch's forward+backward runs in.
+StepContext = Callable[["MicroBatch"], AbstractContextManager]
+
+Stage = Literal["base", "adapted"]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the planner needs to know about the run beyond its config."""
+
+    device: torch.device
+    shape_note: str | None = None
+    """None when every training micro-batch has one shape and layout; otherwise why not
+    (packing: fixed width but document boundaries that move; rows of different lengths)."""
+    lengths_vary: bool = False
+    """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
+
+
+@dataclass(frozen=True)
+class StateDictHooks:
+    """How a transform's parameters leave and enter a checkpoint: ``save`` maps the state dict
+    about to be written, ``load`` the one read back (e.g. quantized or sharded weights)."""
+
+    save: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    load: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+
+
+def _no_problems(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    return []
+
+
+def _no_reason(cfg: HoneConfig, facts: RunFacts) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    switch: str
+    """The config key that turns it on (what the user changes to turn it off)."""
+    wanted: Callable[[HoneConfig, RunFacts], bool]
+    """Whether the config asks for it on this run (e.g. ``torch_compile: auto`` on CUDA)."""
+    check: Callable[[HoneConfig, RunFacts], list[str]] = _no_problems
+    """Requirements on the run; each problem is one message naming the key and the fix."""
+    conflicts: tuple[str, ...] = ()
+    """Transforms it cannot be combined with (also refused at validation time)."""
+    skipped_because: Callable[[HoneConfig, RunFacts], str | None] = _no_reason
+    """Why a transform the config mentions is not applied on this run, for the record."""
+    stage: Stage = "adapted"
+    """Whether ``model`` runs on the base model (before the adapter) or on the adapted one."""
+    model: Callable[[nn.Module, HoneConfig, RunFacts], dict[str, Any]] | None = None
+    loss: Callable[[nn.Module, HoneConfig, RunFacts], tuple[LossFn, dict[str, Any]]] | None = None
+    """The run's loss function for the ready model, and what to record about it."""
+    attention_layout: Callable[[nn.Module, HoneConfig], "AttentionLayout"] | None = None
+    step_context: Callable[[HoneConfig, RunFacts], StepContext] | None = None
+    state_dict_hooks: Callable[[HoneConfig, RunFacts], StateDictHooks] | None = None
+    after_optimizer_step: Callable[[nn.Module], None] | None = None
+    label: Callable[[dict[str, Any]], str] | None = None
+    """The console text of the applied transform from its recorded details (default: the name)."""
+
+    def describe(self, details: dict[str, Any]) -> str:
+        return self.label(details) if self.label is not None else self.name
+
+
+@dataclass
+class RunHooks:
+    """What the plan gives the training loop and the eval, once the model is ready."""
+
+    loss_fn: LossFn
+    layout: "AttentionLayout"
+    step_contexts: list[StepContext] = field(default_factory=list)
+    after_step: list[Callable[[], None]] = field(default_factory=list)
+    state_dict: list[StateDictHooks] = field(default_factory=list)
+
+    def step_context(self, batch: "MicroBatch") -> ExitStack:
+        """Every transform's context for one micro-batch's forward and backward, entered in plan order."""
+        stack = ExitStack()
+        for make in self.step_contexts:
+            stack.enter_context(make(batch))
+        return stack
+
+    def after_optimizer_step(self) -> None:
+        for hook in self.after_step:
+            hook()

@@ -1,0 +1,91 @@
+"""The loss as a transform: the fused linear cross-entropy where it applies, else the standard one.
+
+Both take the decoder's last hidden states and the output head (see
+:data:`~hone.transforms.base.LossFn`). The standard loss computes the [tokens x vocab] logits
+and upcasts them to float32: at a 152K vocabulary that is 1.2 GiB per 2K tokens before its
+gradient, and the largest single tensor of a long-context step. The fused loss
+(:func:`hone.kernels.cross_entropy.fused_linear_cross_entropy`) walks the tokens in chunks and
+produces the gradients of the hidden states and of the head chunk by chunk, so only one chunk's
+logits ever exist; its value and gradients equal the standard loss within float rounding.
+
+It applies to models whose logits are the plain output projection; models that scale or
+soft-cap their logits (Gemma 2, Cohere, Granite) keep the standard loss (``auto``), or are
+refused with ``performance.loss: fused_linear_ce``.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hone.config.root import HoneConfig
+from hone.train.collate import IGNORE_INDEX
+from hone.errors import HoneError
+from hone.train.loss import causal_lm_parts, logit_postprocess, standard_loss
+from hone.transforms.base import LossFn, RunFacts
+
+
+def fused_linear_ce_loss() -> LossFn:
+    """The fused loss over a [B, T, H] batch: flattened to tokens, the head's weight cast to
+    the hidden states' dtype (under autocast a float32 head computes in bf16, as ``F.linear``
+    would; the cast's gradient flows back to the float32 weight)."""
+    from hone.kernels.cross_entropy import fused_linear_cross_entropy
+
+    def loss_fn(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = head.weight
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden = hidden.to(dtype)
+            weight = weight.to(dtype)
+        elif weight.dtype != hidden.dtype:
+            weight = weight.to(hidden.dtype)
+        flat_targets = targets.reshape(-1)
+        loss_sum = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index=IGNORE_INDEX)
+        return loss_sum, (flat_targets != IGNORE_INDEX).sum()
+
+    return loss_fn
+
+
+def fused_loss_blockers(model_config: Any, head: nn.Module | None) -> list[str]:
+    """Why the fused loss cannot compute this model's loss exactly (empty: it can)."""
+    blockers = []
+    if logit_postprocess(model_config) is not None:
+        blockers.append("the model scales or soft-caps its logits after the output projection")
+    if head is not None and (getattr(head, "bias", None) is not None or not hasattr(head, "weight")):
+        blockers.append(f"the model's output head ({type(head).__name__}) is not a plain linear projection without bias")
+    return blockers
+
+
+class LossError(HoneError):
+    """``performance.loss: fused_linear_ce`` on a model whose loss it cannot compute exactly."""
+
+
+def chosen_loss(cfg: HoneConfig, model_config: Any, head: nn.Module | None) -> tuple[str, str]:
+    """(``fused_linear_ce`` or ``standard``, why) for ``cfg`` and the loaded model."""
+    asked = cfg.performance.loss
+    if asked == "standard":
+        return "standard", "performance.loss: standard"
+    blockers = fused_loss_blockers(model_config, head)
+    if not blockers:
+        return "fused_linear_ce", f"performance.loss: {asked}"
+    if asked == "fused_linear_ce":
+        raise LossError(
+            f"performance.loss: fused_linear_ce cannot compute this model's loss exactly: {'; '.join(blockers)}. "
+            "Use performance.loss: auto or standard"
+        )
+    return "standard", f"performance.loss: auto, and the fused loss does not apply: {'; '.join(blockers)}"
+
+
+def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:
+    """The run's loss function and its record. The standard loss is compiled with the model
+    when the run compiles (Inductor then never writes the float32 logits out whole); the fused
+    one is an opaque custom op that compiled code calls as it is."""
+    config = getattr(model, "config", None)
+    kind, why = chosen_loss(cfg, config, causal_lm_parts(model)[1])
+    if kind == "fused_linear_ce":
+        return fused_linear_ce_loss(), {"loss": kind, "why": why}
+    loss_fn = standard_loss(logit_postprocess(config))
+    compiled = cfg.performance.compiles_on(facts.device.type)
+    if compiled:
+        loss_fn = torch.compile(loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None)
+    return loss_fn, {"loss": kind, "why": why, "compiled": compiled}
