@@ -98,7 +98,9 @@ def _softmax_grad_compiled(logits: torch.Tensor, targets: torch.Tensor, ignore_i
     """:func:`_softmax_grad_torch` compiled by Inductor (once per process, on first use)."""
     global _compiled_softmax_grad
     if _compiled_softmax_grad is None:
-        _compiled_softmax_grad = torch.compile(_softmax_grad_torch, dynamic=False)
+        # Default dynamism: the first chunk shape compiles static, a second (the ragged last
+        # chunk, or another batch size) recompiles once with a dynamic row count.
+        _compiled_softmax_grad = torch.compile(_softmax_grad_torch)
     return _compiled_softmax_grad(logits, targets, ignore_index)
 
 
@@ -206,7 +208,8 @@ def fused_linear_cross_entropy(
     Differentiable w.r.t. ``hidden`` and ``weight``; the gradient of each is computed (in the
     forward, chunk by chunk) only if it requires grad and grad mode is on, so a frozen head
     (LoRA) costs no ``[V, H]`` gradient and evaluation under ``no_grad`` costs no gradient at
-    all. ``chunk_tokens`` defaults to :func:`default_chunk_tokens`.
+    all. Under ``torch.autocast`` both operands are cast to the autocast dtype first, as the
+    reference's matmul is. ``chunk_tokens`` defaults to :func:`default_chunk_tokens`.
     """
     if impl not in IMPLS:
         raise KernelUnavailableError(f"fused cross-entropy impl {impl!r} is not one of {', '.join(IMPLS)}")
@@ -218,6 +221,13 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"shapes do not match: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
         )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # As the reference's matmul would under autocast: both operands in the autocast dtype
+        # (differentiably, so a float32 head still gets its gradient), then no autocast inside.
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, ignore_index, chunk_tokens, impl)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, as the reference's matmul does")
     if impl == "auto":

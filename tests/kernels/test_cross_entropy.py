@@ -125,6 +125,26 @@ def test_bf16_matches_reference_within_bf16_tolerance():
         torch.testing.assert_close(actual.float(), expected.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_under_autocast_float32_operands_are_cast_like_the_reference_matmul(compiled):
+    """Mixed precision: float32 trainable head and hidden states, bf16 compute. The fused loss
+    must round like the reference under the same autocast and still give float32 gradients."""
+    h, w, t = _inputs(40, hidden=32, vocab=97, ignore=(3,))
+    fused = torch.compile(_fused_chunk16, backend="aot_eager", fullgraph=True) if compiled else _fused_chunk16
+    results = []
+    for fn in (linear_cross_entropy_reference, fused):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_value_and_grads(fn, h, w, t))
+    (value, grad_hidden, grad_weight), (ref_value, ref_grad_hidden, ref_grad_weight) = results[1], results[0]
+    assert grad_hidden.dtype == torch.float32 and grad_weight.dtype == torch.float32
+    # Same bf16 logits and gradient rows as the reference: equal to float32 precision (a
+    # float32 matmul instead would be ~1e-4 off in value and ~5e-3 in the hidden gradient).
+    _assert_close(value, ref_value)
+    _assert_close(grad_hidden, ref_grad_hidden)
+    # The head's gradient is summed over chunks of bf16 products: bf16 tolerance.
+    torch.testing.assert_close(grad_weight, ref_grad_weight, rtol=1e-2, atol=1e-2)
+
+
 def test_default_chunk_tokens_keeps_float32_logits_within_budget():
     for vocab in (151_936, 128_256, 32_000):
         chunk = default_chunk_tokens(100_000, vocab)
