@@ -26,19 +26,14 @@ from hone.transforms.base import LossFn, RunFacts
 
 
 def fused_linear_ce_loss() -> LossFn:
-    """The fused loss over a [B, T, H] batch: flattened to tokens, the head's weight cast to
-    the hidden states' dtype (under autocast a float32 head computes in bf16, as ``F.linear``
-    would; the cast's gradient flows back to the float32 weight)."""
+    """The fused loss over a [B, T, H] batch, flattened to tokens (under autocast a float32 head
+    computes in bf16, as ``F.linear`` would; the cast's gradient flows back to the float32 weight)."""
     from hone.kernels.cross_entropy import fused_linear_cross_entropy
 
     def loss_fn(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weight = head.weight
-        if torch.is_autocast_enabled(hidden.device.type):
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-            hidden = hidden.to(dtype)
-            weight = weight.to(dtype)
-        elif weight.dtype != hidden.dtype:
-            weight = weight.to(hidden.dtype)
+        if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype)  # (under autocast the kernel casts both itself)
         flat_targets = targets.reshape(-1)
         loss_sum = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index=IGNORE_INDEX)
         return loss_sum, (flat_targets != IGNORE_INDEX).sum()

@@ -16,12 +16,9 @@ from hone.transforms.compile import compile_regional, decoder_layers
 from hone.transforms.planner import (
     OPTIMIZATIONS_FILE,
     TRANSFORMS,
-    Applied,
     PlanError,
     RunFacts,
     Transform,
-    apply_optimizations,
-    describe,
     plan_optimizations,
     write_record,
 )
@@ -32,25 +29,39 @@ CPU, CUDA = RunFacts(torch.device("cpu")), RunFacts(torch.device("cuda"))
 VARYING = RunFacts(torch.device("cuda"), shape_note="the training rows are 3 to 9 tokens long")
 
 
+_RAW = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}}
+
+
 def cfg(**performance):
-    raw = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}}
-    return parse_config({**raw, "performance": performance})
+    return parse_config({**_RAW, "performance": performance})
 
 
-def test_nothing_asked_nothing_planned():
+ALWAYS = ["attention", "loss"]  # every run picks an attention kernel and a loss
+
+
+def test_nothing_asked_only_the_attention_kernel_and_the_loss_planned():
     plan = plan_optimizations(cfg(), CUDA)
-    assert plan.names == [] and plan.skipped == []
-    assert describe([], plan) == "optimizations: none"
+    assert plan.names == ALWAYS and plan.skipped == []
+    assert plan.describe() == "optimizations: none"  # nothing applied yet
 
 
 def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
-    assert plan_optimizations(cfg(torch_compile=True), CPU).names == ["compile"]
-    assert plan_optimizations(cfg(torch_compile="auto"), CUDA).names == ["compile"]
+    assert plan_optimizations(cfg(torch_compile=True), CPU).names == ALWAYS + ["compile"]
+    assert plan_optimizations(cfg(torch_compile="auto"), CUDA).names == ALWAYS + ["compile"]
     plan = plan_optimizations(cfg(torch_compile="auto"), CPU)
-    assert plan.names == [] and plan.skipped == [
+    assert plan.names == ALWAYS and plan.skipped == [
         {"name": "compile", "switch": "performance.torch_compile", "reason": "torch_compile: auto compiles on CUDA only; this run trains on cpu"}
     ]
-    assert "skipped compile: torch_compile: auto compiles on CUDA only" in describe([], plan)
+    assert "skipped compile: torch_compile: auto compiles on CUDA only" in plan.describe()
+
+
+def test_the_fixed_order_is_attention_loss_checkpointing_compile():
+    assert [t.name for t in TRANSFORMS] == ["attention", "loss", "activation_checkpointing", "compile"]
+
+
+def test_attention_the_device_cannot_run_is_refused_by_the_plan():
+    with pytest.raises(PlanError, match="'flex_attention' has no backward pass on the CPU"):
+        plan_optimizations(parse_config({**_RAW, "model": {"preset": "tiny-llama", "attn_implementation": "flex_attention"}}), CPU)
 
 
 def test_cudagraphs_need_cuda_and_one_shape():
@@ -62,40 +73,70 @@ def test_cudagraphs_need_cuda_and_one_shape():
     message = str(info.value)
     assert "torch_compile_mode 'reduce-overhead' uses CUDA graphs" in message and "3 to 9 tokens" in message
     assert "max-autotune-no-cudagraphs" in message
-    assert plan_optimizations(cfg(torch_compile=True, torch_compile_options=options), CUDA).names == ["compile"]
+    assert plan_optimizations(cfg(torch_compile=True, torch_compile_options=options), CUDA).names == ALWAYS + ["compile"]
 
 
-def _transform(name, log, conflicts=()):
+def _transform(name, log, conflicts=(), stage="adapted"):
     return Transform(
         name=name,
         switch=f"performance.{name}",
         wanted=lambda c, f: True,
-        check=lambda c, f: [],
-        apply=lambda model, c, f: log.append(name) or {"n": len(log)},
+        model=lambda model, c, f: log.append(name) or {"n": len(log)},
         conflicts=conflicts,
+        stage=stage,
     )
 
 
-def test_transforms_apply_in_the_fixed_order_and_conflicts_are_refused():
+def test_transforms_apply_stage_by_stage_in_the_fixed_order_and_conflicts_are_refused():
     log = []
-    order = (_transform("first", log), _transform("second", log))
+    order = (_transform("first", log), _transform("early", log, stage="base"), _transform("second", log))
     plan = plan_optimizations(cfg(), CPU, order)
-    applied = apply_optimizations(nn.Linear(1, 1), plan, cfg(), CPU)
-    assert log == ["first", "second"] and [a.details["n"] for a in applied] == [1, 2]
+    assert [a.name for a in plan.apply(nn.Linear(1, 1), "base", cfg(), CPU)] == ["early"]
+    applied = plan.apply(nn.Linear(1, 1), "adapted", cfg(), CPU)
+    assert log == ["early", "first", "second"] and [a.details["n"] for a in applied] == [2, 3]
+    assert [a.name for a in plan.in_order()] == ["first", "early", "second"]  # the record keeps plan order
     with pytest.raises(PlanError, match=r"performance.b \(b\) cannot be combined with a"):
         plan_optimizations(cfg(), CPU, (_transform("a", log), _transform("b", log, conflicts=("a",))))
-    assert TRANSFORMS[0].name == "compile"
 
 
-def test_record_lists_applied_then_skipped_then_compile_counts(tmp_path):
-    plan = plan_optimizations(cfg(torch_compile="auto"), CPU)
-    applied = [Applied("compile", "performance.torch_compile", {"scope": "regional", "layers": 2, "backend": "inductor",
-                                                                 "mode": "default", "user_options": {"shape_padding": False}})]
-    path = write_record(tmp_path, applied, plan, {"recompiles": 0})
+def test_hooks_collect_step_contexts_and_after_step_actions_in_plan_order(tokenizer):
+    from contextlib import contextmanager
+
+    events = []
+
+    @contextmanager
+    def around(tag, batch):
+        events.append(f"enter {tag}")
+        yield
+        events.append(f"exit {tag}")
+
+    extra = (
+        Transform("a", "x.a", lambda c, f: True, step_context=lambda c, f: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
+        Transform("b", "x.b", lambda c, f: True, step_context=lambda c, f: lambda b: around("b", b)),
+    )
+    plan = plan_optimizations(cfg(), CPU, TRANSFORMS + extra)
+    hooks = plan.hooks(tiny_model("tiny-llama", tokenizer), cfg(), CPU)
+    with hooks.step_context(None):
+        events.append("step")
+    hooks.after_optimizer_step()
+    assert events == ["enter a", "enter b", "step", "exit b", "exit a", "after a"]
+    assert hooks.layout.kind == "dense_mask" and callable(hooks.loss_fn)
+
+
+def test_record_lists_applied_in_plan_order_then_skipped_then_compile_counts(tmp_path, tokenizer):
+    config = cfg(torch_compile="auto")
+    plan = plan_optimizations(config, CPU)
+    model = tiny_model("tiny-llama", tokenizer)
+    plan.apply(model, "base", config, CPU)
+    plan.apply(model, "adapted", config, CPU)
+    plan.hooks(model, config, CPU)
+    path = write_record(tmp_path, plan, {"recompiles": 0})
     record = json.loads(path.read_text())
-    assert path.name == OPTIMIZATIONS_FILE and record["applied"][0]["details"]["layers"] == 2
+    assert path.name == OPTIMIZATIONS_FILE and [a["name"] for a in record["applied"]] == ["attention", "loss"]
+    assert record["applied"][1]["details"]["loss"] == "fused_linear_ce"
+    assert record["applied"][0]["details"]["packed_batches_carry"] == "dense_mask"
     assert record["skipped"][0]["name"] == "compile" and record["compile"] == {"recompiles": 0}
-    assert describe(applied, plan).startswith("optimizations: compile (regional, 2 layers, inductor, shape_padding=False)")
+    assert plan.describe().startswith("optimizations: attention (sdpa), loss (fused_linear_ce); skipped compile")
 
 
 @pytest.mark.parametrize(("preset", "layers"), [("tiny-llama", 2), ("tiny-gemma", 2), ("tiny-qwen3-moe", 2)])
