@@ -38,6 +38,7 @@ from rich.console import Console
 from torch import nn
 
 from hone.config.root import HoneConfig
+from hone.data.packing import packing_for
 from hone.errors import HoneError
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
@@ -193,14 +194,8 @@ def train_loop(
 
     # ---- set-up: plan, optimizer, schedule, (loss scaler), state
     scaler = _check_precision(cfg, device)
-    batches = micro_batches(
-        train_data,
-        packed=cfg.data.sample_packing,
-        sequence_len=cfg.data.sequence_len,
-        seed=t.seed,
-        pad_id=pad_id,
-        group_size=cfg.data.sample_packing_group_size,
-    )
+    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)  # bins: packed once, in hone.data
+    eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     plan = plan_steps(batches.units, t)
     seed_everything(t.seed)
     model.train()
@@ -268,7 +263,7 @@ def train_loop(
             pad_id=pad_id,
             device=device,
             autocast_dtype=autocast_dtype,
-            pack_to=cfg.data.sequence_len if cfg.data.packs_eval else None,
+            packing=eval_packing,
         )
         tracker.log_eval(
             {
