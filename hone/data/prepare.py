@@ -49,9 +49,10 @@ from hone.data.encode import (
     ENCODED_FEATURES,
 )
 from hone.data.errors import DataError, at_row
-from hone.data.formats import Source, make_format
+from hone.data.formats import Source
 from hone.data.load import check_file, load_file
 from hone.data.packing import Packing, packing_for
+from hone.data.row_format import make_format
 from hone.data.stats import MAX_EXAMPLES, DataStats, SourceStats, SplitStats
 
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")

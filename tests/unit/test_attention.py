@@ -11,8 +11,8 @@ import torch
 from hone.config import ConfigError, parse_config
 from hone.config.model import ModelConfig
 from hone.errors import HoneError
-from hone.models.attention import capabilities
-from hone.models.attention.capabilities import BACKENDS, installed_backends
+from hone.config import attention as capabilities
+from hone.config.attention import BACKENDS, installed_backends
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
