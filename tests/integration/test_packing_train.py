@@ -19,7 +19,7 @@ from hone.train.collate import collate
 from hone.train.evaluate import evaluate
 from hone.train.loop import train_loop
 from hone.train.loss import forward_logits, token_loss_sum
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from hone.track.metrics import read_metrics
 from hone.train.checkpoint import list_checkpoints, resolve_resume
 from hone.train.loop import train_loop
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 STEPS = 6

@@ -16,8 +16,7 @@ from hone.config.attention import BACKENDS, installed_backends
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
-from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.train.testing import document_logits_alone, packed_document_logits, random_documents
+from hone.testing import document_logits_alone, packed_document_logits, random_documents, tiny_model, tiny_tokenizer, with_random_lora
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]

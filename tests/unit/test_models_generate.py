@@ -15,7 +15,7 @@ from hone.export.generate import PromptSetup, format_prompt, generate, load_for_
 from hone.export.merge import merge_adapter
 from hone.models.loader import load_model
 from hone.models.save import save_final
-from hone.models.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import save_tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from hone.data.packing import pack, row_lengths
 from hone.errors import HoneError
 from hone.train.batches import BatchStream, DataPosition, micro_batches, plan_steps
 from hone.train.collate import IGNORE_INDEX, collate, collate_packed
-from hone.train.testing import random_rows
+from hone.testing import random_rows
 
 
 def lognormal_lengths(n: int, seed: int, median: int = 300, sigma: float = 1.0, cap: int = 4096) -> np.ndarray:
