@@ -43,8 +43,10 @@ from hone.errors import HoneError
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint import (
+    checkpoint_eval_rows,
     load_checkpoint,
     remove_checkpoints_after,
+    resume_history,
     save_checkpoint,
 )
 from hone.train.collate import MicroBatch
@@ -215,7 +217,7 @@ def train_loop(
             trained_tokens_total=saved["trained_tokens_total"],
             tokens_total=saved["tokens_total"],
         )
-        history = saved.get("metrics", [])
+        history = resume_history(resume_from, saved)  # from the run's metrics.jsonl, not the checkpoint
         notes = _resume_notes(saved, plan, t.seed, scheduler, cfg)
         dropped = remove_checkpoints_after(output_dir, counters.step)
         notes += [f"removed checkpoint {p.name} (newer than the one resumed from)" for p in dropped]
@@ -240,7 +242,7 @@ def train_loop(
             "tokens_total": counters.tokens_total,
             "plan": {"rows": plan.rows, "rows_per_step": plan.rows_per_step, "total_steps": plan.total_steps},
             "seed": t.seed,
-            "metrics": list(tracker.rows),
+            "eval_rows": checkpoint_eval_rows(tracker.rows),  # not every row: trainer_state.json stays small
         }
 
     def save() -> Path:
