@@ -140,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from hone.export.generate import merge_adapter
+    from hone.export.merge import merge_adapter
 
     out = merge_adapter(args.run_dir, args.output)
     print(f"merged model written to {out}")

@@ -98,6 +98,16 @@ def _write_random_dataset(path: Path, batches: list[torch.Tensor]) -> None:
                 f.write(json.dumps({"input_ids": row}) + "\n")
 
 
+def _trained_bins_efficiency(cache: Path) -> float | None:
+    """Packing efficiency of the bins the run trained on: the ones ``hone.data`` packed once and
+    saved with the row's prepared data (the row's cache directory holds that one entry)."""
+    from hone.data.packing import PACKING_FILES, load_packing
+
+    saved = sorted(cache.glob(f"*/{PACKING_FILES['train']}"))
+    packing = load_packing(saved[0]) if len(saved) == 1 else None
+    return packing.efficiency if packing is not None else None
+
+
 def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict[str, Any]:
     """Run one row and return its measurements (raises on failure; the harness records it)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,10 +149,6 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
             else:
                 _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
             cfg = _hone_config(spec, condition, workdir, data_file)
-            if w.data == "lengths" and cfg.data.sample_packing:
-                from hone.data.packing import pack
-
-                packing_efficiency = pack(lengths, w.sequence_len, cfg.training.seed, cfg.data.sample_packing_group_size).efficiency
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             last = [None]
@@ -162,6 +168,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
                 step_tokens.append((int(get("tokens", 0)), int(get("trained_tokens", 0))))
 
             run_training(cfg, device=device, step_callback=step_callback)
+            if w.data == "lengths" and cfg.data.sample_packing:
+                packing_efficiency = _trained_bins_efficiency(workdir / "cache")
             record = workdir / "run" / "optimizations.json"
             if record.exists():  # compile counts (graphs, recompiles) for the row
                 compile_stats = json.loads(record.read_text()).get("compile")

@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from hone.config.base import Section
-from hone.models.attention.capabilities import BACKENDS, AttentionBackend
+from hone.config.attention import BACKENDS, AttentionBackend
 
 #: Architecture presets built with random weights (``hone.models.presets`` builds them).
 #: ``tiny-*`` run on a laptop CPU; the others match real architectures for benchmarking.
@@ -96,7 +96,7 @@ class ModelConfig(Section):
 
     @property
     def attention(self) -> AttentionBackend:
-        """The capabilities of ``attn_implementation`` (see :mod:`hone.models.attention.capabilities`)."""
+        """The capabilities of ``attn_implementation`` (see :mod:`hone.config.attention`)."""
         return BACKENDS[self.attn_implementation]
 
     @property

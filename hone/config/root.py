@@ -38,7 +38,7 @@ class HoneConfig(Section):
     def _packing_needs_isolating_attention(self) -> "HoneConfig":
         packs = self.data.sample_packing or self.data.packs_eval
         if packs and not self.model.attention_isolates_packed_documents:
-            from hone.models.attention.capabilities import BACKENDS
+            from hone.config.attention import BACKENDS
 
             usable = ", ".join(n for n, b in BACKENDS.items() if b.isolates_packed_documents and b.installed)
             raise ValueError(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hone.config.data import AlpacaDataset, CompletionDataset, DatasetConfig, PretokenizedDataset
+from hone.config.data import AlpacaDataset, CompletionDataset, PretokenizedDataset
 from hone.data.errors import DataError
 
 #: Alpaca-style prompt, without the classic one-sentence preamble ("Below is an
@@ -218,18 +218,3 @@ class PretokenizedFormat(RowFormat):
                 )
             ids.append(item)
         return ids
-
-
-def make_format(cfg: DatasetConfig, source: Source, tokenizer: Any, chat_template: str | None) -> RowFormat:
-    """The :class:`RowFormat` for one dataset entry."""
-    if cfg.type == "alpaca":
-        return AlpacaFormat(cfg, source)
-    if cfg.type == "completion":
-        return CompletionFormat(cfg, source)
-    if cfg.type == "pretokenized":
-        return PretokenizedFormat(cfg, source, vocab_size=len(tokenizer))
-    if cfg.type == "chat":
-        from hone.data.chat import ChatFormat
-
-        return ChatFormat(cfg, source, tokenizer, chat_template)
-    raise AssertionError(f"unhandled dataset type {cfg.type!r}")  # the config's union is closed

@@ -5,7 +5,8 @@ dataset file: load (``load``), check its columns and encode every row with ``dat
 (``formats``/``chat`` + ``encode``), stop on the first bad row or skip and count them
 (``data.on_bad_row``), drop rows that are too long or train nothing; then hold out the
 validation rows, apply weights and shuffle (``mix``), write the splits and ``stats.json``
-into a staging directory and rename it into the cache.
+into a staging directory and rename it into the cache. With ``data.sample_packing`` the
+splits are then packed once and their bins saved in the entry too (``packing``).
 
 The returned datasets have exactly the columns ``input_ids``, ``labels`` (lists of int64 of
 equal length, ``1 <= len <= sequence_len``, at least one label that is not -100) and
@@ -48,9 +49,11 @@ from hone.data.encode import (
     ENCODED_FEATURES,
 )
 from hone.data.errors import DataError, at_row
-from hone.data.formats import Source, make_format
+from hone.data.formats import Source
 from hone.data.load import check_file, load_file
-from hone.data.stats import MAX_EXAMPLES, DataStats, PackingStats, SourceStats, SplitStats
+from hone.data.packing import Packing, packing_for
+from hone.data.row_format import make_format
+from hone.data.stats import MAX_EXAMPLES, DataStats, SourceStats, SplitStats
 
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
 _TEXT_FORMATS = ("alpaca", "chat", "completion")
@@ -66,9 +69,9 @@ class PreparedData:
     cache_dir: Path
     cache_hit: bool
     cache_enabled: bool = True
-    #: Packed rows per split when ``data.sample_packing`` / ``eval_sample_packing`` is on
-    #: (recomputed on every call: packing takes seconds and depends on the seed, not the cache).
-    packing: dict[str, PackingStats] | None = None
+    #: The bins of each split that ``data.sample_packing`` / ``eval_sample_packing`` packs
+    #: (packed once and saved in the cache entry beside the split; see :mod:`hone.data.packing`).
+    packing: dict[str, Packing] | None = None
 
 
 @dataclass
@@ -89,25 +92,16 @@ def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> 
     Raises :class:`DataError` for any problem with the data or data options.
     """
     prepared = _prepare(cfg, tokenizer, use_cache=use_cache)
-    prepared.packing = _packing_stats(cfg, prepared)
+    prepared.packing = _packing(cfg, prepared)
     return prepared
 
 
-def _packing_stats(cfg: HoneConfig, prepared: PreparedData) -> dict[str, PackingStats] | None:
-    """Pack the splits as training will (same seed), to report how full the packed rows are."""
-    from hone.data.packing import pack
-
-    data = cfg.data
-    out: dict[str, PackingStats] = {}
-    splits = [("train", prepared.train, data.sample_packing, True), ("eval", prepared.eval, data.packs_eval, False)]
-    for name, split, packed, shuffle in splits:
-        if split is None or not packed:
-            continue
-        lengths = np.asarray(split["length"], dtype=np.int64)
-        group = data.sample_packing_group_size if shuffle else max(1, len(lengths))
-        packing = pack(lengths, data.sequence_len, cfg.training.seed, group, shuffle=shuffle)
-        out[name] = PackingStats(rows=len(lengths), bins=packing.num_bins, tokens=packing.tokens, capacity=data.sequence_len)
-    return out or None
+def _packing(cfg: HoneConfig, prepared: PreparedData) -> dict[str, Packing] | None:
+    """Pack the splits once, as training will (same seed); the bins are saved in the cache
+    entry, so a cache hit (and the training loop, and each eval) loads them instead."""
+    splits = {"train": prepared.train, "eval": prepared.eval}
+    out = {name: packing_for(split, cfg, name) for name, split in splits.items()}
+    return {name: packing for name, packing in out.items() if packing is not None} or None
 
 
 def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedData:

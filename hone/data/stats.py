@@ -84,21 +84,6 @@ class SplitStats:
 
 
 @dataclass
-class PackingStats:
-    """What ``data.sample_packing`` makes of a split: bins of ``capacity`` tokens."""
-
-    rows: int
-    bins: int
-    tokens: int
-    capacity: int
-
-    @property
-    def efficiency(self) -> float:
-        """Real tokens / token slots."""
-        return self.tokens / (self.bins * self.capacity) if self.bins else 0.0
-
-
-@dataclass
 class DataStats:
     sequence_len: int
     excess_length_strategy: str

@@ -22,7 +22,7 @@ def render_summary(prepared: "PreparedData") -> str:
     lines += _drops(stats)
     for split, packed in (prepared.packing or {}).items():
         lines.append(
-            f"sample packing ({split}): {_n(packed.rows)} rows -> {_n(packed.bins)} packed rows of "
+            f"sample packing ({split}): {_n(packed.rows)} rows -> {_n(packed.num_bins)} packed rows of "
             f"{packed.capacity} tokens, {100 * packed.efficiency:.1f}% of token slots real"
         )
     lines.append("per file:")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hone.export.load import load_for_inference
 from hone.export.run_dir import read_run
 from hone.models.errors import ModelError
 from hone.models.loader import cast_parameters
@@ -18,8 +19,6 @@ from hone.atomic import atomic_directory
 
 def merge_adapter(run_dir: Path, out_dir: Path, device: torch.device | str = "cpu") -> Path:
     """Write base + LoRA of ``run_dir`` as a full safetensors model (with tokenizer) to ``out_dir``."""
-    from hone.export.generate import load_for_inference  # generate re-exports this module
-
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     run = read_run(run_dir)
     if not run.is_adapter:

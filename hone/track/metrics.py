@@ -52,8 +52,9 @@ class MetricsLog:
 
     def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
         """Open the log. ``resume_step``: keep only rows up to that step (a resumed run);
-        ``history``: rows from the checkpoint, used when the file itself is missing (a
-        checkpoint resumed into a new output directory)."""
+        ``history``: the rows of the run resumed from, used when the file itself is missing (a
+        checkpoint resumed into a new output directory; see
+        :func:`hone.train.checkpoint.resume_history`)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:

@@ -13,9 +13,10 @@ Because each epoch shuffles anew, a different handful of rows sits out each epoc
 otherwise ``total = floor(num_epochs * steps_per_epoch)`` (fractions allowed, at least 1).
 
 With ``data.sample_packing`` the unit is a *packed row* instead of a dataset row: the rows
-are packed once into bins of ``sequence_len`` tokens (:mod:`hone.data.packing`, deterministic
-in the seed) and each epoch visits the bins in its own seeded order, so everything above holds
-with "bins" for "rows" (the step count and schedule follow the packed length).
+are packed once into bins of ``sequence_len`` tokens by :mod:`hone.data.packing` (deterministic
+in the seed, saved with the prepared data; this module only reads the bins) and each epoch
+visits the bins in its own seeded order, so everything above holds with "bins" for "rows" (the
+step count and schedule follow the packed length).
 
 The position in the data is explicit, ``(epoch, index into that epoch's order)``, and is stored
 in checkpoints, so a resumed run continues with exactly the micro-batch that comes next.
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from hone.config.training import TrainingConfig
-from hone.data.packing import Packing, pack
+from hone.data.packing import Packing
 from hone.errors import HoneError
 from hone.train.collate import MicroBatch, collate, collate_packed, rows_at
 
@@ -153,13 +154,6 @@ class BatchStream:
         return [rows[i : i + mbs] for i in range(0, per_step, mbs)]
 
 
-def row_lengths(dataset: Any) -> np.ndarray:
-    """Token count of every row: the prepared ``length`` column, or measured from the rows."""
-    if hasattr(dataset, "column_names") and "length" in dataset.column_names:
-        return np.asarray(dataset["length"], dtype=np.int64)
-    return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
-
-
 class PaddedBatches:
     """Units are dataset rows; a micro-batch pads its rows to the longest one."""
 
@@ -193,11 +187,9 @@ class PackedBatches:
         return collate_packed(grouped, self.packing.capacity, self.pad_id)
 
 
-def micro_batches(
-    dataset: Any, *, packed: bool, sequence_len: int, seed: int, pad_id: int, group_size: int, shuffle: bool = True
-) -> PaddedBatches | PackedBatches:
-    """The micro-batch builder of a split: padded rows, or bins packed by seed."""
-    if not packed:
+def micro_batches(dataset: Any, packing: Packing | None, pad_id: int) -> PaddedBatches | PackedBatches:
+    """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
+    :func:`hone.data.packing.packing_for`, never packed here)."""
+    if packing is None:
         return PaddedBatches(dataset, pad_id)
-    packing = pack(row_lengths(dataset), sequence_len, seed, group_size, shuffle=shuffle)
     return PackedBatches(dataset, packing, pad_id)

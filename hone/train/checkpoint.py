@@ -7,7 +7,7 @@ A checkpoint holds everything the next optimizer step depends on:
     scheduler.pt           LambdaLR state, including the schedule's shape
     scaler.pt              fp16 loss-scaler state (fp16 runs only)
     rng.pt                 python, numpy, torch CPU and CUDA generator states
-    trainer_state.json     step, data position, counters and the metrics rows so far
+    trainer_state.json     step, data position, counters and the eval rows so far
     COMPLETE               written last: only directories holding it count as checkpoints
 
 Saving is atomic: files go into a hidden temp directory, each is fsync'd, the ``COMPLETE``
@@ -19,6 +19,11 @@ there is none, the run **starts from scratch with a warning**, so a config can s
 once and be re-run after every preemption, including the first time. ``training.resume:
 PATH`` (a ``step-<N>`` directory, or a run directory meaning its latest) must exist and be
 complete, else the run stops with an error: an explicit path that is wrong is a mistake.
+
+The metrics history of a resumed run (the report's eval losses, ``metrics.jsonl``, the loss
+plot) comes from the ``metrics.jsonl`` of the run the checkpoint belongs to, truncated to the
+checkpoint's step (:func:`resume_history`); ``trainer_state.json`` keeps only the eval rows
+(one per eval, not one per logged step), for a checkpoint moved away from its run.
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code.
 """
 
@@ -39,6 +44,7 @@ from hone.config.training import TrainingConfig
 from hone.errors import HoneError
 from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
+from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -311,3 +317,24 @@ def load_checkpoint(
         scaler.load_state_dict(_load_torch(path / SCALER_FILE))
     restore_rng(_load_torch(path / RNG_FILE))
     return state
+
+
+def resume_history(checkpoint: Path, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metrics rows a run resumed from ``checkpoint`` continues, up to its step.
+
+    They are read from the ``metrics.jsonl`` of the checkpoint's run
+    (``<run>/checkpoints/step-<N>/`` -> ``<run>/metrics.jsonl``). Without that file (a
+    checkpoint copied on its own) the eval rows saved in the checkpoint are what is left, which
+    is all the report needs; a checkpoint from before hone stopped saving every row brings them
+    (``metrics``)."""
+    step = int(state.get("step", 0))
+    run_metrics = Path(checkpoint).parent.parent / METRICS_FILE
+    rows = read_metrics(run_metrics) if run_metrics.is_file() else []
+    if not rows:
+        rows = list(state.get("metrics") or state.get("eval_rows") or [])
+    return [r for r in rows if r.get("step", 0) <= step]
+
+
+def checkpoint_eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What ``trainer_state.json`` keeps of the metrics: the eval rows (one per eval)."""
+    return [r for r in rows if is_eval_row(r)]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hone.data.packing import Packing
 from hone.train.batches import micro_batches
 from hone.train.loss import micro_batch_loss
 
@@ -41,14 +42,15 @@ def evaluate(
     pad_id: int,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
-    pack_to: int | None = None,
+    packing: Packing | None = None,
     hooks: "RunHooks | None" = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
-    ``pack_to`` packs the rows into bins of that many tokens first (in order, no shuffle);
-    the loss is the same either way, only faster. ``hooks`` give the run's loss function and
-    attention layout (default: the standard loss, the layout of the model as it stands)."""
+    ``packing`` (the split's bins from :func:`hone.data.packing.packing_for`, made once per run,
+    not per eval) runs the bins instead of padded rows; the loss is the same either way, only
+    faster. ``hooks`` give the run's loss function and attention layout (default: the standard
+    loss, the layout of the model as it stands)."""
     if hooks is None:
         from hone.models.attention.layout import layout_for
         from hone.train.loss import logit_postprocess, standard_loss
@@ -61,9 +63,7 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     try:
-        batches = micro_batches(
-            dataset, packed=pack_to is not None, sequence_len=pack_to or 0, seed=0, pad_id=pad_id, group_size=len(dataset), shuffle=False
-        )
+        batches = micro_batches(dataset, packing, pad_id)
         for start in range(0, batches.units, batch_size):
             indices = list(range(start, min(start + batch_size, batches.units)))
             batch = batches(indices).to(device).with_attention(layout)

@@ -38,12 +38,15 @@ from rich.console import Console
 from torch import nn
 
 from hone.config.root import HoneConfig
+from hone.data.packing import packing_for
 from hone.errors import HoneError
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint import (
+    checkpoint_eval_rows,
     load_checkpoint,
     remove_checkpoints_after,
+    resume_history,
     save_checkpoint,
 )
 from hone.train.collate import MicroBatch
@@ -216,14 +219,8 @@ def train_loop(
         facts = RunFacts(device)
         hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
     scaler = _check_precision(cfg, device)
-    batches = micro_batches(
-        train_data,
-        packed=cfg.data.sample_packing,
-        sequence_len=cfg.data.sequence_len,
-        seed=t.seed,
-        pad_id=pad_id,
-        group_size=cfg.data.sample_packing_group_size,
-    )
+    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)  # bins: packed once, in hone.data
+    eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     plan = plan_steps(batches.units, t)
     seed_everything(t.seed)
     model.train()
@@ -243,7 +240,7 @@ def train_loop(
             trained_tokens_total=saved["trained_tokens_total"],
             tokens_total=saved["tokens_total"],
         )
-        history = saved.get("metrics", [])
+        history = resume_history(resume_from, saved)  # from the run's metrics.jsonl, not the checkpoint
         notes = _resume_notes(saved, plan, t.seed, scheduler, cfg)
         dropped = remove_checkpoints_after(output_dir, counters.step)
         notes += [f"removed checkpoint {p.name} (newer than the one resumed from)" for p in dropped]
@@ -268,7 +265,7 @@ def train_loop(
             "tokens_total": counters.tokens_total,
             "plan": {"rows": plan.rows, "rows_per_step": plan.rows_per_step, "total_steps": plan.total_steps},
             "seed": t.seed,
-            "metrics": list(tracker.rows),
+            "eval_rows": checkpoint_eval_rows(tracker.rows),  # not every row: trainer_state.json stays small
         }
 
     def save() -> Path:
@@ -291,7 +288,7 @@ def train_loop(
             pad_id=pad_id,
             device=device,
             autocast_dtype=autocast_dtype,
-            pack_to=cfg.data.sequence_len if cfg.data.packs_eval else None,
+            packing=eval_packing,
             hooks=hooks,
         )
         tracker.log_eval(

@@ -9,10 +9,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from hone.models.attention.capabilities import installed_backends
+from hone.config.attention import installed_backends
 from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, register_varlen_sdpa, varlen_attention
-from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.train.testing import document_logits_alone, packed_document_logits, random_documents
+from hone.testing import document_logits_alone, packed_document_logits, random_documents, tiny_model, tiny_tokenizer, with_random_lora
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

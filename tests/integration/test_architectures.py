@@ -12,7 +12,7 @@ import torch
 
 from hone.config import parse_config
 from hone.models.loader import load_model
-from hone.models.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import save_tiny_model, tiny_tokenizer
 
 ARCHITECTURES = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma", "tiny-qwen3-moe"]
 MODEL_CLASSES = {

@@ -89,7 +89,7 @@ def test_varying_lengths_compile_dynamic_shapes_and_late_compiles_are_reported(t
 
 
 def _cpu_backends() -> list[str]:
-    from hone.models.attention.capabilities import BACKENDS
+    from hone.config.attention import BACKENDS
 
     return [name for name, b in BACKENDS.items() if b.trains_on_cpu and b.installed and b.works_under_compile]
 

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
+from hone.data.packing import pack, row_lengths
 from hone.models.attention.varlen import register_varlen_sdpa
 from hone.track.metrics import read_metrics
 from hone.train.batches import micro_batches
@@ -18,7 +19,7 @@ from hone.train.collate import collate
 from hone.train.evaluate import evaluate
 from hone.train.loop import train_loop
 from hone.train.loss import forward_logits, token_loss_sum
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU
 
@@ -38,7 +39,7 @@ def test_a_packed_window_has_the_gradients_of_the_same_documents_unpacked(impl):
     rows = random_rows(10, seed=seed, as_list=True, min_len=4, max_len=20)
     model = tiny_llama(seed)
     model.set_attn_implementation(impl)
-    packed = micro_batches(rows, packed=True, sequence_len=48, seed=seed, pad_id=0, group_size=100)
+    packed = micro_batches(rows, pack(row_lengths(rows), 48, seed, group_size=100), pad_id=0)
     assert packed.units >= 3  # several bins, split over micro-batches of one and two rows
     bins = list(range(packed.units))
     window = [packed(bins[:1]), packed(bins[1:3])] + ([packed(bins[3:])] if packed.units > 3 else [])
@@ -54,7 +55,7 @@ def test_a_packed_window_has_the_gradients_of_the_same_documents_unpacked(impl):
 def test_one_packed_loop_step_matches_one_unpacked_step(tmp_path):
     seed = random.randrange(10_000)
     rows = random_rows(12, seed=seed, as_list=True, min_len=4, max_len=16)
-    bins = micro_batches(rows, packed=True, sequence_len=40, seed=7, pad_id=0, group_size=100_000).units
+    bins = pack(row_lengths(rows), 40, seed=7, group_size=100_000).num_bins
     seen = {}
     for name, data, training in (
         ("packed", {"sample_packing": True, "sequence_len": 40}, {"micro_batch_size": 1, "gradient_accumulation_steps": bins}),
@@ -78,7 +79,7 @@ def test_packed_eval_gives_the_unpacked_loss():
     model = tiny_llama(seed)
     model.set_attn_implementation("sdpa")
     kw = dict(batch_size=2, pad_id=0, device=torch.device("cpu"))
-    plain, packed = evaluate(model, rows, **kw), evaluate(model, rows, pack_to=64, **kw)
+    plain, packed = evaluate(model, rows, **kw), evaluate(model, rows, packing=pack(row_lengths(rows), 64, 0, shuffle=False), **kw)
     assert packed.tokens == plain.tokens
     assert packed.loss == pytest.approx(plain.loss, rel=1e-5)
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from hone.train.checkpoint import SCALER_FILE
 from hone.train.loop import train_loop
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

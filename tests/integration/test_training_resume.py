@@ -13,7 +13,7 @@ from rich.console import Console
 from hone.track.metrics import read_metrics
 from hone.train.checkpoint import list_checkpoints, resolve_resume
 from hone.train.loop import train_loop
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -127,3 +127,33 @@ def test_extending_max_steps_on_resume_follows_the_new_schedule(tmp_path):
     # linear over 6 steps from lr 1e-2: step 4 uses (1 - 3/6) of the peak
     assert lrs[0] == pytest.approx(1e-2 * 0.5)
     assert "schedule changed" in out.getvalue()
+
+
+def test_trainer_state_keeps_eval_rows_only_and_history_comes_from_the_runs_metrics(tmp_path):
+    """trainer_state.json does not grow with every logged step; a run resumed into a new
+    output directory continues the source run's metrics.jsonl (up to the checkpoint's step),
+    and a checkpoint moved away from its run still brings its eval losses for the report."""
+    import json
+    import shutil
+
+    seed = random.randrange(1000)
+    data = (random_rows(30, seed=seed), random_rows(6, seed=seed + 1))
+    source = tmp_path / "source"
+    _, first = _run(_config(source, save_steps=2, save_total_limit=10), seed, data)
+    state = json.loads((source / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert "metrics" not in state
+    assert [(r["step"], r["eval_loss"]) for r in state["eval_rows"]] == first.eval_losses[:3]  # steps 0, 2, 4
+
+    for name, checkpoint, expect_train in (
+        ("next-to-its-run", source / "checkpoints" / "step-4", [1, 2, 3, 4, 5, 6]),
+        ("moved-alone", tmp_path / "moved" / "step-4", [5, 6]),
+    ):
+        if name == "moved-alone":
+            shutil.copytree(source / "checkpoints" / "step-4", checkpoint)
+        out_dir = tmp_path / name
+        _, resumed = _run(_config(out_dir), seed, data, resume_from=checkpoint)
+        # 0, 2 and 4 from the source run, 6 evaluated anew: the uninterrupted run's values
+        assert [s for s, _ in resumed.eval_losses] == [s for s, _ in first.eval_losses] == [0, 2, 4, 6]
+        assert [l for _, l in resumed.eval_losses] == pytest.approx([l for _, l in first.eval_losses], rel=1e-6)
+        train, evals = _losses(out_dir)
+        assert [s for s, _ in train] == expect_train and [s for s, _ in evals] == [0, 2, 4, 6]

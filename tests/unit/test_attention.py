@@ -11,13 +11,12 @@ import torch
 from hone.config import ConfigError, parse_config
 from hone.config.model import ModelConfig
 from hone.errors import HoneError
-from hone.models.attention import capabilities
-from hone.models.attention.capabilities import BACKENDS, installed_backends
+from hone.config import attention as capabilities
+from hone.config.attention import BACKENDS, installed_backends
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import check_attention
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
-from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.train.testing import document_logits_alone, packed_document_logits, random_documents
+from hone.testing import document_logits_alone, packed_document_logits, random_documents, tiny_model, tiny_tokenizer, with_random_lora
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]

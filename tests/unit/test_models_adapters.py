@@ -7,7 +7,7 @@ from peft import PeftModel
 from hone.config.adapter import AdapterConfig
 from hone.errors import HoneError
 from hone.models.adapters import apply_adapter, linear_module_names
-from hone.models.testing import tiny_model, tiny_tokenizer
+from hone.testing import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

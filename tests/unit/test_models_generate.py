@@ -11,10 +11,11 @@ from hone.config import parse_config
 from hone.config.loader import dump_config
 from hone.data.formats import ALPACA_PROMPT
 from hone.errors import HoneError
-from hone.export.generate import PromptSetup, format_prompt, generate, load_for_inference, merge_adapter
+from hone.export.generate import PromptSetup, format_prompt, generate, load_for_inference
+from hone.export.merge import merge_adapter
 from hone.models.loader import load_model
 from hone.models.save import save_final
-from hone.models.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import save_tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from hone.config import HoneConfig, parse_config
 from hone.errors import HoneError
 from hone.models.loader import load_model
 from hone.models.precision import precision_for
-from hone.models.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import save_tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from hone.config.model import ModelConfig, PresetName
 from hone.errors import HoneError
 from hone.models.loader import build_preset_model
 from hone.models.presets import PRESETS, build_preset_config
-from hone.models.testing import tiny_tokenizer
+from hone.testing import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

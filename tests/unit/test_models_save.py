@@ -12,7 +12,7 @@ from hone.config import parse_config
 from hone.errors import HoneError
 from hone.models.loader import load_model
 from hone.models.save import load_trainable_state_dict, save_final, trainable_state_dict
-from hone.models.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from hone.testing import save_tiny_model, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

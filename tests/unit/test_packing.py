@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hone.config.training import TrainingConfig
-from hone.data.packing import pack
+from hone.data.packing import pack, row_lengths
 from hone.errors import HoneError
 from hone.train.batches import BatchStream, DataPosition, micro_batches, plan_steps
 from hone.train.collate import IGNORE_INDEX, collate, collate_packed
-from hone.train.testing import random_rows
+from hone.testing import random_rows
 
 
 def lognormal_lengths(n: int, seed: int, median: int = 300, sigma: float = 1.0, cap: int = 4096) -> np.ndarray:
@@ -120,7 +120,7 @@ def test_collate_packed_refuses_an_overfull_bin():
 
 def test_packed_stream_steps_follow_bins_and_reshuffle_bins_each_epoch():
     rows = random_rows(60, seed=random.randrange(10_000), as_list=True, min_len=3, max_len=20)
-    batches = micro_batches(rows, packed=True, sequence_len=32, seed=5, pad_id=0, group_size=1000)
+    batches = micro_batches(rows, pack(row_lengths(rows), 32, seed=5, group_size=1000), pad_id=0)
     bins = batches.units
     assert bins < 60 and batches.packing.efficiency > 0.8
     training = TrainingConfig(micro_batch_size=2, gradient_accumulation_steps=1, num_epochs=2)
@@ -141,3 +141,65 @@ def test_packed_stream_steps_follow_bins_and_reshuffle_bins_each_epoch():
     assert batch.input_ids.shape == (2, 32) and batch.packed
     docs = [rows[int(d)] for b in (0, 1) for d in batches.packing.bin(b)]
     assert batch.tokens == sum(len(d["input_ids"]) for d in docs)
+
+
+def _completion_rows(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    words = ["red", "green", "blue", "fox", "lemon", "dog", "lime", "yes", "no"]
+    return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))} for _ in range(n)]
+
+
+def test_splits_are_packed_once_and_the_saved_bins_are_what_the_loop_gets(tmp_path, tokenizer, write_jsonl, make_data_config, monkeypatch):
+    """prepare_data packs each split once and saves the bins with the cached data; a cache hit,
+    the loop's train split and its eval split load those bins (no second packing), and they
+    equal packing the rows afresh with the config's seed."""
+    import hone.data.packing as packing_module
+    from hone.data.packing import PACKING_FILES, packing_for, split_packing
+    from hone.data.prepare import prepare_data
+
+    seed = random.randrange(10_000)
+    path = write_jsonl(tmp_path, _completion_rows(40, seed))
+    cfg = make_data_config([{"path": path, "type": "completion"}], seed=seed, sequence_len=64, sample_packing=True,
+                           val_set_size=0.25, sample_packing_group_size=7)
+    first = prepare_data(cfg, tokenizer)
+    assert set(first.packing) == {"train", "eval"}
+    for name in ("train", "eval"):
+        assert (first.cache_dir / PACKING_FILES[name]).is_file()
+
+    def no_packing(*args, **kwargs):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(packing_module, "pack", no_packing)
+    again = prepare_data(cfg, tokenizer)
+    assert again.cache_hit
+    loop_train, loop_eval = packing_for(again.train, cfg, "train"), packing_for(again.eval, cfg, "eval")
+    monkeypatch.undo()
+    for name, split, loaded in (("train", again.train, loop_train), ("eval", again.eval, loop_eval)):
+        fresh = split_packing(row_lengths(split), cfg, name)
+        for got in (first.packing[name], again.packing[name], loaded):
+            assert np.array_equal(got.docs, fresh.docs) and np.array_equal(got.offsets, fresh.offsets)
+            assert np.array_equal(got.bin_tokens, fresh.bin_tokens) and got.capacity == 64
+    assert np.array_equal(np.sort(loop_eval.docs), np.arange(len(again.eval)))  # every eval row, once
+    assert loop_train.num_bins < len(again.train)
+
+
+def test_saved_bins_for_other_rows_are_not_used(tmp_path):
+    from hone.data.packing import load_packing, save_packing
+
+    lengths = np.array([5, 3, 9, 2, 7], dtype=np.int64)
+    packing = pack(lengths, 12, seed=1)
+    save_packing(packing, lengths, tmp_path / "bins.npz")
+    assert np.array_equal(load_packing(tmp_path / "bins.npz", lengths).docs, packing.docs)
+    assert load_packing(tmp_path / "bins.npz", lengths[::-1].copy()) is None  # other rows: pack again
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    assert load_packing(tmp_path / "bad.npz") is None
+
+
+def test_unpacked_splits_have_no_bins(tmp_path, make_data_config):
+    from hone.data.packing import packing_for
+
+    rows = random_rows(10, seed=1, as_list=True)
+    cfg = make_data_config([{"path": tmp_path / "x.jsonl", "type": "completion"}], sequence_len=64)
+    assert packing_for(rows, cfg, "train") is None and packing_for(rows, cfg, "eval") is None
+    packed_eval_only = make_data_config([{"path": tmp_path / "x.jsonl", "type": "completion"}], sequence_len=64, eval_sample_packing=True)
+    assert packing_for(rows, packed_eval_only, "train") is None and packing_for(rows, packed_eval_only, "eval").rows == 10

@@ -11,7 +11,7 @@ from hone.config import parse_config
 from hone.config.adapter import AdapterConfig
 from hone.config.performance import PerformanceConfig
 from hone.models.adapters import apply_adapter
-from hone.models.testing import tiny_model
+from hone.testing import tiny_model
 from hone.transforms.compile import compile_regional, decoder_layers
 from hone.transforms.planner import (
     OPTIMIZATIONS_FILE,

@@ -19,7 +19,7 @@ from hone.train.checkpoint import (
     restore_rng,
 )
 from hone.train.loop import train_loop
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 

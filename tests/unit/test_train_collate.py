@@ -62,7 +62,7 @@ def test_rows_at_reads_a_datasets_dataset_in_the_given_order():
 
 def test_padded_rows_compute_what_unpadded_rows_compute():
     """Right padding must not change the logits of real positions (the basis of 4x1 == 1x4)."""
-    from hone.train.testing import random_rows, tiny_llama
+    from hone.testing import random_rows, tiny_llama
 
     model = tiny_llama(seed=random.randrange(1000)).eval()
     ds = random_rows(3, seed=random.randrange(1000), min_len=4, max_len=20)

@@ -11,7 +11,7 @@ from rich.console import Console
 from hone.train.collate import collate, rows_at
 from hone.train.loop import _window_loss_backward, train_loop
 from hone.train.loss import token_loss_sum
-from hone.train.testing import random_rows, run_hooks, tiny_config, tiny_llama
+from hone.testing import random_rows, run_hooks, tiny_config, tiny_llama
 
 
 def _grads(model) -> dict[str, torch.Tensor]:

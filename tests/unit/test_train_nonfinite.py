@@ -11,7 +11,7 @@ from torch import nn
 from hone.errors import HoneError
 from hone.track.metrics import read_metrics
 from hone.train.loop import NonFiniteLossError, UnsupportedPrecision, train_loop
-from hone.train.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 

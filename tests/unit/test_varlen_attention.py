@@ -19,7 +19,7 @@ from hone.models.attention.varlen import (
     reference_varlen_attention,
     register_varlen_sdpa,
 )
-from hone.models.testing import tiny_model, tiny_tokenizer
+from hone.testing import tiny_model, tiny_tokenizer
 from hone.train.collate import collate
 from hone.train.loss import forward_logits
 

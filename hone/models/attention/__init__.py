@@ -1,4 +1,4 @@
-"""Attention backends: what each one can do (``capabilities``, import-free, read by the config),
+"""Attention backends: what each one can do (``hone.config.attention``, import-free, owned by the config),
 how a loaded model is fitted to the machine (``setup``), and how packed rows reach it.
 
 Every backend plugs in through transformers' ``AttentionInterface`` / ``AttentionMaskInterface``

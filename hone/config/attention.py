@@ -2,8 +2,9 @@
 
 The config reads this table to expose capabilities as computed properties and to refuse
 impossible combinations before anything is loaded (``model.attn_implementation`` with
-``data.sample_packing``, float32, a missing package). The loader reads it again to refuse a
-backend that needs CUDA on a machine without it.
+``data.sample_packing``, float32, a missing package). The loader reads it again (through
+``cfg.model.attention``) to refuse a backend that needs CUDA on a machine without it. It lives
+in the config package, the bottom layer, so the config never imports ``hone.models``.
 """
 
 import importlib.util

@@ -1,7 +1,9 @@
-"""Builders for tests of the training loop: a tiny Llama, random token rows, a config.
+"""Builders for hone's tests: a tokenizer trained in memory, tiny models (saved or not), random
+token rows and documents, packed-parity helpers, and a valid config for loop tests.
 
-Nothing is downloaded; everything is made from seeds in well under a second. Kept in the
-package (like :mod:`hone.models.testing`) so unit and integration tests share them.
+Tests never download; these give them real (if small) tokenizers, models and data in well
+under a second, all drawn from seeds. One module in the package (not a conftest) so unit,
+integration and GPU tests, and benchmarks' smoke tests, share them.
 """
 
 from collections.abc import Sequence
@@ -9,18 +11,103 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
+from hone.config.adapter import AdapterConfig
+from hone.config.model import PresetName
 from hone.config.root import HoneConfig
+from hone.models.adapters import apply_adapter
 from hone.models.presets import build_preset_config
+from hone.train.collate import collate_packed
+from hone.train.loss import forward_logits
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
+
+def _seeded_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """A float32 model of ``config`` whose random weights depend on ``seed`` only."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- tokenizer and models
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A lemon is yellow and a lime is green.",
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\n### Input:\n### Response:\n",
+    "Fine-tuning adapts a pretrained language model to a new task with a little data.",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000, red green blue; what? why! (yes) [no] {maybe}",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with pad/bos/eos tokens and a chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_model(preset: PresetName, tokenizer, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A float32 model of a tiny preset with random weights drawn from ``seed``."""
+    config = build_preset_config(preset, overrides, len(tokenizer))
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
+    return _seeded_model(config, seed)
+
+
+def save_tiny_model(path: Path, preset: PresetName, tokenizer, seed: int = 0, **overrides) -> Path:
+    """Write a tiny model and its tokenizer as a save_pretrained directory (safetensors)."""
+    model = tiny_model(preset, tokenizer, seed, **overrides)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
+
+
+def with_random_lora(model: PreTrainedModel, seed: int, rank: int = 4):
+    """``model`` with LoRA on every linear layer, its B matrices random instead of PEFT's zeros
+    (zero B makes every A gradient zero, and a gradient test of zeros cannot fail)."""
+    model = apply_adapter(model, AdapterConfig(type="lora", lora_r=rank, lora_target_modules="all-linear"))
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    return model
+
+
+# ---------------------------------------------------------------- the training loop's builders
+
 VOCAB = 97
 
 
-def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freeze_embeddings: bool = True) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freeze_embeddings: bool = True) -> PreTrainedModel:
     """A 2-layer float32 Llama with random weights drawn from ``seed``.
 
     ``freeze_embeddings`` leaves the input embedding frozen, so the trainable set is a strict
@@ -30,9 +117,7 @@ def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freez
     overrides = dict(hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=128, attention_dropout=dropout)
     config = build_preset_config("tiny-llama", overrides, vocab)
     config.pad_token_id = 0
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    model = _seeded_model(config, seed)
     model.config._attn_implementation = "eager"
     if freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
@@ -88,9 +173,6 @@ def packed_document_logits(
     """Each document's logits from one packed forward (``bins[r]``: the documents of row ``r``)
     through the loop's own forward, so the mask or boundaries training hands the model are
     what a parity test checks."""
-    from hone.train.collate import collate_packed
-    from hone.train.loss import forward_logits
-
     device = next(model.parameters()).device
     batch = collate_packed([[docs[i] for i in b] for b in bins], width, pad_id=0).to(device)
     out = forward_logits(model, batch, autocast_dtype)
