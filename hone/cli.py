@@ -163,7 +163,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "workload": {"preset": args.preset, "layers": args.layers, "sequence_len": args.seq},
                 "conditions": [
                     {"name": "reference", "reference": "hf-peft", "gradient_checkpointing": args.checkpointing},
-                    {"name": "hone", "set": {"memory.gradient_checkpointing": args.checkpointing}},
+                    {"name": "hone", "set": {"memory.activation_checkpointing": "full" if args.checkpointing else "none"}},
                 ],
                 "warmup_steps": args.warmup,
                 "timed_steps": args.steps,

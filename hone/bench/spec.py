@@ -78,7 +78,7 @@ class Condition(Section):
     """Reference only: ``torch.compile`` of the whole model."""
 
     set: dict[str, Any] = Field(default_factory=dict)
-    """hone only: config overrides as dotted keys, e.g. ``memory.gradient_checkpointing: true``."""
+    """hone only: config overrides as dotted keys, e.g. ``memory.activation_checkpointing: full``."""
 
     compile_cache: Literal["cold", "shared"] = "cold"
     """Inductor's cache for this row: ``cold`` starts from an empty directory (the first-step
@@ -90,7 +90,7 @@ class Condition(Section):
         if self.reference is None and (self.explicitly_set("gradient_checkpointing") or self.explicitly_set("compile")):
             raise ValueError(
                 f"condition '{self.name}': gradient_checkpointing/compile are reference options; "
-                "for hone use set: {memory.gradient_checkpointing: true}"
+                "for hone use set: {memory.activation_checkpointing: full}"
             )
         if self.reference is not None and self.set:
             raise ValueError(f"condition '{self.name}': 'set' applies to hone conditions, not to the reference")

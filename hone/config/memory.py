@@ -1,10 +1,107 @@
-"""Trading compute for memory."""
+"""Trading compute for memory: which activations each decoder layer keeps for the backward.
+
+No torch here: the config is validated (and ``auto`` decided) before anything is loaded.
+"""
+
+from typing import Any, Literal
+
+from pydantic import SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from hone.config.base import Section
 
+CheckpointingPolicy = Literal["none", "full", "selective", "offload", "auto"]
+
+#: The concrete policies, fastest first (and so, roughly, most memory first). ``auto`` picks the
+#: first of these whose estimated peak fits the device.
+POLICIES_BY_SPEED: tuple[str, ...] = ("none", "selective", "full", "offload")
+
 
 class MemoryConfig(Section):
-    """Trading compute for memory."""
+    """Activation checkpointing: what each decoder layer keeps for the backward (docs/memory.md)."""
 
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass instead of storing them."""
+    activation_checkpointing: CheckpointingPolicy = "none"
+    """What each decoder layer keeps for the backward pass. ``none``: every activation (fastest,
+    most memory). ``selective``: the outputs of matmuls and attention, recomputing the cheap ops
+    (norms, activations, RoPE). ``full``: only the layer's input, recomputing the whole layer.
+    ``offload``: ``full``, with the layer inputs held in pinned host memory and copied back ahead
+    of the backward (least device memory). ``auto``: the fastest of these whose estimated peak
+    fits the device with a margin (``hone plan`` prints the choice and why)."""
+
+    gradient_checkpointing: bool | None = None
+    """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is
+    ``none``. Set one of the two keys, not both with different meanings."""
+
+    @model_validator(mode="after")
+    def _alias_agrees(self) -> "MemoryConfig":
+        if self.gradient_checkpointing is None or not self.explicitly_set("activation_checkpointing"):
+            return self
+        implied = _ALIAS[self.gradient_checkpointing]
+        if self.activation_checkpointing != implied:
+            word = "true" if self.gradient_checkpointing else "false"
+            raise ValueError(
+                f"memory.gradient_checkpointing: {word} (an alias of memory.activation_checkpointing: "
+                f"{implied}) disagrees with memory.activation_checkpointing: {self.activation_checkpointing}; "
+                "set only memory.activation_checkpointing"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _write_the_policy(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        """The resolved config writes the policy under its own key and drops the alias, so it
+        loads back meaning the same thing (writing both would read as a disagreement)."""
+        data = handler(self)
+        data["activation_checkpointing"] = self.checkpointing
+        data.pop("gradient_checkpointing", None)
+        return data
+
+    @property
+    def checkpointing(self) -> str:
+        """The policy in force, the alias resolved (``auto`` stays ``auto``: the planner decides
+        it from the memory estimate with :func:`choose_auto_policy`)."""
+        if self.gradient_checkpointing is not None and not self.explicitly_set("activation_checkpointing"):
+            return _ALIAS[self.gradient_checkpointing]
+        return self.activation_checkpointing
+
+    @property
+    def alias_note(self) -> str | None:
+        """A line for the console and the run log when the config used the old key."""
+        if self.gradient_checkpointing is None:
+            return None
+        return (
+            "memory.gradient_checkpointing is an alias of memory.activation_checkpointing: "
+            f"{_ALIAS[self.gradient_checkpointing]}"
+        )
+
+
+_ALIAS: dict[bool, str] = {True: "full", False: "none"}
+
+
+def choose_auto_policy(estimates: dict[str, int], budget_bytes: int, margin: float = 0.1) -> tuple[str, str]:
+    """``activation_checkpointing: auto``: the fastest policy whose estimated peak fits.
+
+    ``estimates`` maps policies (``none``, ``selective``, ``full``, ``offload``) to estimated peak
+    bytes; policies without an estimate are not considered. The usable budget is
+    ``budget_bytes * (1 - margin)``: estimates are not exact and the allocator fragments.
+    Returns ``(policy, reason)``. When nothing fits, the policy with the smallest estimate is
+    returned with a reason that says so (the caller decides whether to refuse the run).
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    known = [p for p in POLICIES_BY_SPEED if p in estimates]
+    unknown = sorted(set(estimates) - set(POLICIES_BY_SPEED))
+    if unknown or not known:
+        raise ValueError(f"estimates must name some of {', '.join(POLICIES_BY_SPEED)}; got {sorted(estimates)}")
+    usable = int(budget_bytes * (1 - margin))
+    limit = f"{_gib(usable)} ({_gib(budget_bytes)} less a {margin:.0%} margin)"
+    for i, policy in enumerate(known):
+        if estimates[policy] <= usable:
+            faster = [f"{p} needs {_gib(estimates[p])}" for p in known[:i]]
+            why = f"; {', '.join(faster)}" if faster else ""
+            return policy, f"{policy}: the fastest policy that fits, estimated peak {_gib(estimates[policy])} <= {limit}{why}"
+    smallest = min(known, key=lambda p: estimates[p])
+    every = ", ".join(f"{p} {_gib(estimates[p])}" for p in known)
+    return smallest, f"{smallest}: no policy fits {limit} ({every}); {smallest} needs the least"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

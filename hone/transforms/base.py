@@ -94,7 +94,7 @@ class Transform:
     loss: Callable[[nn.Module, HoneConfig, RunFacts], tuple[LossFn, dict[str, Any]]] | None = None
     """The run's loss function for the ready model, and what to record about it."""
     attention_layout: Callable[[nn.Module, HoneConfig], "AttentionLayout"] | None = None
-    step_context: Callable[[HoneConfig, RunFacts], StepContext] | None = None
+    step_context: Callable[[nn.Module, HoneConfig, RunFacts], StepContext] | None = None
     state_dict_hooks: Callable[[HoneConfig, RunFacts], StateDictHooks] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
     label: Callable[[dict[str, Any]], str] | None = None

@@ -1,34 +1,189 @@
-"""Activation checkpointing as a transform: recompute each decoder layer in the backward."""
+"""Activation checkpointing as a transform: what each decoder layer keeps for the backward.
 
-from typing import Any
+Every policy checkpoints each decoder layer with torch's non-reentrant checkpoint, through
+transformers' public switch (``activation_checkpointing_enable``, or its older name
+``gradient_checkpointing_enable``), whose keyword arguments go to
+``torch.utils.checkpoint.checkpoint``. The policies differ in what the checkpoint keeps:
 
-from peft import PeftModel
+- ``full``: the layer's input only; the backward recomputes the whole layer first.
+- ``selective``: torch's selective activation checkpointing (``context_fn`` from
+  ``create_selective_checkpoint_contexts``): the outputs of matmuls and attention kernels are
+  saved (``MUST_SAVE``), everything else (norms, activations, RoPE, casts, LoRA's scaling) is
+  recomputed (``PREFER_RECOMPUTE``). The backward recomputes only cheap, memory-bound ops, and
+  the memory kept is that of the matmul outputs (the big [tokens x intermediate] MLP activations
+  of SwiGLU's gate and up projections are kept; their product and the norms are not).
+- ``offload``: ``full``, plus the layers' inputs held in pinned host memory between the forward
+  and the backward (:mod:`hone.transforms.offload`); its per-micro-batch context comes from
+  :func:`offload_step_context`.
+
+All compose with regional compile (applied after this transform): transformers' checkpointing
+wraps the layer's ``forward``, so the checkpoint (and a selective policy) is traced into the
+compiled layer as torch's checkpoint operator and the compiler's partitioner honours it.
+With LoRA the embedding output is made to require grad (transformers does it when it enables
+checkpointing; the PEFT switch ``enable_input_require_grads`` is the same hook), so a layer
+whose input comes from frozen weights still reaches the adapters.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hone.errors import HoneError
+from hone.transforms.compile import decoder_layers
+from hone.transforms.offload import DEFAULT_MIN_BYTES, OffloadActivations
+
+Policy = Literal["full", "selective", "offload"]
 
 
 class CheckpointingError(HoneError):
     """The model cannot be checkpointed the way the config asks."""
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: str) -> dict[str, Any]:
-    """Recompute each decoder layer in the backward (non-reentrant checkpointing).
+def _ops(namespace: Any, names: tuple[str, ...]) -> list[Any]:
+    """The operators of ``names`` that this torch build has (some are CUDA- or version-only)."""
+    return [getattr(namespace, name) for name in names if hasattr(namespace, name)]
 
-    With LoRA the embedding output gets ``requires_grad`` (PEFT's convention), so a checkpointed
-    block whose inputs come straight from frozen weights still reaches the adapters.
-    """
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+
+#: Outputs selective checkpointing keeps: every matmul (dense, batched, float8-scaled, grouped
+#: for MoE experts) and every fused attention kernel. Compared by overload packet, so every
+#: overload of an op counts.
+SAVED_OPS: frozenset[Any] = frozenset(
+    _ops(
+        torch.ops.aten,
+        (
+            "mm",
+            "addmm",
+            "bmm",
+            "baddbmm",
+            "_scaled_mm",
+            "_grouped_mm",
+            "_scaled_grouped_mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_fused_attention_overrideable",
+            "_flash_attention_forward",
+            "_efficient_attention_forward",
+        ),
+    )
+    + _ops(torch.ops.higher_order, ("flex_attention",))
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save matmul and attention outputs; recompute the rest (torch's SAC policy signature)."""
+    if getattr(op, "overloadpacket", op) in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(policy: Policy) -> dict[str, Any]:
+    """Keyword arguments for ``torch.utils.checkpoint.checkpoint`` under ``policy``."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if policy == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return kwargs
+
+
+_OFFLOADERS: weakref.WeakKeyDictionary[nn.Module, OffloadActivations] = weakref.WeakKeyDictionary()
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, policy: Policy, *, offload_min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True
+) -> dict[str, Any]:
+    """Checkpoint each decoder layer of ``model`` (a transformers model or a PEFT wrapper) under
+    ``policy``; returns what was done, for optimizations.json."""
+    if policy not in ("full", "selective", "offload"):
+        raise ValueError(f"policy must be full, selective or offload (decide auto first), got {policy!r}")
+    base = _base_model(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise CheckpointingError(
-            f"memory.gradient_checkpointing: {type(base).__name__} does not support activation "
-            "checkpointing; set it to false"
+            f"memory.activation_checkpointing: {policy}: {type(base).__name__} does not support activation "
+            "checkpointing; set it to none"
         )
-    kwargs = {"use_reentrant": False}
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+    layers = decoder_layers(model)
+    kwargs = checkpoint_kwargs(policy)
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.2x
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if isinstance(model, PeftModel):
-        base.enable_input_require_grads()
-    return {"policy": policy}
+    if getattr(base, "_require_grads_hook", None) is None and hasattr(base, "enable_input_require_grads"):
+        base.enable_input_require_grads()  # the adapters behind a frozen embedding get gradients
+    checkpointed = [layer for layer in layers if getattr(layer, "gradient_checkpointing", False)]
+    if not checkpointed:
+        raise CheckpointingError(
+            f"memory.activation_checkpointing: {policy}: no decoder layer of {type(base).__name__} took "
+            "checkpointing; set it to none"
+        )
+    record: dict[str, Any] = {
+        "policy": policy,
+        "layers": len(checkpointed),
+        "layer_classes": sorted({type(layer).__name__ for layer in checkpointed}),
+        "saves": _SAVES[policy],
+        "recomputes": _RECOMPUTES[policy],
+    }
+    if policy == "selective":
+        record["saved_ops"] = sorted(str(op) for op in SAVED_OPS)
+    if policy == "offload":
+        offloader = OffloadActivations(min_bytes=offload_min_bytes, use_streams=use_streams, model=model)
+        stop, stop_name = _after_last_layer(base)
+        offloader.pause_before(stop)
+        _OFFLOADERS[model] = offloader
+        _OFFLOADERS[base] = offloader
+        record["offload"] = {"min_bytes": offload_min_bytes, "side_streams": use_streams, "paused_at": stop_name}
+    return record
+
+
+def offloader_for(model: nn.Module) -> OffloadActivations | None:
+    """The offloader :func:`apply_activation_checkpointing` attached to ``model``, if any."""
+    return _OFFLOADERS.get(model)
+
+
+def offload_step_context(model: nn.Module) -> AbstractContextManager[None]:
+    """The context around one micro-batch's forward and backward: offloads the layer inputs
+    when ``model`` was checkpointed with ``offload``, does nothing otherwise."""
+    offloader = offloader_for(model)
+    return offloader.step_context() if offloader is not None else nullcontext()
+
+
+_SAVES = {
+    "full": "each layer's input",
+    "selective": "each layer's input and its matmul and attention outputs",
+    "offload": "each layer's input, in pinned host memory",
+}
+_RECOMPUTES = {
+    "full": "the whole layer",
+    "selective": "norms, activations, RoPE and other elementwise ops",
+    "offload": "the whole layer",
+}
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def _after_last_layer(base: nn.Module) -> tuple[nn.Module, str]:
+    """The module that runs first after the decoder layers: the final norm where the decoder has
+    one (``norm``, as in every transformers decoder-only model hone supports), else the output
+    head. What is saved from there on is needed first by the backward: it stays on the device."""
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    module = getattr(decoder, "norm", None) if decoder is not None else None
+    if not isinstance(module, nn.Module):
+        module = base.get_output_embeddings()
+    if module is None:
+        raise CheckpointingError(
+            f"memory.activation_checkpointing: offload: {type(base).__name__} has neither a final norm nor an "
+            "output head to stop offloading at; use full"
+        )
+    name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
+    return module, name

@@ -120,17 +120,55 @@ LOSS = Transform(
 # ---------------------------------------------------------------- 4. activation checkpointing
 
 
+def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
+    """(policy, why): the configured one, or what ``auto`` picks from the memory estimate."""
+    policy = cfg.memory.checkpointing
+    if policy != "auto":
+        return policy, f"memory.activation_checkpointing: {policy}"
+    from hone.transforms.estimate import auto_checkpointing
+
+    return auto_checkpointing(cfg, facts.device)
+
+
+def _checkpointing_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
+    return cfg.memory.checkpointing != "none" and _checkpointing_policy(cfg, facts)[0] != "none"
+
+
+def _checkpointing_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
+    if cfg.memory.checkpointing == "auto":
+        return _checkpointing_policy(cfg, facts)[1]
+    return None
+
+
+def _checkpointing_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    return []
+
+
 def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
     from hone.transforms.checkpointing import apply_activation_checkpointing
 
-    return apply_activation_checkpointing(model, "full")
+    policy, why = _checkpointing_policy(cfg, facts)
+    details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda")
+    details["why"] = why
+    if cfg.memory.alias_note:
+        details["note"] = cfg.memory.alias_note
+    return details
+
+
+def _checkpointing_step_context(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
+    from hone.transforms.checkpointing import offload_step_context
+
+    return lambda batch: offload_step_context(model)
 
 
 CHECKPOINTING = Transform(
     name="activation_checkpointing",
-    switch="memory.gradient_checkpointing",
-    wanted=lambda cfg, facts: cfg.memory.gradient_checkpointing,
+    switch="memory.activation_checkpointing",
+    wanted=_checkpointing_wanted,
+    check=_checkpointing_check,
+    skipped_because=_checkpointing_skipped,
     model=_checkpointing_apply,
+    step_context=_checkpointing_step_context,
     label=lambda d: f"activation checkpointing ({d.get('policy', 'full')})",
 )
 
@@ -242,7 +280,7 @@ class Plan:
                 layout = transform.attention_layout(model, cfg)
                 self._record(transform, {"packed_batches_carry": layout.kind})
             if transform.step_context is not None:
-                step_contexts.append(transform.step_context(cfg, facts))
+                step_contexts.append(transform.step_context(model, cfg, facts))
             if transform.after_optimizer_step is not None:
                 hook = transform.after_optimizer_step
                 after_step.append(lambda hook=hook: hook(model))
