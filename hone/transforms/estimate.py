@@ -48,7 +48,8 @@ MIB = 2**20
 
 Checkpointing = Literal["none", "full", "selective", "offload"]
 LossKind = Literal["standard", "fused_linear_ce"]
-POLICIES: tuple[Checkpointing, ...] = ("none", "full", "selective", "offload")
+#: From the fastest step to the leanest.
+POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 
 #: Workspace allowance: cuBLAS/cuBLASLt workspaces and small buffers the step allocates
 #: (RoPE tables, masks, the fused optimizer's step counters), plus the caching allocator's
@@ -108,6 +109,7 @@ class ModelFacts:
     head_dim: int
     intermediate: int
     vocab: int
+    max_positions: int | None
     experts: int
     top_k: int
     expert_intermediate: int
@@ -294,6 +296,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         intermediate=getattr(text, "intermediate_size", 0) or 0,
         vocab=text.vocab_size,
+        max_positions=getattr(text, "max_position_embeddings", None),
         experts=getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0,
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
         expert_intermediate=getattr(text, "moe_intermediate_size", 0) or 0,
@@ -494,7 +497,8 @@ def estimate_memory(
     stored = sum(stored_each) + gpu_extra
     host = len(full) * input_bytes if checkpointing == "offload" else 0
 
-    outside = tokens * (4 * h + 4) + (c * tokens * h if m.final_norm_trainable else 0)
+    # final norm (float32 copy + inverse RMS), the RoPE cos/sin tables every layer reads
+    outside = tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)
     loss_peak = loss_bytes(m, tokens, loss)
     weights = m.frozen_bytes + m.trainable_bytes
     grads = m.trainable_bytes
@@ -577,3 +581,13 @@ def longest_sequence(
         else:
             hi = mid
     return lo * multiple
+
+
+def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
+    """The estimate of the step ``cfg`` runs as written (its checkpointing policy and loss);
+    None for ``activation_checkpointing: auto``, whose policy the planner picks later."""
+    policy = checkpointing_of(cfg)
+    if policy not in POLICIES:
+        return None
+    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device)
+
