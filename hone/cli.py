@@ -21,6 +21,7 @@ examples:
   hone preprocess examples/chat_lora.yml
   hone train examples/quickstart.yml
   hone generate runs/quickstart --prompt "What color is a lemon?"
+  hone plan examples/compile.yml --gpu-memory 24GiB
   hone bench benchmarks/specs/qwen3-8b-lora.yml
 """
 
@@ -188,6 +189,57 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
+def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(title, config) pairs to plan: the config file, or each hone condition of a bench spec
+    (a YAML file with a ``workload``), whose data is random tokens and need not exist."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(args.config.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        raw = None  # load_config reports it
+    if isinstance(raw, dict) and "workload" in raw:
+        from hone.bench.spec import load_spec
+        from hone.bench.worker import _hone_config
+
+        spec = load_spec(args.config, args.overrides)
+        scratch = Path("bench-scratch")
+        return [
+            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, scratch / "random.jsonl"))
+            for c in spec.conditions
+            if c.reference is None
+        ]
+    from hone.config import ConfigError, load_config
+    from hone.config.preflight import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    missing = preflight(cfg)
+    needed = [issue for issue in missing if issue.path.startswith("model.")]
+    if needed:  # the model's config.json is read; the data is not
+        raise ConfigError(needed, str(args.config))
+    for issue in missing:
+        print(f"note: {issue.path}: {issue.message} (not needed for the plan)", file=sys.stderr)
+    return [(str(args.config), cfg)]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hone.transforms.plan_report import device_memory, plan_view, render_plan
+
+    budget, source = device_memory(args.device, args.gpu_memory)
+    configs = _plan_configs(args)
+    if not configs:
+        raise HoneError(f"{args.config}: the bench spec has no hone condition to plan (only reference rows)")
+    import torch
+
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import decisions
+
+    facts = RunFacts(torch.device(args.device), memory_bytes=budget)
+    for title, cfg in configs:
+        print(render_plan(plan_view(cfg, title, args.device, budget, source), transforms=decisions(cfg, facts)), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hone",
@@ -221,6 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
         "Print the JSON schema of hone's config (for editor completion and docs).",
     )
     p.add_argument("--output", "-o", type=Path, help="write to this file instead of stdout")
+
+    p = add(
+        "plan",
+        cmd_plan,
+        "estimate memory by component and what fits, without loading weights",
+        "Validate CONFIG and print, without loading weights or data: the optimizations it asks "
+        "for, the estimated peak GPU memory by component (weights, trainable state, optimizer, "
+        "activations, loss, workspace) under each activation-checkpointing policy against the "
+        "card's memory, and the longest sequence each policy fits. CONFIG may also be a bench "
+        "spec (each hone condition is planned). See docs/plan.md.",
+    )
+    _add_config_args(p)
+    p.add_argument("--gpu-memory", help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the run trains on (resolves torch_compile: auto); default cuda")
 
     p = add(
         "preprocess",

@@ -16,7 +16,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
         ok = [r for r in mine if r.get("status") == "ok"]
         entry: dict[str, Any] = {"condition": condition.name, "kind": condition.reference or "hone", "runs": len(mine), "ok": len(ok)}
         if ok:
-            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median"):
+            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "estimated_peak_gib", "peak_reserved_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median"):
                 values = [r[key] for r in ok if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
@@ -80,17 +80,17 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     ref_name = base["condition"] if base else "reference"
     lines += [
         "",
-        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | MFU | first step s | last loss |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | MFU | first step s | last loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         if not s["ok"]:
-            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | |")
+            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | |")
             continue
         ratio = f"{base['median_ms'] / s['median_ms']:.2f}x" if base else ""
         lines.append(
             f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
-            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
+            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -116,12 +116,12 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     ref_name = base["condition"] if base else "first row"
     lines += [
         "",
-        f"| condition | trained tok/s | vs {ref_name} | trained tok/s at the median step | vs {ref_name} | real tok/s | ms/step (min-max) | packing efficiency | peak alloc GiB | MFU | first step s | last loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| condition | trained tok/s | vs {ref_name} | trained tok/s at the median step | vs {ref_name} | real tok/s | ms/step (min-max) | packing efficiency | peak alloc GiB | estimated GiB | MFU | first step s | last loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         if not s["ok"]:
-            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | | | | |")
+            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | | | | | |")
             continue
         ratio = f"{s['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else ""
         at_median = s.get("trained_tokens_per_s_at_median")
@@ -130,7 +130,7 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         eff = f"{100 * s['packing_efficiency']:.1f}%" if s.get("packing_efficiency") is not None else ""
         lines.append(
             f"| {s['condition']} | {s['trained_tokens_per_s']:,.0f} | {ratio} | {_fmt(at_median, ',.0f')} | {median_ratio} | {s['tokens_per_s']:,.0f} | "
-            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {eff} | {_fmt(s['peak_alloc_gib'], '.1f')} | "
+            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {eff} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | "
             f"{_fmt(s['mfu_pct'], '.1f')}% | {s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"

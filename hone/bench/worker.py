@@ -91,6 +91,19 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
     return parse_config(apply_overrides(raw, condition.overrides), f"condition '{condition.name}'")
 
 
+def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
+    """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
+    every bench checks the estimate. A failing estimate must not cost the measurement."""
+    from hone.transforms.estimate import GIB, estimate_for_config
+
+    try:
+        est = estimate_for_config(cfg, device.type)
+    except Exception as exc:  # noqa: BLE001 - reported on stderr, the row goes on
+        print(f"hone bench: no memory estimate for this row: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return round(est.total / GIB, 2) if est is not None else None
+
+
 def _write_random_dataset(path: Path, batches: list[torch.Tensor]) -> None:
     with path.open("w") as f:
         for batch in batches:
@@ -121,6 +134,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
     attention_len: float = float(w.sequence_len)
     packing_efficiency: float | None = None
     compile_stats: dict[str, Any] | None = None
+    estimated_gib: float | None = None
 
     if condition.reference == "hf-peft":
         batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
@@ -149,6 +163,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
             else:
                 _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
             cfg = _hone_config(spec, condition, workdir, data_file)
+            estimated_gib = _estimated_peak_gib(cfg, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             last = [None]
@@ -199,6 +214,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
         "final_loss": round(losses[-1], 4) if losses else None,
         "total_params": total_params,
     }
+    if condition.reference is None:
+        row["estimated_peak_gib"] = estimated_gib
     if trained_at_median is not None:
         row["trained_tokens_per_s_at_median"] = round(trained_at_median, 1)
     if packing_efficiency is not None:

@@ -56,6 +56,8 @@ class RunFacts:
     (packing: fixed width but document boundaries that move; rows of different lengths)."""
     lengths_vary: bool = False
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
+    memory_bytes: int | None = None
+    """The device memory to plan for (``hone plan --gpu-memory``); None: the device's own."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class Transform:
     step_context: Callable[[nn.Module, HoneConfig, RunFacts], StepContext] | None = None
     state_dict_hooks: Callable[[HoneConfig, RunFacts], StateDictHooks] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
+    why: Callable[[HoneConfig, RunFacts], str] | None = None
+    """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
     """The console text of the applied transform from its recorded details (default: the name)."""
 

@@ -87,10 +87,18 @@ def _attention_label(details: dict[str, Any]) -> str:
     return f"attention ({details['implementation']}{extra})"
 
 
+def _attention_why(cfg: HoneConfig, facts: RunFacts) -> str:
+    why = f"model.attn_implementation: {cfg.model.attn_implementation}"
+    if cfg.model.attn_implementation == "sdpa" and (cfg.data.sample_packing or cfg.data.packs_eval):
+        why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {cfg.model.sdpa_varlen})"
+    return why
+
+
 ATTENTION = Transform(
     name="attention",
     switch="model.attn_implementation",
     wanted=lambda cfg, facts: True,
+    why=_attention_why,
     check=_attention_check,
     stage="base",
     model=_attention_apply,
@@ -108,10 +116,22 @@ def _loss(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
     return build_loss(cfg, facts, model)
 
 
+def _loss_why(cfg: HoneConfig, facts: RunFacts) -> str:
+    from hone.transforms.estimate import loss_of
+
+    kind = loss_of(cfg)
+    if cfg.performance.loss == "auto":
+        return f"{kind} (performance.loss: auto; " + (
+            "the model's logits are a plain output projection)" if kind == "fused_linear_ce" else "the model post-processes its logits)"
+        )
+    return f"{kind} (performance.loss: {cfg.performance.loss})"
+
+
 LOSS = Transform(
     name="loss",
     switch="performance.loss",
     wanted=lambda cfg, facts: True,
+    why=_loss_why,
     loss=_loss,
     label=lambda d: f"loss ({d['loss']})",
 )
@@ -127,7 +147,7 @@ def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
         return policy, f"memory.activation_checkpointing: {policy}"
     from hone.transforms.estimate import auto_checkpointing
 
-    return auto_checkpointing(cfg, facts.device)
+    return auto_checkpointing(cfg, facts.device, facts.memory_bytes)
 
 
 def _checkpointing_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
@@ -165,6 +185,7 @@ CHECKPOINTING = Transform(
     name="activation_checkpointing",
     switch="memory.activation_checkpointing",
     wanted=_checkpointing_wanted,
+    why=lambda cfg, facts: _checkpointing_policy(cfg, facts)[1],
     check=_checkpointing_check,
     skipped_because=_checkpointing_skipped,
     model=_checkpointing_apply,
@@ -333,6 +354,23 @@ def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Trans
     if problems:
         raise PlanError("cannot apply the optimizations the config asks for:\n  - " + "\n  - ".join(problems))
     return Plan(chosen, skipped)
+
+
+def decisions(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS) -> list[tuple[str, str, bool, str]]:
+    """(name, switch, on, why) of every transform in plan order, without loading anything: what
+    ``hone plan`` shows. A transform the run could not apply says so with the planner's reason."""
+    lines = []
+    for transform in transforms:
+        if transform.wanted(cfg, facts):
+            problems = transform.check(cfg, facts)
+            why = transform.why(cfg, facts) if transform.why is not None else f"{transform.switch} is on"
+            if problems:
+                why = "REFUSED: " + "; ".join(problems)
+            lines.append((transform.name, transform.switch, True, why))
+        else:
+            reason = transform.skipped_because(cfg, facts) or f"{transform.switch} is off"
+            lines.append((transform.name, transform.switch, False, reason))
+    return lines
 
 
 def write_record(out_dir: Path, plan: Plan, compile_stats: dict[str, Any] | None = None) -> Path:

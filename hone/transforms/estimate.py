@@ -1,0 +1,614 @@
+"""Peak GPU memory of a training step, estimated from the config alone (no weight is read).
+
+Why: ``hone plan`` shows what fits before a model is loaded, and ``activation_checkpointing:
+auto`` picks the fastest policy whose estimate fits the card. The estimate is a sum of parts a
+user can act on (weights, trainable state, optimizer, activations, loss, workspace), and its
+largest part is the activations: what autograd keeps per decoder layer until the backward.
+
+How each part is counted
+------------------------
+* **Parameters** are counted exactly: the model is built on the ``meta`` device (shapes, no
+  storage) from the preset or the model directory's ``config.json``, and the adapter is applied
+  to it there, so frozen/trainable numbers are those of the run. Their dtypes follow
+  :func:`hone.models.precision.precision_for`; AdamW keeps two moments per trainable weight in
+  the weight's dtype (``torch.optim.AdamW``); gradients have the weight's dtype.
+* **Activations per layer** are a list of the tensors autograd saves, derived op by op and
+  checked against a count with ``torch.autograd.graph.saved_tensors_hooks`` on tiny models
+  (tests/unit/test_estimate.py): RMSNorms keep a float32 copy of their input and the inverse
+  RMS; attention (sdpa/flash/flex) keeps q, k, v, the output and the log-sum-exp (eager
+  attention also the T x T probabilities); a gated MLP keeps gate, up and the activation; a LoRA
+  projection keeps its input (under autocast a compute-dtype copy per projection, because PEFT
+  casts the input to float32 and autocast casts it back) and the rank-r intermediate; dropout
+  keeps its mask (a byte per element on CUDA). Under ``torch.compile`` Inductor's partitioner
+  keeps fewer tensors (norm inputs in the compute dtype, one copy of a shared LoRA input, the
+  activation recomputed): counted separately, checked against ``aot_eager_decomp_partition``.
+* **Checkpointing policies**: ``none`` keeps every layer's activations; ``full`` keeps each
+  layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
+  input and the matmul outputs; ``offload`` keeps two layers' inputs on the GPU and the rest in
+  pinned host memory (reported as ``host``).
+* **Loss**: the standard loss upcasts the [tokens x vocab] logits to float32; at its peak the
+  logits, the float32 log-softmax, its incoming gradient and its input gradient are alive
+  (``compute + 12`` bytes per logit). The fused linear cross-entropy holds one chunk of tokens.
+* **Peak**: the maximum over the phases of a step (the loss's backward with every saved
+  activation alive; the first and last layer's backward with the recompute of one layer; the
+  optimizer step), plus a workspace allowance (cuBLAS workspaces, allocator rounding).
+
+Calibrated against ``torch.cuda.max_memory_allocated`` of ``hone bench`` rows on an H100 (see
+docs/plan.md); the peaks of the qwen3-8b and llama3-8b rows are within a few percent.
+"""
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal
+
+from hone.config.root import HoneConfig
+
+GIB = 2**30
+MIB = 2**20
+
+Checkpointing = Literal["none", "full", "selective", "offload"]
+LossKind = Literal["standard", "fused_linear_ce"]
+#: From the fastest step to the leanest.
+POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
+
+#: Workspace allowance: cuBLAS/cuBLASLt workspaces and small buffers the step allocates
+#: (RoPE tables, masks, the fused optimizer's step counters), plus the caching allocator's
+#: rounding of every block to 512 bytes / 2 MiB segments, as a fraction of the rest.
+WORKSPACE_BYTES = 256 * MIB
+WORKSPACE_FRACTION = 0.005
+
+#: The fused linear cross-entropy's token chunk: as many tokens as keep one chunk's float32
+#: logits within this budget, at least FUSED_CE_MIN_CHUNK (and at most every token).
+FUSED_CE_CHUNK_BUDGET = GIB
+FUSED_CE_MIN_CHUNK = 1024
+
+#: LoRA/linear inputs are grouped by what they read: q/k/v read the attention norm's output,
+#: gate/up (and a trainable MoE router) the MLP norm's output. A shared input is kept once
+#: where autograd keeps the tensor itself, once per projection where each makes a copy.
+_SITES = {
+    "q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
+    "o_proj": "o_in",
+    "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "gate": "mlp_in",
+    "down_proj": "down_in",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LinearFacts:
+    """One linear layer of a decoder layer, as the adapter left it."""
+
+    name: str
+    site: str
+    in_features: int
+    out_features: int
+    trainable: bool
+    """The base weight is trained (full fine-tune, or a module in ``lora_modules_to_save``)."""
+    lora_rank: int = 0
+    lora_dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    linears: tuple[LinearFacts, ...]
+    norms: int
+    """RMSNorms on the residual stream (2; Gemma 3 has 4)."""
+    qk_norm: bool
+    norms_trainable: bool
+    moe: bool
+    experts_trainable: bool
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Everything the estimate needs about the model, read from a meta-device build."""
+
+    architecture: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int | None
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    layers: tuple[LayerFacts, ...]
+    frozen_params: int
+    trainable_params: int
+    frozen_bytes: int
+    trainable_bytes: int
+    outside_trainable_bytes: int
+    """Trainable bytes outside the decoder layers (embedding, head, final norm)."""
+    head_trainable: bool
+    final_norm_trainable: bool
+    compute_bytes: int
+    autocast: bool
+    trainable_elem_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes by component at the step's peak; ``total`` is their sum, ``host`` is separate."""
+
+    weights: int
+    trainable_state: int
+    """Gradients alive at the peak (master copies: none, see :mod:`hone.models.precision`)."""
+    optimizer: int
+    activations: int
+    """Saved activations of every layer under the policy, plus one layer's recompute."""
+    outside_layers: int
+    """Embedding output and final norm / head input kept for the backward."""
+    loss: int
+    workspace: int
+    total: int
+    host: int
+    """Pinned host memory (``offload``: the layers' saved inputs)."""
+    phase: str
+    """The part of the step where the peak falls."""
+    checkpointing: str
+    loss_kind: str
+    compiled: bool
+    tokens: int
+    sequence_len: int
+    micro_batch: int
+    activations_per_layer: int
+    """Bytes one layer keeps until its backward, under the policy (all layers: x layers)."""
+    recompute: int
+    """Bytes of one layer's activations rebuilt in the backward (0 without checkpointing)."""
+    frozen_params: int
+    trainable_params: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def components(self) -> list[tuple[str, int]]:
+        """(label, bytes) in display order; their sum is ``total``."""
+        return [
+            ("weights", self.weights),
+            ("trainable state (grads)", self.trainable_state),
+            ("optimizer (AdamW moments)", self.optimizer),
+            ("activations", self.activations),
+            ("embeddings / final norm", self.outside_layers),
+            ("loss", self.loss),
+            ("workspace", self.workspace),
+        ]
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
+
+
+# ---------------------------------------------------------------------------------------------
+# The model, on the meta device
+
+
+def _elem_bytes(dtype: Any) -> int:
+    return dtype.itemsize
+
+
+def _transformers_config(model: Any) -> Any:
+    """The transformers config of ``model`` (a ModelConfig) as the loader builds it: preset
+    (tiny ones take the tokenizer's vocabulary) or the directory's config.json. No weight file
+    is opened."""
+    if model.preset is not None:
+        from hone.models.presets import build_preset_config, get_preset
+
+        vocab = None
+        if get_preset(model.preset).tiny:
+            from hone.models.tokenizer import load_tokenizer
+
+            vocab = len(load_tokenizer(model))
+        return build_preset_config(model.preset, dict(model.preset_overrides), vocab)
+    from hone.models.model_dir import read_causal_lm_config
+
+    return read_causal_lm_config(model.path, model.trust_remote_code)
+
+
+def _decoder_layers(model: Any, count: int) -> Any:
+    """The ModuleList of decoder layers (the first one of ``num_hidden_layers`` entries)."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count and name.endswith("layers"):
+            return name, module
+    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
+
+
+def _layer_facts(layer: Any) -> LayerFacts:
+    from peft.tuners.lora import LoraLayer
+    from torch import nn
+
+    linears: list[LinearFacts] = []
+    inside_lora: set[int] = set()
+    for name, module in layer.named_modules():
+        if isinstance(module, LoraLayer):
+            adapter = module.active_adapters[0]
+            base = module.get_base_layer()
+            dropout = module.lora_dropout[adapter]
+            short = name.rsplit(".", 1)[-1]
+            linears.append(
+                LinearFacts(
+                    short,
+                    _SITES.get(short, name),
+                    base.in_features,
+                    base.out_features,
+                    trainable=base.weight.requires_grad,
+                    lora_rank=module.r[adapter],
+                    lora_dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0,
+                )
+            )
+            inside_lora.update(id(m) for m in module.modules())
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear) and id(module) not in inside_lora:
+            parts = [p for p in name.split(".") if p not in ("modules_to_save", "original_module", "default")]
+            short = parts[-1] if parts else name
+            if not module.weight.requires_grad and any(lf.name == short for lf in linears):
+                continue  # the frozen original beside a modules_to_save copy
+            linears.append(LinearFacts(short, _SITES.get(short, name), module.in_features, module.out_features, module.weight.requires_grad))
+    params = list(layer.named_parameters())
+    norm_names = {name.rsplit(".", 2)[-2] for name, p in params if p.ndim == 1 and "norm" in name}
+    experts = [p for _, p in params if p.ndim == 3]
+    return LayerFacts(
+        linears=tuple(linears),
+        norms=len({n for n in norm_names if n not in ("q_norm", "k_norm")}),
+        qk_norm=bool({"q_norm", "k_norm"} & norm_names),
+        norms_trainable=any(p.requires_grad for name, p in params if p.ndim == 1 and "norm" in name),
+        moe=bool(experts),
+        experts_trainable=any(p.requires_grad for p in experts),
+    )
+
+
+@lru_cache(maxsize=32)
+def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hone.config.adapter import AdapterConfig
+    from hone.config.model import ModelConfig
+    from hone.models.adapters import apply_adapter
+    from hone.models.precision import precision_for
+
+    model_cfg = ModelConfig.model_validate_json(model_json)
+    adapter_cfg = AdapterConfig.model_validate_json(adapter_json)
+    config = _transformers_config(model_cfg)
+    precision = precision_for(model_cfg.dtype, full_finetune=not adapter_cfg.is_lora)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config)
+        model = apply_adapter(base, adapter_cfg)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers_name, layer_list = _decoder_layers(model, text.num_hidden_layers)
+    frozen = trainable = outside_trainable = 0
+    for name, param in model.named_parameters():  # tied weights are listed once
+        if param.requires_grad:
+            trainable += param.numel()
+            if not name.startswith(layers_name + "."):
+                outside_trainable += param.numel()
+        else:
+            frozen += param.numel()
+    head = base.get_output_embeddings()
+    final_norm = next((m for n, m in base.named_modules() if n.endswith("model.norm") or n == "norm"), None)
+    heads = text.num_attention_heads
+    tbytes = _elem_bytes(precision.trainable)
+    return ModelFacts(
+        architecture=type(base).__name__,
+        hidden=text.hidden_size,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        intermediate=getattr(text, "intermediate_size", 0) or 0,
+        vocab=text.vocab_size,
+        max_positions=getattr(text, "max_position_embeddings", None),
+        experts=getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0,
+        top_k=getattr(text, "num_experts_per_tok", 0) or 0,
+        expert_intermediate=getattr(text, "moe_intermediate_size", 0) or 0,
+        layers=tuple(_layer_facts(layer) for layer in layer_list),
+        frozen_params=frozen,
+        trainable_params=trainable,
+        frozen_bytes=frozen * _elem_bytes(precision.weights),
+        trainable_bytes=trainable * tbytes,
+        outside_trainable_bytes=outside_trainable * tbytes,
+        head_trainable=bool(head is not None and any(p.requires_grad for p in head.parameters())),
+        final_norm_trainable=bool(final_norm is not None and any(p.requires_grad for p in final_norm.parameters())),
+        compute_bytes=_elem_bytes(precision.compute),
+        autocast=precision.autocast_dtype is not None,
+        trainable_elem_bytes=tbytes,
+    )
+
+
+def model_facts(cfg: HoneConfig) -> ModelFacts:
+    """Parameter counts and layer structure of ``cfg``'s model with its adapter (meta device,
+    cached per model/adapter config: the bisection in :func:`longest_sequence` reuses it)."""
+    return _facts_cached(cfg.model.model_dump_json(), cfg.adapter.model_dump_json())
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations of one decoder layer
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """What one layer keeps: ``per_token`` bytes for every token of the micro-batch, plus
+    ``per_token_key`` for every (token, attended key) pair (eager attention's probabilities)
+    and ``fixed`` bytes that do not grow with tokens (autocast's cast copies of LoRA weights)."""
+
+    per_token: int
+    per_token_key: int = 0
+    fixed: int = 0
+
+    def at(self, tokens: int, sequence_len: int) -> int:
+        return self.per_token * tokens + self.per_token_key * tokens * sequence_len + self.fixed
+
+
+def _site_bytes(linears: list[LinearFacts], width: int, site: str, m: ModelFacts, compiled: bool, mask_bytes: int) -> tuple[int, int]:
+    """(per-token, fixed) bytes the projections reading one input keep for their backward."""
+    c = m.compute_bytes
+    lora = [lf for lf in linears if lf.lora_rank]
+    trained = [lf for lf in linears if lf.trainable]
+    per_token = sum(c * lf.lora_rank for lf in lora)  # lora_A's output, for lora_B's gradient
+    fixed = sum(c * lf.lora_rank * (lf.in_features + lf.out_features) for lf in lora) if m.autocast else 0
+    dropped = [lf for lf in lora if lf.lora_dropout > 0]
+    per_token += sum(mask_bytes * width for lf in dropped)
+    if m.autocast:
+        # PEFT casts the input to float32, autocast casts it back: a compute-dtype copy per
+        # projection (compiled: one copy for all, the partitioner shares it).
+        copies = (1 if lora else 0) if compiled else len(lora)
+        return per_token + c * width * (copies + len(trained)), fixed
+    per_token += sum(c * width for lf in dropped)  # each dropout output is a new tensor
+    keeps_input = bool(trained) or any(lf.lora_dropout == 0 for lf in lora)
+    if keeps_input and site != "o_in":  # the attention output is kept by attention already
+        per_token += c * width
+    return per_token, fixed
+
+
+def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str) -> LayerBytes:
+    """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc)."""
+    c = m.compute_bytes
+    h, q_width, kv_width = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    # CUDA's fused dropout keeps a bool mask; elsewhere a mask in the dropout input's dtype
+    # (float32 under autocast: PEFT casts the input to the adapter's dtype first)
+    mask_bytes = 1 if device == "cuda" else (4 if m.autocast else c)
+    per_token = per_key = fixed = 0
+    # residual-stream norms: float32 copy of the input + inverse RMS (compiled: the input as is)
+    norm = (c * h if compiled else 4 * h) + 4
+    per_token += layer.norms * (norm + (c * h if layer.norms_trainable and not compiled else 0))
+    if layer.qk_norm:
+        widths = (q_width, kv_width)
+        per_token += sum((c if compiled else 4) * w + (c * w if layer.norms_trainable and not compiled else 0) for w in widths)
+        per_token += 4 * (m.heads + m.kv_heads)
+    # attention: q, k, v, output, log-sum-exp (eager: k, v repeated to every head + probabilities)
+    if attention == "eager":
+        per_token += c * (4 * q_width)
+        per_key += m.heads * (4 + (c if c != 4 else 0))
+    else:
+        per_token += c * (2 * q_width + 2 * kv_width) + 4 * m.heads
+    # the projections' inputs, grouped by what they read
+    by_site: dict[str, list[LinearFacts]] = {}
+    for lf in layer.linears:
+        by_site.setdefault(lf.site, []).append(lf)
+    for site, group in by_site.items():
+        if layer.moe and site == "down_in":
+            continue
+        t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes)
+        per_token += t
+        fixed += f
+    if layer.moe:
+        k, e, im = m.top_k, m.experts, m.expert_intermediate
+        # router probabilities (float32), routing indices and weights, then per routed token:
+        # gate_up output, activation, expert output (for the routing-weight product)
+        per_token += 4 * e + 32 * k + 4 + 8 * k + c * k * (3 * im + h)
+        fixed += 4 * e
+        if layer.experts_trainable:
+            per_token += c * k * (h + im)
+    else:
+        intermediate = max((lf.out_features for lf in layer.linears if lf.site == "mlp_in"), default=m.intermediate)
+        if any(lf.name == "gate_up_proj" for lf in layer.linears):
+            intermediate //= 2
+        per_token += (2 if compiled else 3) * c * intermediate  # gate, up (+ activation)
+    return LayerBytes(per_token, per_key, fixed)
+
+
+def _selective_bytes(layer: LayerFacts, m: ModelFacts) -> LayerBytes:
+    """Selective checkpointing: the layer input and every matmul's output (base projections,
+    LoRA A and B, attention's output and log-sum-exp); the cheap ops are recomputed."""
+    c = m.compute_bytes
+    per_token = c * m.hidden + c * m.heads * m.head_dim + 4 * m.heads
+    for lf in layer.linears:
+        per_token += c * lf.out_features + (c * (lf.lora_rank + lf.out_features) if lf.lora_rank else 0)
+    if layer.moe:
+        per_token += c * m.top_k * (2 * m.expert_intermediate + m.hidden) + 4 * m.experts
+    return LayerBytes(per_token)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole step
+
+
+def checkpointing_of(cfg: HoneConfig) -> str:
+    """The policy the config asks for (none/full/selective/offload/auto; the boolean alias
+    ``memory.gradient_checkpointing`` resolved)."""
+    return cfg.memory.checkpointing
+
+
+def loss_of(cfg: HoneConfig) -> LossKind:
+    """The loss the run will use: ``auto`` is the fused one unless the model post-processes its
+    logits (the same rule as :func:`hone.transforms.loss.chosen_loss`, read from the config)."""
+    kind = cfg.performance.loss
+    if kind == "auto":
+        from hone.train.loss import logit_postprocess
+
+        return "standard" if logit_postprocess(_transformers_config(cfg.model)) is not None else "fused_linear_ce"
+    return kind
+
+
+def auto_checkpointing(cfg: HoneConfig, device: Any, budget: int | None = None) -> tuple[str, str]:
+    """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
+    peak fits the device's memory with a margin (offload only on CUDA, where its side streams
+    overlap the copies)."""
+    from hone.config.memory import choose_auto_policy
+    from hone.transforms.plan_report import device_memory
+
+    kind = getattr(device, "type", str(device))
+    if budget is None:
+        budget, source = device_memory(kind, None)
+    else:
+        source = f"a {budget / 2**30:.1f} GiB card"
+    loss = loss_of(cfg)
+    policies = [p for p in POLICIES if kind == "cuda" or p != "offload"]
+    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=kind).total for p in policies}
+    policy, why = choose_auto_policy(estimates, budget)
+    return policy, f"activation_checkpointing: auto on {source}: {why}"
+
+
+def fused_chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the fused linear cross-entropy (see FUSED_CE_CHUNK_BUDGET)."""
+    return min(tokens, max(FUSED_CE_MIN_CHUNK, FUSED_CE_CHUNK_BUDGET // (vocab * 4)))
+
+
+def loss_bytes(m: ModelFacts, tokens: int, kind: LossKind) -> int:
+    """Bytes the loss holds at its peak (its backward), beyond the layers' activations."""
+    c, v, h = m.compute_bytes, m.vocab, m.hidden
+    if kind == "standard":
+        # logits (compute dtype) + float32 log-softmax + its incoming and outgoing gradients
+        # (in float32 runs the upcast is the logits themselves: 4 + 12 either way)
+        return tokens * v * (c + 12) + (c * tokens * h if m.head_trainable else 0)
+    chunk = fused_chunk_tokens(tokens, v)
+    # the hidden states kept for the backward, one chunk's logits (compute dtype and float32)
+    # and their float32 gradient, the float32 gradient of the hidden states (and of the head)
+    head_grad = 4 * v * h if m.head_trainable else 0
+    return c * tokens * h + chunk * v * (c + 8) + 4 * tokens * h + head_grad
+
+
+def estimate_memory(
+    cfg: HoneConfig,
+    *,
+    checkpointing: str,
+    loss: LossKind,
+    sequence_len: int | None = None,
+    micro_batch: int | None = None,
+    compiled: bool | None = None,
+    device: str = "cuda",
+) -> MemoryEstimate:
+    """Peak memory of one training step of ``cfg`` under ``checkpointing``
+    (``none``/``full``/``selective``/``offload``) and ``loss``, without loading weights.
+
+    ``sequence_len``/``micro_batch`` default to the config's; ``compiled`` to whether the config
+    compiles on ``device`` (``torch_compile: auto`` compiles on CUDA).
+    """
+    if checkpointing not in POLICIES:
+        raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
+    m = model_facts(cfg)
+    seq = sequence_len or cfg.data.sequence_len
+    mbs = micro_batch or cfg.training.micro_batch_size
+    tokens = seq * mbs
+    if compiled is None:
+        compiled = cfg.performance.compiles_on(device)
+    attention = cfg.model.attn_implementation
+    c, h = m.compute_bytes, m.hidden
+    input_bytes = c * tokens * h  # one layer's saved input (checkpointing)
+
+    full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device).at(tokens, seq) for layer in m.layers]
+    if checkpointing == "none":
+        stored_each, recompute, gpu_extra = full, 0, 0
+    elif checkpointing == "full":
+        stored_each, recompute, gpu_extra = [input_bytes] * len(full), max(full), 0
+    elif checkpointing == "selective":
+        stored_each = [_selective_bytes(layer, m).at(tokens, seq) for layer in m.layers]
+        recompute, gpu_extra = max(full), 0
+    else:  # offload: every layer's input goes to pinned host memory; two are on the GPU at a time
+        stored_each, recompute, gpu_extra = [0] * len(full), max(full), 2 * input_bytes
+    stored = sum(stored_each) + gpu_extra
+    host = len(full) * input_bytes if checkpointing == "offload" else 0
+
+    # final norm (float32 copy + inverse RMS), the RoPE cos/sin tables every layer reads
+    outside = tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)
+    loss_peak = loss_bytes(m, tokens, loss)
+    weights = m.frozen_bytes + m.trainable_bytes
+    grads = m.trainable_bytes
+    optimizer = 2 * m.trainable_bytes
+    grad_stream = 2 * c * tokens * h  # the residual stream's gradient and one temporary
+    accumulating = cfg.training.gradient_accumulation_steps > 1  # earlier micro-batches' grads
+
+    phases = {
+        "loss backward": dict(trainable_state=grads if accumulating else 0, activations=stored, outside_layers=outside, loss=loss_peak),
+        "backward, last layer": dict(
+            trainable_state=grads if accumulating else m.outside_trainable_bytes,
+            activations=stored + recompute + grad_stream,
+            outside_layers=0,
+            loss=0,
+        ),
+        "backward, first layer": dict(
+            trainable_state=grads, activations=stored_each[0] + gpu_extra + recompute + grad_stream, outside_layers=0, loss=0
+        ),
+        "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0),
+    }
+    phase, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
+    subtotal = weights + optimizer + sum(parts.values())
+    workspace = WORKSPACE_BYTES + int(WORKSPACE_FRACTION * subtotal)
+    notes = []
+    if attention == "eager":
+        notes.append("eager attention keeps the T x T probabilities of every head: use sdpa")
+    return MemoryEstimate(
+        weights=weights,
+        optimizer=optimizer,
+        workspace=workspace,
+        total=subtotal + workspace,
+        host=host,
+        phase=phase,
+        checkpointing=checkpointing,
+        loss_kind=loss,
+        compiled=bool(compiled),
+        tokens=tokens,
+        sequence_len=seq,
+        micro_batch=mbs,
+        activations_per_layer=max(stored_each),
+        recompute=recompute,
+        frozen_params=m.frozen_params,
+        trainable_params=m.trainable_params,
+        notes=tuple(notes),
+        **parts,
+    )
+
+
+def longest_sequence(
+    cfg: HoneConfig,
+    checkpointing: str,
+    loss: LossKind,
+    budget_bytes: int,
+    *,
+    micro_batch: int | None = None,
+    compiled: bool | None = None,
+    device: str = "cuda",
+    multiple: int = 256,
+    limit: int = 1 << 24,
+) -> int:
+    """The longest ``sequence_len`` (a multiple of ``multiple``) whose estimated peak fits
+    ``budget_bytes``; 0 when not even ``multiple`` tokens fit. Bisection on the estimate, which
+    grows with the sequence (linearly, or quadratically with eager attention)."""
+
+    def fits(seq: int) -> bool:
+        est = estimate_memory(cfg, checkpointing=checkpointing, loss=loss, sequence_len=seq, micro_batch=micro_batch, compiled=compiled, device=device)
+        return est.total <= budget_bytes
+
+    lo, hi = 0, 1
+    if not fits(multiple):
+        return 0
+    while hi * multiple < limit and fits(hi * 2 * multiple):
+        hi *= 2
+    lo = hi
+    hi = min(hi * 2, limit // multiple)
+    while hi - lo > 1:  # fits(lo * multiple), not fits(hi * multiple)
+        mid = (lo + hi) // 2
+        if fits(mid * multiple):
+            lo = mid
+        else:
+            hi = mid
+    return lo * multiple
+
+
+def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
+    """The estimate of the step ``cfg`` runs as written (its checkpointing policy and loss);
+    None for ``activation_checkpointing: auto``, whose policy the planner picks later."""
+    policy = checkpointing_of(cfg)
+    if policy not in POLICIES:
+        return None
+    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device)
+

@@ -1,0 +1,206 @@
+"""What ``hone plan`` prints: the optimizations a config asks for, the estimated memory by
+component under every checkpointing policy against the card, and the longest sequence that fits.
+
+Kept apart from the estimate (:mod:`hone.transforms.estimate`, pure arithmetic) so the planner
+can add its transform list (name, switch, on/off, why) to the same report through
+:func:`render_plan` without touching the numbers.
+"""
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hone.config.root import HoneConfig
+from hone.errors import HoneError
+from hone.transforms.estimate import (
+    GIB,
+    POLICIES,
+    LossKind,
+    MemoryEstimate,
+    checkpointing_of,
+    estimate_memory,
+    longest_sequence,
+    loss_of,
+    model_facts,
+)
+
+#: The card assumed when none is named and no CUDA device is visible (an H100/A100 80GB).
+DEFAULT_GPU_MEMORY = 80 * GIB
+
+_UNITS = {
+    "": GIB,  # a bare number is GiB
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+TransformLine = tuple[str, str, bool, str]
+"""(name, switch, on, why): one line of the planner's transform list."""
+
+
+class PlanInputError(HoneError):
+    """A ``hone plan`` argument that cannot be used."""
+
+
+def parse_size(text: str, flag: str = "--gpu-memory") -> int:
+    """Bytes in ``text``: ``80GiB``, ``24GB``, ``141 GiB``, ``81559MiB``, or a bare number of GiB."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise PlanInputError(
+            f"{flag}: '{text}' is not a memory size; write a number with a unit, e.g. 80GiB, 24GB, "
+            "141GiB or 81559MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; a bare number is GiB)"
+        )
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise PlanInputError(f"{flag}: '{text}' is not a positive memory size")
+    return size
+
+
+def device_memory(device: str, requested: str | None) -> tuple[int, str]:
+    """(bytes, where the number comes from): ``--gpu-memory``, else the local CUDA device's
+    total memory, else the default 80 GiB card (CPU plans: the machine's RAM)."""
+    if requested is not None:
+        return parse_size(requested), "--gpu-memory"
+    if device == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+        except (ValueError, OSError, AttributeError):
+            return DEFAULT_GPU_MEMORY, "default (RAM size unknown)"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"cuda:0, {props.name}"
+    return DEFAULT_GPU_MEMORY, "no CUDA device here: an 80 GiB card (--gpu-memory to plan for another)"
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """Everything the report shows, computed once."""
+
+    title: str
+    device: str
+    budget: int
+    budget_source: str
+    optimizations: list[tuple[str, str, str]]
+    """(what, value, from which key) as the config resolves it."""
+    chosen: str
+    """The config's checkpointing policy (none/full/selective/offload/auto)."""
+    loss: LossKind
+    estimates: dict[str, MemoryEstimate]
+    longest: dict[str, int]
+    model_line: str
+    max_positions: int | None
+
+
+def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str, str]]:
+    """What the config asks for, resolved for ``device`` (the planner's transform list, with
+    reasons, comes later through ``render_plan(transforms=...)``)."""
+    perf, model = cfg.performance, cfg.model
+    policy = checkpointing_of(cfg)
+    ckpt_key = "memory.activation_checkpointing" if getattr(cfg.memory, "activation_checkpointing", None) is not None else "memory.gradient_checkpointing"
+    compiles = perf.compiles_on(device)
+    compile_value = f"on ({perf.torch_compile_scope})" if compiles else "off"
+    if perf.torch_compile == "auto":
+        compile_value += f" (auto on {device})"
+    attention = model.attn_implementation
+    if cfg.data.sample_packing and attention == "sdpa":
+        attention += f" (packed rows: sdpa_varlen {model.sdpa_varlen})"
+    loss_key = "performance.loss" if getattr(perf, "loss", None) is not None else "performance.loss (not a key yet)"
+    return [
+        ("attention", attention, "model.attn_implementation"),
+        ("checkpointing", policy, ckpt_key),
+        ("compile", compile_value, "performance.torch_compile"),
+        ("loss", loss_of(cfg), loss_key),
+        ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
+    ]
+
+
+def plan_view(cfg: HoneConfig, title: str, device: str, budget: int, budget_source: str) -> PlanView:
+    """Estimates under every policy, and the longest sequence each one fits in ``budget``."""
+    from hone.models.loader import describe_adapter, format_count
+
+    loss = loss_of(cfg)
+    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device) for p in POLICIES}
+    longest = {p: longest_sequence(cfg, p, loss, budget, device=device) for p in POLICIES}
+    facts = model_facts(cfg)
+    est = estimates["none"]
+    total = est.frozen_params + est.trainable_params
+    model_line = (
+        f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, {format_count(est.trainable_params)} trainable; "
+        f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}; micro-batch {est.micro_batch} x {est.sequence_len} tokens"
+        + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
+    )
+    return PlanView(
+        title=title,
+        device=device,
+        budget=budget,
+        budget_source=budget_source,
+        optimizations=resolved_optimizations(cfg, device),
+        chosen=checkpointing_of(cfg),
+        loss=loss,
+        estimates=estimates,
+        longest=longest,
+        model_line=model_line,
+        max_positions=facts.max_positions,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = None) -> str:
+    """The report. ``transforms``: the planner's lines (name, switch, on, why), shown in order."""
+    out = [f"hone plan: {view.title}", f"  {view.model_line}", ""]
+    out.append("Optimizations the config asks for:")
+    out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations])
+    if transforms:
+        out += ["", "Transforms, in the order the planner applies them:"]
+        out += _table(["", "", "switch", "why"], [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms])
+    policies = list(view.estimates)
+    marked = [p + (" *" if p == view.chosen else "") for p in policies]
+    any_est = next(iter(view.estimates.values()))
+    out += [
+        "",
+        f"Memory by component, GiB (estimate: no weights loaded; {view.loss} loss"
+        f"{', compiled layers' if any_est.compiled else ''}; * = this config's checkpointing):",
+    ]
+    rows = []
+    for index, (label, _) in enumerate(any_est.components()):
+        rows.append([label, *(_gib(view.estimates[p].components()[index][1]) for p in policies)])
+    rows.append(["peak (GPU)", *(_gib(view.estimates[p].total) for p in policies)])
+    rows.append(["  at", *(view.estimates[p].phase for p in policies)])
+    rows.append(["host (pinned)", *(_gib(view.estimates[p].host) for p in policies)])
+    rows.append(["activations per layer", *(_gib(view.estimates[p].activations_per_layer) for p in policies)])
+    budget = view.budget
+    rows.append(
+        [f"fits {budget / GIB:.1f} GiB", *(("yes" if view.estimates[p].total <= budget else "NO") + f" ({100 * view.estimates[p].total / budget:.0f}%)" for p in policies)]
+    )
+    rows.append(["longest sequence that fits", *(f"{view.longest[p]:,}" if view.longest[p] else "none" for p in policies)])
+    out += _table(["component", *marked], rows)
+    out.append(f"  card: {budget / GIB:.1f} GiB ({view.budget_source}); device {view.device}")
+    longest = max(view.longest.values())
+    if view.max_positions and longest > view.max_positions:
+        out.append(f"  note: the model's max_position_embeddings is {view.max_positions:,}; longer sequences need RoPE scaling")
+    if view.chosen == "auto":
+        fitting = [p for p in policies if view.estimates[p].total <= budget]
+        out.append(f"  checkpointing auto: fits under {', '.join(fitting) if fitting else 'no policy'} (the planner picks the fastest with a margin)")
+    elif view.chosen in view.estimates and view.estimates[view.chosen].total > budget:
+        fitting = [p for p in policies if view.estimates[p].total <= budget]
+        hint = f"; fits with: {', '.join(fitting)}" if fitting else "; no policy fits: shorten data.sequence_len or training.micro_batch_size"
+        out.append(f"  warning: checkpointing '{view.chosen}' does not fit this card{hint}")
+    notes = sorted({n for e in view.estimates.values() for n in e.notes})
+    out += [f"  note: {n}" for n in notes]
+    return "\n".join(out) + "\n"

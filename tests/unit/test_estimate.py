@@ -1,0 +1,205 @@
+"""The memory estimate: its per-layer activation formula against what autograd really saves
+(counted with saved_tensors_hooks on tiny models), and its peak against measured GPU peaks."""
+
+from typing import Any
+
+import pytest
+import torch
+
+from hone.config import parse_config
+from hone.models.loader import load_model
+from hone.models.tokenizer import load_tokenizer
+from hone.transforms.estimate import (
+    GIB,
+    estimate_memory,
+    fused_chunk_tokens,
+    layer_bytes,
+    longest_sequence,
+    model_facts,
+)
+
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL7 = [*QKVO, "gate_proj", "up_proj", "down_proj"]
+TOKENS = 64
+
+
+def _cfg(preset: str, dtype: str = "bfloat16", adapter: Any = None, seq: int = 2048, mbs: int = 1, attention: str = "sdpa", **extra: Any):
+    model = {"preset": preset, "dtype": dtype, "attn_implementation": attention}
+    if preset.startswith("tiny"):
+        model["preset_overrides"] = {"num_hidden_layers": 3}
+    raw = {
+        "model": model,
+        "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": seq},
+        "adapter": adapter if adapter is not None else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
+        "training": {"micro_batch_size": mbs},
+    }
+    for key, value in extra.items():
+        section, name = key.split("__")
+        raw.setdefault(section, {})[name] = value
+    return parse_config(raw)
+
+
+def _saved_bytes_of_layer(cfg, layer_index: int = 1, compile_layers: bool = False) -> int:
+    """Bytes autograd saves inside decoder layer ``layer_index`` for one forward of TOKENS
+    random tokens, deduplicated by storage, parameters excluded (they are weights, not
+    activations). A middle layer: the first one's input does not require grad."""
+    torch.manual_seed(0)
+    loaded = load_model(cfg, load_tokenizer(cfg.model), "cpu")
+    model = loaded.model
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
+    if compile_layers:
+        for layer in layers:
+            layer.compile(backend="aot_eager_decomp_partition")
+    current = [None]
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda mod, args, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda mod, args, out: current.__setitem__(0, None))
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if current[0] == layer_index and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes()
+        return t
+
+    ids = torch.randint(1, 200, (1, TOKENS))
+    autocast = loaded.autocast_dtype
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            return model(input_ids=ids, use_cache=False).logits
+
+    if compile_layers:  # compile outside the hooks, then count a second forward
+        forward().float().sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total[0]
+
+
+def _formula(cfg, compiled: bool = False) -> int:
+    facts = model_facts(cfg)
+    est = layer_bytes(facts.layers[1], facts, compiled=compiled, attention=cfg.model.attn_implementation, device="cpu")
+    return est.at(TOKENS, TOKENS)
+
+
+CASES = {
+    "llama fp32 full": ("tiny-llama", "float32", {"type": "none"}, "sdpa"),
+    "llama fp32 lora all-linear dropout": ("tiny-llama", "float32", {"type": "lora", "lora_target_modules": "all-linear", "lora_dropout": 0.1}, "sdpa"),
+    "llama bf16 full": ("tiny-llama", "bfloat16", {"type": "none"}, "sdpa"),
+    "llama bf16 lora all 7": ("tiny-llama", "bfloat16", {"type": "lora", "lora_target_modules": ALL7}, "sdpa"),
+    "llama bf16 lora q,v dropout": ("tiny-llama", "bfloat16", {"type": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1}, "sdpa"),
+    "llama fp32 lora eager attention": ("tiny-llama", "float32", {"type": "lora"}, "eager"),
+    "qwen3 fp32 lora q,k,v,o": ("tiny-qwen3", "float32", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
+    "qwen3 bf16 lora q,k,v,o": ("tiny-qwen3", "bfloat16", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
+    "qwen3 fp32 full": ("tiny-qwen3", "float32", {"type": "none"}, "sdpa"),
+    "qwen3-moe fp32 lora q,k,v,o": ("tiny-qwen3-moe", "float32", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
+    "qwen3-moe bf16 lora q,k,v,o": ("tiny-qwen3-moe", "bfloat16", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_formula_matches_what_autograd_saves(case):
+    preset, dtype, adapter, attention = CASES[case]
+    cfg = _cfg(preset, dtype, adapter, attention=attention)
+    counted = _saved_bytes_of_layer(cfg)
+    assert _formula(cfg) == pytest.approx(counted, rel=0.10), f"{case}: formula {_formula(cfg)} vs saved {counted}"
+
+
+def test_compiled_layer_formula_matches_the_partitioners_choice():
+    """Inductor's min-cut partitioner (here without code generation) keeps fewer tensors."""
+    cfg = _cfg("tiny-qwen3", "bfloat16", {"type": "lora", "lora_target_modules": QKVO})
+    counted = _saved_bytes_of_layer(cfg, compile_layers=True)
+    assert _formula(cfg, compiled=True) == pytest.approx(counted, rel=0.10)
+    assert counted < _formula(cfg, compiled=False)
+
+
+# torch.cuda.max_memory_allocated of hone bench rows on an H100 (BENCHMARKS.md, issue 11):
+# (preset, sequence_len, micro_batch, targets, checkpointing, compiled, measured GiB)
+MEASURED = [
+    ("qwen3-8b", 2048, 1, QKVO, "none", True, 27.4),
+    ("qwen3-8b", 2048, 1, QKVO, "none", False, 32.0),  # eager (H200, 2026-11-26 compile table)
+    ("qwen3-8b", 2048, 1, QKVO, "full", True, 20.1),
+    ("qwen3-8b", 16384, 1, QKVO, "full", True, 52.7),
+    ("qwen3-8b", 24576, 1, QKVO, "full", True, 71.3),
+    ("llama3-8b", 4096, 2, ALL7, "full", True, 31.3),
+    ("llama3-8b", 4096, 2, ALL7, "none", True, 65.5),
+]
+
+
+@pytest.mark.parametrize("row", MEASURED, ids=lambda r: f"{r[0]}-{r[1]}x{r[2]}-{r[4]}-{'compiled' if r[5] else 'eager'}")
+def test_estimate_within_ten_percent_of_measured_peaks(row):
+    preset, seq, mbs, targets, policy, compiled, measured = row
+    cfg = _cfg(preset, adapter={"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": targets}, seq=seq, mbs=mbs)
+    est = estimate_memory(cfg, checkpointing=policy, loss="standard", compiled=compiled)
+    assert est.total / GIB == pytest.approx(measured, rel=0.10)
+    assert sum(b for _, b in est.components()) == est.total
+
+
+def test_parameter_counts_are_exact():
+    facts = model_facts(_cfg("qwen3-8b"))
+    per_layer = 16 * (4096 + 4096) * 2 + 16 * (4096 + 1024) * 2  # q, o + k, v
+    assert facts.trainable_params == 36 * per_layer
+    assert facts.trainable_bytes == 4 * facts.trainable_params  # LoRA weights are float32
+    assert facts.frozen_bytes == 2 * facts.frozen_params
+    assert 8.1e9 < facts.frozen_params < 8.3e9
+
+
+def test_full_finetune_counts_gradients_and_optimizer_in_the_weight_dtype():
+    cfg = _cfg("qwen3-8b", adapter={"type": "none"})
+    est = estimate_memory(cfg, checkpointing="full", loss="standard")
+    facts = model_facts(cfg)
+    assert facts.frozen_params == 0
+    assert est.optimizer == 2 * 2 * facts.trainable_params  # two bf16 moments
+    assert est.phase in ("backward, first layer", "optimizer step")
+    assert est.trainable_state == 2 * facts.trainable_params
+
+
+def test_policies_order_and_offload_uses_the_host():
+    cfg = _cfg("qwen3-8b", seq=8192)
+    est = {p: estimate_memory(cfg, checkpointing=p, loss="standard") for p in ("none", "selective", "full", "offload")}
+    assert est["none"].total > est["selective"].total > est["full"].total > est["offload"].total
+    assert est["offload"].host == 36 * 2 * 8192 * 4096
+    assert all(est[p].host == 0 for p in ("none", "selective", "full"))
+
+
+def test_fused_loss_holds_one_chunk():
+    cfg = _cfg("qwen3-8b", seq=16384)
+    standard = estimate_memory(cfg, checkpointing="full", loss="standard")
+    fused = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    assert fused.loss < standard.loss / 8
+    assert fused_chunk_tokens(16384, 151_936) == (1 << 30) // (151_936 * 4)
+    assert fused_chunk_tokens(100, 151_936) == 100
+    assert fused_chunk_tokens(1 << 20, 1 << 20) == 1024
+
+
+def test_gradient_accumulation_keeps_gradients_through_the_loss():
+    one = estimate_memory(_cfg("qwen3-8b"), checkpointing="none", loss="standard")
+    accumulating = estimate_memory(_cfg("qwen3-8b", training__gradient_accumulation_steps=4), checkpointing="none", loss="standard")
+    assert accumulating.trainable_state > one.trainable_state == 0
+
+
+def test_longest_sequence_is_the_largest_that_fits():
+    cfg = _cfg("qwen3-8b")
+    budget = 80 * GIB
+    seq = longest_sequence(cfg, "full", "standard", budget)
+    fits = estimate_memory(cfg, checkpointing="full", loss="standard", sequence_len=seq)
+    too_long = estimate_memory(cfg, checkpointing="full", loss="standard", sequence_len=seq + 256)
+    assert fits.total <= budget < too_long.total
+    assert longest_sequence(cfg, "full", "fused_linear_ce", budget) > seq
+    assert longest_sequence(cfg, "full", "standard", 10 * GIB) == 0  # the weights alone do not fit
+
+
+def test_model_directory_config_needs_no_weights(tmp_path):
+    from hone.models.presets import build_preset_config
+
+    build_preset_config("llama3-8b", {"num_hidden_layers": 2}, None).save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    cfg = parse_config({"model": {"path": str(tmp_path)}, "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}]}})
+    est = estimate_memory(cfg, checkpointing="full", loss="standard")
+    h, kv, inter, vocab = 4096, 1024, 14_336, 128_256
+    layer = h * (h + kv + kv + h) + 3 * h * inter + 2 * h
+    assert est.frozen_params == 2 * vocab * h + 2 * layer + h

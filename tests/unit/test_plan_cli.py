@@ -1,0 +1,138 @@
+"""``hone plan``: every example config and bench spec plans offline without weights; sizes and
+errors of ``--gpu-memory``; the report's extension point for the planner's transform list."""
+
+from pathlib import Path
+
+import pytest
+
+from hone.cli import build_parser, main
+from hone.errors import HoneError
+from hone.transforms.estimate import GIB
+from hone.transforms.plan_report import DEFAULT_GPU_MEMORY, device_memory, parse_size, plan_view, render_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yml"))
+SPECS = sorted((ROOT / "benchmarks" / "specs").glob("*.yml"))
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the examples name their data relative to the repository
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_plan_every_example(path, capsys):
+    assert main(["plan", str(path.relative_to(ROOT)), "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "peak (GPU)" in out and "fits 24.0 GiB" in out and "longest sequence that fits" in out
+    for policy in ("none", "selective", "full", "offload"):
+        assert policy in out
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+def test_plan_every_bench_spec(path, capsys):
+    assert main(["plan", str(path.relative_to(ROOT)), "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("hone plan: ") >= 1
+    assert "[reference" not in out  # reference rows are not hone runs
+
+
+def test_plan_reads_no_weights(tmp_path, capsys):
+    """A model directory with only config.json (and a tokenizer) plans like a full one."""
+    from hone.models.presets import build_preset_config
+
+    model_dir = tmp_path / "model"
+    build_preset_config("llama3-8b", {"num_hidden_layers": 4}, None).save_pretrained(model_dir)
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(
+        f"model: {{path: {model_dir}}}\n"
+        "data: {datasets: [{path: missing.jsonl, type: completion}], sequence_len: 4096}\n"
+        "memory: {gradient_checkpointing: true}\n"
+    )
+    assert main(["plan", str(cfg), "--gpu-memory", "80GB", "--set", "training.micro_batch_size=2"]) == 0
+    captured = capsys.readouterr()
+    assert "micro-batch 2 x 4096 tokens" in captured.out
+    assert "full *" in captured.out
+    assert "not needed for the plan" in captured.err  # the data file is missing: a note only
+
+
+def test_plan_needs_the_model_directory(tmp_path, capsys):
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'nope'}}}\ndata: {{datasets: [{{path: x.jsonl, type: completion}}]}}\n")
+    assert main(["plan", str(cfg)]) == 2
+    assert "model.path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("80GiB", 80 * GIB), ("24GB", 24 * 10**9), ("141 GiB", 141 * GIB), ("81559MiB", 81559 * 2**20), ("40", 40 * GIB), ("0.5TiB", 2**39)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eighty", "80GiBs", "80 GiB GiB", "-4GiB", "0GiB", ""])
+def test_bad_gpu_memory_is_a_clear_error(text, capsys):
+    with pytest.raises(HoneError, match="--gpu-memory"):
+        parse_size(text)
+    assert main(["plan", "examples/quickstart.yml", f"--gpu-memory={text}"]) == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+def test_device_memory_sources():
+    assert device_memory("cuda", "24GiB") == (24 * GIB, "--gpu-memory")
+    size, source = device_memory("cuda", None)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert size == DEFAULT_GPU_MEMORY and "80 GiB" in source
+    ram, _ = device_memory("cpu", None)
+    assert ram > 0
+
+
+def test_render_plan_shows_transforms_and_warns_when_the_policy_does_not_fit():
+    from hone.config import parse_config
+
+    cfg = parse_config(
+        {
+            "model": {"preset": "qwen3-8b"},
+            "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 8192},
+        }
+    )
+    view = plan_view(cfg, "qwen3-8b", "cuda", 40 * GIB, "--gpu-memory")
+    text = render_plan(view, transforms=[("compile", "performance.torch_compile", False, "off in the config")])
+    assert "Transforms, in the order" in text and "off in the config" in text
+    assert "warning: checkpointing 'none' does not fit" in text
+    assert "fits with: full, offload" in text
+    assert render_plan(view).count("Transforms") == 0
+
+
+def test_plan_has_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["plan", "--help"])
+    assert info.value.code == 0
+    assert "--gpu-memory" in capsys.readouterr().out
+
+
+def test_bench_rows_record_the_estimate_and_the_table_shows_it(tmp_path):
+    import torch
+
+    from hone.bench.report import markdown_table, summarise
+    from hone.bench.spec import load_spec
+    from hone.bench.worker import _estimated_peak_gib, _hone_config
+
+    spec = load_spec(ROOT / "benchmarks" / "specs" / "qwen3-8b-lora.yml")
+    hone_row = next(c for c in spec.conditions if c.name == "hone, checkpointing")
+    cfg = _hone_config(spec, hone_row, tmp_path, tmp_path / "random.jsonl")
+    estimated = _estimated_peak_gib(cfg, torch.device("cuda"))
+    assert estimated == pytest.approx(20.1, rel=0.10)  # the measured H100 peak of this row
+    rows = [
+        {"condition": c.name, "replicate": 0, "status": "ok", "median_ms": 100.0, "min_ms": 99.0, "max_ms": 101.0,
+         "first_step_s": 1.0, "tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "mfu_pct": 1.0, "final_loss": 1.0,
+         "peak_alloc_gib": 20.1, "peak_reserved_gib": 21.0, **({"estimated_peak_gib": estimated} if c.reference is None else {})}
+        for c in spec.conditions
+    ]  # fmt: skip
+    table = markdown_table(spec, summarise(spec, rows))
+    assert "| peak alloc GiB | estimated GiB |" in table
+    assert f"| 20.1 | {estimated:.1f} |" in table
