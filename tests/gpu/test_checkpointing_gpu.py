@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.models.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
 from hone.transforms.checkpointing import apply_activation_checkpointing, offload_step_context, offloader_for
 from hone.transforms.compile import compile_regional
 

@@ -14,7 +14,7 @@ from hone.config import ConfigError, parse_config
 from hone.config.loader import dump_config
 from hone.config.memory import MemoryConfig, choose_auto_policy
 from hone.config.performance import PerformanceConfig
-from hone.models.testing import tiny_model, with_random_lora
+from hone.testing import tiny_model, with_random_lora
 from hone.transforms.checkpointing import (
     SAVED_OPS,
     CheckpointingError,

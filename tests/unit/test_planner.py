@@ -111,8 +111,8 @@ def test_hooks_collect_step_contexts_and_after_step_actions_in_plan_order(tokeni
         events.append(f"exit {tag}")
 
     extra = (
-        Transform("a", "x.a", lambda c, f: True, step_context=lambda c, f: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
-        Transform("b", "x.b", lambda c, f: True, step_context=lambda c, f: lambda b: around("b", b)),
+        Transform("a", "x.a", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
+        Transform("b", "x.b", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("b", b)),
     )
     plan = plan_optimizations(cfg(), CPU, TRANSFORMS + extra)
     hooks = plan.hooks(tiny_model("tiny-llama", tokenizer), cfg(), CPU)
