@@ -145,7 +145,7 @@ def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
     policy = cfg.memory.checkpointing
     if policy != "auto":
         return policy, f"memory.activation_checkpointing: {policy}"
-    from hone.transforms.estimate import auto_checkpointing
+    from hone.transforms.auto_policy import auto_checkpointing
 
     return auto_checkpointing(cfg, facts.device, facts.memory_bytes)
 
