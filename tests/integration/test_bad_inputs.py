@@ -397,3 +397,12 @@ def test_disk_full_while_checkpointing_is_one_paragraph_and_keeps_the_previous(w
     assert_one_paragraph(err, "step-2", "No space left on device", "step-1 is intact", "training.resume: latest")
     root = work / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-1"] and ckpt.is_complete(root / "step-1")
+
+
+def test_cache_and_resume_paths_that_are_files_are_caught_by_validate(work, capfd):
+    (work / "cachefile").write_text("x")
+    (work / "ckpt").write_text("x")
+    cfg = write_config(work, data={"dataset_prepared_path": str(work / "cachefile")}, training={"resume": str(work / "ckpt")})
+    code, _, err = cli(["validate", str(cfg)], capfd)
+    assert code == 2
+    assert_one_paragraph(err, "data.dataset_prepared_path", "is a file", "training.resume", "is a file, not a checkpoint directory")
