@@ -4,14 +4,19 @@ Everything goes to a temporary name in the same directory, is flushed and fsync'
 renamed over the target: ``os.replace`` is atomic on POSIX within one filesystem, so a crash
 leaves either the old file or the new one, never a truncated mix. One module for the whole
 package: configs, metrics, plots, the data cache, final models and merges all write this way.
+A write that fails (disk full, read-only) raises :class:`~hone.errors.WriteError`, which names
+the target and says that its earlier version is unchanged (it is also an ``OSError``).
 """
 
+import errno
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from hone.errors import WriteError
 
 
 def fsync_path(path: Path) -> None:
@@ -40,17 +45,33 @@ def atomic_write_with(target: Path, write: Callable[[Path], None]) -> None:
     For writers that insist on a path of their own (matplotlib, ``safetensors``, ``torch.save``).
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(target)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # its directory could not be made: there is no temp file
+            pass
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise write_error(target, exc) from exc
         raise
     fsync_path(target.parent)
+
+
+def write_error(target: Path, exc: OSError) -> WriteError:
+    """A user-facing :class:`WriteError` for a failed atomic write of ``target``."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    hint = "free some space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the permissions and the disk"
+    return WriteError(
+        f"cannot write '{target}' ({reason}); nothing half-written was left, and an earlier "
+        f"'{Path(target).name}' there, if any, is unchanged: {hint} and run again",
+        exc.errno,
+    )
 
 
 def atomic_write_bytes(target: Path, data: bytes) -> None:
@@ -79,10 +100,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     On any error the temporary directory is removed and ``final`` is left as it was.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = final.with_name(f".{final.name}.tmp-{tag}")
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise write_error(final, exc) from exc
     try:
         yield tmp
         fsync_tree(tmp)
@@ -99,6 +123,8 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         fsync_path(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and not isinstance(exc, WriteError):
+            raise write_error(final, exc) from exc
         raise

@@ -44,6 +44,9 @@ def _prepare_libraries(verbose: bool) -> None:
         import transformers
 
         datasets.disable_progress_bars()
+        # CRITICAL, not ERROR: datasets logs a bad file at ERROR ("Failed to load JSON from
+        # file ...") right before raising, and hone's own message says it better, with the line.
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
     except ImportError:  # not installed: nothing to quieten
@@ -63,16 +66,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace, check_files: bool = True):
-    """Validate the config and (optionally) that the files it names exist."""
+def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool = True):
+    """Validate the config and (optionally) what it names on disk: data files, the model
+    directory's metadata, the tokenizer, and (``output_dir``) that the run directory can be
+    written. Warnings (options the user opted into) go to stderr."""
     from hone.config import ConfigError, load_config
-    from hone.config.preflight import preflight
+    from hone.config.preflight import run_preflight
 
     cfg = load_config(args.config, args.overrides)
     if check_files:
-        missing = preflight(cfg)
-        if missing:
-            raise ConfigError(missing, str(args.config))
+        checked = run_preflight(cfg, output_dir=output_dir)
+        if checked.issues:
+            raise ConfigError(checked.issues, str(args.config))
+        for warning in checked.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     return cfg
 
 
@@ -100,7 +107,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    cfg = _load(args)
+    cfg = _load(args, output_dir=False)
     from hone.data.prepare import prepare_data
     from hone.data.summary import render_summary
     from hone.models.tokenizer import load_tokenizer
@@ -112,10 +119,14 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    from hone.train.run import run_training
+    from hone.train.start_guard import StartGuard
 
-    result = run_training(cfg)
+    with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
+        cfg = _load(args)
+        guard.watch(cfg.training.output_dir)
+        from hone.train.run import run_training
+
+        result = run_training(cfg, step_callback=guard.on_step)
     if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
         return 143 if result.interrupted == "SIGTERM" else 130
     return 0
@@ -248,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hone {__version__}")
-    parser.add_argument("--verbose", "-v", action="store_true", help="keep the libraries' own progress bars and warnings")
+    parser.add_argument("--verbose", "-v", action="store_true", help="keep the libraries' own progress bars, warnings and log lines, and show the traceback behind an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str, description: str) -> argparse.ArgumentParser:
@@ -367,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HoneError as exc:
+        if args.verbose and exc.__cause__ is not None:  # the traceback of what went wrong inside
+            import traceback
+
+            traceback.print_exception(exc.__cause__)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -118,6 +118,13 @@ class DataConfig(Section):
     sequence_len: int = Field(2048, ge=8)
     """Maximum tokens per sample."""
 
+    allow_longer_than_model: bool = False
+    """Accept a ``sequence_len`` longer than the model's ``max_position_embeddings``. Off by
+    default: positions past the model's trained range are extrapolated (quality may drop),
+    so such a config is refused unless the model config sets a RoPE scaling (``rope_scaling``
+    / ``rope_parameters`` other than default) or this is true, which trains anyway with a
+    warning. See docs/errors.md."""
+
     excess_length_strategy: Literal["drop", "truncate"] = "drop"
     """What happens to rows longer than ``sequence_len``: dropped, or cut to fit."""
 

@@ -168,6 +168,41 @@ def suggest_key(root: type[BaseModel], parent: tuple[Any, ...], siblings: list[t
     return None
 
 
+def _all_models(root: type[BaseModel]) -> list[type[BaseModel]]:
+    seen: list[type[BaseModel]] = []
+    stack = [root]
+    while stack:
+        model = stack.pop()
+        if model in seen:
+            continue
+        seen.append(model)
+        for field in model.model_fields.values():
+            stack.extend(_models_in(field.annotation))
+    return seen
+
+
+def other_variant_message(root: type[BaseModel], holders: list[type[BaseModel]], key: str) -> str | None:
+    """For a key that belongs to another ``type`` of a tagged section (``field_messages`` on an
+    ``alpaca`` dataset): which type it belongs to, instead of the same key back as a typo fix."""
+    tags = [t for t in (_tag_of(m) for m in holders) if t is not None]
+    if len(tags) != 1:
+        return None
+    base = [b for b in holders[0].__mro__[1:] if isinstance(b, type) and issubclass(b, BaseModel) and b is not BaseModel]
+    owners = [
+        tag
+        for model in _all_models(root)
+        if (tag := _tag_of(model)) is not None and tag != tags[0] and key in model.model_fields
+        and any(issubclass(model, b) for b in base[:1])
+    ]
+    if not owners:
+        return None
+    kinds = " or ".join(f"'{t}'" for t in sorted(owners))
+    return (
+        f"unknown key for type '{tags[0]}': '{key}' belongs to type {kinds}; remove it, or set "
+        f"type: {sorted(owners)[0]} if that is the format of the data"
+    )
+
+
 # ---------------------------------------------------------------- messages
 
 _TYPE_WORDS = {
@@ -229,8 +264,10 @@ def issues_from_validation(
         if err["type"] == "extra_forbidden":
             parent, key = loc[:-1], loc[-1]
             _, holders = clean_location(root, tuple(err["loc"][:-1]))
-            hint = suggest_key(root, parent, holders, str(key))
-            msg = "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
+            msg = other_variant_message(root, holders, str(key))
+            if msg is None:
+                hint = suggest_key(root, parent, holders, str(key))
+                msg = "unknown key" + (f" (did you mean '{hint}'?)" if hint else "")
         else:
             msg = describe_error(err)
         bucket = grouped.setdefault(loc, [])

@@ -1,29 +1,139 @@
-"""Checks that need the file system but nothing heavy: do the files the config names exist?
+"""Checks that need the file system but load nothing: the files the config names, the model
+directory's metadata, the run directory, and the sequence length against the model.
 
-Kept apart from the schema so validators stay pure; run by ``hone validate``, ``preprocess`` and
-``train`` before any model or dataset is loaded.
+Kept apart from the schema so validators stay pure; run by ``hone validate``, ``preprocess``
+and ``train`` before any model or dataset is loaded, so a broken model directory or an
+unwritable ``output_dir`` is reported before the data is tokenized. Model checks read only
+metadata (``config.json``, file names, safetensors headers): see
+:mod:`hone.models.model_dir`, imported lazily so this package stays below ``hone.models``.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hone.config.errors import ConfigIssue
 from hone.config.root import HoneConfig
 
 
-def preflight(cfg: HoneConfig) -> list[ConfigIssue]:
-    """Every missing file or directory the config refers to."""
+@dataclass
+class PreflightResult:
+    issues: list[ConfigIssue] = field(default_factory=list)
+    """Problems that stop the command (exit 2)."""
+    warnings: list[str] = field(default_factory=list)
+    """Things the user opted into that may cost quality, printed and then carried on."""
+
+
+def preflight(cfg: HoneConfig, *, output_dir: bool = True) -> list[ConfigIssue]:
+    """Every problem the file system shows in ``cfg`` (see :func:`run_preflight`)."""
+    return run_preflight(cfg, output_dir=output_dir).issues
+
+
+def run_preflight(cfg: HoneConfig, *, output_dir: bool = True) -> PreflightResult:
+    """Files, model directory, tokenizer, run directory and sequence length, all at once.
+
+    ``output_dir=False`` skips the run-directory check (``hone preprocess`` writes none).
+    """
+    result = PreflightResult()
+    result.issues += _path_issues(cfg)
+    if output_dir:
+        result.issues += _output_dir_issues(cfg)
+    model_config = _model_issues(cfg, result)
+    _context_check(cfg, model_config, result)
+    return result
+
+
+def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
+    from hone.paths import readable_file_problem
+
     issues: list[ConfigIssue] = []
-    if cfg.model.path is not None and not cfg.model.path.is_dir():
-        issues.append(ConfigIssue("model.path", f"model directory not found: '{cfg.model.path}' (relative paths are from {Path.cwd()})"))
-    if cfg.model.tokenizer_path is not None and not cfg.model.tokenizer_path.is_dir():
-        issues.append(ConfigIssue("model.tokenizer_path", f"tokenizer directory not found: '{cfg.model.tokenizer_path}'"))
     for section in ("datasets", "test_datasets"):
         for index, dataset in enumerate(getattr(cfg.data, section)):
+            key = f"data.{section}[{index}].path"
             if not dataset.path.exists():
-                issues.append(
-                    ConfigIssue(f"data.{section}[{index}].path", f"data file not found: '{dataset.path}' (relative paths are from {Path.cwd()})")
-                )
+                issues.append(ConfigIssue(key, f"data file not found: '{dataset.path}' (relative paths are from {Path.cwd()})"))
+            elif (problem := readable_file_problem(dataset.path)) is not None:
+                issues.append(ConfigIssue(key, problem))
+    prepared = cfg.data.dataset_prepared_path
+    if prepared is not None and prepared.exists() and not prepared.is_dir():
+        issues.append(ConfigIssue("data.dataset_prepared_path", f"'{prepared}' is a file; the prepared-data cache must be a directory"))
     resume = cfg.training.resume
     if isinstance(resume, Path) and not resume.is_dir():
-        issues.append(ConfigIssue("training.resume", f"checkpoint directory not found: '{resume}'"))
+        what = "is a file, not a checkpoint directory" if resume.exists() else "not found"
+        issues.append(ConfigIssue("training.resume", f"checkpoint directory {what}: '{resume}'"))
     return issues
+
+
+def _output_dir_issues(cfg: HoneConfig) -> list[ConfigIssue]:
+    from hone.paths import output_dir_problem
+
+    problem = output_dir_problem(cfg.training.output_dir)
+    return [] if problem is None else [ConfigIssue("training.output_dir", problem)]
+
+
+def _model_issues(cfg: HoneConfig, result: PreflightResult) -> Any:
+    """Model directory (or preset) and tokenizer problems; returns the model config if readable."""
+    from hone.models.errors import ModelError
+    from hone.models.tokenizer import tokenizer_dir_problems
+
+    model = cfg.model
+    config: Any = None
+    if model.path is not None:
+        if not model.path.is_dir():
+            if model.path.exists():
+                message = f"'{model.path}' is a file; it must be a model directory written by save_pretrained"
+            else:
+                message = f"model directory not found: '{model.path}' (relative paths are from {Path.cwd()})"
+            result.issues.append(ConfigIssue("model.path", message))
+            if model.tokenizer_path is None:
+                return None  # the tokenizer would be looked for in the same missing place
+        else:
+            from hone.models.model_dir import model_dir_problems
+
+            problems, config = model_dir_problems(model.path, model.trust_remote_code)
+            result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
+    else:
+        from hone.models.presets import build_preset_config
+
+        try:
+            config = build_preset_config(model.preset, dict(model.preset_overrides), None)
+        except ModelError as exc:
+            key, _, message = str(exc).partition(": ")
+            result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
+    key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
+    if model.tokenizer_path is not None or model.path is not None:
+        result.issues += [ConfigIssue(key, p) for p in tokenizer_dir_problems(model)]
+    return config
+
+
+def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> None:
+    """``data.sequence_len`` against the positions the model was built for."""
+    if config is None:
+        return
+    from hone.models.model_dir import context_length, rope_scaling_type
+
+    limit = context_length(config)
+    wanted = cfg.data.sequence_len
+    if limit is None or wanted <= limit:
+        return
+    what = f"data.sequence_len {wanted} is longer than the {limit} positions the model was built for (max_position_embeddings of {cfg.model.source})"
+    scaling = rope_scaling_type(config)
+    if scaling is not None:
+        result.warnings.append(f"{what}; its config sets RoPE scaling '{scaling}', which is meant to stretch them")
+    elif cfg.data.allow_longer_than_model:
+        result.warnings.append(
+            f"{what}; training anyway (data.allow_longer_than_model: true): positions past {limit} are "
+            "extrapolated and quality may drop"
+        )
+    else:
+        result.issues.append(
+            ConfigIssue(
+                "data.sequence_len",
+                f"{wanted} is longer than the {limit} positions the model was built for "
+                f"(max_position_embeddings of {cfg.model.source}) and its config sets no RoPE scaling: "
+                f"set data.sequence_len to at most {limit}, pick a model with a longer context, or set "
+                "data.allow_longer_than_model: true to train anyway (quality past the model's range may drop)",
+            )
+        )

@@ -8,8 +8,9 @@ An entry is ``<root>/<key>/`` holding ``train/`` (and ``eval/``) written by
   it misses);
 - the tokenizer (its full serialisation, special tokens, chat template, and the ids of a
   probe text, which also captures BOS/EOS-adding behaviour);
-- every data option that changes the output (all of ``data`` except ``num_proc`` and
-  ``dataset_prepared_path``; new options are included automatically) and ``training.seed``;
+- every data option that changes the output (all of ``data`` except ``num_proc``,
+  ``dataset_prepared_path`` and ``allow_longer_than_model``; new options are included
+  automatically) and ``training.seed``;
 - :data:`DATA_FORMAT_VERSION`, bumped whenever hone's encoding changes, and as a safety net
   a digest of the source of ``hone/data`` and the versions of the libraries that render and
   tokenize (transformers, tokenizers, datasets, jinja2): upgrading hone or a library costs
@@ -161,7 +162,7 @@ def key_inputs(cfg: HoneConfig, tokenizer: Any, hasher: FileHasher) -> dict[str,
         "code": code_fingerprint(),
         "datasets": [dataset(d) for d in data.datasets],
         "test_datasets": [dataset(d) for d in data.test_datasets],
-        "options": data.model_dump(mode="json", exclude={"datasets", "test_datasets", "num_proc", "dataset_prepared_path"}),
+        "options": data.model_dump(mode="json", exclude={"datasets", "test_datasets", "num_proc", "dataset_prepared_path", "allow_longer_than_model"}),
         "seed": cfg.training.seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }

@@ -41,6 +41,37 @@ def tokenizer_source(model_cfg: ModelConfig) -> tuple[Path, str]:
     return bundled_tokenizer_path(), "hone's bundled tokenizer"
 
 
+#: Files of which a tokenizer directory needs at least one (fast, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
+
+
+def tokenizer_dir_problems(model_cfg: ModelConfig) -> list[str]:
+    """Every problem ``hone validate`` can see in the tokenizer directory without loading it:
+    missing directory, no vocabulary file, a ``tokenizer_config.json`` that is not JSON."""
+    import json
+
+    path, origin = tokenizer_source(model_cfg)
+    if not path.exists():
+        return [f"tokenizer directory not found: '{path}' ({origin}; relative paths are from {Path.cwd()})"]
+    if not path.is_dir():
+        return [f"'{path}' ({origin}) is a file; the tokenizer must be a directory written by save_pretrained"]
+    problems = []
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        hint = "" if model_cfg.tokenizer_path is not None else ", or set model.tokenizer_path to a directory that has them"
+        problems.append(
+            f"'{path}' ({origin}) holds no tokenizer files (one of {', '.join(TOKENIZER_FILES[:3])}, ...): "
+            f"copy them from the original model{hint}"
+        )
+    config = path / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            problems.append(f"cannot read '{config}' ({origin}): {exc}")
+    return problems
+
+
 def load_tokenizer(model_cfg: ModelConfig) -> "PreTrainedTokenizerBase":
     """The tokenizer for ``model_cfg``; raises :class:`TokenizerError` naming the directory."""
     path, origin = tokenizer_source(model_cfg)

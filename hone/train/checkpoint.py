@@ -12,7 +12,9 @@ A checkpoint holds everything the next optimizer step depends on:
 
 Saving is atomic: files go into a hidden temp directory, each is fsync'd, the ``COMPLETE``
 marker is written last, and only then is the directory renamed to ``step-<N>``. A crash
-mid-save leaves a ``.tmp-*`` directory that resume never looks at (and the next save removes).
+mid-save leaves a ``.tmp-*`` directory that resume never looks at (and the next save removes);
+a save that fails with an error (disk full) removes its temp directory itself and raises
+:class:`CheckpointSaveError`, saying which earlier checkpoint is intact.
 
 Resume: ``training.resume: latest`` takes the newest complete checkpoint in ``output_dir``; if
 there is none, the run **starts from scratch with a warning**, so a config can say ``latest``
@@ -41,7 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hone.config.training import TrainingConfig
-from hone.errors import HoneError
+from hone.errors import HoneError, WriteError
 from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
 from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
@@ -60,6 +62,10 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(HoneError):
     """A checkpoint to resume from is missing, incomplete or unreadable."""
+
+
+class CheckpointSaveError(WriteError):
+    """A checkpoint could not be written (disk full, read-only); earlier ones are untouched."""
 
 
 # ---------------------------------------------------------------- finding checkpoints
@@ -210,33 +216,64 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``."""
     root = checkpoints_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    remove_temp_dirs(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    tmp.mkdir()
-
-    _write_weights(tmp, model)
-    _write_torch(tmp, OPTIMIZER_FILE, optimizer.state_dict())
-    _write_torch(tmp, SCHEDULER_FILE, scheduler.state_dict())
-    if scaler is not None and scaler.is_enabled():
-        _write_torch(tmp, SCALER_FILE, scaler.state_dict())
-    _write_torch(tmp, RNG_FILE, capture_rng())
-    _write_state(tmp, state)
-    _write_marker(tmp, step)
-    fsync_path(tmp)
-
-    if final.exists():  # the same step saved before (e.g. re-run after a resume): replace it
-        old = root / f".old-step-{step}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_temp_dirs(output_dir)
+        tmp.mkdir()
+        _write_weights(tmp, model)
+        _write_torch(tmp, OPTIMIZER_FILE, optimizer.state_dict())
+        _write_torch(tmp, SCHEDULER_FILE, scheduler.state_dict())
+        if scaler is not None and scaler.is_enabled():
+            _write_torch(tmp, SCALER_FILE, scaler.state_dict())
+        _write_torch(tmp, RNG_FILE, capture_rng())
+        _write_state(tmp, state)
+        _write_marker(tmp, step)
+        fsync_path(tmp)
+        _publish(tmp, final, root, step)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, RuntimeError) and not _looks_like_write_failure(exc):
+            raise
+        raise CheckpointSaveError(_save_failure(output_dir, step, exc), getattr(exc, "errno", None)) from exc
     fsync_path(root)
     if keep is not None:
         prune_checkpoints(output_dir, keep)
     return final
+
+
+def _publish(tmp: Path, final: Path, root: Path, step: int) -> None:
+    if final.exists():  # the same step saved before (e.g. re-run after a resume): replace it
+        old = root / f".old-step-{step}-{os.getpid()}"
+        os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            os.replace(old, final)  # put the earlier save of this step back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _looks_like_write_failure(exc: RuntimeError) -> bool:
+    text = str(exc).lower()
+    return any(word in text for word in ("no space", "write", "file", "disk", "errno"))
+
+
+def _save_failure(output_dir: Path, step: int, exc: BaseException) -> str:
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    previous = latest_checkpoint(output_dir)
+    kept = (
+        f"the previous checkpoint {previous} is intact"
+        if previous is not None
+        else "no earlier checkpoint exists, and nothing half-written was left"
+    )
+    return (
+        f"cannot save checkpoint step-{step} in '{checkpoints_root(output_dir)}' ({reason}); {kept}. "
+        "Free some space (or lower training.save_total_limit), then continue with training.resume: latest"
+    )
 
 
 def prune_checkpoints(output_dir: Path, keep: int) -> list[Path]:

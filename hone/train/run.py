@@ -21,6 +21,7 @@ from hone.transforms.base import RunFacts
 from hone.transforms.planner import plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 from hone.atomic import atomic_write_text
+from hone.paths import ensure_writable_dir
 from hone.track.metrics import METRICS_FILE
 from hone.track.plot import PLOT_FILE
 from hone.track.report import format_report
@@ -88,7 +89,7 @@ def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | N
             )
         if found:
             warn(f"starting over in {out}: the previous run there left no checkpoint to resume from")
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out)  # a file, read-only or full disk: refused before data and model
     atomic_write_text(out / CONFIG_FILE, dump_config(cfg))
     return resume_from
 

@@ -95,7 +95,9 @@ def test_format_specific_key_on_wrong_format_is_an_error():
     raw = {**MINIMAL, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca", "field_messages": "m"}]}}
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
-    assert "unknown key" in issues_of(info.value)["data.datasets[0].field_messages"]
+    message = issues_of(info.value)["data.datasets[0].field_messages"]
+    assert "unknown key for type 'alpaca'" in message and "belongs to type 'chat'" in message
+    assert "did you mean" not in message  # not the same key handed back as a typo fix
 
 
 @pytest.mark.parametrize(

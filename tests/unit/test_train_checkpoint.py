@@ -36,14 +36,17 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_as_latest(tmp_path, mon
     real_write_state = ckpt._write_state
     saves = []
 
+    class PowerLoss(BaseException):
+        """The process dies mid-save: no handler of hone's runs (unlike a disk-full OSError)."""
+
     def crash_on_second_save(directory, state):
         saves.append(state["step"])
         if state["step"] == 4:
-            raise OSError("simulated crash: power lost mid-save")
+            raise PowerLoss("simulated crash: power lost mid-save")
         real_write_state(directory, state)
 
     monkeypatch.setattr(ckpt, "_write_state", crash_on_second_save)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(PowerLoss, match="simulated crash"):
         _train(cfg, data)
     monkeypatch.undo()
 
@@ -116,3 +119,34 @@ def test_rng_states_round_trip_through_a_weights_only_file():
     buf.seek(0)
     restore_rng(torch.load(buf, weights_only=True))
     assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(), np.random.randn()) == expected
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    from hone.errors import HoneError
+
+    data = random_rows(16, seed=random.randrange(1000))
+    cfg = tiny_config(tmp_path, training={"max_steps": 4, "save_steps": 2})
+    real_write_torch = ckpt._write_torch
+
+    def disk_fills_at_step_4(directory, name, obj):
+        if directory.name.startswith(".tmp-step-4") and name == ckpt.OPTIMIZER_FILE:
+            (directory / name).write_bytes(b"partial")  # half a file, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_torch(directory, name, obj)
+
+    monkeypatch.setattr(ckpt, "_write_torch", disk_fills_at_step_4)
+    with pytest.raises(HoneError) as info:
+        _train(cfg, data)
+    message = str(info.value)
+    assert info.value.exit_code == 2 and "\n" not in message
+    assert "step-4" in message and "No space left on device" in message
+    assert f"previous checkpoint {tmp_path / 'checkpoints' / 'step-2'} is intact" in message
+    assert "training.resume: latest" in message
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]  # no temp directory left
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step-2"
+    restored = ckpt.read_trainer_state(root / "step-2")
+    assert restored["step"] == 2
