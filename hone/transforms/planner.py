@@ -160,8 +160,29 @@ def _checkpointing_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
     return None
 
 
+def _selective_meets_inductor(cfg: HoneConfig, facts: RunFacts) -> bool:
+    perf = cfg.performance
+    return perf.compiles_on(facts.device.type) and perf.torch_compile_backend == "inductor"
+
+
 def _checkpointing_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
-    return []
+    policy = _checkpointing_policy(cfg, facts)[0]
+    problems = []
+    if policy == "selective" and _selective_meets_inductor(cfg, facts):
+        # transformers' checkpoint wraps the compiled layer from outside, so torch's selective
+        # checkpointing caches the outputs of Inductor's kernels, which write into reused
+        # buffers (mm with out=): the cache sees them mutated and the backward stops.
+        problems.append(
+            "memory.activation_checkpointing: selective cannot wrap layers compiled by Inductor (torch's selective "
+            "checkpointing caches op outputs that Inductor's kernels overwrite in place): use full with "
+            "torch_compile, or selective with torch_compile: false"
+        )
+    if policy == "offload" and cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
+        problems.append(
+            "memory.activation_checkpointing: offload needs torch_compile_scope: regional (a whole-model graph saves "
+            "the layers' inputs inside itself, out of the offload hooks' reach)"
+        )
+    return problems
 
 
 def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:

@@ -60,6 +60,8 @@ def _assert_same(got, want, tol=1e-5):
 def test_policy_gives_the_gradients_of_none_on_cuda(policy, adapter, compiled, tok):
     """fp32. Compiled runs compare with the compiled ``none`` run: Inductor fuses (and so rounds)
     differently once checkpointing moves the recompute into the backward graph, hence 1e-4."""
+    if policy == "selective" and compiled:
+        pytest.skip("selective under Inductor is refused by the planner (see _checkpointing_check)")
     ids = _ids(len(tok))
     reference = _model(tok, adapter)
     if compiled:

@@ -144,7 +144,7 @@ def test_a_full_disk_is_refused_before_the_data(work, capfd, monkeypatch):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from hone.models.testing import save_tiny_model, tiny_tokenizer
+    from hone.testing import save_tiny_model, tiny_tokenizer
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "llama", "tiny-llama", tiny_tokenizer(), seed=1, max_position_embeddings=128)
 

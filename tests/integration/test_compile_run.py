@@ -52,7 +52,7 @@ REGIONAL = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 def eager_losses(tmp_path_factory):
     """Checkpointing recomputes the same values, so one eager run is the reference for all."""
     losses, record, console = _train(tmp_path_factory.mktemp("eager"), "eager")
-    assert record["applied"] == [] and "compile" not in record and "first step: " in console
+    assert [a["name"] for a in record["applied"]] == ["attention", "loss"] and "compile" not in record and "first step: " in console
     return losses
 
 
@@ -65,7 +65,7 @@ def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, ea
     eager = eager_losses
     compiled, record, console = _train(tmp_path, "compiled", performance, checkpointing=checkpointing)
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-5)
-    (applied,) = record["applied"]
+    applied = {a["name"]: a for a in record["applied"]}["compile"]
     assert applied["name"] == "compile" and applied["switch"] == "performance.torch_compile"
     details = applied["details"]
     assert details["scope"] == performance.get("torch_compile_scope", "regional") and details["backend"] == "aot_eager"
@@ -81,7 +81,7 @@ def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, ea
 
 def test_varying_lengths_compile_dynamic_shapes_and_late_compiles_are_reported(tmp_path):
     _, record, console = _train(tmp_path, "varied", REGIONAL, fixed=False, eval_data=True)
-    assert record["applied"][0]["details"]["dynamic_shapes"] is True
+    assert {a["name"]: a for a in record["applied"]}["compile"]["details"]["dynamic_shapes"] is True
     stats = record["compile"]
     assert stats["eval_graphs"] >= 1 and stats["forward_graphs"] >= 1
     late = stats["compiles_after_first_step"]
@@ -112,6 +112,6 @@ def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path, at
     )
     run_training(cfg, device="cpu", console=Console(file=io.StringIO()))
     record = json.loads((tmp_path / "run" / OPTIMIZATIONS_FILE).read_text())
-    assert record["applied"][0]["details"]["dynamic_shapes"] is False  # bins are sequence_len wide
+    assert {a["name"]: a for a in record["applied"]}["compile"]["details"]["dynamic_shapes"] is False  # bins are sequence_len wide
     stats = record["compile"]
     assert stats["forward_graphs"] == 1 and stats["compiles_after_first_step"] == 0, stats
