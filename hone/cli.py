@@ -71,7 +71,7 @@ def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool =
     directory's metadata, the tokenizer, and (``output_dir``) that the run directory can be
     written. Warnings (options the user opted into) go to stderr."""
     from hone.config import ConfigError, load_config
-    from hone.config.preflight import run_preflight
+    from hone.preflight import run_preflight
 
     cfg = load_config(args.config, args.overrides)
     if check_files:
@@ -221,10 +221,10 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
             if c.reference is None
         ]
     from hone.config import ConfigError, load_config
-    from hone.config.preflight import preflight
+    from hone.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
-    missing = preflight(cfg)
+    missing = preflight(cfg, output_dir=False, weights=False)
     needed = [issue for issue in missing if issue.path.startswith("model.")]
     if needed:  # the model's config.json is read; the data is not
         raise ConfigError(needed, str(args.config))

@@ -44,9 +44,10 @@ CONVERT_HINT = (
 # ---------------------------------------------------------------- files
 
 
-def layout_problems(path: Path, key: str = "model.path") -> list[str]:
+def layout_problems(path: Path, key: str = "model.path", weights: bool = True) -> list[str]:
     """Every problem with the directory's files: config.json present, safetensors weights
-    present and complete (headers, sizes, the shards an index names). Reads no weights."""
+    present and complete (headers, sizes, the shards an index names). Reads no weights.
+    ``weights=False`` checks the config alone (``hone plan`` needs no weights)."""
     path = Path(path)
     if not path.exists():
         return [
@@ -66,6 +67,8 @@ def layout_problems(path: Path, key: str = "model.path") -> list[str]:
         problems.append(f"{key}: '{path}' has no config.json, so it is not a save_pretrained model directory{hint}")
         if hint:
             return problems
+    if not weights:
+        return problems
     safetensors = sorted(path.glob("*.safetensors"))
     if not safetensors:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -222,11 +225,13 @@ def read_causal_lm_config(path: Path, trust_remote_code: bool, key: str = "model
         raise ModelError(f"{key}: cannot read the model config in '{path}': {exc}") from None
 
 
-def model_dir_problems(path: Path, trust_remote_code: bool, key: str = "model.path") -> tuple[list[str], "PreTrainedConfig | dict[str, Any] | None"]:
+def model_dir_problems(
+    path: Path, trust_remote_code: bool, key: str = "model.path", weights: bool = True
+) -> tuple[list[str], "PreTrainedConfig | dict[str, Any] | None"]:
     """Every problem of the directory (files and config), and its config when readable: a
     transformers config, or the raw dict for remote-code models (whose config class is their
     own code, which validation does not run)."""
-    problems = layout_problems(path, key)
+    problems = layout_problems(path, key, weights)
     if not (Path(path) / "config.json").is_file():
         return problems, None
     try:

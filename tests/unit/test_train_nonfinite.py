@@ -16,22 +16,19 @@ from hone.testing import random_rows, tiny_config, tiny_llama
 CPU = torch.device("cpu")
 
 
-class PoisonedSteps(nn.Module):
-    """Wraps a model; on the chosen training forward calls its logits become NaN."""
+def poisoned(model: nn.Module, bad_calls: set[int] | None) -> nn.Module:
+    """``model``, whose final hidden states become NaN on the chosen training forward calls
+    (a forward hook on its final norm: whatever loss the plan picks sees NaN logits)."""
+    calls = {"n": 0}
 
-    def __init__(self, inner: nn.Module, bad_calls: set[int] | None):
-        super().__init__()
-        self.inner = inner
-        self.bad_calls = bad_calls  # None: every call
-        self.calls = 0
+    def poison(module, inputs, output):
+        if not module.training:
+            return output
+        calls["n"] += 1
+        return output * float("nan") if bad_calls is None or calls["n"] in bad_calls else output
 
-    def forward(self, **kwargs):
-        out = self.inner(**kwargs)
-        if self.training:
-            self.calls += 1
-            if self.bad_calls is None or self.calls in self.bad_calls:
-                out.logits = out.logits * float("nan")
-        return out
+    model.get_decoder().norm.register_forward_hook(poison)
+    return model
 
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +41,7 @@ def test_one_nan_loss_is_skipped_counted_and_training_goes_on(tmp_path):
         training={"max_steps": 5, "micro_batch_size": 2},
         optimizer={"lr_scheduler": "linear", "learning_rate": 1e-2},
     )
-    model = PoisonedSteps(tiny_llama(random.randrange(1000)), bad_calls={2})
+    model = poisoned(tiny_llama(random.randrange(1000)), bad_calls={2})
     weights, lrs = [], []
 
     def observe(metrics):
@@ -89,7 +86,7 @@ def test_a_nan_gradient_is_skipped_too(tmp_path):
 
 def test_nan_on_every_step_stops_after_the_configured_streak(tmp_path):
     cfg = tiny_config(tmp_path, training={"max_steps": 20, "max_consecutive_nonfinite": 3})
-    model = PoisonedSteps(tiny_llama(0), bad_calls=None)
+    model = poisoned(tiny_llama(0), bad_calls=None)
     steps = []
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*learning_rate") as info:
         train_loop(model, random_rows(8, seed=6), None, cfg, device=CPU, pad_id=0,

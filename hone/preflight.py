@@ -5,7 +5,7 @@ Kept apart from the schema so validators stay pure; run by ``hone validate``, ``
 and ``train`` before any model or dataset is loaded, so a broken model directory or an
 unwritable ``output_dir`` is reported before the data is tokenized. Model checks read only
 metadata (``config.json``, file names, safetensors headers): see
-:mod:`hone.models.model_dir`, imported lazily so this package stays below ``hone.models``.
+:mod:`hone.models.model_dir`, imported lazily (this module sits above hone.config and hone.models).
 """
 
 from __future__ import annotations
@@ -26,21 +26,22 @@ class PreflightResult:
     """Things the user opted into that may cost quality, printed and then carried on."""
 
 
-def preflight(cfg: HoneConfig, *, output_dir: bool = True) -> list[ConfigIssue]:
+def preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> list[ConfigIssue]:
     """Every problem the file system shows in ``cfg`` (see :func:`run_preflight`)."""
-    return run_preflight(cfg, output_dir=output_dir).issues
+    return run_preflight(cfg, output_dir=output_dir, weights=weights).issues
 
 
-def run_preflight(cfg: HoneConfig, *, output_dir: bool = True) -> PreflightResult:
+def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> PreflightResult:
     """Files, model directory, tokenizer, run directory and sequence length, all at once.
 
-    ``output_dir=False`` skips the run-directory check (``hone preprocess`` writes none).
+    ``output_dir=False`` skips the run-directory check (``hone preprocess`` writes none);
+    ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone).
     """
     result = PreflightResult()
     result.issues += _path_issues(cfg)
     if output_dir:
         result.issues += _output_dir_issues(cfg)
-    model_config = _model_issues(cfg, result)
+    model_config = _model_issues(cfg, result, weights)
     _context_check(cfg, model_config, result)
     return result
 
@@ -73,7 +74,7 @@ def _output_dir_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     return [] if problem is None else [ConfigIssue("training.output_dir", problem)]
 
 
-def _model_issues(cfg: HoneConfig, result: PreflightResult) -> Any:
+def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True) -> Any:
     """Model directory (or preset) and tokenizer problems; returns the model config if readable."""
     from hone.models.errors import ModelError
     from hone.models.tokenizer import tokenizer_dir_problems
@@ -92,7 +93,7 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult) -> Any:
         else:
             from hone.models.model_dir import model_dir_problems
 
-            problems, config = model_dir_problems(model.path, model.trust_remote_code)
+            problems, config = model_dir_problems(model.path, model.trust_remote_code, weights=weights)
             result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
     else:
         from hone.models.presets import build_preset_config
@@ -103,7 +104,7 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult) -> Any:
             key, _, message = str(exc).partition(": ")
             result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
     key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
-    if model.tokenizer_path is not None or model.path is not None:
+    if weights and (model.tokenizer_path is not None or model.path is not None):
         result.issues += [ConfigIssue(key, p) for p in tokenizer_dir_problems(model)]
     return config
 
