@@ -88,17 +88,19 @@ def test_fused_under_inductor_fullgraph_has_no_graph_break(case, impl):
 
 def test_fused_peak_memory_is_far_below_the_reference(case):
     """The point of the kernel: the reference holds [N, V] logits in bf16 and float32 plus
-    their gradient; the fused loss holds one chunk's."""
+    their gradient; the fused loss holds one chunk's (768 tokens here, about 0.9 GiB)."""
     hidden, weight, targets, _ = case
     peaks = {}
     for name, fn in (("reference", linear_cross_entropy_reference), ("fused", fused_linear_cross_entropy)):
+        h = hidden.clone().requires_grad_(True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        _run(fn, hidden, weight, targets, False)
+        fn(h, weight, targets).backward()  # frozen head, as under LoRA
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated() - base
+        del h
     logits_fp32 = N * V * 4
-    assert peaks["reference"] > logits_fp32
+    assert peaks["reference"] > logits_fp32, peaks
     assert peaks["fused"] < logits_fp32 / 2, peaks
