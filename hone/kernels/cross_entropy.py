@@ -47,10 +47,11 @@ from hone.kernels.cross_entropy_triton import cross_entropy_softmax_grad_, trito
 Impl = Literal["auto", "torch", "compiled", "triton"]
 IMPLS: tuple[str, ...] = ("auto", "torch", "compiled", "triton")
 
-# The float32 logits of one chunk stay within this budget. 512 MiB keeps the chunk's transient
-# memory (float32 logits + the matmul's own [chunk x vocab] output + the gradient in the input
-# dtype, about 2x the float32 logits) near 1 GiB, small beside an 8B model's activations, while
-# a chunk is still hundreds of tokens: every matmul stays large enough to fill an H100.
+# The float32 logits of one chunk stay within this budget. 512 MiB keeps a bf16 chunk's
+# transient memory near 0.7-0.9 GiB (torch step: the float32 logits plus the gradient in bf16,
+# briefly the matmul's bf16 output too; Triton step: only the bf16 logits, overwritten by their
+# gradient), small beside an 8B model's activations, while a chunk is still hundreds of tokens:
+# every matmul ([chunk x H] @ [H x V]) stays large enough to fill an H100.
 DEFAULT_LOGITS_BUDGET_BYTES = 512 * 2**20
 # Chunks are a multiple of this many tokens: tensor-core tiles are 16-aligned and cuBLAS's
 # large tiles are 128 rows, so a multiple of 128 avoids a ragged tile in every chunk.
@@ -72,8 +73,9 @@ def linear_cross_entropy_reference(
 
 def default_chunk_tokens(n_tokens: int, vocab: int, budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES) -> int:
     """Tokens per chunk so that one chunk's float32 logits fit ``budget_bytes``: a multiple of
-    :data:`CHUNK_MULTIPLE` (at least one, even past the budget), and no more than the tokens there are (rounded up
-    to a multiple of 16). Qwen3 (V=151,936): 768 tokens; Llama 3 (V=128,256): 1024."""
+    :data:`CHUNK_MULTIPLE` (at least one, even past the budget), and no more than the tokens
+    there are (rounded up to a multiple of 16). Qwen3 (V=151,936): 768 tokens; Llama 3
+    (V=128,256): 1024."""
     per_budget = max(1, budget_bytes // (4 * vocab) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
     all_tokens = max(16, -(-n_tokens // 16) * 16)
     return min(per_budget, all_tokens)
@@ -83,7 +85,9 @@ def _softmax_grad_torch(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     """(gradient of the rows' losses w.r.t. ``logits``, in ``logits``' dtype; float32 per-row
     losses). Consumes ``logits`` (a fresh matmul output): works in place on its float32 upcast,
     which for float32 inputs is ``logits`` itself."""
+    dtype = logits.dtype
     x = logits.float()
+    del logits  # the caller passes a temporary: its [C, V] buffer is freed here, not after the step
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
     lse = torch.logsumexp(x, dim=-1)
@@ -92,7 +96,7 @@ def _softmax_grad_torch(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     grad = x.sub_(lse.unsqueeze(1)).exp_()
     grad.scatter_add_(1, safe.unsqueeze(1), torch.full_like(target_logit, -1.0).unsqueeze(1))
     grad.mul_(valid.unsqueeze(1))
-    return grad.to(logits.dtype), losses
+    return grad.to(dtype), losses
 
 
 _compiled_softmax_grad = None
@@ -147,50 +151,70 @@ def _fused_op(
     need_weight_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss sum float32 [], d loss/d hidden [N, H] in hidden's dtype or empty, d loss/d weight
-    [V, H] in weight's dtype or empty): the forward and both gradients, chunk by chunk."""
+    [V, H] in float32 or empty): the forward and both gradients, chunk by chunk. The head's
+    gradient stays float32 until the backward scales it, so it is rounded once."""
     step = _STEPS[impl]
     n = hidden.shape[0]
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty(0)
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty(0)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
     for start in range(0, n, chunk_tokens):
         h = hidden[start : start + chunk_tokens]
         t = targets[start : start + chunk_tokens]
-        logits = h @ weight.T  # the reference's rounding: matmul in the inputs' dtype
-        grad_logits, losses = step(logits, t, ignore_index)
+        # The reference's rounding: matmul in the inputs' dtype. Passed as a temporary so the
+        # step may free (torch) or overwrite (triton) it.
+        grad_logits, losses = step(h @ weight.T, t, ignore_index)
         loss += losses.sum()
         if need_hidden_grad or need_weight_grad:
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
             if grad_weight is not None:
                 _accumulate_weight_grad(grad_weight, grad_logits, h)
-        del logits, grad_logits
+        del grad_logits
     if grad_weight is None:
-        return loss, grad_hidden, weight.new_empty(0)
-    return loss, grad_hidden, grad_weight.to(weight.dtype)
+        grad_weight = weight.new_empty(0, dtype=torch.float32)
+    return loss, grad_hidden, grad_weight
 
 
 @_fused_op.register_fake
 def _(hidden, weight, targets, ignore_index, chunk_tokens, impl, need_hidden_grad, need_weight_grad):
     loss = hidden.new_empty((), dtype=torch.float32)
-    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty(0)
-    grad_weight = torch.empty_like(weight) if need_weight_grad else weight.new_empty(0)
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape if need_weight_grad else (0,), dtype=torch.float32)
     return loss, grad_hidden, grad_weight
 
 
+# The backward scales a stored gradient a block of rows this large at a time.
+_SCALE_BLOCK_BYTES = 64 * 2**20
+
+
+def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad * scale`` with the product in float32, rounded once to ``dtype``. Multiplying a
+    bf16 tensor by the 0-dim float32 ``scale`` would first round the scale (e.g. 1/tokens) to
+    bf16, a bias of up to 0.4% on every element; row blocks keep the float32 temporaries small."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    rows = max(1, _SCALE_BLOCK_BYTES // (4 * max(1, grad.shape[1])))
+    for start in range(0, grad.shape[0], rows):
+        torch.mul(grad[start : start + rows].float(), scale, out=out[start : start + rows])
+    return out
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    _, _, _, _, _, _, need_hidden_grad, need_weight_grad = inputs
+    hidden, weight, _, _, _, _, need_hidden_grad, need_weight_grad = inputs
     _, grad_hidden, grad_weight = output
     ctx.need_hidden_grad = need_hidden_grad
     ctx.need_weight_grad = need_weight_grad
+    ctx.hidden_dtype = hidden.dtype
+    ctx.weight_dtype = weight.dtype
     ctx.save_for_backward(grad_hidden, grad_weight)
     ctx.mark_non_differentiable(grad_hidden, grad_weight)
 
 
 def _backward(ctx, grad_loss, _grad_hidden_out, _grad_weight_out):
     grad_hidden, grad_weight = ctx.saved_tensors
-    d_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if ctx.need_hidden_grad else None
-    d_weight = grad_weight * grad_loss.to(grad_weight.dtype) if ctx.need_weight_grad else None
+    scale = grad_loss.float()
+    d_hidden = _scaled(grad_hidden, scale, ctx.hidden_dtype) if ctx.need_hidden_grad else None
+    d_weight = _scaled(grad_weight, scale, ctx.weight_dtype) if ctx.need_weight_grad else None
     return d_hidden, d_weight, None, None, None, None, None, None
 
 

@@ -145,6 +145,17 @@ def test_under_autocast_float32_operands_are_cast_like_the_reference_matmul(comp
     torch.testing.assert_close(grad_weight, ref_grad_weight, rtol=1e-2, atol=1e-2)
 
 
+def test_bf16_backward_scales_by_the_unrounded_grad_output():
+    """Loss / 3001 (a window's token count): 1/3001 in bf16 is 0.17% too large. The stored
+    gradients must be scaled in float32, so the fused gradients carry no such uniform bias."""
+    h, w, t = _inputs(64, hidden=32, vocab=97, dtype=torch.bfloat16, ignore=(3,))
+    ref = _value_and_grads(linear_cross_entropy_reference, h, w, t, scale=1 / 3001)
+    fused = _value_and_grads(fused_linear_cross_entropy, h, w, t, scale=1 / 3001, chunk_tokens=16)
+    for actual, expected in zip(fused[1:], ref[1:]):
+        ratio = (actual.float() * expected.float()).sum() / (expected.float() ** 2).sum()
+        assert abs(ratio.item() - 1) < 5e-4, ratio.item()
+
+
 def test_default_chunk_tokens_keeps_float32_logits_within_budget():
     for vocab in (151_936, 128_256, 32_000):
         chunk = default_chunk_tokens(100_000, vocab)
