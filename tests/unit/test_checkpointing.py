@@ -374,3 +374,13 @@ def test_step_context_is_a_no_op_without_offload(tokenizer):
     assert offloader_for(model) is None
     with offload_step_context(model):
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def test_the_offloader_registry_does_not_keep_a_model_alive(tokenizer):
+    model = _model("tiny-llama", tokenizer, "full")
+    apply_activation_checkpointing(model, "offload")
+    assert offloader_for(model) is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
