@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+import weakref
 from typing import Any
 
 import torch
@@ -81,9 +82,13 @@ class OffloadActivations:
     """
 
     def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True, model: nn.Module | None = None) -> None:
+        """``model``: its parameters are never copied (checked by storage, so views of frozen
+        weights are caught too); ``use_streams``: copy on side CUDA streams (else on the
+        current stream, still without blocking the host)."""
         self.min_bytes = min_bytes
         self.use_streams = use_streams
-        self.model = model
+        # weakly: a registry keyed by the model holds this offloader, which must not keep it alive
+        self._model = weakref.ref(model) if model is not None else None
         self.stats = OffloadStats()
         self._saved: list[_Saved] = []
         self._weights: set[int] = set()
@@ -118,8 +123,9 @@ class OffloadActivations:
         self.stats = OffloadStats()
         self._saved = []
         self._active = True
-        if self.model is not None:  # re-read each step: casting or loading may move storages
-            self._weights = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        model = self._model() if self._model is not None else None
+        if model is not None:  # re-read each step: casting or loading may move storages
+            self._weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def _end(self) -> None:
         self._active = False

@@ -14,7 +14,8 @@ from hone.config import ConfigError, parse_config
 from hone.config.loader import dump_config
 from hone.config.memory import MemoryConfig, choose_auto_policy
 from hone.config.performance import PerformanceConfig
-from hone.testing import tiny_model, with_random_lora
+from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
+from hone.testing import packed_document_logits, random_documents, tiny_model, with_random_lora
 from hone.transforms.checkpointing import (
     SAVED_OPS,
     CheckpointingError,
@@ -169,6 +170,32 @@ def test_every_policy_composes_with_regional_compile(policy, adapter, tokenizer)
         stats = offloader_for(model).stats
         packed = 1 if adapter == "lora" else 2
         assert stats.packed == packed and stats.shapes == [(2, 24, 64)] * packed
+
+
+@pytest.mark.parametrize("impl", ["sdpa", VARLEN_SDPA])
+def test_every_policy_composes_with_packing(impl, tokenizer):
+    """Packed rows (a block-diagonal mask, or document boundaries for hone's varlen sdpa) reach
+    each layer as keyword arguments, which the checkpoint keeps for the recompute."""
+    docs = random_documents([9, 5, 13, 7, 6], seed=28)
+    bins = [[0, 1, 3], [2, 4]]
+
+    def run(policy):
+        model = _model("tiny-llama", tokenizer, "lora")
+        if impl == VARLEN_SDPA:
+            register_varlen_sdpa()
+        model.set_attn_implementation(impl)
+        if policy != "none":
+            apply_activation_checkpointing(model, policy, offload_min_bytes=1)
+        with offload_step_context(model):
+            pieces = packed_document_logits(model, docs, bins, width=24)
+            # a random linear "loss" per document, so every logit's gradient is random too
+            loss = sum((x * torch.randn(x.shape, generator=torch.Generator().manual_seed(i))).sum() for i, x in pieces.items())
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = run("none")
+    for policy in POLICIES:
+        _assert_same_grads(run(policy), ref)
 
 
 def test_a_model_without_checkpointing_support_is_refused():
@@ -346,3 +373,13 @@ def test_step_context_is_a_no_op_without_offload(tokenizer):
     assert offloader_for(model) is None
     with offload_step_context(model):
         assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def test_the_offloader_registry_does_not_keep_a_model_alive(tokenizer):
+    model = _model("tiny-llama", tokenizer, "full")
+    apply_activation_checkpointing(model, "offload")
+    assert offloader_for(model) is not None
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
