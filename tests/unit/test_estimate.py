@@ -203,3 +203,17 @@ def test_model_directory_config_needs_no_weights(tmp_path):
     h, kv, inter, vocab = 4096, 1024, 14_336, 128_256
     layer = h * (h + kv + kv + h) + 3 * h * inter + 2 * h
     assert est.frozen_params == 2 * vocab * h + 2 * layer + h
+
+
+def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
+    from types import SimpleNamespace
+
+    from hone.transforms.estimate import checkpointing_of, estimate_for_config, loss_of
+
+    cfg = _cfg("tiny-llama", memory__gradient_checkpointing=True)
+    assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "standard"
+    assert estimate_for_config(cfg).checkpointing == "full"
+    newer = SimpleNamespace(memory=SimpleNamespace(activation_checkpointing="offload", gradient_checkpointing=False), performance=SimpleNamespace(loss="fused_linear_ce"))
+    assert checkpointing_of(newer) == "offload" and loss_of(newer) == "fused_linear_ce"
+    auto = SimpleNamespace(memory=SimpleNamespace(activation_checkpointing="auto"), performance=SimpleNamespace())
+    assert estimate_for_config(auto) is None
