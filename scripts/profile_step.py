@@ -71,7 +71,7 @@ def main() -> None:
         prof.export_chrome_trace(str(args.trace))
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():  # kernels and copies only: CPU ranges (ProfilerStep#, ops) carry no device time of their own
-        if evt.device_type != torch.autograd.DeviceType.CUDA:
+        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith("ProfilerStep"):
             continue
         by_name[evt.name][0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         by_name[evt.name][1] += 1

@@ -57,11 +57,6 @@ POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 WORKSPACE_BYTES = 256 * MIB
 WORKSPACE_FRACTION = 0.005
 
-#: The fused linear cross-entropy's token chunk: as many tokens as keep one chunk's float32
-#: logits within this budget, at least FUSED_CE_MIN_CHUNK (and at most every token).
-FUSED_CE_CHUNK_BUDGET = GIB
-FUSED_CE_MIN_CHUNK = 1024
-
 #: LoRA/linear inputs are grouped by what they read: q/k/v read the attention norm's output,
 #: gate/up (and a trainable MoE router) the MLP norm's output. A shared input is kept once
 #: where autograd keeps the tensor itself, once per projection where each makes a copy.
@@ -441,22 +436,27 @@ def loss_of(cfg: HoneConfig) -> LossKind:
 
 
 def fused_chunk_tokens(tokens: int, vocab: int) -> int:
-    """Tokens per chunk of the fused linear cross-entropy (see FUSED_CE_CHUNK_BUDGET)."""
-    return min(tokens, max(FUSED_CE_MIN_CHUNK, FUSED_CE_CHUNK_BUDGET // (vocab * 4)))
+    """Tokens per chunk of the fused linear cross-entropy: the kernel's own choice."""
+    from hone.kernels.cross_entropy import default_chunk_tokens
+
+    return default_chunk_tokens(tokens, vocab)
 
 
-def loss_bytes(m: ModelFacts, tokens: int, kind: LossKind) -> int:
-    """Bytes the loss holds at its peak (its backward), beyond the layers' activations."""
+def loss_bytes(m: ModelFacts, tokens: int, kind: LossKind, device: str = "cuda") -> int:
+    """Bytes the loss holds at its peak, beyond the layers' activations."""
     c, v, h = m.compute_bytes, m.vocab, m.hidden
     if kind == "standard":
         # logits (compute dtype) + float32 log-softmax + its incoming and outgoing gradients
         # (in float32 runs the upcast is the logits themselves: 4 + 12 either way)
         return tokens * v * (c + 12) + (c * tokens * h if m.head_trainable else 0)
+    # hone.kernels.cross_entropy, inside its forward: the hidden states it reads and the
+    # gradient it writes for them ([tokens x hidden] each), one chunk's logits -- overwritten in
+    # place by their gradient with the Triton step (CUDA); with the torch step a float32 copy
+    # and a downcast gradient beside them -- and a trained head's float32 gradient and its cast
     chunk = fused_chunk_tokens(tokens, v)
-    # the hidden states kept for the backward, one chunk's logits (compute dtype and float32)
-    # and their float32 gradient, the float32 gradient of the hidden states (and of the head)
-    head_grad = 4 * v * h if m.head_trainable else 0
-    return c * tokens * h + chunk * v * (c + 8) + 4 * tokens * h + head_grad
+    per_chunk = chunk * v * (c if device == "cuda" else 2 * c + 4)
+    head_grad = (4 + c) * v * h if m.head_trainable else 0
+    return 2 * c * tokens * h + per_chunk + head_grad
 
 
 def estimate_memory(
@@ -502,7 +502,7 @@ def estimate_memory(
 
     # final norm (float32 copy + inverse RMS), the RoPE cos/sin tables every layer reads
     outside = tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)
-    loss_peak = loss_bytes(m, tokens, loss)
+    loss_peak = loss_bytes(m, tokens, loss, device)
     weights = m.frozen_bytes + m.trainable_bytes
     grads = m.trainable_bytes
     optimizer = 2 * m.trainable_bytes

@@ -118,7 +118,7 @@ def test_compiled_layer_formula_matches_the_partitioners_choice():
 
 
 # torch.cuda.max_memory_allocated of hone bench rows on an H100 (BENCHMARKS.md, issue 11):
-# (preset, sequence_len, micro_batch, targets, checkpointing, compiled, measured GiB)
+# (preset, sequence_len, micro_batch, targets, checkpointing, compiled, measured GiB), standard loss
 MEASURED = [
     ("qwen3-8b", 2048, 1, QKVO, "none", True, 27.4),
     ("qwen3-8b", 2048, 1, QKVO, "none", False, 32.0),  # eager (H200, 2026-11-26 compile table)
@@ -137,6 +137,27 @@ def test_estimate_within_ten_percent_of_measured_peaks(row):
     est = estimate_memory(cfg, checkpointing=policy, loss="standard", compiled=compiled)
     assert est.total / GIB == pytest.approx(measured, rel=0.10)
     assert sum(b for _, b in est.components()) == est.total
+
+
+# The same with the fused linear cross-entropy (the default loss), regional compile, H100,
+# 2026-11-26 (benchmarks/2026-11-26-h100-seam.md): every checkpointing policy hone runs there.
+MEASURED_FUSED = [
+    ("qwen3-8b", 2048, 1, QKVO, "none", 23.57),
+    ("qwen3-8b", 2048, 1, QKVO, "full", 16.37),
+    ("qwen3-8b", 2048, 1, QKVO, "offload", 15.90),
+    ("qwen3-8b", 24576, 1, QKVO, "full", 26.00),
+    ("qwen3-8b", 24576, 1, QKVO, "offload", 19.80),
+    ("llama3-8b", 4096, 2, ALL7, "full", 19.70),
+    ("llama3-8b", 4096, 2, ALL7, "offload", 18.04),
+]
+
+
+@pytest.mark.parametrize("row", MEASURED_FUSED, ids=lambda r: f"{r[0]}-{r[1]}x{r[2]}-{r[4]}-fused")
+def test_fused_loss_estimate_within_ten_percent_of_measured_peaks(row):
+    preset, seq, mbs, targets, policy, measured = row
+    cfg = _cfg(preset, adapter={"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": targets}, seq=seq, mbs=mbs)
+    est = estimate_memory(cfg, checkpointing=policy, loss="fused_linear_ce", compiled=True)
+    assert est.total / GIB == pytest.approx(measured, rel=0.10)
 
 
 def test_parameter_counts_are_exact():
@@ -171,9 +192,16 @@ def test_fused_loss_holds_one_chunk():
     standard = estimate_memory(cfg, checkpointing="full", loss="standard")
     fused = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
     assert fused.loss < standard.loss / 8
-    assert fused_chunk_tokens(16384, 151_936) == (1 << 30) // (151_936 * 4)
-    assert fused_chunk_tokens(100, 151_936) == 100
-    assert fused_chunk_tokens(1 << 20, 1 << 20) == 1024
+    from hone.kernels.cross_entropy import default_chunk_tokens
+
+    for tokens, vocab in ((16384, 151_936), (100, 151_936), (1 << 20, 1 << 20)):
+        assert fused_chunk_tokens(tokens, vocab) == default_chunk_tokens(tokens, vocab)  # the kernel's own chunk
+    chunk = fused_chunk_tokens(16384, 151_936)
+    from hone.transforms.estimate import loss_bytes
+
+    facts = model_facts(cfg)
+    on_cuda, on_cpu = (loss_bytes(facts, 16384, "fused_linear_ce", device) for device in ("cuda", "cpu"))
+    assert on_cpu - on_cuda == chunk * 151_936 * (2 + 4)  # the torch step's float32 copy and downcast gradient
 
 
 def test_gradient_accumulation_keeps_gradients_through_the_loss():
@@ -211,9 +239,8 @@ def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
     from hone.transforms.estimate import checkpointing_of, estimate_for_config, loss_of
 
     cfg = _cfg("tiny-llama", memory__gradient_checkpointing=True)
-    assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "standard"
+    assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "fused_linear_ce"  # auto: a plain head
     assert estimate_for_config(cfg).checkpointing == "full"
-    newer = SimpleNamespace(memory=SimpleNamespace(activation_checkpointing="offload", gradient_checkpointing=False), performance=SimpleNamespace(loss="fused_linear_ce"))
-    assert checkpointing_of(newer) == "offload" and loss_of(newer) == "fused_linear_ce"
-    auto = SimpleNamespace(memory=SimpleNamespace(activation_checkpointing="auto"), performance=SimpleNamespace())
-    assert estimate_for_config(auto) is None
+    standard = _cfg("tiny-llama", memory__activation_checkpointing="offload", performance__loss="standard")
+    assert checkpointing_of(standard) == "offload" and loss_of(standard) == "standard"
+    assert estimate_for_config(_cfg("tiny-llama", memory__activation_checkpointing="auto")) is None
