@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import yaml
 
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)
 GEMM = re.compile(r"gemm|cutlass|sm90_xmma|nvjet|wgmma|_mm_|matmul|cublas", re.I)
-ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--warmup", type=int, default=4)
@@ -48,6 +49,7 @@ def main() -> None:
                 "preset": args.preset,
                 "sequence_len": args.seq,
                 "micro_batch_size": args.mbs,
+                "gradient_accumulation_steps": args.accum,
                 "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
             },
             "conditions": [{"name": "hone", "set": {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}}],
@@ -63,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = work / "random.jsonl"
-        _write_random_dataset(data, random_batches(spec.workload, steps, id_limit, 0, torch.device("cpu")))
+        _write_random_dataset(data, random_batches(spec.workload, steps * args.accum, id_limit, 0, torch.device("cpu")))
         cfg = _hone_config(spec, cond, work, data)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched) as prof:
             run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
@@ -75,9 +77,16 @@ def main() -> None:
             continue
         by_name[evt.name][0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         by_name[evt.name][1] += 1
+    # host-device synchronisations the step asked for (CUDA runtime calls that block the host)
+    syncs: dict[str, int] = defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA and "ynchronize" in evt.name and evt.name.startswith("cuda"):
+            syncs[evt.name] += 1
+        elif evt.device_type != torch.autograd.DeviceType.CUDA and evt.name == "cudaMemcpyAsync":
+            syncs["cudaMemcpyAsync (any direction)"] += 1
     total = sum(v[0] for v in by_name.values())
-    gemm = sum(v[0] for k, v in by_name.items() if GEMM.search(k))
-    attn = sum(v[0] for k, v in by_name.items() if ATTENTION.search(k) and not GEMM.search(k))
+    attn = sum(v[0] for k, v in by_name.items() if ATTENTION.search(k))
+    gemm = sum(v[0] for k, v in by_name.items() if GEMM.search(k) and not ATTENTION.search(k))
     lines = [
         f"# profile: {args.preset} seq {args.seq} mbs {args.mbs}, {' '.join(args.overrides) or 'defaults'}",
         "",
@@ -85,6 +94,9 @@ def main() -> None:
         f"device time per step {total / args.active / 1000:.1f} ms",
         "",
         f"GEMM {100 * gemm / total:.1f}% | attention {100 * attn / total:.1f}% | other {100 * (total - gemm - attn) / total:.1f}%",
+        "",
+        f"host syncs per optimizer step ({args.accum} micro-batch(es)): "
+        + (", ".join(f"{k} {v / args.active:g}" for k, v in sorted(syncs.items())) or "none"),
         "",
         "| kernel | ms/step | share | calls/step |",
         "|---|---|---|---|",

@@ -50,7 +50,17 @@ class MicroBatch:
     mask), attached once per micro-batch by :meth:`with_attention` on the device."""
 
     def to(self, device: torch.device) -> "MicroBatch":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        """The batch on ``device``. To a GPU the tensors go through pinned host memory, so the
+        copies are truly asynchronous (from pageable memory the host waits for each one)."""
+        pin = torch.device(device).type == "cuda"
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if pin and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
+
         return MicroBatch(
             input_ids=move(self.input_ids),
             attention_mask=move(self.attention_mask),
@@ -73,10 +83,18 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    @property
+    def padded(self) -> bool:
+        """Whether any row has padding (counted on the host when the batch was made)."""
+        return self.tokens < self.input_ids.numel()
+
     def model_inputs(self) -> dict[str, torch.Tensor | int]:
-        """Keyword arguments for the model's forward (no labels: the loop computes the loss)."""
+        """Keyword arguments for the model's forward (no labels: the loop computes the loss).
+
+        A padding mask goes in only when there is padding: handed an all-ones mask, transformers
+        checks on the device whether it may drop it (a host sync in every forward)."""
         inputs: dict[str, torch.Tensor | int] = {"input_ids": self.input_ids}
-        if self.attention_mask is not None:
+        if self.attention_mask is not None and self.padded:
             inputs["attention_mask"] = self.attention_mask
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
