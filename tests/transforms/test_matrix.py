@@ -52,12 +52,14 @@ HIDDEN = 64  # the tiny presets' hidden size
 LAYERS = 2
 
 # Tolerances, relative, against the plain cell. Eager checkpointing recomputes the same ops on
-# the same inputs, and aot_eager runs the same aten kernels as eager: on this CPU every cell
-# lands within a few 1e-7 of the plain run (float32 rounding of a traced graph's op order and of
-# a recompute that is not bit-identical), so the fp32 bound of the issue, 1e-5, holds for compiled
-# cells too, with a margin of more than 10x. Weights after Adam: an update is m / sqrt(v), so a
-# gradient that differs by rounding changes the weight by rounding times the learning rate;
-# 1e-5 of the largest weight of a tensor bounds it.
+# the same inputs, and aot_eager runs the same aten kernels as eager (it generates no code), so
+# compiled cells need no looser bound than eager ones: on the 2-core CPU this was written on,
+# every cell is bit-identical to its plain run (losses, grad norms and final weights). The fp32
+# bound of the issue, 1e-5, leaves room for a torch or CPU whose kernels round a recompute or a
+# traced graph differently; a real composition bug (a lost mask, a stale offloaded input, an
+# adapter without gradients) moves the losses by 1e-3 or more. Weights after Adam: an update is
+# m / sqrt(v), so a gradient that differs by rounding moves a weight by rounding times the
+# learning rate; 1e-5 of the largest weight of each tensor bounds that.
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
 

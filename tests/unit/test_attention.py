@@ -174,7 +174,12 @@ def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
     for name in g_packed:
         assert g_packed[name].abs().max() > 0, name
         scale = g_alone[name].abs().max().item()  # fp32: 1e-5 relative to the gradient's size
-        torch.testing.assert_close(g_packed[name], g_alone[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+        # eager attention takes its softmax in float32 whatever the model's dtype, over the packed
+        # row's full width (masked entries included) vs the document's own length: rounding of
+        # the sum differs. In float64 sdpa agrees to 1e-15 and eager to ~4e-7 (the float32
+        # softmax); in float32 some seeds reach 6e-5 on eager, so eager gets 1e-4.
+        tol = 1e-4 if impl == "eager" else 1e-5
+        torch.testing.assert_close(g_packed[name], g_alone[name], rtol=tol, atol=tol * scale, msg=name)
 
 
 # ---------------------------------------------------------------- hone's own flex document mask
