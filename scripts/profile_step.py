@@ -79,9 +79,15 @@ def main() -> None:
         by_name[evt.name][1] += 1
     # host-device synchronisations the step asked for (CUDA runtime calls that block the host)
     syncs: dict[str, int] = defaultdict(int)
+    sync_callers: dict[str, int] = defaultdict(int)
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA and "ynchronize" in evt.name and evt.name.startswith("cuda"):
             syncs[evt.name] += 1
+            chain, parent = [], evt.cpu_parent
+            while parent is not None and len(chain) < 4:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            sync_callers[f"{evt.name} <- {' <- '.join(chain) or '?'}"] += 1
         elif evt.device_type != torch.autograd.DeviceType.CUDA and evt.name == "cudaMemcpyAsync":
             syncs["cudaMemcpyAsync (any direction)"] += 1
     total = sum(v[0] for v in by_name.values())
@@ -97,6 +103,8 @@ def main() -> None:
         "",
         f"host syncs per optimizer step ({args.accum} micro-batch(es)): "
         + (", ".join(f"{k} {v / args.active:g}" for k, v in sorted(syncs.items())) or "none"),
+        "",
+        *(f"- {caller}: {n / args.active:g} per step" for caller, n in sorted(sync_callers.items())),
         "",
         "| kernel | ms/step | share | calls/step |",
         "|---|---|---|---|",

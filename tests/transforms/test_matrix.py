@@ -51,17 +51,29 @@ ROW_LEN = 20  # the unpacked rows (see _write_data)
 HIDDEN = 64  # the tiny presets' hidden size
 LAYERS = 2
 
-# Tolerances, relative, against the plain cell. Eager checkpointing recomputes the same ops on
-# the same inputs, and aot_eager runs the same aten kernels as eager (it generates no code), so
-# compiled cells need no looser bound than eager ones: on the 2-core CPU this was written on,
-# every cell is bit-identical to its plain run (losses, grad norms and final weights). The fp32
-# bound of the issue, 1e-5, leaves room for a torch or CPU whose kernels round a recompute or a
-# traced graph differently; a real composition bug (a lost mask, a stale offloaded input, an
-# adapter without gradients) moves the losses by 1e-3 or more. Weights after Adam: an update is
-# m / sqrt(v), so a gradient that differs by rounding moves a weight by rounding times the
-# learning rate; 1e-5 of the largest weight of each tensor bounds that.
+# The optimizer: AdamW at a learning rate where LoRA's zero-initialised B moves (from step 2 on
+# the loss depends on the adapter, so the later steps test the adapters' gradients), with a large
+# epsilon. With Adam's default 1e-8 the first update is lr * sign(g): a gradient element near
+# zero whose sign is rounding noise moves its weight by 2 * lr, and the next losses with it.
+# Measured here: scaling the offloaded layer inputs by (1 + 1e-6) moved the final weights by
+# 6.5e-3 and the losses or grad norms by 2.4e-5 (relative) with epsilon 1e-8, but by 1.4e-5 and
+# 1.5e-6 with epsilon 1e-3, where the update is smooth in the gradient: a comparison at fp32
+# tolerance then tests the gradients, not luck. The transforms under test never see the optimizer.
+LR = 2e-2
+ADAM_EPS = 1e-3
+
+# Tolerances against the plain cell. Eager checkpointing recomputes the same ops on the same
+# inputs, and aot_eager runs the same aten kernels as eager (it generates no code), so compiled
+# cells need no looser bound than eager ones: on the 2-core CPU this was written on, every cell
+# is bit-identical to its plain run (losses, grad norms and final weights). The fp32 bound of
+# the issue, 1e-5 relative, on the losses and grad norms leaves room for a torch or CPU whose
+# kernels round a recompute or a traced graph differently (rounding moves them by ~1e-7; the
+# probe above, 8 ulps on one tensor, by 1.5e-6). The weights are compared to 1e-4 of each
+# tensor's largest weight: three Adam steps amplify a gradient's relative error about tenfold
+# (1.4e-5 for that probe). Composition bugs are far outside both: comparing with the other
+# adapter's plain run misses by 6e-3 or more, a 1e-4 error on the offloaded inputs by 1.4e-4.
 LOSS_RTOL = 1e-5
-WEIGHT_RTOL = 1e-5
+WEIGHT_RTOL = 1e-4
 
 
 def _write_data(directory: Path) -> dict[str, Path]:
@@ -113,12 +125,12 @@ class Trainer:
                     "sample_packing": packing == "packed",
                     "dataset_prepared_path": str(self.cache),
                 },
-                "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"} if adapter == "lora" else {"type": "none"},
+                "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"}
+                if adapter == "lora"
+                else {"type": "none"},
                 "training": {"max_steps": STEPS, "micro_batch_size": MICRO_BATCH, "seed": 3,
                              "output_dir": str(self.root / f"run{self.runs}-{policy}-{compile_}-{packing}-{adapter}")},
-                # a learning rate at which LoRA's zero-initialised B moves: from step 2 on the loss
-                # depends on the adapter, so the steps after the first test the adapters' gradients
-                "optimizer": {"learning_rate": 2e-2, "lr_scheduler": "constant"},
+                "optimizer": {"learning_rate": LR, "adam_epsilon": ADAM_EPS, "lr_scheduler": "constant"},
                 "memory": {"activation_checkpointing": policy},
                 "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
                 "performance": COMPILE[compile_],
@@ -186,7 +198,7 @@ def _applied(record: dict) -> dict[str, dict]:
     return {a["name"]: a["details"] for a in record["applied"]}
 
 
-def _assert_same_training(got: Run, want: Run, rtol: float) -> None:
+def _assert_same_training(got: Run, want: Run, rtol: float, weight_rtol: float) -> None:
     assert len(want.steps) == len(got.steps) == STEPS
     want_t, got_t = torch.tensor(want.steps, dtype=torch.float64), torch.tensor(got.steps, dtype=torch.float64)
     assert torch.isfinite(want_t).all()
@@ -196,8 +208,8 @@ def _assert_same_training(got: Run, want: Run, rtol: float) -> None:
     assert got.weights.keys() == want.weights.keys() and want.weights
     for name, ref in want.weights.items():
         scale = ref.abs().max().item()
-        assert scale > 0, f"{name}: all zeros after training"
-        torch.testing.assert_close(got.weights[name], ref, rtol=0, atol=WEIGHT_RTOL * scale, msg=lambda m: f"{name}: {m}")
+        assert scale > 0, f"{name}: all zeros after training"  # LoRA's B included: the adapter trained
+        torch.testing.assert_close(got.weights[name], ref, rtol=0, atol=weight_rtol * scale, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -221,7 +233,8 @@ def test_every_cell_trains_like_the_plain_run(request, trainer, plain_runs, poli
     if policy == "none":
         assert "activation_checkpointing" not in applied
     else:
-        assert applied["activation_checkpointing"]["policy"] == policy and applied["activation_checkpointing"]["layers"] == LAYERS
+        checkpointed = applied["activation_checkpointing"]
+        assert checkpointed["policy"] == policy and checkpointed["layers"] == LAYERS
     if compile_ == "on":
         details = applied["compile"]
         assert details["backend"] == "aot_eager" and details["scope"] == "regional" and details["dynamic_shapes"] is False
@@ -240,8 +253,10 @@ def test_every_cell_trains_like_the_plain_run(request, trainer, plain_runs, poli
             assert stats.packed == moved and stats.shapes == [(MICRO_BATCH, width, HIDDEN)] * moved, stats
             assert stats.packed_bytes == moved * MICRO_BATCH * width * HIDDEN * 4
 
-    # the plain cell must repeat its reference exactly (same seed, same ops)
-    _assert_same_training(got, plain, rtol=0.0 if (policy, compile_) == ("none", "off") else LOSS_RTOL)
+    if (policy, compile_) == ("none", "off"):  # the plain cell repeats its reference exactly
+        _assert_same_training(got, plain, rtol=0.0, weight_rtol=0.0)
+    else:
+        _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
 
 
 def test_the_planner_refuses_selective_under_inductor_only():
