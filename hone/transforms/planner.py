@@ -174,8 +174,9 @@ def _checkpointing_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
         # buffers (mm with out=): the cache sees them mutated and the backward stops.
         problems.append(
             "memory.activation_checkpointing: selective cannot wrap layers compiled by Inductor (torch's selective "
-            "checkpointing caches op outputs that Inductor's kernels overwrite in place): use full with "
-            "torch_compile, or selective with torch_compile: false"
+            "checkpointing caches op outputs that Inductor's kernels overwrite in place). Compiled layers already "
+            "keep matmul outputs and recompute cheap elementwise ops (Inductor's min-cut partitioner), which is what "
+            "selective asks for: use none (or full to save more), or selective with torch_compile: false"
         )
     if policy == "offload" and cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
         problems.append(
