@@ -39,6 +39,12 @@ def _prepare_libraries(verbose: bool) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+
+    # the libraries' deprecation notices about their own internals (e.g. PEFT reading a
+    # transformers attribute renamed in v5) are not the user's to act on
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
         import datasets
         import transformers
@@ -373,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("preprocess", "train", "generate", "merge"):
+    if args.command in ("validate", "plan", "preprocess", "train", "generate", "merge"):
         _prepare_libraries(args.verbose)
     try:
         return args.func(args)

@@ -152,11 +152,13 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> list[str]:
+    """Columns padded to width: the first left-aligned, the rest right-aligned when they hold
+    numbers (``numeric``), left-aligned when they hold words."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  " + "  ".join(c.ljust(w) if i == 0 or not numeric else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return [line(header), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
@@ -165,10 +167,10 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     """The report. ``transforms``: the planner's lines (name, switch, on, why), shown in order."""
     out = [f"hone plan: {view.title}", f"  {view.model_line}", ""]
     out.append("Optimizations the config asks for:")
-    out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations])
+    out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations], numeric=False)
     if transforms:
         out += ["", "Transforms, in the order the planner applies them:"]
-        out += _table(["", "", "switch", "why"], [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms])
+        out += _table(["", "", "switch", "why"], [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms], numeric=False)
     policies = list(view.estimates)
     marked = [p + (" *" if p == view.chosen else "") for p in policies]
     any_est = next(iter(view.estimates.values()))
