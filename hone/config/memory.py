@@ -5,7 +5,7 @@ No torch here: the config is validated (and ``auto`` decided) before anything is
 
 from typing import Any, Literal
 
-from pydantic import SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from hone.config.base import Section
 
@@ -26,6 +26,12 @@ class MemoryConfig(Section):
     ``offload``: ``full``, with the layer inputs held in pinned host memory and copied back ahead
     of the backward (least device memory). ``auto``: the fastest of these whose estimated peak
     fits the device with a margin (``hone plan`` prints the choice and why)."""
+
+    selective_memory_budget: float = Field(default=0.5, gt=0, le=1)
+    """``selective`` on layers compiled by Inductor: the fraction of a layer's activations the
+    compiler may keep for the backward (torch's activation memory budget); it recomputes the
+    cheapest ops first to stay under it. 1 keeps what runs fastest, lower saves more memory.
+    Without Inductor, ``selective`` keeps matmul and attention outputs and this is unused."""
 
     gradient_checkpointing: bool | None = None
     """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is

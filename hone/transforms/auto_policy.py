@@ -11,7 +11,7 @@ from hone.transforms.plan_report import device_memory
 def auto_checkpointing(cfg: HoneConfig, device: Any, budget: int | None = None) -> tuple[str, str]:
     """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
     peak fits the device's memory with a margin (offload only on CUDA, where its side streams
-    overlap the copies; selective only without Inductor, see the planner's check)."""
+    overlap the copies; selective only without Inductor: the estimate models torch's selective checkpointing, not Inductor's memory budget)."""
     kind = getattr(device, "type", str(device))
     if budget is None:
         budget, source = device_memory(kind, None)

@@ -142,6 +142,17 @@ def apply_activation_checkpointing(
     return record
 
 
+def memory_budget_context(budget: float) -> AbstractContextManager[None]:
+    """``selective`` for layers compiled by Inductor: the forward and backward run with torch's
+    activation memory budget (``torch._functorch.config.activation_memory_budget``, the
+    compile-time form of selective checkpointing), so the layers compiled on the first step are
+    partitioned to keep at most ``budget`` of their activations, recomputing the cheapest ops.
+    Scoped to the micro-batch: nothing else in the process compiles under it."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
 def offloader_for(model: nn.Module) -> OffloadActivations | None:
     """The offloader :func:`apply_activation_checkpointing` attached to ``model``, if any."""
     return _OFFLOADERS.get(model)

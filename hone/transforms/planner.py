@@ -168,16 +168,6 @@ def _selective_meets_inductor(cfg: HoneConfig, facts: RunFacts) -> bool:
 def _checkpointing_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
     policy = _checkpointing_policy(cfg, facts)[0]
     problems = []
-    if policy == "selective" and _selective_meets_inductor(cfg, facts):
-        # transformers' checkpoint wraps the compiled layer from outside, so torch's selective
-        # checkpointing caches the outputs of Inductor's kernels, which write into reused
-        # buffers (mm with out=): the cache sees them mutated and the backward stops.
-        problems.append(
-            "memory.activation_checkpointing: selective cannot wrap layers compiled by Inductor (torch's selective "
-            "checkpointing caches op outputs that Inductor's kernels overwrite in place). Compiled layers already "
-            "keep matmul outputs and recompute cheap elementwise ops (Inductor's min-cut partitioner), which is what "
-            "selective asks for: use none (or full to save more), or selective with torch_compile: false"
-        )
     if policy == "offload" and cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
         problems.append(
             "memory.activation_checkpointing: offload needs torch_compile_scope: regional (a whole-model graph saves "
@@ -190,7 +180,17 @@ def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> 
     from hone.transforms.checkpointing import apply_activation_checkpointing
 
     policy, why = _checkpointing_policy(cfg, facts)
-    details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda")
+    if policy == "selective" and _selective_meets_inductor(cfg, facts):
+        # torch's selective checkpointing wraps a layer from outside, and Inductor's kernels
+        # overwrite the buffers it caches; inside a compiled layer the same choice (keep what is
+        # expensive, recompute what is cheap) is the partitioner's, given a memory budget
+        details = {
+            "policy": "selective",
+            "mechanism": "Inductor's partitioner under an activation memory budget (each compiled layer recomputes its cheapest ops first)",
+            "activation_memory_budget": cfg.memory.selective_memory_budget,
+        }
+    else:
+        details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda")
     details["why"] = why
     if cfg.memory.alias_note:
         details["note"] = cfg.memory.alias_note
@@ -198,8 +198,11 @@ def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> 
 
 
 def _checkpointing_step_context(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
-    from hone.transforms.checkpointing import offload_step_context
+    from hone.transforms.checkpointing import memory_budget_context, offload_step_context
 
+    if _checkpointing_policy(cfg, facts)[0] == "selective" and _selective_meets_inductor(cfg, facts):
+        budget = cfg.memory.selective_memory_budget
+        return lambda batch: memory_budget_context(budget)
     return lambda batch: offload_step_context(model)
 
 

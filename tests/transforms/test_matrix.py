@@ -10,8 +10,9 @@ The plain runs train once per module (a cache), and the plain cell itself trains
 repeat its reference exactly: a matrix of tolerances means nothing if two identical runs differ.
 
 Compile runs on the CPU with the ``aot_eager`` backend (Dynamo and AOTAutograd trace for real,
-no code generation: Inductor on a 2-core CPU costs minutes). The planner refuses ``selective``
-under Inductor only, so every cell is valid here; the last test checks that refusal.
+no code generation: Inductor on a 2-core CPU costs minutes), so ``selective`` here is torch's
+selective checkpointing; under Inductor it is the compiler's activation memory budget instead
+(the last test checks that switch; tests/gpu/test_checkpointing_gpu.py its gradients).
 
 Offload: hone offloads only tensors of at least 1 MiB (``DEFAULT_MIN_BYTES``), and a tiny
 model's layer inputs are a few KiB, so ``run_training`` as such would offload nothing and an
@@ -259,23 +260,32 @@ def test_every_cell_trains_like_the_plain_run(request, trainer, plain_runs, poli
         _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
 
 
-def test_the_planner_refuses_selective_under_inductor_only():
-    def plan(backend: str, policy: str = "selective"):
-        cfg = parse_config(
-            {
-                "model": {"preset": "tiny-qwen3"},
-                "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}]},
-                "memory": {"activation_checkpointing": policy},
-                "performance": {"torch_compile": True, "torch_compile_backend": backend},
-            }
-        )
-        return plan_optimizations(cfg, RunFacts(torch.device("cpu")))
+def test_selective_under_inductor_is_the_compilers_memory_budget(tokenizer):
+    """Under Inductor, selective is not torch's checkpoint wrapper (its cache would see Inductor's
+    kernels overwrite buffers) but the partitioner's activation memory budget, set around each
+    micro-batch: the layers stay unwrapped and the record says which mechanism ran."""
+    import torch._functorch.config as functorch_config
 
-    with pytest.raises(PlanError) as info:
-        plan("inductor")
-    text = str(info.value)
-    assert "memory.activation_checkpointing: selective" in text and "Inductor" in text
-    # what the matrix relies on: aot_eager takes selective, and Inductor takes the other policies
-    assert plan("aot_eager").names == ["attention", "loss", "activation_checkpointing", "compile"]
-    for policy in ("full", "offload"):
-        assert "activation_checkpointing" in plan("inductor", policy).names
+    from hone.testing import tiny_model
+
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-qwen3"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}]},
+            "memory": {"activation_checkpointing": "selective", "selective_memory_budget": 0.3},
+            "performance": {"torch_compile": True, "torch_compile_backend": "inductor"},
+        }
+    )
+    facts = RunFacts(torch.device("cpu"))
+    plan = plan_optimizations(cfg, facts)
+    assert plan.names == ["attention", "loss", "activation_checkpointing", "compile"]
+    model = tiny_model("tiny-qwen3", tokenizer)
+    plan.apply(model, "base", cfg, facts)
+    (applied,) = [a for a in plan.apply(model, "adapted", cfg, facts) if a.name == "activation_checkpointing"]
+    assert applied.details["activation_memory_budget"] == 0.3 and "partitioner" in applied.details["mechanism"]
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    hooks = plan.hooks(model, cfg, facts)
+    before = functorch_config.activation_memory_budget
+    with hooks.step_context(None):
+        assert functorch_config.activation_memory_budget == 0.3
+    assert functorch_config.activation_memory_budget == before
