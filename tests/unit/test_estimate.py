@@ -244,3 +244,30 @@ def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
     standard = _cfg("tiny-llama", memory__activation_checkpointing="offload", performance__loss="standard")
     assert checkpointing_of(standard) == "offload" and loss_of(standard) == "standard"
     assert estimate_for_config(_cfg("tiny-llama", memory__activation_checkpointing="auto")) is None
+
+
+# selective under Inductor (the compiler's activation memory budget), H100, 2026-11-26
+# (benchmarks/2026-11-26-h100-seam.md): (preset, seq, micro-batch, targets, budget, measured GiB)
+MEASURED_BUDGET = [
+    ("qwen3-8b", 2048, 1, QKVO, 0.5, 19.86),
+    ("qwen3-8b", 2048, 1, QKVO, 0.2, 17.75),
+    ("llama3-8b", 4096, 2, ALL7, 0.4, 31.92),
+    ("llama3-8b", 4096, 2, ALL7, 0.35, 31.42),
+    ("llama3-8b", 4096, 2, ALL7, 0.3, 30.05),
+    ("llama3-8b", 4096, 2, ALL7, 0.15, 25.14),
+]
+
+
+@pytest.mark.parametrize("row", MEASURED_BUDGET, ids=lambda r: f"{r[0]}-{r[1]}x{r[2]}-budget{r[4]}")
+def test_selective_under_inductor_estimate_within_ten_percent_of_measured_peaks(row):
+    preset, seq, mbs, targets, budget, measured = row
+    cfg = _cfg(
+        preset,
+        adapter={"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": targets},
+        seq=seq,
+        mbs=mbs,
+        memory__selective_memory_budget=budget,
+        performance__torch_compile=True,
+    )
+    est = estimate_memory(cfg, checkpointing="selective", loss="fused_linear_ce", compiled=True)
+    assert est.total / GIB == pytest.approx(measured, rel=0.10)

@@ -126,7 +126,9 @@ def test_bench_rows_record_the_estimate_and_the_table_shows_it(tmp_path):
     hone_row = next(c for c in spec.conditions if c.name == "hone, checkpointing")
     cfg = _hone_config(spec, hone_row, tmp_path, tmp_path / "random.jsonl")
     estimated = _estimated_peak_gib(cfg, torch.device("cuda"))
-    assert estimated == pytest.approx(20.1, rel=0.10)  # the measured H100 peak of this row
+    # the measured H100 peak of full checkpointing with the (default) fused loss: 16.4 GiB (its
+    # activations are the layer inputs either way, compiled or not; benchmarks/2026-11-26-h100-seam.md)
+    assert estimated == pytest.approx(16.4, rel=0.10)
     rows = [
         {"condition": c.name, "replicate": 0, "status": "ok", "median_ms": 100.0, "min_ms": 99.0, "max_ms": 101.0,
          "first_step_s": 1.0, "tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "mfu_pct": 1.0, "final_loss": 1.0,
