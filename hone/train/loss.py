@@ -84,11 +84,10 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def forward_hidden(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def forward_hidden(decoder: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The decoder's last hidden states [B, T, H] for ``batch`` (its attention inputs attached),
     under ``torch.autocast`` when the precision needs it (float32 trainable weights beside
     bf16/fp16 compute, see :mod:`hone.models.precision`)."""
-    decoder, _ = causal_lm_parts(model)
     inputs = batch.model_inputs()
     if autocast_dtype is None:
         return decoder(**inputs, use_cache=False).last_hidden_state
@@ -100,8 +99,8 @@ def micro_batch_loss(
     model: nn.Module, batch: MicroBatch, loss_fn, autocast_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Sum of the token losses of ``batch`` (float32 scalar on the device; no host sync)."""
-    hidden = forward_hidden(model, batch, autocast_dtype)
-    _, head = causal_lm_parts(model)
+    decoder, head = causal_lm_parts(model)
+    hidden = forward_hidden(decoder, batch, autocast_dtype)
     if autocast_dtype is None:
         loss_sum, _ = loss_fn(hidden, head, batch.targets)
     else:  # the head's matmul in the compute dtype, as the model's own forward does
@@ -118,8 +117,8 @@ def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dt
         from hone.models.attention.layout import layout_for
 
         batch = batch.with_attention(layout_for(model))
-    hidden = forward_hidden(model, batch, autocast_dtype)
-    _, head = causal_lm_parts(model)
+    decoder, head = causal_lm_parts(model)
+    hidden = forward_hidden(decoder, batch, autocast_dtype)
     post = logit_postprocess(getattr(model, "config", None))
     logits = head(hidden)
     return post(logits) if post is not None else logits

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hone.config import ConfigError, parse_config
 from hone.config.loader import dump_config
-from hone.config.memory import MemoryConfig, choose_auto_policy
+from hone.config.memory import choose_auto_policy
 from hone.config.performance import PerformanceConfig
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
 from hone.testing import packed_document_logits, random_documents, tiny_model, with_random_lora

@@ -75,7 +75,7 @@ def test_compile_keys_without_compilation_are_refused(stray):
 
 
 def test_a_resolved_config_with_compile_off_loads_back():
-    from hone.config.loader import dump_config, load_config
+    from hone.config.loader import dump_config
 
     cfg = parse_config(MINIMAL)
     assert parse_config(__import__("yaml").safe_load(dump_config(cfg))) == cfg

@@ -234,7 +234,6 @@ def test_model_directory_config_needs_no_weights(tmp_path):
 
 
 def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
-    from types import SimpleNamespace
 
     from hone.transforms.estimate import checkpointing_of, estimate_for_config, loss_of
 
