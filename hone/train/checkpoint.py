@@ -34,9 +34,9 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from hone.errors import HoneError, WriteError
 from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
 from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
+
+if TYPE_CHECKING:
+    from hone.transforms.base import StateDictHooks
 
 CHECKPOINTS_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -174,8 +177,12 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _write_weights(directory: Path, model: torch.nn.Module) -> None:
-    save_file(trainable_state_dict(model), str(directory / WEIGHTS_FILE))
+def _write_weights(directory: Path, model: torch.nn.Module, state_dict_hooks: Sequence["StateDictHooks"] = ()) -> None:
+    weights = trainable_state_dict(model)
+    for hooks in state_dict_hooks:  # the plan's transforms, in plan order (e.g. quantized weights)
+        if hooks.save is not None:
+            weights = hooks.save(weights)
+    save_file(weights, str(directory / WEIGHTS_FILE))
     _fsync_file(directory / WEIGHTS_FILE)
 
 
@@ -213,8 +220,10 @@ def save_checkpoint(
     state: dict[str, Any],
     scaler: torch.amp.GradScaler | None = None,
     keep: int | None = None,
+    state_dict_hooks: Sequence["StateDictHooks"] = (),
 ) -> Path:
-    """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``."""
+    """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``.
+    ``state_dict_hooks`` (the plan's) map the trainable weights on their way to the file."""
     root = checkpoints_root(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
@@ -222,7 +231,7 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         remove_temp_dirs(output_dir)
         tmp.mkdir()
-        _write_weights(tmp, model)
+        _write_weights(tmp, model, state_dict_hooks)
         _write_torch(tmp, OPTIMIZER_FILE, optimizer.state_dict())
         _write_torch(tmp, SCHEDULER_FILE, scheduler.state_dict())
         if scaler is not None and scaler.is_enabled():
@@ -327,8 +336,10 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler | None = None,
+    state_dict_hooks: Sequence["StateDictHooks"] = (),
 ) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler, scaler and RNG from ``path``; return its trainer state.
+    ``state_dict_hooks`` (the plan's) map the weights read back, in reverse plan order.
 
     Call it after the model, optimizer and scheduler are built for the new process and before
     the first step; the RNG restore must come last so nothing draws from it in between.
@@ -341,6 +352,9 @@ def load_checkpoint(
         weights = load_file(str(path / WEIGHTS_FILE))
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file missing: {path / WEIGHTS_FILE}") from None
+    for hooks in reversed(list(state_dict_hooks)):
+        if hooks.load is not None:
+            weights = hooks.load(weights)
     try:
         load_trainable_state_dict(model, weights)
     except HoneError as exc:

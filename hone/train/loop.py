@@ -231,7 +231,9 @@ def train_loop(
     history: list[dict[str, Any]] | None = None
     notes: list[str] = []
     if resume_from is not None:
-        saved = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        saved = load_checkpoint(
+            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=hooks.state_dict
+        )
         counters = _Counters(
             step=saved["step"],
             position=DataPosition(**saved["position"]),
@@ -278,6 +280,7 @@ def train_loop(
             scaler=scaler,
             state=checkpoint_state(),
             keep=t.save_total_limit,
+            state_dict_hooks=hooks.state_dict,
         )
 
     def run_eval() -> None:

@@ -150,3 +150,31 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint_and_says_so(tmp_pa
     assert ckpt.latest_checkpoint(tmp_path) == root / "step-2"
     restored = ckpt.read_trainer_state(root / "step-2")
     assert restored["step"] == 2
+
+
+def test_the_plans_state_dict_hooks_map_weights_on_save_and_back_on_load(tmp_path):
+    """A transform's state-dict hooks (e.g. quantized weights) see the trainable weights on their
+    way into the checkpoint and on their way back; the round trip restores them exactly."""
+    from safetensors.torch import load_file
+
+    from hone.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
+    from hone.transforms.base import StateDictHooks
+
+    model = tiny_llama(random.randrange(1000))
+    hooks = [
+        StateDictHooks(save=lambda sd: {k: v * 2 for k, v in sd.items()}, load=lambda sd: {k: v / 2 for k, v in sd.items()}),
+        StateDictHooks(save=lambda sd: {"x." + k: v for k, v in sd.items()}, load=lambda sd: {k.removeprefix("x."): v for k, v in sd.items()}),
+    ]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    want = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    path = save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, state={"step": 1}, state_dict_hooks=hooks)
+    stored = load_file(str(path / WEIGHTS_FILE))
+    assert stored and all(k.startswith("x.") for k in stored)  # applied in plan order: scaled, then renamed
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, state_dict_hooks=hooks)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param, want[name], rtol=0, atol=0)
