@@ -215,7 +215,9 @@ CHECKPOINTING = Transform(
     skipped_because=_checkpointing_skipped,
     model=_checkpointing_apply,
     step_context=_checkpointing_step_context,
-    label=lambda d: f"activation checkpointing ({d.get('policy', 'full')})",
+    label=lambda d: f"activation checkpointing ({d.get('policy', 'full')}"
+    + (f"; {d['why']}" if str(d.get("why", "")).startswith("activation_checkpointing: auto") else "")
+    + ")",
 )
 
 

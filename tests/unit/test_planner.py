@@ -210,3 +210,23 @@ def test_watch_registers_with_dynamo_and_unregisters():
     assert watch.available and len(callback_handler.end_callbacks) == before + 1
     watch.stop()
     assert len(callback_handler.end_callbacks) == before
+
+
+def test_checkpointing_auto_picks_the_fastest_policy_that_fits_the_card_and_says_why():
+    from hone.transforms.estimate import estimate_memory
+
+    config = parse_config(
+        {"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}, "data": {**_RAW["data"], "sequence_len": 8192}, "memory": {"activation_checkpointing": "auto"}}
+    )  # an 8B config: planned on the meta device, nothing allocated
+    est = {p: estimate_memory(config, checkpointing=p, loss="fused_linear_ce", device="cpu").total for p in ("none", "selective", "full")}
+    assert est["full"] < est["none"]
+    roomy = plan_optimizations(config, RunFacts(torch.device("cpu"), memory_bytes=10 * est["none"]))
+    assert "activation_checkpointing" not in roomy.names  # auto chose none: nothing to apply
+    assert roomy.skipped[0]["name"] == "activation_checkpointing" and "none: the fastest policy that fits" in roomy.skipped[0]["reason"]
+    from hone.transforms.planner import decisions
+
+    assert est["full"] < est["selective"] < est["none"]
+    tight = RunFacts(torch.device("cpu"), memory_bytes=int(est["full"] / 0.85))  # fits full (10% margin) only
+    assert "activation_checkpointing" in plan_optimizations(config, tight).names
+    why = {name: why for name, _, _, why in decisions(config, tight)}["activation_checkpointing"]
+    assert why.startswith("activation_checkpointing: auto on a ") and "full: the fastest policy that fits" in why
