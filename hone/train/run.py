@@ -132,6 +132,8 @@ def run_training(
     note = shape_note(cfg, data.stats)
     facts = RunFacts(device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing)
     plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
+    if cfg.memory.alias_note:
+        console.print(f"note: {cfg.memory.alias_note}", highlight=False, markup=False, soft_wrap=True)
 
     seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
     loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
