@@ -16,9 +16,10 @@ Two things would make layers disagree and compile twice:
 - per-layer Python attributes read in the forward (e.g. alternating sliding-window layers of
   Gemma 3). Those legitimately give one graph per distinct value; the compile watch counts them.
 
-Activation checkpointing composes either way round: transformers' checkpointing layer wraps the
-layer's ``forward``, so on recent versions the checkpoint is traced into the compiled region
-(Inductor then decides what to recompute) and on older ones it calls the compiled layer.
+Activation checkpointing composes: transformers' checkpointing layer overrides the layer's
+``__call__`` and calls the compiled forward inside the checkpoint (seen on torch 2.11 with
+transformers 5.17: Inductor's kernels run inside torch's checkpoint, which is why selective
+checkpointing under Inductor is the compiler's memory budget instead; see the planner).
 Shapes: when every micro-batch has one shape (fixed-length rows, or packing into bins of
 ``sequence_len``) the graphs are static, which gives Inductor the most to specialise on (with
 packing, a flash backend's varying document count recompiles once into a dynamic graph). When rows of different

@@ -18,8 +18,9 @@ model: one list, read top to bottom):
    standard one. It changes no module; it sits before compile so that a compiled run compiles
    the standard loss along with the layers.
 4. ``activation_checkpointing`` (adapted model) -- recompute (or offload) each decoder layer's
-   activations. It wraps the layers' forward, so compile, which comes next, traces the
-   checkpoint into each layer's graph (Inductor then decides what to recompute).
+   activations. transformers' checkpointing layer wraps each layer's call, so the layer compiled
+   next runs inside the checkpoint; ``selective`` under Inductor is the compiler's activation
+   memory budget instead (set around each micro-batch by its step context).
 5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
 6. (later: context parallelism, then FSDP2 sharding, which must see the final modules.)
