@@ -75,12 +75,3 @@ def document_dense_mask(position_ids: torch.Tensor) -> torch.Tensor:
     width = docs.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=docs.device).tril()
     return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
-
-
-def packed_attention_mask(model: Any, position_ids: torch.Tensor) -> Any | None:
-    """hone's mask for a packed batch of ``model``, or None to leave it to transformers."""
-    if not uses_own_document_mask(model):
-        return None
-    if model.config._attn_implementation == "flex_attention":
-        return document_block_mask(position_ids)
-    return document_dense_mask(position_ids)

@@ -34,13 +34,6 @@ def attention_problems(model_cfg: ModelConfig, device: torch.device, training: b
     return []
 
 
-def check_attention(model_cfg: ModelConfig, device: torch.device, training: bool = True) -> None:
-    """Raise :class:`ModelError` if ``model.attn_implementation`` cannot run (or train) on ``device``."""
-    problems = attention_problems(model_cfg, device, training)
-    if problems:
-        raise ModelError(problems[0])
-
-
 def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:
     """Switch a packed ``sdpa`` run to per-document varlen attention (``model.sdpa_varlen``),
     and say so in one line; None when the run keeps sdpa with hone's document mask.
