@@ -423,16 +423,18 @@ def checkpointing_of(cfg: HoneConfig) -> str:
     return cfg.memory.checkpointing
 
 
+def loss_decision(cfg: HoneConfig) -> tuple[LossKind, str]:
+    """(the loss the run will use, why), by the run's own rule
+    (:func:`hone.transforms.loss.decide_loss`) with what the model's config shows (a bias on the
+    head is only known once the model loads)."""
+    from hone.transforms.loss import decide_loss, fused_loss_blockers
+
+    return decide_loss(cfg.performance.loss, fused_loss_blockers(_transformers_config(cfg.model), None))
+
+
 def loss_of(cfg: HoneConfig) -> LossKind:
-    """The loss the run will use: ``auto`` is the fused one unless the model post-processes its
-    logits (the same rule as :func:`hone.transforms.loss.chosen_loss`, read from the config)."""
-    kind = cfg.performance.loss
-    if kind == "auto":
-        from hone.train.loss import logit_postprocess
-
-        return "standard" if logit_postprocess(_transformers_config(cfg.model)) is not None else "fused_linear_ce"
-    return kind
-
+    """The loss the run will use (see :func:`loss_decision`)."""
+    return loss_decision(cfg)[0]
 
 
 def fused_chunk_tokens(tokens: int, vocab: int) -> int:

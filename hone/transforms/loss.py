@@ -55,20 +55,29 @@ class LossError(HoneError):
     """``performance.loss: fused_linear_ce`` on a model whose loss it cannot compute exactly."""
 
 
-def chosen_loss(cfg: HoneConfig, model_config: Any, head: nn.Module | None) -> tuple[str, str]:
-    """(``fused_linear_ce`` or ``standard``, why) for ``cfg`` and the loaded model."""
-    asked = cfg.performance.loss
+def decide_loss(asked: str, blockers: list[str]) -> tuple[str, str]:
+    """(``fused_linear_ce`` or ``standard``, why): the one rule, for the run (blockers read from
+    the loaded model) and for ``hone plan`` and the memory estimate (read from its config)."""
     if asked == "standard":
         return "standard", "performance.loss: standard"
-    blockers = fused_loss_blockers(model_config, head)
-    if not blockers:
-        return "fused_linear_ce", f"performance.loss: {asked}"
     if asked == "fused_linear_ce":
+        return "fused_linear_ce", "performance.loss: fused_linear_ce"
+    if not blockers:
+        return "fused_linear_ce", "performance.loss: auto; the model's logits are the plain output projection"
+    return "standard", f"performance.loss: auto, and the fused loss does not apply: {'; '.join(blockers)}"
+
+
+def chosen_loss(cfg: HoneConfig, model_config: Any, head: nn.Module | None) -> tuple[str, str]:
+    """(``fused_linear_ce`` or ``standard``, why) for ``cfg`` and the loaded model; refuses an
+    explicit ``fused_linear_ce`` that cannot be exact."""
+    asked = cfg.performance.loss
+    blockers = fused_loss_blockers(model_config, head)
+    if asked == "fused_linear_ce" and blockers:
         raise LossError(
             f"performance.loss: fused_linear_ce cannot compute this model's loss exactly: {'; '.join(blockers)}. "
             "Use performance.loss: auto or standard"
         )
-    return "standard", f"performance.loss: auto, and the fused loss does not apply: {'; '.join(blockers)}"
+    return decide_loss(asked, blockers)
 
 
 def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:

@@ -118,14 +118,10 @@ def _loss(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
 
 
 def _loss_why(cfg: HoneConfig, facts: RunFacts) -> str:
-    from hone.transforms.estimate import loss_of
+    from hone.transforms.estimate import loss_decision
 
-    kind = loss_of(cfg)
-    if cfg.performance.loss == "auto":
-        return f"{kind} (performance.loss: auto; " + (
-            "the model's logits are a plain output projection)" if kind == "fused_linear_ce" else "the model post-processes its logits)"
-        )
-    return f"{kind} (performance.loss: {cfg.performance.loss})"
+    kind, why = loss_decision(cfg)
+    return f"{kind} ({why})"
 
 
 LOSS = Transform(
