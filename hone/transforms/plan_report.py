@@ -100,7 +100,6 @@ def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str,
     reasons, comes later through ``render_plan(transforms=...)``)."""
     perf, model = cfg.performance, cfg.model
     policy = checkpointing_of(cfg)
-    ckpt_key = "memory.activation_checkpointing" if getattr(cfg.memory, "activation_checkpointing", None) is not None else "memory.gradient_checkpointing"
     compiles = perf.compiles_on(device)
     compile_value = f"on ({perf.torch_compile_scope})" if compiles else "off"
     if perf.torch_compile == "auto":
@@ -108,12 +107,11 @@ def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str,
     attention = model.attn_implementation
     if cfg.data.sample_packing and attention == "sdpa":
         attention += f" (packed rows: sdpa_varlen {model.sdpa_varlen})"
-    loss_key = "performance.loss" if getattr(perf, "loss", None) is not None else "performance.loss (not a key yet)"
     return [
         ("attention", attention, "model.attn_implementation"),
-        ("checkpointing", policy, ckpt_key),
+        ("checkpointing", policy, "memory.activation_checkpointing"),
         ("compile", compile_value, "performance.torch_compile"),
-        ("loss", loss_of(cfg), loss_key),
+        ("loss", loss_of(cfg), "performance.loss"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
 
