@@ -6,6 +6,7 @@ from hone.config.adapter import AdapterConfig
 from hone.config.base import Section
 from hone.config.data import DataConfig
 from hone.config.logging import LoggingConfig
+from hone.config.distributed import DistributedConfig
 from hone.config.memory import MemoryConfig
 from hone.config.model import ModelConfig
 from hone.config.optimizer import OptimizerConfig
@@ -24,6 +25,7 @@ class HoneConfig(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _eval_needs_data(self) -> "HoneConfig":
