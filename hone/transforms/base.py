@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from hone.train.distributed import SINGLE, World
 from torch import nn
 
 from hone.config.root import HoneConfig
@@ -58,6 +60,8 @@ class RunFacts:
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
     memory_bytes: int | None = None
     """The device memory to plan for (``hone plan --gpu-memory``); None: the device's own."""
+    world: World = SINGLE
+    """The run's processes (a world of one unless launched by torchrun)."""
 
 
 @dataclass(frozen=True)
