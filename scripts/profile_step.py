@@ -12,6 +12,7 @@ Not a benchmark (the profiler adds overhead); use ``hone bench`` for step times.
 import argparse
 import json
 import re
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -36,6 +37,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("profile.md"))
     p.add_argument("--trace", type=Path, default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)")
+    p.add_argument("--stacks", action="store_true", help="record Python stacks too (slows the host: for where, not how much)")
     args = p.parse_args()
 
     from hone.bench.spec import parse_spec
@@ -67,13 +70,20 @@ def main() -> None:
         data = work / "random.jsonl"
         _write_random_dataset(data, random_batches(spec.workload, steps * args.accum, id_limit, 0, torch.device("cpu")))
         cfg = _hone_config(spec, cond, work, data)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched, with_stack=args.stacks) as prof:
             run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
-    if args.trace:
-        prof.export_chrome_trace(str(args.trace))
+    gaps_text = ""
+    if args.trace or args.gaps:
+        trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        if args.gaps:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from idle_gaps import summarize
+
+            gaps_text = "\n## Device idle gaps (over the profiled steps)\n\n" + summarize(trace, depth=4)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():  # kernels and copies only: CPU ranges (ProfilerStep#, ops) carry no device time of their own
-        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith("ProfilerStep"):
+        if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith(("ProfilerStep", "hone:")):
             continue
         by_name[evt.name][0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         by_name[evt.name][1] += 1
@@ -112,7 +122,7 @@ def main() -> None:
     for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
         short = name if len(name) < 110 else name[:107] + "..."
         lines.append(f"| `{short}` | {t / args.active / 1000:.2f} | {100 * t / total:.1f}% | {n // args.active} |")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + gaps_text
     args.out.write_text(text)
     print(text)
     print(json.dumps({"total_ms_per_step": total / args.active / 1000, "gemm_share": gemm / total}))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from torch import nn
+from torch.profiler import record_function  # names the loop's phases in a profile; no cost otherwise
 
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
@@ -139,9 +140,11 @@ def _window_loss_backward(
     total = None
     for batch in window:
         with hooks.step_context(batch):
-            loss_sum = micro_batch_loss(model, batch, hooks.loss_fn, autocast_dtype)
-            loss = loss_sum / window_tokens
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with record_function("hone: forward + loss"):
+                loss_sum = micro_batch_loss(model, batch, hooks.loss_fn, autocast_dtype)
+                loss = loss_sum / window_tokens
+            with record_function("hone: backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
         del loss_sum, loss  # free the activations' graph before the next micro-batch
     assert total is not None
@@ -328,7 +331,8 @@ def train_loop(
                 lr = optimizer.param_groups[0]["lr"]
 
                 # 1. the window's micro-batches and its trained-token count, before any backward
-                window = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
+                with record_function("hone: batches"):
+                    window = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
                 window_tokens = sum(b.trained_tokens for b in window)
                 window_real_tokens = sum(b.tokens for b in window)
 
@@ -342,14 +346,18 @@ def train_loop(
                 elif scaler is None:
                     # 3./4. clip on the device, then the step's one sync: loss and norm together
                     loss_t = _window_loss_backward(model, window, window_tokens, hooks, scaler, autocast_dtype)
-                    loss_value, grad_norm = _read_step(loss_t, _grad_norm(params, t.max_grad_norm))
+                    with record_function("hone: grad norm"):
+                        norm_t = _grad_norm(params, t.max_grad_norm)
+                    with record_function("hone: read loss and norm"):
+                        loss_value, grad_norm = _read_step(loss_t, norm_t)
                     if not _is_finite(loss_value):
                         problem, grad_norm = f"loss is {loss_value}", None
                     elif not _is_finite(grad_norm):
                         problem = f"gradient norm is {grad_norm}"
                     else:
-                        optimizer.step()
-                        scheduler.step()
+                        with record_function("hone: optimizer"):
+                            optimizer.step()
+                            scheduler.step()
                 else:
                     # float16: the scaler unscales only a finite loss's gradients (its bookkeeping
                     # allows one unscale per update), so the loss is read first
@@ -367,9 +375,10 @@ def train_loop(
                             scaler.step(optimizer)
                             scaler.update()
                             scheduler.step()
-                if problem is None:
-                    hooks.after_optimizer_step()
-                optimizer.zero_grad(set_to_none=True)
+                with record_function("hone: after step"):
+                    if problem is None:
+                        hooks.after_optimizer_step()
+                    optimizer.zero_grad(set_to_none=True)
 
                 counters.step += 1
                 skipped = problem is not None
@@ -412,10 +421,11 @@ def train_loop(
 
                 # 5. log, hand the step to an observer, evaluate, checkpoint, maybe stop
                 last = counters.step == plan.total_steps
-                if counters.step % log_cfg.logging_steps == 0 or last or skipped:
-                    tracker.log_train(metrics.as_row())
-                else:
-                    tracker.display.advance(counters.step)
+                with record_function("hone: log"):
+                    if counters.step % log_cfg.logging_steps == 0 or last or skipped:
+                        tracker.log_train(metrics.as_row())
+                    else:
+                        tracker.display.advance(counters.step)
                 if step_callback is not None:
                     step_callback(metrics)
                 if counters.consecutive_nonfinite >= t.max_consecutive_nonfinite:

@@ -69,12 +69,12 @@ def _attention_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
 
 
 def _attention_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
-    from hone.models.attention.setup import select_packed_kernel
+    from hone.models.attention.setup import select_attention_kernel
     from hone.models.precision import precision_for
 
     compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
-    kernel = select_packed_kernel(model, cfg, facts.device, compute)
-    return {"implementation": cfg.model.attn_implementation, "packed_kernel": kernel}
+    kernel = select_attention_kernel(model, cfg, facts.device, compute)
+    return {"implementation": cfg.model.attn_implementation, "kernel": kernel}
 
 
 def _attention_layout(model: nn.Module, cfg: HoneConfig):
@@ -84,7 +84,7 @@ def _attention_layout(model: nn.Module, cfg: HoneConfig):
 
 
 def _attention_label(details: dict[str, Any]) -> str:
-    extra = f", {details['packed_kernel']}" if details.get("packed_kernel") else ""
+    extra = f", {details['kernel']}" if details.get("kernel") else ""
     return f"attention ({details['implementation']}{extra})"
 
 
@@ -92,6 +92,8 @@ def _attention_why(cfg: HoneConfig, facts: RunFacts) -> str:
     why = f"model.attn_implementation: {cfg.model.attn_implementation}"
     if cfg.model.attn_implementation == "sdpa" and (cfg.data.sample_packing or cfg.data.packs_eval):
         why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {cfg.model.sdpa_varlen})"
+    if cfg.model.attn_implementation == "sdpa":
+        why += "; causal rows without a prepared mask where the model attends to the whole row"
     return why
 
 

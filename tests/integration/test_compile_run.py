@@ -75,7 +75,7 @@ def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, ea
     if details["scope"] == "regional":
         assert details["layers"] == 2 and details["layer_classes"] == ["Qwen3DecoderLayer"]
         assert stats["forward_graphs"] == 1, stats  # one graph, reused by both layers
-    assert "optimizations: attention (sdpa), loss (fused_linear_ce), " in console and ", compile (" in console
+    assert "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce), " in console and ", compile (" in console
     assert "(compilation included)" in console
     assert "torch.compile: 1 forward" in console
 

@@ -136,7 +136,7 @@ def test_record_lists_applied_in_plan_order_then_skipped_then_compile_counts(tmp
     assert record["applied"][1]["details"]["loss"] == "fused_linear_ce"
     assert record["applied"][0]["details"]["packed_batches_carry"] == "dense_mask"
     assert record["skipped"][0]["name"] == "compile" and record["compile"] == {"recompiles": 0}
-    assert plan.describe().startswith("optimizations: attention (sdpa), loss (fused_linear_ce); skipped compile")
+    assert plan.describe().startswith("optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce); skipped compile")
 
 
 @pytest.mark.parametrize(("preset", "layers"), [("tiny-llama", 2), ("tiny-gemma", 2), ("tiny-qwen3-moe", 2)])

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from hone.models.attention.causal import CAUSAL_SDPA
 from hone.models.attention.varlen import VARLEN_SDPA
 
 #: Backends that get hone's mask on packed batches.
-OWN_MASK_BACKENDS = ("sdpa", "flex_attention")
+OWN_MASK_BACKENDS = ("sdpa", CAUSAL_SDPA, "flex_attention")
 #: Backends that get the document boundaries instead of a mask.
 BOUNDARY_BACKENDS = (VARLEN_SDPA, "flash_attention_2", "flash_attention_3")
 

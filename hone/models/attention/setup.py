@@ -12,6 +12,7 @@ import torch
 
 from hone.config import HoneConfig
 from hone.config.model import ModelConfig
+from hone.models.attention.causal import register_causal_sdpa
 from hone.models.attention.packed_mask import all_layers_attend_fully
 from hone.models.attention.varlen import fused_kernel_runs, register_varlen_sdpa
 from hone.models.errors import ModelError
@@ -32,6 +33,36 @@ def attention_problems(model_cfg: ModelConfig, device: torch.device, training: b
             "train with sdpa on the CPU, or train on a GPU"
         ]
     return []
+
+
+def select_attention_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:
+    """The kernel an ``sdpa`` training run uses, in one line (None: transformers' sdpa as it is).
+
+    Packed rows go through the varlen kernel where it runs (:func:`select_packed_kernel`);
+    otherwise a model whose layers all attend causally to the whole row trains through
+    :data:`~hone.models.attention.causal.CAUSAL_SDPA`: the same sdpa kernel, with no mask
+    prepared by transformers and so no host sync in the forward.
+    """
+    packed = select_packed_kernel(model, cfg, device, compute)
+    if packed is not None or cfg.model.attn_implementation != "sdpa":
+        return packed
+    if causal_blockers(model.config):
+        return None
+    model.set_attn_implementation(register_causal_sdpa())
+    return "causal, no mask prepared"
+
+
+def causal_blockers(config: Any) -> list[str]:
+    """What a model's attention needs beyond causality over the whole row (empty: nothing), for
+    which transformers' own mask must stay."""
+    blockers = []
+    if not all_layers_attend_fully(config):
+        blockers.append("sliding-window layers")
+    if getattr(config, "attention_chunk_size", None):
+        blockers.append("chunked attention")
+    if getattr(config, "use_bidirectional_attention", False):
+        blockers.append("bidirectional attention")
+    return blockers
 
 
 def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:
