@@ -298,7 +298,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import decisions
 
-    facts = RunFacts(torch.device(args.device), memory_bytes=budget)
+    from hone.train.distributed import World
+
+    processes = args.nproc_per_node or 1
+    facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0))
     for title, cfg in configs:
         print(render_plan(plan_view(cfg, title, args.device, budget, source), transforms=decisions(cfg, facts)), flush=True)
     return 0
@@ -351,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpu-memory", help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the run trains on (resolves torch_compile: auto); default cuda")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="plan for N data-parallel processes (resolves distributed.strategy: auto); default 1")
 
     p = add(
         "preprocess",

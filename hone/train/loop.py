@@ -396,7 +396,7 @@ def train_loop(
                     nonlocal window_tokens, window_real_tokens, stopping
                     if counts is None:
                         return _read_step(loss_t, norm)[:2]
-                    flag = torch.zeros_like(loss_t) + float(stopping)  # no host-to-device copy
+                    flag = torch.zeros_like(loss_t) + float(stop.requested)  # no host-to-device copy
                     both = torch.stack([loss_t, flag])
                     dist.all_reduce(both, op=dist.ReduceOp.SUM)  # the global mean loss; any rank stopping
                     value, norm_value, extra = _read_step(both[0], norm, torch.cat([counts.double(), both[1:].double()]))

@@ -116,6 +116,7 @@ def wrap_ddp(step: StepModule, cfg: HoneConfig, facts: RunFacts) -> tuple[StepMo
     )
     ddp.register_comm_hook(state=None, hook=sum_gradients)
     details = {
+        "why": resolve_strategy(cfg, facts)[1],
         "processes": facts.world.world_size,
         "backend": dist.get_backend(),
         "reduction": "sum of gradients (comm hook); losses divided by the global token count",

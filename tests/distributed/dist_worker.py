@@ -4,6 +4,7 @@ process for the reference (imported by the tests).
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed/dist_worker.py SCENARIO OUT SEED
 
 Scenarios: ``parity`` (LoRA and full fine-tune, with and without packing, with eval),
+``composed`` (the same through the plan with regional compile and full checkpointing),
 ``resume`` (a straight run, one that stops after its step-2 checkpoint, and its resume),
 ``startup_failure`` (rank 1 fails inside a start-up phase). Each writes what the tests compare
 under OUT (weights per rank, outcome files); metrics come from the runs' own metrics.jsonl.
@@ -49,7 +50,7 @@ def make_data(seed: int):
     return random_rows(40, seed=seed, min_len=5, max_len=24), random_rows(7, seed=seed + 1, min_len=5, max_len=24)
 
 
-def make_config(out: Path, packed: bool, accumulation: int, **training):
+def make_config(out: Path, packed: bool, accumulation: int, sections: dict | None = None, **training):
     return tiny_config(
         out,
         data={"val_set_size": 0.1, **({"sample_packing": True, "sequence_len": 48} if packed else {})},
@@ -62,6 +63,7 @@ def make_config(out: Path, packed: bool, accumulation: int, **training):
             **training,
         },
         optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False},
+        **(sections or {}),
     )
 
 
@@ -75,6 +77,32 @@ def run_case(adapter: str, packed: bool, out: Path, seed: int, world: World, acc
     train, evaluation = make_data(seed)
     cfg = make_config(out, packed, accumulation)
     train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world)
+    return model
+
+
+#: Compile (regional, aot_eager on the CPU) and full activation checkpointing under DDP.
+COMPOSED = {
+    "performance": {"torch_compile": True, "torch_compile_backend": "aot_eager", "torch_compile_scope": "regional"},
+    "memory": {"activation_checkpointing": "full"},
+}
+
+
+def run_composed_case(adapter: str, out: Path, seed: int, world: World, accumulation: int) -> torch.nn.Module:
+    """A parity case through the whole plan: compile and checkpointing applied to the model, then
+    DDP around them (what ``run_training`` does)."""
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    torch._dynamo.reset()
+    model = make_model(adapter, seed)
+    train, evaluation = make_data(seed)
+    cfg = make_config(out, False, accumulation, COMPOSED)
+    facts = RunFacts(CPU, world=world, shape_note="rows of different lengths", lengths_vary=True)
+    plan = plan_optimizations(cfg, facts)
+    plan.apply(model, "adapted", cfg, facts)
+    hooks = plan.hooks(model, cfg, facts)
+    assert {"compile", "activation_checkpointing"} <= set(plan.names), plan.names
+    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks)
     return model
 
 
@@ -103,6 +131,12 @@ def _parity(world: World, out: Path, seed: int) -> None:
         torch.save(trainable(model), out / case_name(adapter, packed) / f"weights-rank{world.rank}.pt")
 
 
+def _composed(world: World, out: Path, seed: int) -> None:
+    for adapter in ("lora", "full"):
+        model = run_composed_case(adapter, out / adapter, seed, world, ACCUMULATION)
+        torch.save(trainable(model), out / adapter / f"weights-rank{world.rank}.pt")
+
+
 def _resume(world: World, out: Path, seed: int) -> None:
     model = run_resume_case(out / "straight", seed, world, ACCUMULATION)
     torch.save(trainable(model), out / "straight" / f"weights-rank{world.rank}.pt")
@@ -129,7 +163,19 @@ def _startup_failure(world: World, out: Path, seed: int) -> None:
     (out / f"outcome-rank{world.rank}.json").write_text(json.dumps(outcome))
 
 
-SCENARIOS = {"parity": _parity, "resume": _resume, "startup_failure": _startup_failure}
+def _midrun_failure(world: World, out: Path, seed: int) -> None:
+    """Rank 1 dies during step 2 while rank 0 goes on into step 3's collectives."""
+
+    def die(metrics):
+        if world.rank == 1 and metrics.step == 2:
+            raise RuntimeError("simulated failure of rank 1 at step 2")
+
+    cfg = make_config(out, False, ACCUMULATION, max_steps=50)
+    train, evaluation = make_data(seed)
+    train_loop(make_model("lora", seed), train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, step_callback=die)
+
+
+SCENARIOS = {"parity": _parity, "composed": _composed, "midrun_failure": _midrun_failure, "resume": _resume, "startup_failure": _startup_failure}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Checkpoints of a 2-rank DDP run: resumed on 2 ranks it gives the losses and weights of the
 uninterrupted run; resumed on 1 process with twice the accumulation (the same global batch) too."""
 
+import os
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from dist_launch import run_worker
 from dist_worker import SINGLE, run_resume_case, trainable
 from hone.track.metrics import read_metrics
 
-SEED = random.randrange(10_000)
+SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 
 
 @pytest.fixture(scope="module")
@@ -43,4 +44,4 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
     assert [resumed[s] for s in (3, 4)] == pytest.approx([straight[s] for s in (3, 4)], rel=1e-5), f"seed {SEED}"
     reference = torch.load(runs / "straight" / "weights-rank0.pt")
     for key, weight in trainable(model).items():
-        torch.testing.assert_close(weight, reference[key], rtol=1e-5, atol=1e-5 * reference[key].abs().max().item(), msg=key)
+        torch.testing.assert_close(weight, reference[key], rtol=1e-5, atol=1e-5, msg=key)  # see test_data_parallel
