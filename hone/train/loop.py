@@ -166,8 +166,11 @@ def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tens
     """Global L2 norm of the gradients (a device tensor), clipping them to ``max_norm`` when it
     is set. Clipping scales by ``min(1, max_norm / norm)`` on the device: no host sync."""
     if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # sharded gradients (FSDP2's DTensors) give a DTensor norm, already reduced over the ranks
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _read_step(

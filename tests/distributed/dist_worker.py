@@ -96,8 +96,8 @@ def run_composed_case(adapter: str, out: Path, seed: int, world: World, accumula
     torch._dynamo.reset()
     model = make_model(adapter, seed)
     train, evaluation = make_data(seed)
-    cfg = make_config(out, False, accumulation, COMPOSED)
-    facts = RunFacts(CPU, world=world, shape_note="rows of different lengths", lengths_vary=True)
+    cfg = make_config(out, True, accumulation, COMPOSED)  # packed: one shape, one compilation
+    facts = RunFacts(CPU, world=world, shape_note="packed documents move")
     plan = plan_optimizations(cfg, facts)
     plan.apply(model, "adapted", cfg, facts)
     hooks = plan.hooks(model, cfg, facts)
