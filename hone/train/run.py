@@ -171,6 +171,8 @@ def _run_training(
             device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing, world=world
         )
         plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
+        if world.distributed:  # the global batch must fit the data before every GPU loads a model
+            check_split(cfg, data, world)
     if cfg.memory.alias_note:
         console.print(f"note: {cfg.memory.alias_note}", highlight=False, markup=False, soft_wrap=True)
 
@@ -237,6 +239,16 @@ def _run_training(
     result = _result(loop, out, final_dir)
     console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def check_split(cfg: HoneConfig, data, world: World) -> None:
+    """Refuse (:class:`~hone.train.batches.NotEnoughData`) training data that cannot fill one
+    optimizer step of ``world.world_size`` processes, before the model loads."""
+    from hone.data.packing import packing_for
+    from hone.train.batches import plan_steps
+
+    packing = packing_for(data.train, cfg, "train")
+    plan_steps(packing.num_bins if packing is not None else len(data.train), cfg.training, world.world_size)
 
 
 def _from_rank_zero(world: World, value):

@@ -94,3 +94,11 @@ def test_strategy_none_on_two_processes_is_refused(tmp_path, form):
         assert proc.returncode == 2
     assert "distributed.strategy: 'none' refuses to run on more than one process" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_data_too_small_for_the_global_batch_is_refused_before_the_model_loads(tmp_path):
+    proc = run([sys.executable, "-m", "hone", "train", str(_config(tmp_path)), "--set", "training.micro_batch_size=12", "--nproc-per-node", "2"])
+    assert proc.returncode != 0
+    assert "x 2 processes = 24" in proc.stderr and "run on fewer processes" in proc.stderr
+    assert "model:" not in proc.stdout  # refused before the model loaded
+    assert not (tmp_path / "run" / "config.yml").exists()  # rank 0's start was undone
