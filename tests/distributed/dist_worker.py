@@ -175,7 +175,46 @@ def _midrun_failure(world: World, out: Path, seed: int) -> None:
     train_loop(make_model("lora", seed), train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, step_callback=die)
 
 
-SCENARIOS = {"parity": _parity, "composed": _composed, "midrun_failure": _midrun_failure, "resume": _resume, "startup_failure": _startup_failure}
+def _nonfinite(world: World, out: Path, seed: int) -> None:
+    """Rank 1's weights turn to NaN after DDP's initial broadcast: its local loss is NaN, rank 0's
+    is finite. Both must skip the same steps (decided on the all-reduced loss) and stop together."""
+    from contextlib import nullcontext
+
+    from hone.train.loop import NonFiniteLossError
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    model = make_model("lora", seed)
+    before = trainable(model)
+    train, _ = make_data(seed)
+    cfg = make_config(out, False, ACCUMULATION, max_steps=6, max_consecutive_nonfinite=2, eval_steps=None)
+    facts = RunFacts(CPU, world=world)
+    hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+    poisoned = []
+
+    def poison(batch):
+        if world.rank == 1 and not poisoned:
+            with torch.no_grad():
+                next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+            poisoned.append(True)
+        return nullcontext()
+
+    hooks.step_contexts.append(lambda batch: poison(batch))
+    outcome: dict = {"rank": world.rank}
+    steps = []
+    try:
+        train_loop(model, train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks,
+                   step_callback=lambda m: steps.append((m.step, m.skipped)))
+        outcome["result"] = "finished"
+    except NonFiniteLossError as exc:
+        outcome["result"] = "NonFiniteLossError"
+        outcome["message"] = str(exc)
+    outcome["steps"] = steps
+    outcome["unchanged"] = all(torch.equal(before[k], v) for k, v in trainable(model).items()) if world.rank == 0 else None
+    (out / f"outcome-rank{world.rank}.json").write_text(json.dumps(outcome))
+
+
+SCENARIOS = {"parity": _parity, "nonfinite": _nonfinite, "composed": _composed, "midrun_failure": _midrun_failure, "resume": _resume, "startup_failure": _startup_failure}
 
 
 def main() -> None:

@@ -72,3 +72,15 @@ def _assert_same_run(two_ranks, one_rank, reference):
         torch.testing.assert_close(rank0[key], weight, rtol=1e-5, atol=1e-5, msg=f"{key} (seed {SEED})")
         moved = max(moved, scale)
     assert moved > 0
+
+
+def test_ranks_skip_a_non_finite_step_together(tmp_path):
+    # rank 1 alone has NaN weights (after DDP's broadcast): its loss is NaN, rank 0's finite
+    import json
+
+    run_worker("nonfinite", tmp_path, SEED)
+    outcomes = [json.loads((tmp_path / f"outcome-rank{r}.json").read_text()) for r in (0, 1)]
+    for outcome in outcomes:
+        assert outcome["result"] == "NonFiniteLossError" and "2 optimizer steps in a row" in outcome["message"]
+        assert outcome["steps"] == [[1, True], [2, True]]
+    assert outcomes[0]["unchanged"]  # rank 0 never stepped on its finite half alone
