@@ -344,8 +344,8 @@ class Plan:
                 after_step.append(lambda hook=hook: hook(model))
             if transform.state_dict_hooks is not None:
                 state_dict.append(transform.state_dict_hooks(cfg, facts))
-            if transform.wrap_step is not None:
-                self._record(transform, {})
+            if transform.wrap_step is not None:  # applied in the loop; what is known now goes on record
+                self._record(transform, _world_details(facts))
                 step_wrappers.append(lambda step, t=transform: self._wrap(t, step, cfg, facts))
             if transform.checkpoint_io is not None:
                 if checkpoint_io is not None:
@@ -391,6 +391,13 @@ class Plan:
         for skip in self.skipped:
             text += f"; skipped {skip['name']}: {skip['reason']}"
         return text
+
+
+def _world_details(facts: RunFacts) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    return {"processes": facts.world.world_size, "backend": backend}
 
 
 def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS) -> Plan:
