@@ -20,6 +20,7 @@ examples:
   hone validate cfg.yml --set optimizer.learning_rate=1e-4 --set data.sequence_len=4096
   hone preprocess examples/chat_lora.yml
   hone train examples/quickstart.yml
+  hone train examples/distributed.yml --nproc-per-node 2
   hone generate runs/quickstart --prompt "What color is a lemon?"
   hone plan examples/compile.yml --gpu-memory 24GiB
   hone bench benchmarks/specs/qwen3-8b-lora.yml
@@ -125,17 +126,63 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise HoneError(f"--nproc-per-node {args.nproc_per_node}: give a number of processes of at least 1")
+    if args.nproc_per_node is not None and args.nproc_per_node > 1:
+        return launch_torchrun(args)
+    from hone.train.distributed import world_from_env
     from hone.train.start_guard import StartGuard
 
+    world = world_from_env()
     with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
         cfg = _load(args)
-        guard.watch(cfg.training.output_dir)
+        if world.is_main:  # rank 0 owns the run directory; the others never undo its files
+            guard.watch(cfg.training.output_dir)
         from hone.train.run import run_training
 
         result = run_training(cfg, step_callback=guard.on_step)
     if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
         return 143 if result.interrupted == "SIGTERM" else 130
     return 0
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N -m hone train CFG ...``:
+    the same ``hone train`` (config, overrides, verbosity) in N processes of this host, with
+    torchrun's single-host rendezvous."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "hone"]
+    if args.verbose:
+        command.append("--verbose")
+    command += ["train", str(args.config)]
+    for override in args.overrides:
+        command += ["--set", override]
+    return command
+
+
+def launch_torchrun(args: argparse.Namespace) -> int:
+    """``hone train CFG --nproc-per-node N``: check what can be checked here (the config, the
+    process count against the GPUs), then become ``torchrun`` running ``hone train`` N times."""
+    import os
+
+    from hone.train.distributed import DistributedSetupError, World, check_launch, world_from_env
+
+    if world_from_env().distributed:
+        raise DistributedSetupError(
+            f"--nproc-per-node {args.nproc_per_node}: this process was itself started by torchrun; "
+            "give the process count to one of them (torchrun --nproc-per-node N -m hone train CFG, "
+            "or hone train CFG --nproc-per-node N), not both"
+        )
+    cfg = _load(args)
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    n = args.nproc_per_node
+    check_launch(cfg, World(0, n, 0), device_type, local_processes=n)
+    command = torchrun_command(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)  # torchrun takes over this process: signals and exit code are its
+    return 0  # not reached
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -251,7 +298,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import decisions
 
-    facts = RunFacts(torch.device(args.device), memory_bytes=budget)
+    from hone.train.distributed import World
+
+    processes = args.nproc_per_node or 1
+    facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0))
     for title, cfg in configs:
         print(render_plan(plan_view(cfg, title, args.device, budget, source), transforms=decisions(cfg, facts)), flush=True)
     return 0
@@ -304,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--gpu-memory", help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the run trains on (resolves torch_compile: auto); default cuda")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="plan for N data-parallel processes (resolves distributed.strategy: auto); default 1")
 
     p = add(
         "preprocess",
@@ -322,9 +373,18 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune a model",
         "Fine-tune the model of CONFIG. Outputs go to training.output_dir: the resolved config, "
         "metrics.jsonl, TensorBoard events, loss.png, checkpoints and the final adapter or model. "
-        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it.",
+        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it. "
+        "--nproc-per-node N trains data-parallel in N processes (one per GPU) through torchrun; "
+        "see docs/distributed.md for torchrun itself and several hosts.",
     )
     _add_config_args(p)
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train in N processes of this host (one per GPU; gloo on CPU) under torchrun (default: one process)",
+    )
 
     p = add(
         "generate",
@@ -384,11 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HoneError as exc:
+        if getattr(exc, "quiet", False):  # another rank failed and said so itself
+            return exc.exit_code
         if args.verbose and exc.__cause__ is not None:  # the traceback of what went wrong inside
             import traceback
 
             traceback.print_exception(exc.__cause__)
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_rank_prefix()}{exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -396,6 +458,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like: not an error of ours
         sys.stderr.close()
         return 0
+
+
+def _rank_prefix() -> str:
+    """``[rank 1] `` in a process that torchrun started among several (so a message says whose it is)."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE")
+    if world and world != "1":
+        return f"[rank {os.environ.get('RANK', '?')}] "
+    return ""
 
 
 if __name__ == "__main__":

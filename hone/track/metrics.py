@@ -83,3 +83,30 @@ class MetricsLog:
     def close(self) -> None:
         if not self._handle.closed:
             self._handle.close()
+
+
+class RowsInMemory:
+    """A :class:`MetricsLog` that writes nothing (ranks other than 0 of a multi-process run):
+    the rows, including those of the run resumed from, stay in memory only."""
+
+    def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
+        self.path = Path(path)
+        if resume_step is None:
+            self.rows: list[dict[str, Any]] = []
+        else:
+            existing = read_metrics(self.path) if self.path.exists() else list(history or [])
+            self.rows = [r for r in existing if r.get("step", 0) <= resume_step]
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append(clean_row(row))
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if not is_eval_row(r)]
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if is_eval_row(r)]
+
+    def close(self) -> None:
+        pass

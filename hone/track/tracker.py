@@ -2,6 +2,9 @@
 
 Sinks: ``metrics.jsonl`` (always), TensorBoard (``logging.tensorboard``), the console
 (bar or lines, ``logging.progress_bar``), and ``loss.png`` at the end (``logging.plot``).
+
+With several processes only rank 0's tracker is ``enabled``; the others keep the rows in memory
+(the loop reads its eval losses from them) and write and print nothing.
 """
 
 from pathlib import Path
@@ -10,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from hone.config.logging import LoggingConfig
-from hone.track.metrics import METRICS_FILE, MetricsLog
+from hone.track.metrics import METRICS_FILE, MetricsLog, RowsInMemory
 from hone.track.plot import PLOT_FILE, plot_losses
 from hone.track.progress import ProgressDisplay
 from hone.track.tensorboard import TensorBoardLog
@@ -28,20 +31,31 @@ class Tracker:
         total_steps: int,
         resume_step: int | None = None,
         history: list[dict[str, Any]] | None = None,
+        enabled: bool = True,
     ):
+        """``enabled=False`` (ranks other than 0): rows kept in memory only, nothing written or shown."""
         self.cfg = cfg
+        self.enabled = enabled
         self.output_dir = Path(output_dir)
-        self.metrics = MetricsLog(self.output_dir / METRICS_FILE, resume_step=resume_step, history=history)
+        path = self.output_dir / METRICS_FILE
+        self.metrics: MetricsLog | RowsInMemory = (
+            MetricsLog(path, resume_step=resume_step, history=history)
+            if enabled
+            else RowsInMemory(path, resume_step=resume_step, history=history)
+        )
         self.tensorboard = (
             TensorBoardLog(
                 self.output_dir / TENSORBOARD_DIR,
                 purge_step=None if resume_step is None else resume_step + 1,
             )
-            if cfg.tensorboard
+            if cfg.tensorboard and enabled
             else None
         )
         self.display = ProgressDisplay(
-            console, total_steps=total_steps, start_step=resume_step or 0, bar=cfg.progress_bar
+            console if enabled else Console(quiet=True),
+            total_steps=total_steps,
+            start_step=resume_step or 0,
+            bar=cfg.progress_bar and enabled,
         )
 
     @property
@@ -75,6 +89,6 @@ class Tracker:
         self.metrics.close()
         if self.tensorboard:
             self.tensorboard.close()
-        if plot and self.cfg.plot:
+        if plot and self.cfg.plot and self.enabled:
             return plot_losses(self.metrics.rows, self.output_dir / PLOT_FILE)
         return None

@@ -20,6 +20,14 @@ step count and schedule follow the packed length).
 
 The position in the data is explicit, ``(epoch, index into that epoch's order)``, and is stored
 in checkpoints, so a resumed run continues with exactly the micro-batch that comes next.
+
+**Several processes (data parallelism).** With ``W`` processes and accumulation ``k``, one
+optimizer step takes the rows a single process with accumulation ``W * k`` would take, cut into
+the same ``W * k`` micro-batches; rank ``r`` trains micro-batches ``r*k .. r*k + k-1`` of that
+list (a contiguous block; the rule is :meth:`BatchStream.next_window`). So the global batch
+sequence does not depend on how many processes share it, every rank reads a disjoint part of
+it, and the position stored in a checkpoint is global: a run resumed on another number of
+processes continues the same sequence (exactly so when ``W * k`` stays the same).
 """
 
 import math
@@ -56,12 +64,21 @@ class StepPlan:
     rows: int
     micro_batch_size: int
     accumulation: int
+    """Micro-batches per optimizer step on each process (``gradient_accumulation_steps``)."""
     steps_per_epoch: int
     total_steps: int
+    world_size: int = 1
+    """Processes sharing each step (data parallelism); 1 for a single process."""
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches of one optimizer step over all processes (``world_size * accumulation``)."""
+        return self.accumulation * self.world_size
 
     @property
     def rows_per_step(self) -> int:
-        return self.micro_batch_size * self.accumulation
+        """Rows (or bins) of one optimizer step over all processes: the global batch."""
+        return self.micro_batch_size * self.micro_batches_per_step
 
     @property
     def dropped_per_epoch(self) -> int:
@@ -82,23 +99,27 @@ class StepPlan:
             if self.dropped_per_epoch
             else ""
         )
+        world = f" x {self.world_size} processes" if self.world_size > 1 else ""
         return (
             f"{self.total_steps} optimizer steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps; "
             f"{self.rows_per_step} rows per step = micro_batch_size {self.micro_batch_size} x "
-            f"gradient_accumulation_steps {self.accumulation}{dropped})"
+            f"gradient_accumulation_steps {self.accumulation}{world}{dropped})"
         )
 
 
-def plan_steps(num_rows: int, training: TrainingConfig) -> StepPlan:
-    """Steps per epoch and in total for ``num_rows`` training rows."""
-    per_step = training.samples_per_step
+def plan_steps(num_rows: int, training: TrainingConfig, world_size: int = 1) -> StepPlan:
+    """Steps per epoch and in total for ``num_rows`` training rows (or packed bins) shared by
+    ``world_size`` processes."""
+    per_step = training.samples_per_step * world_size
     steps_per_epoch = num_rows // per_step
     if steps_per_epoch == 0:
+        world = f" x {world_size} processes" if world_size > 1 else ""
+        fewer = " or run on fewer processes" if world_size > 1 else ""
         raise NotEnoughData(
             f"the training data has {num_rows} row{'s' if num_rows != 1 else ''}, fewer than one optimizer "
             f"step uses (training.micro_batch_size {training.micro_batch_size} x "
-            f"training.gradient_accumulation_steps {training.gradient_accumulation_steps} = {per_step}): "
-            "add data or lower them"
+            f"training.gradient_accumulation_steps {training.gradient_accumulation_steps}{world} = {per_step}): "
+            f"add data or lower them{fewer}"
         )
     if training.max_steps is not None:
         total = training.max_steps
@@ -113,6 +134,7 @@ def plan_steps(num_rows: int, training: TrainingConfig) -> StepPlan:
         accumulation=training.gradient_accumulation_steps,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
+        world_size=world_size,
     )
 
 
@@ -123,11 +145,15 @@ def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class BatchStream:
-    """Hands out one accumulation window (a list of micro-batches of row indices) per step."""
+    """Hands out one accumulation window (a list of micro-batches of row indices) per step,
+    this process's share of the step's global batch (``rank`` of ``plan.world_size``)."""
 
-    def __init__(self, plan: StepPlan, seed: int, position: DataPosition | None = None):
+    def __init__(self, plan: StepPlan, seed: int, position: DataPosition | None = None, rank: int = 0):
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} outside a world of {plan.world_size}")
         self.plan = plan
         self.seed = seed
+        self.rank = rank
         self.position = DataPosition(**(position or DataPosition()).as_dict())
         self._order_epoch: int | None = None
         self._order: np.ndarray | None = None
@@ -140,7 +166,15 @@ class BatchStream:
         return self._order
 
     def next_window(self) -> list[list[int]]:
-        """Row indices of the next step's micro-batches; advances the position past them."""
+        """Row indices of this rank's micro-batches of the next step; advances the (global)
+        position past the whole step. Rank ``r`` takes micro-batches ``r*k .. r*k + k-1`` of the
+        ``world_size * k`` a single process with that accumulation would take."""
+        k = self.plan.accumulation
+        return self.next_global_window()[self.rank * k : (self.rank + 1) * k]
+
+    def next_global_window(self) -> list[list[int]]:
+        """Row indices of every micro-batch of the next step, all processes' (what a single process
+        with accumulation ``world_size * k`` trains); advances the position past them."""
         per_step = self.plan.rows_per_step
         if self.position.index + per_step > self.plan.rows:  # the epoch's leftover rows are dropped
             self.position = DataPosition(self.position.epoch + 1, 0)

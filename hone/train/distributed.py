@@ -7,10 +7,34 @@ touches ``torch.distributed``. Everything that differs between ranks asks the :c
 """
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from hone.errors import HoneError
+
+if TYPE_CHECKING:
+    from hone.config.root import HoneConfig
+
+
+class DistributedSetupError(HoneError):
+    """The launch cannot work: more processes than devices, ``strategy: none`` on several, ..."""
+
+
+class PeerFailed(HoneError):
+    """Another rank of the run failed; this one stops too, with that rank's message.
+
+    ``quiet``: the CLI prints nothing for it (the failing rank printed its own message, and rank 0
+    repeats it once); its exit code is the failing rank's."""
+
+    def __init__(self, message: str, exit_code: int = 2, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.quiet = quiet
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,86 @@ def world_from_env() -> World:
         world_size=int(os.environ["WORLD_SIZE"]),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+
+
+def current_world() -> World:
+    """The world of a process group already joined (by :func:`init_world`); a world of one if none."""
+    if dist.is_available() and dist.is_initialized():
+        return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=world_from_env().local_rank)
+    return SINGLE
+
+
+def local_world_size() -> int:
+    """Processes on this host (torchrun's ``LOCAL_WORLD_SIZE``; the world size without it)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else world_from_env().world_size
+
+
+def check_launch(cfg: "HoneConfig", world: World, device_type: str, local_processes: int | None = None) -> None:
+    """Refuse, before any data or model loads, a launch that cannot work: raises
+    :class:`DistributedSetupError` naming the key or flag, the value and what is allowed.
+    ``local_processes``: processes on this host (default: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    if not world.distributed:
+        return
+    problems = []
+    strategy = cfg.distributed.strategy
+    if strategy == "none":
+        problems.append(
+            f"distributed.strategy: 'none' refuses to run on more than one process, and this run has "
+            f"{world.world_size}: set distributed.strategy to auto, ddp or fsdp, or start one process"
+        )
+    if device_type == "cuda":
+        visible = torch.cuda.device_count()
+        wanted = local_processes if local_processes is not None else local_world_size()
+        if wanted > visible:
+            problems.append(
+                f"--nproc-per-node {wanted} starts {wanted} processes on this host, but it has {visible} "
+                f"visible CUDA device{'s' if visible != 1 else ''} (one per process): use at most {visible} "
+                "(CUDA_VISIBLE_DEVICES limits which are visible)"
+            )
+    elif device_type != "cpu":
+        problems.append(
+            f"{world.world_size} processes on device '{device_type}': hone runs several processes on CUDA "
+            "GPUs (NCCL) or on the CPU (gloo) only"
+        )
+    if problems:
+        raise DistributedSetupError("cannot start this multi-process run:\n  - " + "\n  - ".join(problems))
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, HoneError):
+        return str(exc), exc.exit_code
+    text = str(exc).strip() or "(no message)"
+    return f"{type(exc).__name__}: {text}", 1
+
+
+def agree(world: World, failure: BaseException | None = None, payload: Any = None) -> list[Any]:
+    """Every rank says whether it failed (and hands over ``payload``); returns every rank's
+    payload, rank order. A rank that did not fail while another did raises :class:`PeerFailed`
+    with the lowest failing rank's message (rank 0 prints it, the others stay quiet). Collective:
+    every rank must call it at the same point; it doubles as a barrier."""
+    if not world.distributed:
+        return [payload]
+    mine = (None, 0) if failure is None else _describe(failure)
+    gathered: list[Any] = [None] * world.world_size
+    dist.all_gather_object(gathered, (mine, payload))
+    failed = [(rank, info) for rank, (info, _) in enumerate(gathered) if info[0] is not None]
+    if failed and failure is None:
+        rank, (message, code) = failed[0]
+        raise PeerFailed(f"rank {rank} of {world.world_size} failed, so the run stopped: {message}", code, quiet=not world.is_main)
+    return [p for _, p in gathered]
+
+
+@contextmanager
+def together(world: World) -> Iterator[None]:
+    """Run a start-up phase on every rank and stop all of them if any one fails, with that rank's
+    message (no rank is left waiting in a collective for one that is gone)."""
+    try:
+        yield
+    except Exception as exc:
+        agree(world, exc)
+        raise
+    agree(world)
 
 
 def backend_for(device_type: str) -> str:

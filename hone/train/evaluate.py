@@ -2,6 +2,12 @@
 
 The mean is over tokens, not over batches (the sum of every token's loss divided by the
 count), so it does not depend on how the split is cut into batches.
+
+With several processes the split's batches are dealt round-robin (batch ``i`` to rank
+``i % world_size``); each rank sums its losses and tokens, and one all-reduce (SUM) gives every
+rank the mean one process would compute. Every rank runs the same number of forwards (a rank
+with one batch fewer repeats its first one and discards it), so an engine that communicates in
+the forward (FSDP2 gathers each layer's weights) never waits for a rank that has finished.
 """
 
 import math
@@ -9,10 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hone.data.packing import Packing
 from hone.train.batches import micro_batches
+from hone.train.distributed import SINGLE, World
 from hone.train.loss import micro_batch_loss
 
 if TYPE_CHECKING:
@@ -44,6 +52,8 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
     packing: Packing | None = None,
     hooks: "RunHooks | None" = None,
+    world: World = SINGLE,
+    step: nn.Module | None = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
@@ -64,14 +74,25 @@ def evaluate(
     tokens = 0
     try:
         batches = micro_batches(dataset, packing, pad_id)
-        for start in range(0, batches.units, batch_size):
+        starts = list(range(0, batches.units, batch_size))
+        mine = starts[world.rank :: world.world_size]
+        rounds = -(-len(starts) // world.world_size)  # every rank runs this many forwards
+        for i in range(rounds):
+            counted = i < len(mine)
+            start = mine[i] if counted else (mine[0] if mine else starts[0])
             indices = list(range(start, min(start + batch_size, batches.units)))
             batch = batches(indices).to(device).with_attention(layout)
-            if batch.trained_tokens == 0:
+            if batch.trained_tokens == 0 and not world.distributed:
                 continue
-            total += micro_batch_loss(model, batch, loss_fn, autocast_dtype).double()
-            tokens += batch.trained_tokens
+            loss_sum = step(batch) if step is not None else micro_batch_loss(model, batch, loss_fn, autocast_dtype)
+            if counted and batch.trained_tokens > 0:
+                total += loss_sum.double()
+                tokens += batch.trained_tokens
     finally:
         model.train(was_training)
+    if world.distributed:
+        both = torch.stack([total, torch.zeros_like(total) + tokens])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        total, tokens = both[0], int(both[1].item())
     loss = total.item() / tokens if tokens else math.nan
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=tokens)

@@ -12,6 +12,16 @@ Each optimizer step:
 4. clips the gradient norm, steps the optimizer and the schedule, zeroes the gradients;
 5. logs, evaluates, checkpoints on their intervals, and stops cleanly on SIGINT/SIGTERM.
 
+**Several processes** (``torchrun``, see docs/distributed.md): each rank trains its share of the
+step's global batch (:mod:`hone.train.batches`); the window's trained-token count is
+all-reduced (SUM) before the first backward, so every rank divides its token-loss sum by the
+*global* count; gradients are summed across ranks once per step (the plan's data-parallel
+transform: DDP with a SUM hook, ``no_sync`` for all but the window's last micro-batch). The loss
+that is logged is the global mean, all-reduced together with a stop flag (a signal seen by any
+rank stops all of them after the same step) and read at the step's one sync. Every rank holds
+the reduced gradients, so the clipping norm and the non-finite decision are the same
+everywhere. Only rank 0 writes metrics, plots and checkpoints (:mod:`hone.train.checkpoint_io`).
+
 A fresh run with eval data evaluates once before the first step (step 0), so the report can
 compare the final eval loss with the untrained model's; eval also runs every
 ``training.eval_steps`` and after the last step. A checkpoint is written every
@@ -29,11 +39,13 @@ skipped step but not towards the consecutive limit.
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 from torch.profiler import record_function  # names the loop's phases in a profile; no cost otherwise
@@ -43,18 +55,13 @@ from hone.data.packing import packing_for
 from hone.errors import HoneError
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
-from hone.train.checkpoint import (
-    checkpoint_eval_rows,
-    load_checkpoint,
-    remove_checkpoints_after,
-    resume_history,
-    save_checkpoint,
-)
+from hone.train.checkpoint import checkpoint_eval_rows, remove_checkpoints_after, resume_history
+from hone.train.checkpoint_io import RankZeroCheckpoints
 from hone.train.collate import MicroBatch
-from hone.transforms.base import RunFacts, RunHooks
+from hone.train.distributed import World, current_world
+from hone.transforms.base import RunFacts, RunHooks, StepModule
 from hone.train.device import peak_memory_gib
 from hone.train.evaluate import evaluate
-from hone.train.loss import micro_batch_loss
 from hone.train.optim import build_optimizer, build_scheduler, make_schedule
 from hone.train.seed import seed_everything
 from hone.train.signals import graceful_stop
@@ -105,8 +112,8 @@ class LoopResult:
     plot_path: Path | None
     elapsed_s: float  # time spent in optimizer steps by this process (no eval, no saving)
     wall_s: float  # the whole loop in this process, eval and checkpoints included
-    tokens: int  # real input tokens processed by this process
-    trained_tokens: int  # trained tokens processed by this process
+    tokens: int  # real input tokens processed by the run's steps here (all processes' together)
+    trained_tokens: int  # trained tokens of those steps (all processes' together)
     resumed_from: Path | None
     plan: StepPlan
 
@@ -126,22 +133,29 @@ class _Counters:
 def _window_loss_backward(
     model: nn.Module,
     window: list[MicroBatch],
-    window_tokens: int,
+    window_tokens: int | torch.Tensor,
     hooks: RunHooks,
     scaler: torch.amp.GradScaler | None,
     autocast_dtype: torch.dtype | None,
+    step: StepModule | None = None,
 ) -> torch.Tensor:
-    """Forward + backward every micro-batch of the window; returns the window's mean token loss
-    as a device tensor (nothing here waits for the device).
+    """Forward + backward every micro-batch of the window; returns the window's token-loss sum
+    divided by ``window_tokens``, as a device tensor (nothing here waits for the device).
 
     Each micro-batch contributes ``sum of its token losses / window_tokens``, so the gradients
-    accumulated over the window equal those of one big batch holding all of its rows.
+    accumulated over the window equal those of one big batch holding all of its rows. With
+    several processes ``window_tokens`` is the global count (a device tensor) and ``step`` the
+    data-parallel module: every micro-batch but the last runs under its ``no_sync``, so the
+    gradients are reduced once, after the window's last backward.
     """
+    if step is None:
+        step = hooks.step_module(model, autocast_dtype)
     total = None
-    for batch in window:
-        with hooks.step_context(batch):
+    last = len(window) - 1
+    for i, batch in enumerate(window):
+        with step.no_sync() if i < last else nullcontext(), hooks.step_context(batch):
             with record_function("hone: forward + loss"):
-                loss_sum = micro_batch_loss(model, batch, hooks.loss_fn, autocast_dtype)
+                loss_sum = step.module(batch)
                 loss = loss_sum / window_tokens
             with record_function("hone: backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -155,17 +169,43 @@ def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tens
     """Global L2 norm of the gradients (a device tensor), clipping them to ``max_norm`` when it
     is set. Clipping scales by ``min(1, max_norm / norm)`` on the device: no host sync."""
     if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # sharded gradients (FSDP2's DTensors) give a DTensor norm, already reduced over the ranks
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _read_step(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float | None]:
+def _read_step(
+    loss: torch.Tensor, grad_norm: torch.Tensor | None, extra: torch.Tensor | None = None
+) -> tuple[float, float | None, list[float]]:
     """The step's loss and gradient norm on the host: the one device sync of an optimizer step
-    (both values in one copy), taken before the update so a non-finite step is skipped exactly."""
+    (all values in one copy), taken before the update so a non-finite step is skipped exactly.
+    ``extra`` (several processes: the global token counts and the stop flag) rides along."""
+    if grad_norm is None and extra is None:
+        return float(loss.item()), None, []
+    dtype = torch.float64 if extra is not None else torch.float32  # token counts stay exact
+    parts = [loss.reshape(1).to(dtype)]
+    if grad_norm is not None:
+        parts.append(grad_norm.reshape(1).to(device=loss.device, dtype=dtype))
+    if extra is not None:
+        parts.append(extra.reshape(-1).to(device=loss.device, dtype=dtype))
+    values = torch.cat(parts).tolist()
     if grad_norm is None:
-        return float(loss.item()), None
-    values = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()
-    return values[0], values[1]
+        return values[0], None, values[1:]
+    return values[0], values[1], values[2:]
+
+
+def _global_counts(trained: int, real: int, device: torch.device) -> torch.Tensor:
+    """This rank's (trained, real) token counts of the window, all-reduced (SUM) on the device:
+    the global counts every rank divides by. Issued before the first backward; the host reads
+    them only at the step's one sync (pinned memory keeps the copy asynchronous)."""
+    counts = torch.tensor([trained, real], dtype=torch.int64)
+    if device.type == "cuda":
+        counts = counts.pin_memory()
+    counts = counts.to(device, non_blocking=True)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return counts
 
 
 def _is_finite(value: float) -> bool:
@@ -197,6 +237,7 @@ def train_loop(
     resume_from: Path | None = None,
     autocast_dtype: torch.dtype | None = None,
     hooks: RunHooks | None = None,
+    world: World | None = None,
 ) -> LoopResult:
     """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set)
     on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on ``eval_data`` if given.
@@ -205,11 +246,15 @@ def train_loop(
     micro-batch contexts, after-step actions); without them the plan of ``cfg`` is drawn up
     for this device and its hooks used, with the model taken as it is.
 
+    ``world``: this process among the run's (default: the process group joined, if any). Every
+    rank calls this with the same data and config; rank 0 writes the outputs.
+
     Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
     for the user's problems (diverging loss, a checkpoint that does not fit).
     """
     t, log_cfg = cfg.training, cfg.logging
+    world = world or current_world()
     console = console or Console()
     output_dir = Path(t.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -219,12 +264,13 @@ def train_loop(
     if hooks is None:
         from hone.transforms.planner import plan_optimizations
 
-        facts = RunFacts(device)
+        facts = RunFacts(device, world=world)
         hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+    checkpoints = hooks.checkpoint_io or RankZeroCheckpoints(world)
     scaler = _check_precision(cfg, device)
     batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)  # bins: packed once, in hone.data
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
-    plan = plan_steps(batches.units, t)
+    plan = plan_steps(batches.units, t, world.world_size)
     seed_everything(t.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -234,7 +280,7 @@ def train_loop(
     history: list[dict[str, Any]] | None = None
     notes: list[str] = []
     if resume_from is not None:
-        saved = load_checkpoint(
+        saved = checkpoints.load(
             resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=hooks.state_dict
         )
         counters = _Counters(
@@ -247,10 +293,12 @@ def train_loop(
         )
         history = resume_history(resume_from, saved)  # from the run's metrics.jsonl, not the checkpoint
         notes = _resume_notes(saved, plan, t.seed, scheduler, cfg)
-        dropped = remove_checkpoints_after(output_dir, counters.step)
-        notes += [f"removed checkpoint {p.name} (newer than the one resumed from)" for p in dropped]
+        if world.is_main:
+            dropped = remove_checkpoints_after(output_dir, counters.step)
+            notes += [f"removed checkpoint {p.name} (newer than the one resumed from)" for p in dropped]
     start_step = counters.step
-    stream = BatchStream(plan, t.seed, counters.position)
+    stream = BatchStream(plan, t.seed, counters.position, rank=world.rank)
+    step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
     tracker = Tracker(
         log_cfg,
         output_dir,
@@ -258,6 +306,7 @@ def train_loop(
         total_steps=plan.total_steps,
         resume_step=start_step if resume_from is not None else None,
         history=history,
+        enabled=world.is_main,
     )
 
     def checkpoint_state() -> dict[str, Any]:
@@ -268,13 +317,18 @@ def train_loop(
             "consecutive_nonfinite": counters.consecutive_nonfinite,
             "trained_tokens_total": counters.trained_tokens_total,
             "tokens_total": counters.tokens_total,
-            "plan": {"rows": plan.rows, "rows_per_step": plan.rows_per_step, "total_steps": plan.total_steps},
+            "plan": {
+                "rows": plan.rows,
+                "rows_per_step": plan.rows_per_step,
+                "total_steps": plan.total_steps,
+                "world_size": plan.world_size,
+            },
             "seed": t.seed,
             "eval_rows": checkpoint_eval_rows(tracker.rows),  # not every row: trainer_state.json stays small
         }
 
     def save() -> Path:
-        return save_checkpoint(
+        return checkpoints.save(
             output_dir,
             counters.step,
             model=model,
@@ -296,6 +350,8 @@ def train_loop(
             autocast_dtype=autocast_dtype,
             packing=eval_packing,
             hooks=hooks,
+            world=world,
+            step=step_module.module,
         )
         tracker.log_eval(
             {
@@ -335,22 +391,42 @@ def train_loop(
                     window = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
                 window_tokens = sum(b.trained_tokens for b in window)
                 window_real_tokens = sum(b.tokens for b in window)
+                divisor: int | torch.Tensor = window_tokens
+                counts: torch.Tensor | None = None
+                stopping = stop.requested
+                if world.distributed:  # every rank divides by the global count (0 -> 1: the loss stays 0)
+                    counts = _global_counts(window_tokens, window_real_tokens, device)
+                    divisor = counts[0].clamp(min=1)
+
+                def read(loss_t: torch.Tensor, norm: torch.Tensor | None) -> tuple[float, float | None]:
+                    """The step's sync; with several processes the global loss, counts and stop flag."""
+                    nonlocal window_tokens, window_real_tokens, stopping
+                    if counts is None:
+                        return _read_step(loss_t, norm)[:2]
+                    flag = torch.zeros_like(loss_t) + float(stop.requested)  # no host-to-device copy
+                    both = torch.stack([loss_t, flag])
+                    dist.all_reduce(both, op=dist.ReduceOp.SUM)  # the global mean loss; any rank stopping
+                    value, norm_value, extra = _read_step(both[0], norm, torch.cat([counts.double(), both[1:].double()]))
+                    window_tokens, window_real_tokens, stopping = int(extra[0]), int(extra[1]), extra[2] > 0
+                    return (math.nan if window_tokens == 0 else value), norm_value
 
                 # 2. forward/backward each micro-batch, loss normalised by the window's tokens
                 grad_norm: float | None = None
                 problem: str | None = None
                 overflow = False
-                if window_tokens == 0:
+                if window_tokens == 0 and counts is None:
                     loss_value = math.nan
                     problem = "no trained tokens"
                 elif scaler is None:
                     # 3./4. clip on the device, then the step's one sync: loss and norm together
-                    loss_t = _window_loss_backward(model, window, window_tokens, hooks, scaler, autocast_dtype)
+                    loss_t = _window_loss_backward(model, window, divisor, hooks, scaler, autocast_dtype, step_module)
                     with record_function("hone: grad norm"):
                         norm_t = _grad_norm(params, t.max_grad_norm)
                     with record_function("hone: read loss and norm"):
-                        loss_value, grad_norm = _read_step(loss_t, norm_t)
-                    if not _is_finite(loss_value):
+                        loss_value, grad_norm = read(loss_t, norm_t)
+                    if window_tokens == 0:
+                        problem, grad_norm = "no trained tokens", None
+                    elif not _is_finite(loss_value):
                         problem, grad_norm = f"loss is {loss_value}", None
                     elif not _is_finite(grad_norm):
                         problem = f"gradient norm is {grad_norm}"
@@ -361,8 +437,10 @@ def train_loop(
                 else:
                     # float16: the scaler unscales only a finite loss's gradients (its bookkeeping
                     # allows one unscale per update), so the loss is read first
-                    loss_value = _read_step(_window_loss_backward(model, window, window_tokens, hooks, scaler, autocast_dtype), None)[0]
-                    if not _is_finite(loss_value):
+                    loss_value = read(_window_loss_backward(model, window, divisor, hooks, scaler, autocast_dtype, step_module), None)[0]
+                    if window_tokens == 0:
+                        problem = "no trained tokens"
+                    elif not _is_finite(loss_value):
                         problem = f"loss is {loss_value}"
                     else:
                         scaler.unscale_(optimizer)
@@ -438,10 +516,12 @@ def train_loop(
                     )
                 if has_eval and ((t.eval_steps and counters.step % t.eval_steps == 0) or last):
                     run_eval()
-                if (t.save_steps and counters.step % t.save_steps == 0) or last or stop.requested:
+                if not world.distributed:
+                    stopping = stop.requested
+                if (t.save_steps and counters.step % t.save_steps == 0) or last or stopping:
                     last_checkpoint = save()
-                if stop.requested and not last:
-                    interrupted = stop.signal_name
+                if stopping and not last:
+                    interrupted = stop.signal_name or "SIGTERM"  # another rank saw the signal
                     break
     finally:
         plot_path = tracker.close()
@@ -495,6 +575,13 @@ def _resume_notes(
             f"the data or batch shape changed since the checkpoint ({before.get('rows')} rows, "
             f"{before.get('rows_per_step')} per step; now {plan.rows}, {plan.rows_per_step}): the data order "
             "after resuming differs from the interrupted run's"
+        )
+    saved_world = before.get("world_size", 1)
+    if saved_world != plan.world_size and before.get("rows_per_step") in (None, plan.rows_per_step):
+        notes.append(
+            f"resumed on {plan.world_size} process{'es' if plan.world_size != 1 else ''} from a checkpoint of "
+            f"{saved_world}: the global batch ({plan.rows_per_step} rows per step) is the same, so the data "
+            "sequence continues exactly (losses match up to the rounding of a different reduction order)"
         )
     if saved.get("seed") not in (None, seed):
         notes.append(f"training.seed changed ({saved.get('seed')} -> {seed}): the data order differs")

@@ -6,6 +6,13 @@
 every optimizer step), so a benchmark times exactly what users run. The tokenizer, data and
 model modules are imported inside the function: this module imports (and its helpers are
 testable) without them.
+
+Under ``torchrun`` every process runs this function: it joins the process group
+(:func:`~hone.train.distributed.init_world`), checks the launch before anything loads, and runs
+each start-up phase :func:`~hone.train.distributed.together`, so one rank's failure stops every
+rank with that rank's message. Rank 0 alone writes the run directory (config.yml,
+optimizations.json, metrics, checkpoints, final outputs) and prints; it prepares the data first,
+the others then read it from the cache.
 """
 
 from collections.abc import Callable
@@ -28,6 +35,7 @@ from hone.track.report import format_report
 from hone.track.tracker import TENSORBOARD_DIR
 from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
 from hone.train.device import resolve_device
+from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
 from hone.train.loop import LoopResult, StepMetrics, train_loop
 from hone.train.seed import seed_everything
 
@@ -110,33 +118,68 @@ def run_training(
     console: Console | None = None,
     step_callback: Callable[[StepMetrics], None] | None = None,
 ) -> TrainResult:
-    """Train the model of ``cfg`` on its data; outputs go to ``cfg.training.output_dir``."""
+    """Train the model of ``cfg`` on its data; outputs go to ``cfg.training.output_dir``.
+
+    Launched by ``torchrun`` (``WORLD_SIZE`` set), this process is one rank of a data-parallel
+    run: ``device`` is then its local GPU (or the CPU, with ``device="cpu"``)."""
+    device = resolve_device(device)
+    world = world_from_env()
+    check_launch(cfg, world, device.type)  # more processes than GPUs, strategy none: before anything loads
+    world = init_world(device.type)
+    try:
+        return _run_training(cfg, world, device_of(world, device.type) if world.distributed else device, console, step_callback)
+    finally:
+        close_world()
+
+
+def _run_training(
+    cfg: HoneConfig,
+    world: World,
+    device: torch.device,
+    console: Console | None,
+    step_callback: Callable[[StepMetrics], None] | None,
+) -> TrainResult:
     from hone.data.prepare import prepare_data
     from hone.models.loader import load_model
-    from hone.models.save import save_final
     from hone.models.tokenizer import load_tokenizer
+    from hone.train.checkpoint_io import RankZeroCheckpoints
 
     console = console or Console()
-    device = resolve_device(device)
+    if not world.is_main:
+        console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(cfg.training.output_dir)
 
     def warn(message: str) -> None:
         console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)
 
-    resume_from = prepare_output_dir(cfg, warn)
-
-    tokenizer = load_tokenizer(cfg.model)
-    data = prepare_data(cfg, tokenizer)
-    console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
-
-    note = shape_note(cfg, data.stats)
-    facts = RunFacts(device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing)
-    plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
+    # start-up, phase 1: the run directory and the data (rank 0 first: it fills the data cache)
+    resume_from = None
+    with together(world):
+        if world.is_main:
+            resume_from = prepare_output_dir(cfg, warn)
+            tokenizer = load_tokenizer(cfg.model)
+            data = prepare_data(cfg, tokenizer)
+    resume_from = _from_rank_zero(world, resume_from)
+    facts = None
+    with together(world):
+        if not world.is_main:
+            tokenizer = load_tokenizer(cfg.model)
+            data = prepare_data(cfg, tokenizer)
+        console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
+        note = shape_note(cfg, data.stats)
+        facts = RunFacts(
+            device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing, world=world
+        )
+        plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
+        if world.distributed:  # the global batch must fit the data before every GPU loads a model
+            check_split(cfg, data, world)
     if cfg.memory.alias_note:
         console.print(f"note: {cfg.memory.alias_note}", highlight=False, markup=False, soft_wrap=True)
 
-    seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
-    loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
+    # phase 2: the model, through the plan (the data-parallel wrap happens in the loop)
+    with together(world):
+        seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
+        loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
     console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
     console.print(
         f"trainable parameters: {loaded.trainable_params:,} of {loaded.total_params:,} "
@@ -146,10 +189,12 @@ def run_training(
         soft_wrap=True,
     )
 
-    plan.apply(loaded.model, "adapted", cfg, facts)
-    hooks = plan.hooks(loaded.model, cfg, facts)
+    with together(world):
+        plan.apply(loaded.model, "adapted", cfg, facts)
+        hooks = plan.hooks(loaded.model, cfg, facts)
     console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
-    write_record(out, plan)
+    if world.is_main:
+        write_record(out, plan)
     watch = CompileWatch(warn).start() if cfg.performance.compiles_on(device.type) else None
 
     first_step = [True]
@@ -177,20 +222,44 @@ def run_training(
             resume_from=resume_from,
             autocast_dtype=getattr(loaded, "autocast_dtype", None),
             hooks=hooks,
+            world=world,
         )
     finally:
         if watch is not None:
             watch.stop()
-            write_record(out, plan, watch.summary())
+        if world.is_main:  # again: what the data-parallel wrap and the compiler recorded
+            write_record(out, plan, watch.summary() if watch is not None else None)
     if watch is not None:
         console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 
     final_dir = None
     if not loop.interrupted:
-        final_dir = Path(save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
+        writer = hooks.checkpoint_io or RankZeroCheckpoints(world)
+        final_dir = Path(writer.save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
     result = _result(loop, out, final_dir)
     console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
     return result
+
+
+def check_split(cfg: HoneConfig, data, world: World) -> None:
+    """Refuse (:class:`~hone.train.batches.NotEnoughData`) training data that cannot fill one
+    optimizer step of ``world.world_size`` processes, before the model loads."""
+    from hone.data.packing import packing_for
+    from hone.train.batches import plan_steps
+
+    packing = packing_for(data.train, cfg, "train")
+    plan_steps(packing.num_bins if packing is not None else len(data.train), cfg.training, world.world_size)
+
+
+def _from_rank_zero(world: World, value):
+    """Rank 0's ``value`` on every rank (the checkpoint it resolved to resume from)."""
+    if not world.distributed:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shape_note(cfg: HoneConfig, stats) -> str | None:

@@ -23,7 +23,12 @@ model: one list, read top to bottom):
    memory budget instead (set around each micro-batch by its step context).
 5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
-6. (later: context parallelism, then FSDP2 sharding, which must see the final modules.)
+6. (later: context parallelism.)
+7. ``ddp`` -- data parallelism over several processes (``distributed.strategy``: ddp, or auto
+   when the training state fits one device): DistributedDataParallel around the module the loop
+   calls per micro-batch, gradients summed across ranks. It wraps whatever the steps above
+   made (compiled, checkpointed, adapted layers), so it comes last. FSDP2 sharding
+   (``fsdp``) takes the same slot: one of the two runs on a world of several processes.
 
 The applied list is printed and written to ``optimizations.json`` in the run directory,
 together with what was skipped and why, and the compile counts once training ends.
@@ -40,7 +45,8 @@ from torch import nn
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.transforms import compile as compile_transform
-from hone.transforms.base import RunFacts, RunHooks, Stage, Transform
+from hone.transforms.base import RunFacts, RunHooks, Stage, StepModule, Transform
+from hone.transforms.data_parallel import DDP, resolve_strategy
 from hone.transforms.inductor import configure_cache_dir
 
 __all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
@@ -285,7 +291,14 @@ COMPILE = Transform(
 )
 
 #: Every transform, in the order they are applied (see the module docstring for why).
-TRANSFORMS: tuple[Transform, ...] = (ATTENTION, LOSS, CHECKPOINTING, COMPILE)
+TRANSFORMS: tuple[Transform, ...] = (
+    ATTENTION,
+    LOSS,
+    CHECKPOINTING,
+    COMPILE,
+    # data parallelism, last: it wraps the final modules. FSDP2 (``fsdp``) goes here, beside DDP.
+    DDP,
+)
 
 
 # ---------------------------------------------------------------- planning and applying
@@ -315,8 +328,8 @@ class Plan:
 
     def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""
-        loss_fn = layout = None
-        step_contexts, after_step, state_dict = [], [], []
+        loss_fn = layout = checkpoint_io = None
+        step_contexts, after_step, state_dict, step_wrappers = [], [], [], []
         for transform in self.transforms:
             if transform.loss is not None:
                 if loss_fn is not None:
@@ -333,9 +346,30 @@ class Plan:
                 after_step.append(lambda hook=hook: hook(model))
             if transform.state_dict_hooks is not None:
                 state_dict.append(transform.state_dict_hooks(cfg, facts))
+            if transform.wrap_step is not None:  # applied in the loop; what is known now goes on record
+                self._record(transform, _world_details(facts))
+                step_wrappers.append(lambda step, t=transform: self._wrap(t, step, cfg, facts))
+            if transform.checkpoint_io is not None:
+                if checkpoint_io is not None:
+                    raise PlanError(f"two transforms write the checkpoints ({transform.name} and an earlier one)")
+                checkpoint_io = transform.checkpoint_io(cfg, facts)
         if loss_fn is None or layout is None:
             raise PlanError("the plan has no loss or no attention transform; hone's own TRANSFORMS always do")
-        return RunHooks(loss_fn=loss_fn, layout=layout, step_contexts=step_contexts, after_step=after_step, state_dict=state_dict)
+        return RunHooks(
+            loss_fn=loss_fn,
+            layout=layout,
+            step_contexts=step_contexts,
+            after_step=after_step,
+            state_dict=state_dict,
+            step_wrappers=step_wrappers,
+            checkpoint_io=checkpoint_io,
+        )
+
+    def _wrap(self, transform: Transform, step: StepModule, cfg: HoneConfig, facts: RunFacts) -> StepModule:
+        assert transform.wrap_step is not None
+        wrapped, details = transform.wrap_step(step, cfg, facts)
+        self._record(transform, details)
+        return wrapped
 
     def _record(self, transform: Transform, details: dict[str, Any]) -> Applied:
         for item in self.applied:
@@ -361,6 +395,13 @@ class Plan:
         return text
 
 
+def _world_details(facts: RunFacts) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    return {"processes": facts.world.world_size, "backend": backend}
+
+
 def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS) -> Plan:
     """The transforms this run applies, in order; raises :class:`PlanError` with every problem."""
     chosen, skipped, problems = [], [], []
@@ -372,6 +413,12 @@ def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Trans
             continue
         problems += transform.check(cfg, facts)
         chosen.append(transform)
+    if facts.world.distributed and not any(t.wrap_step is not None for t in chosen):
+        strategy, why = resolve_strategy(cfg, facts)
+        problems.append(
+            f"distributed.strategy: {cfg.distributed.strategy} resolves to {strategy!r} on {facts.world.world_size} "
+            f"processes ({why}), and no transform of this hone provides it; allowed here: ddp"
+        )
     names = {t.name for t in chosen}
     for transform in chosen:
         clash = sorted(names & set(transform.conflicts))

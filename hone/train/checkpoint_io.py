@@ -1,0 +1,101 @@
+"""Who writes and reads checkpoints and the final outputs when a run has several processes.
+
+The loop talks to a :class:`CheckpointIO`; the plan may supply one (``Transform.checkpoint_io``:
+FSDP2's sharded weights go through Distributed Checkpoint), else :class:`RankZeroCheckpoints`
+does what replicas need: every rank holds the same weights and optimizer state (DDP), so rank 0
+writes the ordinary checkpoint (:mod:`hone.train.checkpoint`) while the others wait at the
+agreement after it (none runs ahead into the next step, a failed save stops all of them with its
+message), and on resume every rank reads the same files.
+
+The data position in ``trainer_state.json`` is global (see :mod:`hone.train.batches`), so a
+checkpoint resumes on any number of processes.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from hone.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
+from hone.train.distributed import SINGLE, World, together
+
+if TYPE_CHECKING:
+    from hone.config.adapter import AdapterConfig
+    from hone.transforms.base import StateDictHooks
+
+
+class CheckpointIO(Protocol):
+    """Saving and loading a run's state; every rank calls each method at the same point."""
+
+    def save(
+        self,
+        output_dir: Path,
+        step: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        state: dict[str, Any],
+        scaler: torch.amp.GradScaler | None,
+        keep: int | None,
+        state_dict_hooks: Sequence["StateDictHooks"],
+    ) -> Path:
+        """Write ``checkpoints/step-<step>`` (complete or not at all); return its path on every rank."""
+        ...
+
+    def load(
+        self,
+        path: Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+        state_dict_hooks: Sequence["StateDictHooks"],
+    ) -> dict[str, Any]:
+        """Restore the state into this rank's objects; return ``trainer_state.json``'s contents."""
+        ...
+
+    def save_final(self, model: torch.nn.Module, tokenizer: Any, final_dir: Path, adapter: "AdapterConfig") -> Path:
+        """Write the final adapter or ``save_pretrained`` model (gathered, by one rank); its path on every rank."""
+        ...
+
+
+class RankZeroCheckpoints:
+    """Replicated weights: rank 0 writes, every rank reads (a world of one: just the files)."""
+
+    def __init__(self, world: World = SINGLE):
+        self.world = world
+
+    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep, state_dict_hooks) -> Path:
+        with together(self.world):
+            if self.world.is_main:
+                save_checkpoint(
+                    output_dir,
+                    step,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    state=state,
+                    keep=keep,
+                    state_dict_hooks=state_dict_hooks,
+                )
+        return checkpoints_root(output_dir) / f"step-{step}"
+
+    def load(self, path, *, model, optimizer, scheduler, scaler, state_dict_hooks) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        with together(self.world):  # a rank that cannot read it stops them all
+            saved = load_checkpoint(
+                path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=state_dict_hooks
+            )
+        return saved
+
+    def save_final(self, model, tokenizer, final_dir, adapter) -> Path:
+        from hone.models.save import save_final
+
+        with together(self.world):
+            if self.world.is_main:
+                save_final(model, tokenizer, final_dir, adapter)
+        return Path(final_dir)

@@ -1,0 +1,154 @@
+"""Data parallelism over the processes ``torchrun`` started: the strategy, and DDP as a transform.
+
+Which strategy a run uses (:func:`resolve_strategy`) is decided once, before the model loads:
+
+- a world of one process: none (nothing to share);
+- ``distributed.strategy: ddp`` / ``fsdp``: as written; ``none`` on several processes is refused
+  (:func:`hone.train.distributed.check_launch`);
+- ``auto`` on several processes: FSDP2 when the training state (weights, gradients, AdamW moments,
+  from :mod:`hone.transforms.estimate` on the meta device) does not fit one device, DDP otherwise.
+  Where the estimate cannot be made (an unusual model), DDP, and the plan says so.
+
+DDP here is PyTorch's ``DistributedDataParallel`` around the loop's per-micro-batch module
+(:class:`hone.transforms.base.StepModule`). Why DDP rather than FSDP2's ``replicate``: DDP is the
+stable public API, its bucketed all-reduce overlaps the backward, and its communication hook is
+the documented place to choose the reduction; ``replicate`` is the composable route FSDP2 runs
+on, but its API is still private in torch 2.x. Two choices make the math exact:
+
+- **Sum, not mean.** Every rank divides its token-loss sum by the *global* token count of the
+  window (all-reduced before the first backward), so the gradient of the whole step is the sum of
+  the ranks' gradients. DDP averages by default; a communication hook (:func:`sum_gradients`)
+  all-reduces with SUM instead, so nothing is rescaled and fp32 results match one process.
+- **One reduction per optimizer step.** Gradient accumulation runs all but the window's last
+  micro-batch under ``no_sync`` (:attr:`StepModule.no_sync`), so gradients are reduced once.
+
+After the reduction every rank holds the same full gradients, so the clipping norm computed
+locally is the global one and every rank takes the same skip/step decision.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hone.config.root import HoneConfig
+from hone.transforms.base import RunFacts, StepModule, Transform
+
+#: The margin a training state must leave on the device for activations, the loss and the
+#: allocator before ``auto`` keeps whole replicas (DDP) rather than sharding (FSDP2).
+FIT_FRACTION = 0.8
+
+
+def resolve_strategy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
+    """(strategy, why): ``none`` on one process, else ``ddp`` or ``fsdp`` (``none`` as written on
+    several processes, which the launch check refuses)."""
+    world = facts.world
+    chosen = cfg.distributed.strategy
+    if not world.distributed:
+        return "none", "one process: no data parallelism"
+    if chosen != "auto":
+        return chosen, f"distributed.strategy: {chosen} ({world.world_size} processes)"
+    state = training_state_bytes(cfg, facts.device.type)
+    if state is None:
+        return "ddp", (
+            f"distributed.strategy: auto on {world.world_size} processes: DDP (the training state of this "
+            "model could not be estimated; set distributed.strategy: fsdp if it does not fit one device)"
+        )
+    budget = _device_budget(facts)
+    gib = 2**30
+    if budget is not None and state > FIT_FRACTION * budget:
+        return "fsdp", (
+            f"distributed.strategy: auto on {world.world_size} processes: FSDP2, the training state "
+            f"(weights, gradients, optimizer) of {state / gib:.1f} GiB does not fit {FIT_FRACTION:.0%} of one "
+            f"device's {budget / gib:.1f} GiB"
+        )
+    room = f" fits {FIT_FRACTION:.0%} of one device's {budget / gib:.1f} GiB" if budget is not None else " is held by every rank"
+    return "ddp", (
+        f"distributed.strategy: auto on {world.world_size} processes: DDP, the training state "
+        f"(weights, gradients, optimizer) of {state / gib:.1f} GiB{room}"
+    )
+
+
+def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
+    """Weights + gradients + AdamW moments of ``cfg``'s run on one device (meta-device estimate);
+    None when the model cannot be built on the meta device."""
+    try:
+        from hone.transforms.estimate import estimate_memory, loss_of
+
+        est = estimate_memory(cfg, checkpointing="full", loss=loss_of(cfg), device=device_type)
+    except Exception:  # noqa: BLE001 -- any failure to estimate means "unknown", never a refusal
+        return None
+    return est.weights + est.trainable_state + est.optimizer
+
+
+def _device_budget(facts: RunFacts) -> int | None:
+    if facts.memory_bytes is not None:
+        return facts.memory_bytes
+    if facts.device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(facts.device).total_memory
+    return None  # CPU processes share the host's memory: DDP
+
+
+def sum_gradients(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce a gradient bucket with SUM (DDP's default divides by
+    the world size; hone's losses are already normalised by the global token count)."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_ddp(step: StepModule, cfg: HoneConfig, facts: RunFacts) -> tuple[StepModule, dict[str, Any]]:
+    """Wrap the per-micro-batch module in ``DistributedDataParallel`` (weights broadcast from
+    rank 0 at construction, so every replica starts identical)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    module: nn.Module = step.module
+    # no buffer broadcast before each forward: a causal LM has no running statistics and its RoPE
+    # tables are the same on every rank (torch >= 2.13 names the switch forward_sync_buffers)
+    takes = inspect.signature(DistributedDataParallel.__init__).parameters
+    buffers = {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
+    ddp = DistributedDataParallel(
+        module,
+        device_ids=None,  # the module is already on this rank's device; micro-batches are too
+        find_unused_parameters=False,  # every trainable weight gets a gradient every micro-batch
+        **buffers,
+    )
+    ddp.register_comm_hook(state=None, hook=sum_gradients)
+    details = {
+        "why": resolve_strategy(cfg, facts)[1],
+        "processes": facts.world.world_size,
+        "backend": dist.get_backend(),
+        "reduction": "sum of gradients (comm hook); losses divided by the global token count",
+        "accumulation": "no_sync on all but the window's last micro-batch",
+    }
+    return StepModule(ddp, no_sync=ddp.no_sync), details
+
+
+def _ddp_why(cfg: HoneConfig, facts: RunFacts) -> str:
+    return resolve_strategy(cfg, facts)[1]
+
+
+def _ddp_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
+    strategy, why = resolve_strategy(cfg, facts)
+    if facts.world.distributed and strategy != "ddp":
+        return why
+    return None
+
+
+def _ddp_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    if not dist.is_available():
+        return ["distributed.strategy: ddp needs torch.distributed, which this PyTorch build lacks"]
+    return []
+
+
+DDP = Transform(
+    name="ddp",
+    switch="distributed.strategy",
+    wanted=lambda cfg, facts: resolve_strategy(cfg, facts)[0] == "ddp",
+    why=_ddp_why,
+    check=_ddp_check,
+    skipped_because=_ddp_skipped,
+    wrap_step=wrap_ddp,
+    label=lambda d: f"ddp ({d['processes']} processes, {d['backend']})" if "processes" in d else "ddp",
+)
