@@ -69,7 +69,8 @@ def evaluate(
             batch = batches(indices).to(device).with_attention(layout)
             if batch.trained_tokens == 0:
                 continue
-            total += micro_batch_loss(model, batch, loss_fn, autocast_dtype).double()
+            loss_sum = hooks.micro_batch_loss(model, batch, autocast_dtype) if hooks is not None else micro_batch_loss(model, batch, loss_fn, autocast_dtype)
+            total += loss_sum.double()
             tokens += batch.trained_tokens
     finally:
         model.train(was_training)

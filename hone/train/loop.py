@@ -53,7 +53,7 @@ from hone.train.collate import MicroBatch
 from hone.transforms.base import RunFacts, RunHooks
 from hone.train.device import peak_memory_gib
 from hone.train.evaluate import evaluate
-from hone.train.loss import micro_batch_loss
+from hone.train.grad_norm import global_grad_norm
 from hone.train.optim import build_optimizer, build_scheduler, make_schedule
 from hone.train.seed import seed_everything
 from hone.train.signals import graceful_stop
@@ -139,7 +139,7 @@ def _window_loss_backward(
     total = None
     for batch in window:
         with hooks.step_context(batch):
-            loss_sum = micro_batch_loss(model, batch, hooks.loss_fn, autocast_dtype)
+            loss_sum = hooks.micro_batch_loss(model, batch, autocast_dtype)
             loss = loss_sum / window_tokens
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
@@ -151,9 +151,7 @@ def _window_loss_backward(
 def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of the gradients (a device tensor), clipping them to ``max_norm`` when it
     is set. Clipping scales by ``min(1, max_norm / norm)`` on the device: no host sync."""
-    if max_norm is None:
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return global_grad_norm(params, max_norm)  # over every rank's shard when FSDP2 shards the gradients
 
 
 def _read_step(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float | None]:

@@ -16,6 +16,8 @@ and then acts through any of these hooks (all optional):
   (activation offload, later context parallelism).
 - ``state_dict_hooks`` -- how its parameters are saved and loaded (quantized or sharded weights).
 - ``after_optimizer_step`` -- e.g. float8 scale updates.
+- ``forward`` -- how one micro-batch's summed token loss is computed from the model, when it is
+  not the plain decoder-then-loss call (FSDP2 drives the model through its root unit's forward).
 
 The planner (:mod:`hone.transforms.planner`) is the one place that orders and applies them;
 code elsewhere reaches a transform only through the plan's :class:`RunHooks`, never by name.
@@ -41,6 +43,11 @@ if TYPE_CHECKING:
 #: trained tokens, a scalar tensor)``. ``head`` is the model's output projection module; targets
 #: are already shifted, -100 where there is no loss.
 LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+#: ``forward(model, batch, loss_fn, autocast_dtype) -> sum of the micro-batch's token losses``:
+#: what :func:`hone.train.loss.micro_batch_loss` computes, for a transform that must drive the
+#: model another way (FSDP2's root unit).
+MicroBatchForward = Callable[[nn.Module, "MicroBatch", LossFn, "torch.dtype | None"], torch.Tensor]
 
 #: ``step_context(batch)`` returns the context manager one micro-batch's forward+backward runs in.
 StepContext = Callable[["MicroBatch"], AbstractContextManager]
@@ -103,6 +110,8 @@ class Transform:
     step_context: Callable[[nn.Module, HoneConfig, RunFacts], StepContext] | None = None
     state_dict_hooks: Callable[[HoneConfig, RunFacts], StateDictHooks] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
+    forward: Callable[[nn.Module, HoneConfig, RunFacts], MicroBatchForward] | None = None
+    """The micro-batch loss computation for the ready model (at most one transform supplies it)."""
     why: Callable[[HoneConfig, RunFacts], str] | None = None
     """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
@@ -121,6 +130,16 @@ class RunHooks:
     step_contexts: list[StepContext] = field(default_factory=list)
     after_step: list[Callable[[], None]] = field(default_factory=list)
     state_dict: list[StateDictHooks] = field(default_factory=list)
+    forward: MicroBatchForward | None = None
+    """None: the plain decoder-then-loss call (:func:`hone.train.loss.micro_batch_loss`)."""
+
+    def micro_batch_loss(self, model: nn.Module, batch: "MicroBatch", autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The summed token loss of one micro-batch, the way the plan computes it."""
+        if self.forward is not None:
+            return self.forward(model, batch, self.loss_fn, autocast_dtype)
+        from hone.train.loss import micro_batch_loss
+
+        return micro_batch_loss(model, batch, self.loss_fn, autocast_dtype)
 
     def step_context(self, batch: "MicroBatch") -> ExitStack:
         """Every transform's context for one micro-batch's forward and backward, entered in plan order."""

@@ -23,7 +23,11 @@ model: one list, read top to bottom):
    memory budget instead (set around each micro-batch by its step context).
 5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
-6. (later: context parallelism, then FSDP2 sharding, which must see the final modules.)
+6. (later: context parallelism.)
+7. ``fsdp`` (adapted model, several processes) -- FSDP2 ``fully_shard`` of each decoder layer,
+   then of the root unit the loop drives the model through (:mod:`hone.transforms.fsdp`). It
+   must see the final modules: each layer is compiled in place first, then sharded (the order
+   of torchtitan's ``parallelize``), and the checkpointing wrapper calls the sharded layer.
 
 The applied list is printed and written to ``optimizations.json`` in the run directory,
 together with what was skipped and why, and the compile counts once training ends.
@@ -282,8 +286,54 @@ COMPILE = Transform(
     label=_compile_label,
 )
 
+# ---------------------------------------------------------------- 7. FSDP2
+
+
+def _fsdp_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.transforms.fsdp import apply_fsdp
+
+    return apply_fsdp(model, cfg, facts)
+
+
+def _fsdp_forward(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
+    from hone.transforms.fsdp import fsdp_forward
+
+    return fsdp_forward(model, cfg, facts)
+
+
+def _fsdp_label(details: dict[str, Any]) -> str:
+    from hone.transforms.fsdp import fsdp_label
+
+    return fsdp_label(details)
+
+
+def _fsdp_why(cfg: HoneConfig, facts: RunFacts) -> str:
+    from hone.transforms.fsdp import choose_strategy
+
+    return choose_strategy(cfg, facts)[1]
+
+
+FSDP = Transform(
+    name="fsdp",
+    switch="distributed.strategy",
+    wanted=lambda cfg, facts: _fsdp_module().fsdp_wanted(cfg, facts),
+    check=lambda cfg, facts: _fsdp_module().fsdp_problems(cfg, facts),
+    skipped_because=lambda cfg, facts: _fsdp_module().fsdp_skipped_because(cfg, facts),
+    why=_fsdp_why,
+    model=_fsdp_apply,
+    forward=_fsdp_forward,
+    label=_fsdp_label,
+)
+
+
+def _fsdp_module():
+    from hone.transforms import fsdp
+
+    return fsdp
+
+
 #: Every transform, in the order they are applied (see the module docstring for why).
-TRANSFORMS: tuple[Transform, ...] = (ATTENTION, LOSS, CHECKPOINTING, COMPILE)
+TRANSFORMS: tuple[Transform, ...] = (ATTENTION, LOSS, CHECKPOINTING, COMPILE, FSDP)
 
 
 # ---------------------------------------------------------------- planning and applying
@@ -313,7 +363,7 @@ class Plan:
 
     def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""
-        loss_fn = layout = None
+        loss_fn = layout = forward = None
         step_contexts, after_step, state_dict = [], [], []
         for transform in self.transforms:
             if transform.loss is not None:
@@ -331,9 +381,15 @@ class Plan:
                 after_step.append(lambda hook=hook: hook(model))
             if transform.state_dict_hooks is not None:
                 state_dict.append(transform.state_dict_hooks(cfg, facts))
+            if transform.forward is not None:
+                if forward is not None:
+                    raise PlanError(f"two transforms supply the micro-batch forward ({transform.name} and an earlier one)")
+                forward = transform.forward(model, cfg, facts)
         if loss_fn is None or layout is None:
             raise PlanError("the plan has no loss or no attention transform; hone's own TRANSFORMS always do")
-        return RunHooks(loss_fn=loss_fn, layout=layout, step_contexts=step_contexts, after_step=after_step, state_dict=state_dict)
+        return RunHooks(
+            loss_fn=loss_fn, layout=layout, step_contexts=step_contexts, after_step=after_step, state_dict=state_dict, forward=forward
+        )
 
     def _record(self, transform: Transform, details: dict[str, Any]) -> Applied:
         for item in self.applied:
