@@ -31,7 +31,8 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
     try:
         fn(rank, *args)
     finally:
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         close_world()
 
 
