@@ -115,3 +115,49 @@ def test_resume_one_rank_on_two(tmp_path):
     for name, value in one["weights"].items():
         err = ((resumed["weights"][name] - value).abs().max() / value.abs().max()).item()
         assert err < 1e-5, name
+
+
+def _save_final(rank: int, tmp, preset: str, adapter: str, out_dir, out) -> None:
+    from hone.config.adapter import AdapterConfig
+    from hone.models.save import save_final_sharded
+    from hone.train.distributed import world_from_env
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    cfg = _cfg(tmp, adapter, {})
+    facts = RunFacts(torch.device("cpu"), world=world_from_env())
+    model = _model(preset, adapter)
+    plan = plan_optimizations(cfg, facts)
+    plan.apply(model, "adapted", cfg, facts)
+    adapter_cfg = cfg.adapter if adapter != "lora" else AdapterConfig(type="lora", lora_r=4, lora_target_modules="all-linear")
+    save_final_sharded(model, None, out_dir, adapter_cfg, is_main=rank == 0)
+    weights = {n: full(p) for n, p in model.named_parameters()}
+    if rank == 0:
+        save(weights, out)
+
+
+@pytest.mark.parametrize("preset,adapter", [("tiny-llama", "lora"), ("tiny-qwen3", "none")])
+def test_final_output_gathered_by_rank0(tmp_path, preset, adapter):
+    """The sharded model's final output loads where users load it (PeftModel.from_pretrained /
+    from_pretrained) and holds exactly the sharded weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hone.testing import tiny_model, tiny_tokenizer
+
+    out_dir, out = tmp_path / "final", tmp_path / "weights.pt"
+    spawn(_save_final, 2, tmp_path, preset, adapter, out_dir, out)
+    sharded = torch.load(out)
+    if adapter == "lora":
+        assert (out_dir / "adapter_model.safetensors").is_file() and (out_dir / "adapter_config.json").is_file()
+        loaded = PeftModel.from_pretrained(tiny_model(preset, tiny_tokenizer(), seed=3), str(out_dir))
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(str(out_dir))
+    names = dict(loaded.named_parameters())
+    checked = 0
+    for name, value in sharded.items():
+        key = name if name in names else name.replace(".default.", ".")
+        if "lora_" in name or adapter != "lora":
+            assert torch.equal(names[key].detach(), value), name
+            checked += 1
+    assert checked > 0
