@@ -27,6 +27,11 @@ plot) comes from the ``metrics.jsonl`` of the run the checkpoint belongs to, tru
 checkpoint's step (:func:`resume_history`); ``trainer_state.json`` keeps only the eval rows
 (one per eval, not one per logged step), for a checkpoint moved away from its run.
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code.
+
+A model sharded by FSDP2 saves and loads through :mod:`hone.train.sharded_checkpoint` (same
+layout and marker, weights and optimizer as a DCP directory); :func:`save_checkpoint` and
+:func:`load_checkpoint` pick the right one, so the loop calls them the same way. A one-process
+checkpoint resumes on several ranks, a sharded one on any number.
 """
 
 import json
@@ -172,6 +177,13 @@ def restore_rng(state: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- saving
 
 
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` (its parameters are DTensors): its checkpoints are DCP's."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
@@ -224,6 +236,12 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``.
     ``state_dict_hooks`` (the plan's) map the trainable weights on their way to the file."""
+    if _is_sharded(model):  # FSDP2: every rank writes its shards (hone.train.sharded_checkpoint)
+        from hone.train.sharded_checkpoint import save_sharded_checkpoint
+
+        if any(h.save is not None for h in state_dict_hooks):
+            raise CheckpointSaveError(f"cannot save checkpoint step-{step}: a sharded model's weights cannot go through a transform's state-dict hooks yet")
+        return save_sharded_checkpoint(output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state, keep=keep)
     root = checkpoints_root(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
@@ -347,6 +365,14 @@ def load_checkpoint(
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
+    from hone.train.sharded_checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):  # written by sharded ranks; DCP reshards for this world
+        return load_sharded_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    if _is_sharded(model):  # a one-process checkpoint resumed on several ranks
+        from hone.train.sharded_checkpoint import load_full_checkpoint_sharded
+
+        return load_full_checkpoint_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)
     state = read_trainer_state(path)
     try:
         weights = load_file(str(path / WEIGHTS_FILE))

@@ -178,3 +178,43 @@ def load_sharded_checkpoint(
         rng = path / "rng-rank0.pt"
     restore_rng(torch.load(rng, map_location="cpu", weights_only=True))
     return state
+
+
+def load_full_checkpoint_sharded(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Resume a sharded model from a one-process checkpoint (``trainable.safetensors`` +
+    ``optimizer.pt``): every rank reads the whole files and keeps its shards.
+
+    ``optimizer.pt`` numbers the parameters in the order the optimizer was built; hone builds
+    it in the same order on every world size, so the numbers map to this optimizer's parameter
+    names, which is how torch's full optimizer state dict is keyed."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from hone.train.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
+
+    state = read_trainer_state(path)
+    weights = load_file(str(path / WEIGHTS_FILE))
+    saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
+        raise CheckpointError(f"checkpoint {path} does not fit this run's optimizer (another model or adapter?)")
+    by_index = dict(enumerate(order))
+    optim_sd = {
+        "state": {by_index[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    try:
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=options)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot resume from {path}: {exc}") from None
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
+    return state

@@ -15,9 +15,9 @@ from test_fsdp_grads import _cfg, _model, _window
 PRESET, ADAPTER, STEPS, SAVE_AT = "tiny-qwen3", "none", 4, 2
 
 
-def _train(rank: int, tmp, run_dir, resume, out) -> None:
+def _train(rank: int, tmp, run_dir, resume, out, fmt: str = "auto") -> None:
     from hone.testing import run_hooks
-    from hone.train.checkpoint import latest_checkpoint
+    from hone.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from hone.train.distributed import world_from_env
     from hone.train.grad_norm import global_grad_norm
     from hone.train.optim import build_optimizer, build_scheduler
@@ -41,7 +41,7 @@ def _train(rank: int, tmp, run_dir, resume, out) -> None:
     scheduler = build_scheduler(optimizer, cfg.optimizer, STEPS)
     start = 0
     if resume is not None:
-        start = load_sharded_checkpoint(latest_checkpoint(resume), model=model, optimizer=optimizer, scheduler=scheduler)["step"]
+        start = load_checkpoint(latest_checkpoint(resume), model=model, optimizer=optimizer, scheduler=scheduler)["step"]
     losses = []
     for step in range(start, STEPS):
         window = _window(step)
@@ -60,15 +60,18 @@ def _train(rank: int, tmp, run_dir, resume, out) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if step + 1 == SAVE_AT and resume is None:
-            save_sharded_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, state={"step": step + 1})
+            # "auto": the loop's save_checkpoint (DCP when the model is sharded, the one-process
+            # format otherwise); "dcp": a one-process run writing DCP
+            save = save_sharded_checkpoint if fmt == "dcp" else save_checkpoint
+            save(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, state={"step": step + 1})
     weights = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
     if world.rank == 0:
-        save({"losses": losses, "weights": weights}, out)
+        torch.save({"losses": losses, "weights": weights}, out)
 
 
-def _run(tmp, world: int, run_dir, resume=None):
+def _run(tmp, world: int, run_dir, resume=None, fmt: str = "auto"):
     out = tmp / f"out-{world}-{'resumed' if resume else 'fresh'}-{run_dir.name}.pt"
-    spawn(_train, world, tmp, run_dir, resume, out)
+    spawn(_train, world, tmp, run_dir, resume, out, fmt)
     return torch.load(out)
 
 
@@ -79,7 +82,7 @@ def two_rank_run(tmp_path_factory):
 
 
 def test_checkpoint_is_atomic_and_complete(two_rank_run):
-    from hone.train.checkpoint import latest_checkpoint
+    from hone.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from hone.train.sharded_checkpoint import is_sharded_checkpoint
 
     _, run_dir, _ = two_rank_run
@@ -107,8 +110,14 @@ def test_resume_two_ranks_on_one(two_rank_run):
         assert err < 1e-5, name
 
 
-def test_resume_one_rank_on_two(tmp_path):
-    one = _run(tmp_path, 1, tmp_path / "run1")
+@pytest.mark.parametrize("fmt", ["dcp", "auto"])
+def test_resume_one_rank_on_two(tmp_path, fmt):
+    """A one-process run's checkpoint, as DCP or in the one-process format, resumes on 2 ranks."""
+    from hone.train.checkpoint import latest_checkpoint
+    from hone.train.sharded_checkpoint import is_sharded_checkpoint
+
+    one = _run(tmp_path, 1, tmp_path / "run1", fmt=fmt)
+    assert is_sharded_checkpoint(latest_checkpoint(tmp_path / "run1")) == (fmt == "dcp")
     resumed = _run(tmp_path, 2, tmp_path / "run1", resume=tmp_path / "run1")
     for a, b in zip(resumed["losses"], one["losses"][SAVE_AT:]):
         assert math.isclose(a, b, rel_tol=1e-5)
