@@ -50,3 +50,19 @@ def test_rank_rows_merge_and_scale():
     ]
     add_scaling(rows)
     assert rows[1]["scaling"] == 1.95 and rows[1]["scaling_vs"] == "one"
+
+
+def test_table_shows_gpus_per_gpu_throughput_and_scaling():
+    from hone.bench.report import markdown_table, summarise
+
+    spec = parse_spec(SPEC)
+    base = {"status": "ok", "median_ms": 100.0, "min_ms": 99.0, "max_ms": 101.0, "first_step_s": 1.0, "tokens_per_s": 1000.0,
+            "trained_tokens_per_s": 1000.0, "peak_alloc_gib": 10.0, "mfu_pct": 40.0, "final_loss": 5.0}
+    rows = [
+        {**base, "condition": "one", "nproc": 1},
+        {**base, "condition": "two", "nproc": 2, "tokens_per_s": 1950.0, "tokens_per_s_per_gpu": 975.0, "scaling": 1.95},
+    ]
+    table = markdown_table(spec, summarise(spec, rows))
+    assert "| last loss | GPUs | tok/s per GPU | scaling vs 1 GPU |" in table
+    two = next(line for line in table.splitlines() if line.startswith("| two"))
+    assert two.endswith("| 2 | 975 | 1.95x |")
