@@ -22,9 +22,14 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterC
 
     LoRA: a PEFT adapter directory (``PeftModel.from_pretrained(base, out_dir)`` loads it).
     Full fine-tune: a save_pretrained model directory. Both get the tokenizer, so generation
-    needs nothing else from the run.
+    needs nothing else from the run. A model sharded by FSDP2 is gathered once and written by
+    rank 0 (:func:`save_final_sharded`): then every rank must call this.
     """
     model = unwrap_compiled(model)
+    if _is_sharded(model):  # FSDP2: every rank must call this; rank 0 writes
+        import torch.distributed as dist
+
+        return save_final_sharded(model, tokenizer, out_dir, adapter_cfg, is_main=dist.get_rank() == 0)
     if adapter_cfg.is_lora != isinstance(model, PeftModel):
         raise ModelError(
             f"save_final: adapter.type is '{adapter_cfg.type}' but the model is "
@@ -128,3 +133,9 @@ def save_final_sharded(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out_dir
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -128,7 +128,7 @@ def test_resume_one_rank_on_two(tmp_path, fmt):
 
 def _save_final(rank: int, tmp, preset: str, adapter: str, out_dir, out) -> None:
     from hone.config.adapter import AdapterConfig
-    from hone.models.save import save_final_sharded
+    from hone.models.save import save_final
     from hone.train.distributed import world_from_env
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import plan_optimizations
@@ -139,7 +139,7 @@ def _save_final(rank: int, tmp, preset: str, adapter: str, out_dir, out) -> None
     plan = plan_optimizations(cfg, facts)
     plan.apply(model, "adapted", cfg, facts)
     adapter_cfg = cfg.adapter if adapter != "lora" else AdapterConfig(type="lora", lora_r=4, lora_target_modules="all-linear")
-    save_final_sharded(model, None, out_dir, adapter_cfg, is_main=rank == 0)
+    save_final(model, None, out_dir, adapter_cfg)  # every rank calls it; it gathers, rank 0 writes
     weights = {n: full(p) for n, p in model.named_parameters()}
     if rank == 0:
         save(weights, out)
