@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hone.atomic import fsync_path
-from hone.train.checkpoint import (
+from hone.train.checkpoint_layout import (
     COMPLETE,
     SCHEDULER_FILE,
     STATE_FILE,
@@ -196,7 +196,7 @@ def load_full_checkpoint_sharded(
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from hone.train.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE
+    from hone.train.checkpoint_layout import OPTIMIZER_FILE, RNG_FILE, WEIGHTS_FILE
 
     state = read_trainer_state(path)
     weights = load_file(str(path / WEIGHTS_FILE))
@@ -216,5 +216,5 @@ def load_full_checkpoint_sharded(
     except (KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot resume from {path}: {exc}") from None
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
-    restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
+    restore_rng(torch.load(path / RNG_FILE, map_location="cpu", weights_only=True))
     return state
