@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hone.bench.spec import BenchSpec
+from hone.bench.spec import BenchSpec, Condition
+from hone.errors import HoneError
 
 _TAIL = 1500
 
@@ -28,9 +29,65 @@ def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
     return "error", last[:300]
 
 
+class BenchNprocError(HoneError):
+    """A condition asks for more processes than this machine has GPUs."""
+
+
+def check_nproc(spec: BenchSpec, gpus: int | None = None) -> None:
+    """Refuse, before anything runs, a condition whose ``nproc`` exceeds the visible GPUs."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    for condition in spec.conditions:
+        if condition.nproc > 1 and condition.nproc > gpus:
+            raise BenchNprocError(
+                f"condition '{condition.name}': nproc: {condition.nproc} needs {condition.nproc} GPUs, but "
+                f"{gpus} {'is' if gpus == 1 else 'are'} visible (CUDA_VISIBLE_DEVICES); use nproc <= {gpus}"
+            )
+
+
+def worker_command(spec_file: Path, condition: Condition, replicate: int, result_file: Path) -> list[str]:
+    """One process, or ``torchrun --standalone --nproc-per-node N`` of the same worker."""
+    args = ["-m", "hone.bench.worker", str(spec_file), condition.name, str(replicate), str(result_file)]
+    if condition.nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={condition.nproc}", *args]
+
+
+def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from every rank's: the slowest rank's step times (the step waits for it), total
+    tok/s summed over ranks and per GPU, the fullest rank's peak memory."""
+    slowest = max(rows, key=lambda r: r["median_ms"])
+    merged = dict(slowest)
+    merged["nproc"] = len(rows)
+    for key in ("tokens_per_s", "trained_tokens_per_s"):
+        merged[key] = round(sum(r[key] for r in rows), 1)
+        merged[f"{key}_per_gpu"] = round(merged[key] / len(rows), 1)
+    for key in ("peak_alloc_gib", "peak_reserved_gib"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        merged[key] = max(values) if values else None
+    merged["peak_alloc_gib_per_rank"] = [r.get("peak_alloc_gib") for r in rows]
+    return merged
+
+
+def add_scaling(rows: list[dict[str, Any]]) -> None:
+    """``scaling``: a multi-process row's total tok/s over the one-process hone row with the same
+    overrides (else the spec's first one-process hone row)."""
+    singles = [r for r in rows if r.get("status") == "ok" and r.get("kind") == "hone" and r.get("nproc", 1) == 1]
+    for row in rows:
+        if row.get("status") != "ok" or row.get("nproc", 1) == 1 or not singles:
+            continue
+        same = [r for r in singles if r.get("set") == row.get("set_without_nproc")]
+        base = (same or singles)[0]
+        row["scaling"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row["scaling_vs"] = base["condition"]
+
+
 def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, workdir: Path) -> dict[str, Any]:
     result_file = workdir / f"result-{abs(hash((condition, replicate)))}.json"
-    cmd = [sys.executable, "-m", "hone.bench.worker", str(spec_file), condition, str(replicate), str(result_file)]
+    chosen = next(c for c in spec.conditions if c.name == condition)
+    cmd = worker_command(spec_file, chosen, replicate, result_file)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     row: dict[str, Any] = {"spec": spec.name, "condition": condition, "replicate": replicate}
@@ -44,11 +101,17 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         row["wall_s"] = round(time.perf_counter() - started, 1)
         return row
     row["wall_s"] = round(time.perf_counter() - started, 1)
-    if proc.returncode == 0 and result_file.exists():
-        row.update(json.loads(result_file.read_text()), status="ok")
-    else:
-        status, reason = classify_failure(proc.returncode, proc.stderr)
-        row.update(status=status, error=reason, log_tail=proc.stderr[-_TAIL:])
+    if chosen.nproc > 1:
+        rank_files = [result_file.with_name(f"{result_file.stem}.rank{r}.json") for r in range(chosen.nproc)]
+        if proc.returncode == 0 and all(f.exists() for f in rank_files):
+            row.update(merge_ranks([json.loads(f.read_text()) for f in rank_files]), status="ok")
+            row["set"], row["set_without_nproc"] = chosen.set, chosen.set
+            return row
+    elif proc.returncode == 0 and result_file.exists():
+        row.update(json.loads(result_file.read_text()), status="ok", nproc=1, set=chosen.set)
+        return row
+    status, reason = classify_failure(proc.returncode, proc.stderr)
+    row.update(status=status, error=reason, log_tail=proc.stderr[-_TAIL:])
     return row
 
 
@@ -72,6 +135,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
     """Run the whole spec; rows are appended to ``out_dir/results.jsonl`` as they finish."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
+    check_nproc(spec)
     env = environment()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
@@ -87,4 +151,5 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
                     f.write(json.dumps(row) + "\n")
                 if on_row is not None:
                     on_row(row)
+    add_scaling(rows)
     return rows

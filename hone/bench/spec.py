@@ -80,6 +80,11 @@ class Condition(Section):
     set: dict[str, Any] = Field(default_factory=dict)
     """hone only: config overrides as dotted keys, e.g. ``memory.activation_checkpointing: full``."""
 
+    nproc: int = Field(1, ge=1)
+    """hone only: processes (GPUs of this host) the row trains on, started by torchrun; the row
+    reports per-GPU and total tok/s, the peak memory of the fullest rank, and its scaling against
+    the spec's one-process hone row."""
+
     compile_cache: Literal["cold", "shared"] = "cold"
     """Inductor's cache for this row: ``cold`` starts from an empty directory (the first-step
     time is a true cold start); ``shared`` uses one directory for all ``shared`` rows of this
@@ -92,6 +97,8 @@ class Condition(Section):
                 f"condition '{self.name}': gradient_checkpointing/compile are reference options; "
                 "for hone use set: {memory.activation_checkpointing: full}"
             )
+        if self.reference is not None and self.nproc > 1:
+            raise ValueError(f"condition '{self.name}': nproc applies to hone conditions, not to the reference")
         if self.reference is not None and self.set:
             raise ValueError(f"condition '{self.name}': 'set' applies to hone conditions, not to the reference")
         return self

@@ -121,7 +121,7 @@ def _trained_bins_efficiency(cache: Path) -> float | None:
     return packing.efficiency if packing is not None else None
 
 
-def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict[str, Any]:
+def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_size: int = 1) -> dict[str, Any]:
     """Run one row and return its measurements (raises on failure; the harness records it)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = spec.workload
@@ -161,7 +161,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int) -> dict
                 lengths = write_length_mix(data_file, w, id_limit, spec.seed)
                 attention_len = attention_span(lengths)
             else:
-                _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, cpu))
+                _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu))  # every rank reads its own part
             cfg = _hone_config(spec, condition, workdir, data_file)
             estimated_gib = _estimated_peak_gib(cfg, device)
             if device.type == "cuda":
@@ -250,9 +250,16 @@ def main(argv: list[str]) -> int:
     cache = compile_cache_dir(condition, Path(spec_file))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     os.environ.pop("TRITON_CACHE_DIR", None)  # Triton's kernels then live under the same directory
+    from hone.train.distributed import close_world, init_world, world_from_env
+
+    world = world_from_env()  # torchrun's, for an nproc > 1 condition
+    if world.distributed:
+        init_world("cuda" if torch.cuda.is_available() else "cpu")
+        result_file = str(Path(result_file).with_name(f"{Path(result_file).stem}.rank{world.rank}.json"))
     try:
-        row = run_condition(spec, condition, int(replicate))
+        row = run_condition(spec, condition, int(replicate), world.world_size)
     finally:
+        close_world()
         if condition.compile_cache == "cold":
             import shutil
 

@@ -22,9 +22,14 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterC
 
     LoRA: a PEFT adapter directory (``PeftModel.from_pretrained(base, out_dir)`` loads it).
     Full fine-tune: a save_pretrained model directory. Both get the tokenizer, so generation
-    needs nothing else from the run.
+    needs nothing else from the run. A model sharded by FSDP2 is gathered once and written by
+    rank 0 (:func:`save_final_sharded`): then every rank must call this.
     """
     model = unwrap_compiled(model)
+    if _is_sharded(model):  # FSDP2: every rank must call this; rank 0 writes
+        import torch.distributed as dist
+
+        return save_final_sharded(model, tokenizer, out_dir, adapter_cfg, is_main=dist.get_rank() == 0)
     if adapter_cfg.is_lora != isinstance(model, PeftModel):
         raise ModelError(
             f"save_final: adapter.type is '{adapter_cfg.type}' but the model is "
@@ -98,3 +103,39 @@ def load_trainable_state_dict(model: nn.Module, state_dict: dict[str, torch.Tens
                 f"{tuple(param.shape)} (another lora_r or model size?)"
             )
         param.copy_(value.to(param.device, param.dtype))
+
+
+def gathered_state_dict(model: nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state dict of an FSDP2-sharded model, on rank 0's CPU (other ranks
+    get an empty dict). Every rank must call it: the shards are all-gathered one tensor at a
+    time and offloaded to the CPU, so no GPU holds the whole model. ``trainable_only`` (LoRA)
+    gathers just the adapter weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(unwrap_compiled(model), options=options)
+
+
+def save_final_sharded(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig, is_main: bool) -> Path:
+    """:func:`save_final` for an FSDP2-sharded model: the weights are gathered once (all ranks
+    call this), and rank 0 writes the same formats as one process does (a PEFT adapter
+    directory, or a save_pretrained model directory), atomically."""
+    state = gathered_state_dict(model, trainable_only=adapter_cfg.is_lora)
+    out_dir = Path(out_dir)
+    if not is_main:
+        return out_dir
+    model = unwrap_compiled(model)
+    with atomic_directory(out_dir) as tmp:
+        if isinstance(model, PeftModel):
+            model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True, save_embedding_layers=False)
+        else:
+            model.save_pretrained(str(tmp), state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out_dir
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

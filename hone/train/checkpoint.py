@@ -27,23 +27,47 @@ plot) comes from the ``metrics.jsonl`` of the run the checkpoint belongs to, tru
 checkpoint's step (:func:`resume_history`); ``trainer_state.json`` keeps only the eval rows
 (one per eval, not one per logged step), for a checkpoint moved away from its run.
 Every ``.pt`` file is read with ``torch.load(weights_only=True)``: a checkpoint cannot run code.
+
+A model sharded by FSDP2 saves and loads through :mod:`hone.train.sharded_checkpoint` (same
+layout and marker, weights and optimizer as a DCP directory); :func:`save_checkpoint` and
+:func:`load_checkpoint` pick the right one, so the loop calls them the same way. A one-process
+checkpoint resumes on several ranks, a sharded one on any number.
 """
 
 import json
 import os
-import random
-import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from hone.config.training import TrainingConfig
-from hone.errors import HoneError, WriteError
+from hone.errors import HoneError
+from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layout is part of this module's API)
+    CHECKPOINTS_DIR,
+    COMPLETE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    CheckpointSaveError,
+    capture_rng,
+    checkpoints_root,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    read_trainer_state,
+    remove_checkpoints_after,
+    remove_temp_dirs,
+    restore_rng,
+)
 from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
 from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
@@ -51,53 +75,8 @@ from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
 if TYPE_CHECKING:
     from hone.transforms.base import StateDictHooks
 
-CHECKPOINTS_DIR = "checkpoints"
-COMPLETE = "COMPLETE"
-WEIGHTS_FILE = "trainable.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
-SCALER_FILE = "scaler.pt"
-RNG_FILE = "rng.pt"
-STATE_FILE = "trainer_state.json"
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(HoneError):
-    """A checkpoint to resume from is missing, incomplete or unreadable."""
-
-
-class CheckpointSaveError(WriteError):
-    """A checkpoint could not be written (disk full, read-only); earlier ones are untouched."""
-
-
-# ---------------------------------------------------------------- finding checkpoints
-
-
-def checkpoints_root(output_dir: Path) -> Path:
-    return Path(output_dir) / CHECKPOINTS_DIR
-
-
-def is_complete(path: Path) -> bool:
-    return (Path(path) / COMPLETE).is_file()
-
-
-def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, oldest first. Temp and unmarked directories are skipped."""
-    root = checkpoints_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
+# ---------------------------------------------------------------- which checkpoint to resume
 
 
 def resolve_resume(training: TrainingConfig, warn: Callable[[str], None] = print) -> Path | None:
@@ -129,47 +108,14 @@ def resolve_resume(training: TrainingConfig, warn: Callable[[str], None] = print
     return path
 
 
-# ---------------------------------------------------------------- RNG state
-
-
-def capture_rng() -> dict[str, Any]:
-    """Every generator a training step draws from (dropout, any python/numpy randomness)."""
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": [int(k) for k in np_state["state"]["key"]],
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": np_state["bit_generator"],
-            "state": {"key": np.asarray(np_state["key"], dtype=np.uint32), "pos": np_state["pos"]},
-            "has_gauss": np_state["has_gauss"],
-            "gauss": np_state["gauss"],
-        }
-    )
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-
-
 # ---------------------------------------------------------------- saving
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` (its parameters are DTensors): its checkpoints are DCP's."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _fsync_file(path: Path) -> None:
@@ -201,15 +147,6 @@ def _write_marker(directory: Path, step: int) -> None:
     _fsync_file(directory / COMPLETE)
 
 
-def remove_temp_dirs(output_dir: Path) -> None:
-    """Leftovers of saves that crashed half-way (never complete, never resumed from)."""
-    root = checkpoints_root(output_dir)
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.startswith(".tmp-") or child.name.startswith(".old-"):
-                shutil.rmtree(child, ignore_errors=True)
-
-
 def save_checkpoint(
     output_dir: Path,
     step: int,
@@ -224,6 +161,12 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``.
     ``state_dict_hooks`` (the plan's) map the trainable weights on their way to the file."""
+    if _is_sharded(model):  # FSDP2: every rank writes its shards (hone.train.sharded_checkpoint)
+        from hone.train.sharded_checkpoint import save_sharded_checkpoint
+
+        if any(h.save is not None for h in state_dict_hooks):
+            raise CheckpointSaveError(f"cannot save checkpoint step-{step}: a sharded model's weights cannot go through a transform's state-dict hooks yet")
+        return save_sharded_checkpoint(output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state, keep=keep)
     root = checkpoints_root(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
@@ -285,31 +228,6 @@ def _save_failure(output_dir: Path, step: int, exc: BaseException) -> str:
     )
 
 
-def prune_checkpoints(output_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints; returns what was deleted."""
-    found = list_checkpoints(output_dir)
-    doomed = [path for _, path in found[: max(0, len(found) - keep)]]
-    for path in doomed:
-        _remove_checkpoint(path)
-    return doomed
-
-
-def remove_checkpoints_after(output_dir: Path, step: int) -> list[Path]:
-    """Drop checkpoints newer than ``step``: after resuming from ``step`` they belong to an
-    abandoned continuation, and leaving them would make a later ``resume: latest`` jump back
-    onto it (and pruning would keep them over the new ones)."""
-    doomed = [path for s, path in list_checkpoints(output_dir) if s > step]
-    for path in doomed:
-        _remove_checkpoint(path)
-    return doomed
-
-
-def _remove_checkpoint(path: Path) -> None:
-    # Unmark first: if the removal is interrupted, the remains are no longer a checkpoint.
-    (path / COMPLETE).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -320,13 +238,6 @@ def _load_torch(path: Path) -> Any:
         raise CheckpointError(f"checkpoint file missing: {path}") from None
     except Exception as exc:  # corrupt or foreign file
         raise CheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {Path(path) / STATE_FILE}: {exc}") from None
 
 
 def load_checkpoint(
@@ -347,6 +258,14 @@ def load_checkpoint(
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
+    from hone.train.sharded_checkpoint import is_sharded_checkpoint, load_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):  # written by sharded ranks; DCP reshards for this world
+        return load_sharded_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    if _is_sharded(model):  # a one-process checkpoint resumed on several ranks
+        from hone.train.sharded_checkpoint import load_full_checkpoint_sharded
+
+        return load_full_checkpoint_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)
     state = read_trainer_state(path)
     try:
         weights = load_file(str(path / WEIGHTS_FILE))

@@ -62,6 +62,7 @@ from hone.train.distributed import World, current_world
 from hone.transforms.base import RunFacts, RunHooks, StepModule
 from hone.train.device import peak_memory_gib
 from hone.train.evaluate import evaluate
+from hone.train.grad_norm import global_grad_norm
 from hone.train.optim import build_optimizer, build_scheduler, make_schedule
 from hone.train.seed import seed_everything
 from hone.train.signals import graceful_stop
@@ -168,12 +169,7 @@ def _window_loss_backward(
 def _grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of the gradients (a device tensor), clipping them to ``max_norm`` when it
     is set. Clipping scales by ``min(1, max_norm / norm)`` on the device: no host sync."""
-    if max_norm is None:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    # sharded gradients (FSDP2's DTensors) give a DTensor norm, already reduced over the ranks
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return global_grad_norm(params, max_norm)  # over every rank's shard when FSDP2 shards the gradients
 
 
 def _read_step(

@@ -177,9 +177,21 @@ def _run_training(
         console.print(f"note: {cfg.memory.alias_note}", highlight=False, markup=False, soft_wrap=True)
 
     # phase 2: the model, through the plan (the data-parallel wrap happens in the loop)
+    sharded_load = plan.shards_parameters and cfg.model.path is not None
     with together(world):
         seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
-        loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
+        if sharded_load:  # built on the meta device, sharded, then each rank reads only its rows
+            from hone.models.sharded_load import load_model_sharded
+
+            loaded = load_model_sharded(
+                cfg,
+                tokenizer,
+                device,
+                shard=lambda model: plan.apply(model, "adapted", cfg, facts),
+                before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
+            )
+        else:
+            loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
     console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
     console.print(
         f"trainable parameters: {loaded.trainable_params:,} of {loaded.total_params:,} "
@@ -190,7 +202,8 @@ def _run_training(
     )
 
     with together(world):
-        plan.apply(loaded.model, "adapted", cfg, facts)
+        if not sharded_load:  # the sharded loader applied the adapted stage before any weight existed
+            plan.apply(loaded.model, "adapted", cfg, facts)
         hooks = plan.hooks(loaded.model, cfg, facts)
     console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
     if world.is_main:

@@ -134,6 +134,10 @@ class Transform:
     """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
     """The console text of the applied transform from its recorded details (default: the name)."""
+    shards_parameters: bool = False
+    """Its adapted-stage ``model`` hook spreads the parameters over the ranks (FSDP2): such a plan
+    can be applied to a model built on the meta device, before its weights are read, so that no
+    rank ever holds the whole model (:mod:`hone.models.sharded_load`)."""
 
     def describe(self, details: dict[str, Any]) -> str:
         return self.label(details) if self.label is not None else self.name

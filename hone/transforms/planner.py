@@ -24,11 +24,13 @@ model: one list, read top to bottom):
 5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
 6. (later: context parallelism.)
-7. ``ddp`` -- data parallelism over several processes (``distributed.strategy``: ddp, or auto
-   when the training state fits one device): DistributedDataParallel around the module the loop
-   calls per micro-batch, gradients summed across ranks. It wraps whatever the steps above
-   made (compiled, checkpointed, adapted layers), so it comes last. FSDP2 sharding
-   (``fsdp``) takes the same slot: one of the two runs on a world of several processes.
+7. ``ddp`` / ``fsdp`` -- data parallelism over several processes (``distributed.strategy``; one
+   of the two on a world of several processes, :func:`hone.transforms.data_parallel.resolve_strategy`).
+   ``ddp``: DistributedDataParallel around the module the loop calls per micro-batch, gradients
+   summed across ranks. ``fsdp``: FSDP2 ``fully_shard`` of each decoder layer, then of that
+   per-micro-batch module as the root unit (:mod:`hone.transforms.fsdp`). Both must see the
+   final modules: each layer is compiled in place first, then sharded (the order of torchtitan's
+   ``parallelize``), and the checkpointing wrapper calls the sharded layer. So they come last.
 
 The applied list is printed and written to ``optimizations.json`` in the run directory,
 together with what was skipped and why, and the compile counts once training ends.
@@ -290,14 +292,69 @@ COMPILE = Transform(
     label=_compile_label,
 )
 
+# ---------------------------------------------------------------- 7. FSDP2
+
+
+def _fsdp_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.transforms.fsdp import apply_fsdp
+
+    return apply_fsdp(model, cfg, facts)
+
+
+def _fsdp_wrap_step(step: StepModule, cfg: HoneConfig, facts: RunFacts):
+    from hone.transforms.fsdp import wrap_fsdp_step
+
+    return wrap_fsdp_step(step, cfg, facts)
+
+
+def _fsdp_checkpoint_io(cfg: HoneConfig, facts: RunFacts):
+    from hone.transforms.fsdp import ShardedCheckpoints
+
+    return ShardedCheckpoints()
+
+
+def _fsdp_label(details: dict[str, Any]) -> str:
+    from hone.transforms.fsdp import fsdp_label
+
+    return fsdp_label(details)
+
+
+def _fsdp_why(cfg: HoneConfig, facts: RunFacts) -> str:
+    from hone.transforms.data_parallel import resolve_strategy
+
+    return resolve_strategy(cfg, facts)[1]
+
+
+FSDP = Transform(
+    name="fsdp",
+    switch="distributed.strategy",
+    wanted=lambda cfg, facts: _fsdp_module().fsdp_wanted(cfg, facts),
+    check=lambda cfg, facts: _fsdp_module().fsdp_problems(cfg, facts),
+    skipped_because=lambda cfg, facts: _fsdp_module().fsdp_skipped_because(cfg, facts),
+    why=_fsdp_why,
+    model=_fsdp_apply,
+    wrap_step=_fsdp_wrap_step,
+    checkpoint_io=_fsdp_checkpoint_io,
+    shards_parameters=True,
+    label=_fsdp_label,
+)
+
+
+def _fsdp_module():
+    from hone.transforms import fsdp
+
+    return fsdp
+
+
 #: Every transform, in the order they are applied (see the module docstring for why).
 TRANSFORMS: tuple[Transform, ...] = (
     ATTENTION,
     LOSS,
     CHECKPOINTING,
     COMPILE,
-    # data parallelism, last: it wraps the final modules. FSDP2 (``fsdp``) goes here, beside DDP.
+    # data parallelism, last: it wraps the final modules. At most one of the two is on.
     DDP,
+    FSDP,
 )
 
 
@@ -315,6 +372,11 @@ class Plan:
     @property
     def names(self) -> list[str]:
         return [t.name for t in self.transforms]
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether a transform of this plan shards the weights (then the model is loaded sharded)."""
+        return any(t.shards_parameters for t in self.transforms)
 
     def apply(self, model: nn.Module, stage: Stage, cfg: HoneConfig, facts: RunFacts) -> list[Applied]:
         """Run the ``model`` hooks of this ``stage``, in order; records and returns what they did."""

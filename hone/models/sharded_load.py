@@ -1,0 +1,196 @@
+"""Load a big model for FSDP2 without any rank ever holding the whole of it.
+
+The normal loader (:mod:`hone.models.loader`) builds the model on the device and fills every
+weight; on N ranks that is N whole copies before sharding. Here, in order:
+
+1. the base model is built from its config with every *parameter* on the meta device (a
+   parameter-registration hook, torch's public ``register_module_parameter_registration_hook``,
+   moves each one there as it is created). Buffers stay real: RoPE's ``inv_freq`` is computed
+   by the model's own constructor, in float32, exactly as a normal load computes it;
+2. the base-stage transforms run (attention kernel), then the adapter is attached. New adapter
+   weights (LoRA A/B) are drawn on the CPU from the run's seeded stream, as in a normal load;
+   PEFT then moves them next to the base weights (the meta device), so the values are kept as
+   they are drawn (the registration hook holds on to each adapter tensor's storage);
+3. the caller shards the model (the plan's adapted-stage transforms, FSDP2 last) while it is
+   still on the meta device;
+4. ``to_empty`` allocates each rank's shards on the device; the buffers are put back; each rank
+   reads from the safetensors files only the rows of its shards (``safe_open(...).get_slice``),
+   one tensor at a time; the adapter weights are sliced from the values drawn in step 2.
+
+The result equals a normal load sharded afterwards (a CPU test proves it for LoRA and for a
+full fine-tune with tied embeddings). Presets (random weights, no files) load normally.
+"""
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from hone.config import HoneConfig
+from hone.models.adapters import apply_adapter
+from hone.models.errors import ModelError
+from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
+from hone.models.model_dir import check_model_dir, read_causal_lm_config
+from hone.models.precision import precision_for
+
+
+@contextmanager
+def parameters_on_meta(keep: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
+    """Every parameter registered inside the block lands on the meta device.
+
+    With ``keep``, parameters are left where they are created instead and their storage is
+    recorded (``id(module) -> tensor`` under ``"<id>.<name>"``), so values drawn in place later
+    survive a move to the meta device (PEFT moves new adapters next to their base layer)."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    def to_meta(module: nn.Module, name: str, param):
+        if param is None or param.device.type == "meta":
+            return None
+        if keep is not None:
+            keep[f"{id(module)}.{name}"] = param.data
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def checkpoint_key(name: str) -> str:
+    """The safetensors key of a parameter of the (possibly PEFT-wrapped) model."""
+    key = name.removeprefix("base_model.model.")
+    for infix in (".base_layer", ".original_module"):
+        key = key.replace(infix, "")
+    return key.replace(".modules_to_save.default", "")
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """safetensors key -> file, from the index of a sharded save or the single file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {key: path / file for key, file in weight_map.items()}
+    from safetensors import safe_open
+
+    single = path / "model.safetensors"
+    with safe_open(str(single), framework="pt") as f:
+        return {key: single for key in f.keys()}
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's tensor of ``param``, its first row in the whole tensor).
+
+    FSDP2 shards dim 0 as ``torch.chunk`` does: rank ``r`` holds rows ``r * ceil(n / world)``
+    onwards (the last ranks may hold fewer, or none)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    placements = param.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ModelError(f"sharded load: unexpected placement {placements} (hone shards dim 0 on a 1-D mesh)")
+    rows = param.shape[0]
+    chunk = math.ceil(rows / param.device_mesh.size())
+    return param.to_local(), chunk * param.device_mesh.get_local_rank()
+
+
+@torch.no_grad()
+def fill_from_safetensors(model: nn.Module, path: Path, skip: set[str]) -> None:
+    """Copy each rank's rows of every parameter (except ``skip``) from the files in ``path``."""
+    from safetensors import safe_open
+
+    files = weight_files(path)
+    wanted: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    for name, param in model.named_parameters():
+        if name in skip:
+            continue
+        key = checkpoint_key(name)
+        if key not in files:
+            raise ModelError(f"model.path: '{path}' has no tensor '{key}' (for the model's '{name}')")
+        wanted.setdefault(files[key], []).append((name, key, param))
+    for file, entries in wanted.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name, key, param in entries:
+                local, start = local_rows(param)
+                if local.numel() == 0:
+                    continue
+                rows = f.get_slice(key)[start : start + local.shape[0]]
+                if tuple(rows.shape) != tuple(local.shape):
+                    raise ModelError(f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} where the model expects {tuple(local.shape)}")
+                local.copy_(rows)
+
+
+@torch.no_grad()
+def fill_from_full(params: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Copy each rank's rows of ``params`` (whole tensors, by parameter name) into ``model``."""
+    named = dict(model.named_parameters())
+    for name, value in params.items():
+        local, start = local_rows(named[name])
+        if local.numel():
+            local.copy_(value[start : start + local.shape[0]])
+
+
+def load_model_sharded(
+    cfg: HoneConfig,
+    tokenizer,
+    device: torch.device,
+    shard: Callable[[nn.Module], object],
+    before_adapter: Callable[[nn.Module], object] | None = None,
+) -> LoadedModel:
+    """The model of ``cfg.model.path``, adapted and sharded by ``shard`` (the plan's
+    adapted-stage transforms) before any weight is allocated; each rank reads only its rows.
+
+    ``before_adapter(base)`` runs on the meta-device base model (the plan's base stage)."""
+    model_cfg = cfg.model
+    if model_cfg.path is None:
+        raise ModelError("sharded load: model.path is not set (presets load normally: their weights are drawn, not read)")
+    path = Path(model_cfg.path)
+    check_model_dir(path)
+    precision = precision_for(model_cfg.dtype, full_finetune=not cfg.adapter.is_lora)
+    config = read_causal_lm_config(path, model_cfg.trust_remote_code)
+    with parameters_on_meta():
+        base = AutoModelForCausalLM.from_config(
+            config, dtype=precision.weights, attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    check_vocab_fits(base, tokenizer, model_cfg)
+    if before_adapter is not None:
+        before_adapter(base)
+    drawn: dict[str, torch.Tensor] = {}
+    with seeded(seed=cfg.training.seed + 1, device=torch.device("cpu")), parameters_on_meta(keep=drawn):
+        model = apply_adapter(base, cfg.adapter)
+    adapter_values = _adapter_values(model, drawn, precision.weights, precision.trainable)
+    for param in model.parameters():  # the master dtype of trainable weights, still on meta
+        if param.requires_grad and param.dtype != precision.trainable and param.is_floating_point():
+            param.data = param.data.to(precision.trainable)
+    model.train()
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    shard(model)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+    fill_from_safetensors(model, path, skip=set(adapter_values))
+    fill_from_full(adapter_values, model)
+    trainable, total = count_parameters(model)
+    return LoadedModel(model, trainable, total, describe(base, cfg, precision, trainable, total) + " | sharded load", precision)
+
+
+def _adapter_values(model: nn.Module, drawn: dict[str, torch.Tensor], base_dtype: torch.dtype, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Parameter name -> the whole initial value of every weight the adapter created, rounded as
+    a normal load rounds it (PEFT moves new adapters to the base layer's dtype before casting
+    them to float32)."""
+    values = {}
+    for module_name, module in model.named_modules():
+        for name, _ in module.named_parameters(recurse=False):
+            found = drawn.get(f"{id(module)}.{name}")
+            if found is not None:
+                values[f"{module_name}.{name}" if module_name else name] = found.to(base_dtype).to(dtype)
+    return values

@@ -1,0 +1,220 @@
+"""Sharded checkpoints: every rank writes its own shards with torch.distributed.checkpoint (DCP).
+
+The layout is that of :mod:`hone.train.checkpoint` (``checkpoints/step-<N>/`` with a
+``COMPLETE`` marker, found by ``latest_checkpoint``/``is_complete``), with the weights and the
+optimizer as a DCP directory instead of ``trainable.safetensors`` + ``optimizer.pt``:
+
+    dcp/                   model (trainable weights only) and optimizer state, one file per rank
+                           plus DCP's metadata; keys are parameter names (FQNs), never indices
+    scheduler.pt           LambdaLR state (the same on every rank; rank 0 writes it)
+    rng-rank<R>.pt         each rank's generators (dropout streams differ per rank)
+    trainer_state.json     step, data position, counters (rank 0), with ``world_size``
+    COMPLETE               written by rank 0 once every rank has finished writing
+
+Atomic as the single-process save: everything goes into ``.tmp-step-<N>-sharded``; a barrier
+waits for every rank's shards; only then does rank 0 write the marker and rename the directory.
+A run killed mid-save leaves a temp directory that resume never looks at.
+
+Resume on the same world size is exact (weights, moments, RNG, data position). Resume on
+another world size (2 -> 1, 1 -> 2) works because DCP reshards on load: the weights and the
+optimizer moments are exact; what cannot be exact is the random state (a rank's dropout stream
+has no counterpart when the ranks change: each rank takes the saved stream of its own rank
+number, or rank 0's) and anything whose rounding depends on how the gradients are summed
+(reduction order differs, so later steps agree to fp32 rounding, not bitwise). The data
+position is global (the loop's stream), so the same rows follow.
+
+Works on one process too (no process group: DCP writes a single shard), which is how a
+1-process run's checkpoint resumes on 2.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hone.atomic import fsync_path
+from hone.train.checkpoint_layout import (
+    COMPLETE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointSaveError,
+    capture_rng,
+    checkpoints_root,
+    is_complete,
+    prune_checkpoints,
+    read_trainer_state,
+    remove_temp_dirs,
+    restore_rng,
+)
+
+DCP_DIR = "dcp"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world_size() > 1:
+        dist.barrier()
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # frozen base weights come from the model source, as in the single-process checkpoint
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model": trainable weights, "optim": optimizer state}`` keyed by parameter names, each
+    rank's shards as DTensors (what DCP saves and loads in place)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+def save_sharded_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: dict[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Write ``checkpoints/step-<step>`` from every rank (all ranks call it); returns its path.
+
+    Rank 0 owns the directory: it clears leftovers, writes the scheduler, trainer state and the
+    marker, renames and prunes; every rank writes its DCP shard and its RNG state."""
+    import torch.distributed.checkpoint as dcp
+
+    root = checkpoints_root(output_dir)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}-sharded"
+    rank = _rank()
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_temp_dirs(output_dir)
+            tmp.mkdir()
+        _barrier()
+        dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
+        torch.save(capture_rng(), tmp / f"rng-rank{rank}.pt")
+        if rank == 0:
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "world_size": _world_size()}, indent=1), encoding="utf-8")
+        _barrier()  # every rank's shards are on disk
+        if rank == 0:
+            (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": _world_size()}) + "\n", encoding="utf-8")
+            fsync_path(tmp)
+            if final.exists():  # the same step saved before (a re-run after resume): replace it
+                old = root / f".old-step-{step}-{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            fsync_path(root)
+            if keep is not None:
+                prune_checkpoints(output_dir, keep)
+        _barrier()
+    except OSError as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"cannot save sharded checkpoint step-{step} in '{root}' ({exc.strerror or exc}); earlier checkpoints are "
+            "intact. Free some space, then continue with training.resume: latest",
+            getattr(exc, "errno", None),
+        ) from exc
+    return final
+
+
+def load_sharded_checkpoint(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Restore trainable weights, optimizer, scheduler and RNG from a sharded checkpoint, on any
+    world size (DCP reshards); returns its trainer state (with ``world_size`` it was saved on).
+
+    All ranks call it, after the model is sharded and the optimizer built, before the first step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(f"'{path}' is not a sharded checkpoint (no {DCP_DIR}/ directory)")
+    state = read_trainer_state(path)
+    wanted = training_state_dict(model, optimizer)
+    try:
+        dcp.load(wanted, checkpoint_id=str(path / DCP_DIR))
+    except Exception as exc:  # DCP reports missing keys and bad shapes as CheckpointException
+        raise CheckpointError(f"cannot resume from {path}: it does not fit this run's model or optimizer ({exc})") from None
+    set_state_dict(model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"], options=_options())
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    rng = path / f"rng-rank{_rank()}.pt"
+    if not rng.is_file():  # more ranks than the run that saved it: no stream of its own
+        rng = path / "rng-rank0.pt"
+    restore_rng(torch.load(rng, map_location="cpu", weights_only=True))
+    return state
+
+
+def load_full_checkpoint_sharded(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Resume a sharded model from a one-process checkpoint (``trainable.safetensors`` +
+    ``optimizer.pt``): every rank reads the whole files and keeps its shards.
+
+    ``optimizer.pt`` numbers the parameters in the order the optimizer was built; hone builds
+    it in the same order on every world size, so the numbers map to this optimizer's parameter
+    names, which is how torch's full optimizer state dict is keyed."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from hone.train.checkpoint_layout import OPTIMIZER_FILE, RNG_FILE, WEIGHTS_FILE
+
+    state = read_trainer_state(path)
+    weights = load_file(str(path / WEIGHTS_FILE))
+    saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
+        raise CheckpointError(f"checkpoint {path} does not fit this run's optimizer (another model or adapter?)")
+    by_index = dict(enumerate(order))
+    optim_sd = {
+        "state": {by_index[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    try:
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=options)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot resume from {path}: {exc}") from None
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    restore_rng(torch.load(path / RNG_FILE, map_location="cpu", weights_only=True))
+    return state
