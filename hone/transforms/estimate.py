@@ -660,10 +660,16 @@ def longest_sequence(
 
 
 def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
-    """The estimate of the step ``cfg`` runs as written (its checkpointing policy and loss);
+    """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
+    tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory);
     None for ``activation_checkpointing: auto``, whose policy the planner picks later."""
     policy = checkpointing_of(cfg)
     if policy not in POLICIES:
         return None
-    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device)
+    shards = cfg.memory.tiled_mlp_shards
+    if shards is None:
+        from hone.transforms.auto_policy import tiled_mlp_choice
+
+        shards = tiled_mlp_choice(cfg, device).shards
+    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device, tiled_mlp=shards)
 
