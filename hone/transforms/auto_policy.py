@@ -15,7 +15,6 @@ The rule, in words (``hone plan`` prints the outcome and why):
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from hone.config.memory import choose_auto_policy
@@ -60,12 +59,18 @@ def decide_memory(cfg: HoneConfig, device: Any, budget: int | None = None) -> Me
     to plan for, default the device's), ``auto`` settings decided by the rule of the module doc.
     Cached per config, device and budget: the planner asks several times per run."""
     kind, budget, source = _budget(device, budget)
-    return _decide(cfg.model_dump_json(), kind, budget, source)
+    key = (cfg.model_dump_json(), kind, budget, source)
+    if key not in _DECIDED:
+        if len(_DECIDED) >= 64:
+            _DECIDED.clear()
+        _DECIDED[key] = _decide(cfg, kind, budget, source)
+    return _DECIDED[key]
 
 
-@lru_cache(maxsize=64)
-def _decide(cfg_json: str, kind: str, budget: int, source: str) -> MemoryChoice:
-    cfg = HoneConfig.model_validate_json(cfg_json)
+_DECIDED: dict[tuple[str, str, int, str], MemoryChoice] = {}
+
+
+def _decide(cfg: HoneConfig, kind: str, budget: int, source: str) -> MemoryChoice:
     usable = int(budget * (1 - MARGIN))
     configured = cfg.memory.tiled_mlp_shards  # None: auto
     policy = cfg.memory.checkpointing

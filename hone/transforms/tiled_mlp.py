@@ -247,7 +247,7 @@ def tiled_mlp_forward(module: nn.Module, x: torch.Tensor, shards: int) -> Any:
     holding only ``tokens / shards`` tokens of the module's intermediate activations at a time.
     Without anything to differentiate (eval, generation) it is one plain call."""
     params = [p for p in module.parameters() if p.requires_grad]
-    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
+    if not (torch.is_grad_enabled() and (x.requires_grad or params)) or x.dim() < 2 or x.numel() == 0:
         return module(x)
     spec = _Spec()
     tensors = _TiledMLPFunction.apply(module, shards, spec, x, *params)

@@ -424,3 +424,68 @@ def test_run_records_the_tiled_mlp_in_the_plan_and_optimizations_json(tmp_path, 
     assert details["shards"] == 3 and details["layers"] == 2 and details["mlp_classes"] == ["Qwen3MLP"]
     assert details["why"] == "memory.tiled_mlp: 3"
     torch.testing.assert_close(torch.tensor(steps), torch.tensor(plain), rtol=RTOL, atol=0)
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+ESTIMATE_TOKENS = 64
+ESTIMATE_CASES = {
+    "llama fp32 lora all-linear": ("tiny-llama", "float32", {"type": "lora", "lora_target_modules": "all-linear"}),
+    "llama bf16 full": ("tiny-llama", "bfloat16", {"type": "none"}),
+    "qwen3 bf16 lora q,k,v,o": ("tiny-qwen3", "bfloat16", {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+    "qwen3-moe fp32 lora q,k,v,o": ("tiny-qwen3-moe", "float32", {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+}
+
+
+def _saved_bytes_of_tiled_layer(cfg, layer_index: int = 1) -> int:
+    """Bytes autograd saves inside decoder layer ``layer_index`` of the tiled model for one
+    forward (saved_tensors_hooks, deduplicated by storage, parameters excluded)."""
+    from hone.models.loader import load_model
+    from hone.models.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    loaded = load_model(cfg, load_tokenizer(cfg.model), "cpu")
+    model = loaded.model
+    apply_tiled_mlp(model, 3)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, nn.ModuleList))
+    current: list = [None]
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda mod, args, i=i: current.__setitem__(0, i))
+        layer.register_forward_hook(lambda mod, args, out: current.__setitem__(0, None))
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if current[0] == layer_index and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(1, 200, (1, ESTIMATE_TOKENS))
+    autocast = loaded.autocast_dtype
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            model(input_ids=ids, use_cache=False)
+    return total[0]
+
+
+@pytest.mark.parametrize("case", list(ESTIMATE_CASES))
+def test_tiled_layer_formula_matches_what_autograd_saves(case):
+    from hone.transforms.estimate import layer_bytes, model_facts
+
+    preset, dtype, adapter = ESTIMATE_CASES[case]
+    cfg = parse_config(
+        {
+            "model": {"preset": preset, "dtype": dtype, "attn_implementation": "sdpa", "preset_overrides": {"num_hidden_layers": 3}},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": ESTIMATE_TOKENS},
+            "adapter": adapter,
+        }
+    )
+    facts = model_facts(cfg)
+    tiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu", tiled=True).at(ESTIMATE_TOKENS, ESTIMATE_TOKENS)
+    untiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu").at(ESTIMATE_TOKENS, ESTIMATE_TOKENS)
+    counted = _saved_bytes_of_tiled_layer(cfg)
+    assert tiled == pytest.approx(counted, rel=0.10), f"{case}: formula {tiled} vs saved {counted}"
+    assert tiled < untiled
