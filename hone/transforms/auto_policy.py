@@ -19,11 +19,9 @@ from typing import Any
 
 from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
-from hone.transforms.estimate import POLICIES, auto_tiled_shards, estimate_memory, loss_of, model_facts
-from hone.transforms.plan_report import device_memory
-
-#: The margin below the card's memory an estimate must stay under (as ``choose_auto_policy``).
-MARGIN = 0.1
+from hone.transforms.card import device_memory
+from hone.transforms.estimate import AUTO_MARGIN as MARGIN
+from hone.transforms.estimate import POLICIES, auto_tiled_shards, decide_tiled_mlp, estimate_memory, loss_of, model_facts
 
 
 @dataclass(frozen=True)
@@ -94,25 +92,8 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str) -> MemoryChoic
                 return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    if configured is not None:
-        return MemoryChoice(policy, policy_why, configured, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
-    estimate_policy = policy if policy in POLICIES else "none"
-    untiled = peak(estimate_policy, 0)
-    limit = _limit(usable, budget, source)
-    if untiled <= usable:
-        return MemoryChoice(policy, policy_why, 0, f"tiled_mlp: auto: the run fits untiled ({_gib(untiled)} <= {limit})")
-    shards = auto_shards(cfg)
-    tiled = peak(estimate_policy, shards)
-    if tiled <= usable:
-        return MemoryChoice(policy, policy_why, shards, _tiled_on(untiled, tiled, shards, usable, budget, source))
-    return MemoryChoice(
-        policy,
-        policy_why,
-        0,
-        f"tiled_mlp: auto: off, the run does not fit tiled either ({_gib(untiled)} untiled, {_gib(tiled)} in {shards} shards, "
-        f"> {limit}): tiling alone would not make it fit",
-        does_not_fit=True,
-    )
+    tiled = decide_tiled_mlp(cfg, policy if policy in POLICIES else "none", loss, kind, budget, source)
+    return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
 
 def _tiled_on(untiled: int, tiled: int, shards: int, usable: int, budget: int, source: str) -> str:

@@ -26,6 +26,10 @@ How each part is counted
   layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
   input and the matmul outputs; ``offload`` keeps two layers' inputs on the GPU and the rest in
   pinned host memory (reported as ``host``).
+* **Tiled MLP** (``memory.tiled_mlp``): the MLP keeps only its input; while the backward
+  differentiates one shard it holds that shard's activations and their gradients, the input
+  gradient and, for weights trained in bf16, float32 sums of the MLP's gradients
+  (:func:`tiled_mlp_transient`). ``auto``'s rule is :func:`decide_tiled_mlp`.
 * **Loss**: the standard loss upcasts the [tokens x vocab] logits to float32; at its peak the
   logits, the float32 log-softmax, its incoming gradient and its input gradient are alive
   (``compute + 12`` bytes per logit). The fused linear cross-entropy holds one chunk of tokens.
@@ -659,6 +663,51 @@ def longest_sequence(
     return lo * multiple
 
 
+#: The share of the card an estimate may not use (estimates are not exact, the allocator
+#: fragments): the margin of ``activation_checkpointing: auto`` and ``tiled_mlp: auto``.
+AUTO_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class TiledDecision:
+    """``memory.tiled_mlp`` resolved for one checkpointing policy on one card."""
+
+    shards: int
+    """0: untiled."""
+    why: str
+    does_not_fit: bool = False
+    """``auto`` left tiling off on a run that does not fit even tiled (worth recording)."""
+
+
+def decide_tiled_mlp(cfg: HoneConfig, policy: str, loss: LossKind, device: str, budget: int, source: str) -> TiledDecision:
+    """``tiled_mlp`` under ``policy`` on a card of ``budget`` bytes (``source``: where that
+    number comes from, for the reason). An explicit count or ``off`` is taken as written;
+    ``auto`` tiles only when the untiled estimate does not fit (less :data:`AUTO_MARGIN`) and
+    the tiled one, in :func:`auto_tiled_shards` shards, does: the MLP's [tokens x intermediate]
+    activations are then what does not fit."""
+    configured = cfg.memory.tiled_mlp_shards
+    if configured is not None:
+        return TiledDecision(configured, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
+    usable = int(budget * (1 - AUTO_MARGIN))
+    limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+    untiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device).total
+    if untiled <= usable:
+        return TiledDecision(0, f"tiled_mlp: auto: the run fits untiled ({untiled / GIB:.1f} GiB <= {limit})")
+    tiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp="auto")
+    if tiled.total <= usable:
+        return TiledDecision(
+            tiled.tiled_mlp,
+            f"tiled_mlp: auto: {tiled.tiled_mlp} shards, the MLP's [tokens x intermediate] activations are what does not "
+            f"fit: untiled {untiled / GIB:.1f} GiB, tiled {tiled.total / GIB:.1f} GiB <= {limit}",
+        )
+    return TiledDecision(
+        0,
+        f"tiled_mlp: auto: off, the run does not fit tiled either ({untiled / GIB:.1f} GiB untiled, {tiled.total / GIB:.1f} GiB "
+        f"in {tiled.tiled_mlp} shards, > {limit}): tiling alone would not make it fit",
+        does_not_fit=True,
+    )
+
+
 def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
     """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
     tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory);
@@ -666,10 +715,12 @@ def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate
     policy = checkpointing_of(cfg)
     if policy not in POLICIES:
         return None
+    loss = loss_of(cfg)
     shards = cfg.memory.tiled_mlp_shards
-    if shards is None:
-        from hone.transforms.auto_policy import tiled_mlp_choice
+    if shards is None:  # auto: decided on this device's card, as the planner decides it
+        from hone.transforms.card import device_memory
 
-        shards = tiled_mlp_choice(cfg, device).shards
-    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device, tiled_mlp=shards)
+        budget, source = device_memory(device, None)
+        shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source).shards
+    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards)
 

@@ -489,3 +489,13 @@ def test_tiled_layer_formula_matches_what_autograd_saves(case):
     counted = _saved_bytes_of_tiled_layer(cfg)
     assert tiled == pytest.approx(counted, rel=0.10), f"{case}: formula {tiled} vs saved {counted}"
     assert tiled < untiled
+
+
+def test_the_estimate_of_the_config_follows_its_tiling():
+    """The bench records ``estimate_for_config`` beside each measured peak: it must estimate
+    the tiling the run applies (a shard count as written, ``auto`` as the planner decides)."""
+    from hone.transforms.estimate import estimate_for_config
+
+    assert estimate_for_config(_plan_cfg(3), "cpu").tiled_mlp == 3
+    assert estimate_for_config(_plan_cfg("off"), "cpu").tiled_mlp == 0
+    assert estimate_for_config(_plan_cfg("auto"), "cpu").tiled_mlp == 0  # a tiny model fits this machine's RAM
