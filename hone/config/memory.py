@@ -5,7 +5,7 @@ No torch here: the config is validated (and ``auto`` decided) before anything is
 
 from typing import Any, Literal
 
-from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from hone.config.base import Section
 
@@ -17,7 +17,7 @@ POLICIES_BY_SPEED: tuple[str, ...] = ("none", "selective", "full", "offload")
 
 
 class MemoryConfig(Section):
-    """Activation checkpointing: what each decoder layer keeps for the backward (docs/memory.md)."""
+    """Activation checkpointing and tiled MLP: what each decoder layer keeps for the backward (docs/memory.md)."""
 
     activation_checkpointing: CheckpointingPolicy = "none"
     """What each decoder layer keeps for the backward pass. ``none``: every activation (fastest,
@@ -33,9 +33,48 @@ class MemoryConfig(Section):
     cheapest ops first to stay under it. 1 keeps what runs fastest, lower saves more memory.
     Without Inductor, ``selective`` keeps matmul and attention outputs and this is unused."""
 
+    tiled_mlp: Literal["auto", "off"] | int = "auto"
+    """Compute each decoder layer's MLP (dense or MoE block) in this many shards of tokens, under
+    recomputation, so its ``[tokens x intermediate]`` activations never exist whole: the long
+    context switch. Costs one extra MLP forward per layer in the backward. ``off``: never.
+    An integer (2 or more): always, in that many shards. ``auto``: only when the memory estimate
+    says the run does not fit the device untiled and does fit tiled, in about ``hidden_size``
+    tokens per shard (``hone plan`` prints the choice and why)."""
+
     gradient_checkpointing: bool | None = None
     """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is
     ``none``. Set one of the two keys, not both with different meanings."""
+
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _tiled_mlp_value(cls, value: Any) -> Any:
+        """``off`` arrives as false from YAML (1.1 reads a bare off as a boolean); a digit string
+        from a command-line override is a shard count. Anything else is refused in words."""
+        allowed = "allowed: auto, off, or a number of shards (an integer, 2 or more)"
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(f"true is ambiguous here; {allowed}")
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if isinstance(value, str):
+            if value in ("auto", "off"):
+                return value
+            raise ValueError(f"{value!r} is not a tiling; {allowed}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise ValueError(f"{value!r} is not a tiling; {allowed}")
+        if value < 2:
+            raise ValueError(f"{value} is not a shard count that tiles (1 shard is the untiled MLP); {allowed}")
+        return value
+
+    @property
+    def tiled_mlp_shards(self) -> int | None:
+        """The configured shard count; None for ``auto`` (the planner decides), 0 for ``off``."""
+        if self.tiled_mlp == "auto":
+            return None
+        return 0 if self.tiled_mlp == "off" else int(self.tiled_mlp)
 
     @model_validator(mode="after")
     def _alias_agrees(self) -> "MemoryConfig":

@@ -1,24 +1,133 @@
-"""``memory.activation_checkpointing: auto``: the policy picked from the memory estimate."""
+"""The ``auto`` memory settings, decided from the memory estimate: the checkpointing policy
+(``memory.activation_checkpointing: auto``) and the tiled MLP (``memory.tiled_mlp: auto``).
 
+The rule, in words (``hone plan`` prints the outcome and why):
+
+1. A run that fits untiled is not tiled: tiling costs one extra MLP forward per layer.
+2. ``activation_checkpointing: auto`` picks the fastest policy whose estimated peak fits the
+   card with a margin, untiled first; when none fits untiled and ``tiled_mlp`` is ``auto``, the
+   fastest policy that fits with the MLP tiled (that combination is then the plan). An explicit
+   shard count is estimated tiled from the start.
+3. ``tiled_mlp: auto`` under the policy in force (configured, or picked by 2.) turns tiling on
+   when the untiled estimate does not fit and the tiled one does: the MLP's ``[tokens x
+   intermediate]`` activations are then what does not fit. When neither fits, tiling stays off
+   (it would not make the run fit; the plan says what does not fit).
+"""
+
+from dataclasses import dataclass
 from typing import Any
 
 from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
-from hone.transforms.estimate import POLICIES, estimate_memory, loss_of
-from hone.transforms.plan_report import device_memory
+from hone.transforms.card import device_memory
+from hone.transforms.estimate import AUTO_MARGIN as MARGIN
+from hone.transforms.estimate import POLICIES, auto_tiled_shards, decide_tiled_mlp, estimate_memory, loss_of, model_facts
 
 
-def auto_checkpointing(cfg: HoneConfig, device: Any, budget: int | None = None) -> tuple[str, str]:
-    """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
-    peak fits the device's memory with a margin (offload only on CUDA, where its side streams
-    overlap the copies; selective at ``memory.selective_memory_budget`` under Inductor)."""
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The policy and the tiling a config runs with on a device, and why."""
+
+    policy: str
+    policy_why: str
+    shards: int
+    """Shards of the tiled MLP; 0: untiled."""
+    tiled_why: str
+    does_not_fit: bool = False
+    """``tiled_mlp: auto`` left tiling off on a run that does not fit (worth recording)."""
+
+
+def _budget(device: Any, budget: int | None) -> tuple[str, int, str]:
     kind = getattr(device, "type", str(device))
     if budget is None:
         budget, source = device_memory(kind, None)
     else:
         source = f"a {budget / 2**30:.1f} GiB card"
+    return kind, budget, source
+
+
+def auto_shards(cfg: HoneConfig, sequence_len: int | None = None) -> int:
+    """The shard count ``tiled_mlp: auto`` uses for ``cfg`` (about ``hidden_size`` tokens each)."""
+    tokens = (sequence_len or cfg.data.sequence_len) * cfg.training.micro_batch_size
+    return auto_tiled_shards(tokens, model_facts(cfg).hidden)
+
+
+def decide_memory(cfg: HoneConfig, device: Any, budget: int | None = None) -> MemoryChoice:
+    """The checkpointing policy and MLP tiling of ``cfg`` on ``device`` (``budget``: the memory
+    to plan for, default the device's), ``auto`` settings decided by the rule of the module doc.
+    Cached per config, device and budget: the planner asks several times per run."""
+    kind, budget, source = _budget(device, budget)
+    key = (cfg.model_dump_json(), kind, budget, source)
+    if key not in _DECIDED:
+        if len(_DECIDED) >= 64:
+            _DECIDED.clear()
+        _DECIDED[key] = _decide(cfg, kind, budget, source)
+    return _DECIDED[key]
+
+
+_DECIDED: dict[tuple[str, str, int, str], MemoryChoice] = {}
+
+
+def _decide(cfg: HoneConfig, kind: str, budget: int, source: str) -> MemoryChoice:
+    usable = int(budget * (1 - MARGIN))
+    configured = cfg.memory.tiled_mlp_shards  # None: auto
+    policy = cfg.memory.checkpointing
     loss = loss_of(cfg)
-    policies = [p for p in POLICIES if kind == "cuda" or p != "offload"]
-    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=kind).total for p in policies}
-    policy, why = choose_auto_policy(estimates, budget)
-    return policy, f"activation_checkpointing: auto on {source}: {why}"
+
+    def peak(p: str, shards: int) -> int:
+        return estimate_memory(cfg, checkpointing=p, loss=loss, device=kind, tiled_mlp=shards).total
+
+    fixed_shards = configured if configured is not None else 0
+    if policy == "auto":
+        policies = [p for p in POLICIES if kind == "cuda" or p != "offload"]
+        estimates = {p: peak(p, fixed_shards) for p in policies}
+        policy, why = choose_auto_policy(estimates, budget, MARGIN)
+        policy_why = f"activation_checkpointing: auto on {source}: {why}"
+        if configured is None and estimates[policy] > usable:
+            shards = auto_shards(cfg)
+            tiled = {p: peak(p, shards) for p in policies}
+            if any(t <= usable for t in tiled.values()):
+                policy, why = choose_auto_policy(tiled, budget, MARGIN)
+                policy_why = f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards (nothing fits untiled): {why}"
+                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
+    else:
+        policy_why = f"memory.activation_checkpointing: {policy}"
+    tiled = decide_tiled_mlp(cfg, policy if policy in POLICIES else "none", loss, kind, budget, source)
+    return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
+
+
+def _tiled_on(untiled: int, tiled: int, shards: int, usable: int, budget: int, source: str) -> str:
+    return (
+        f"tiled_mlp: auto: {shards} shards, the MLP's [tokens x intermediate] activations are what does not fit: "
+        f"untiled {_gib(untiled)}, tiled {_gib(tiled)} <= {_limit(usable, budget, source)}"
+    )
+
+
+def _limit(usable: int, budget: int, source: str) -> str:
+    return f"{_gib(usable)} ({source} less a {MARGIN:.0%} margin)"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def auto_checkpointing(cfg: HoneConfig, device: Any, budget: int | None = None) -> tuple[str, str]:
+    """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
+    peak fits the device's memory with a margin (offload only on CUDA, where its side streams
+    overlap the copies; selective at ``memory.selective_memory_budget`` under Inductor), the MLP
+    tiled only where nothing fits untiled (:func:`decide_memory`)."""
+    choice = decide_memory(cfg, device, budget)
+    return choice.policy, choice.policy_why
+
+
+def tiled_mlp_choice(cfg: HoneConfig, device: Any, budget: int | None = None) -> MemoryChoice:
+    """The tiling of ``cfg`` on ``device`` (``shards`` 0: untiled) and why. For ``auto``, a model
+    the estimate cannot read is left untiled, with the reason: ``auto`` is the default, and a
+    run must not fail on a switch it never asked for."""
+    if cfg.memory.tiled_mlp != "auto":
+        shards = cfg.memory.tiled_mlp_shards or 0
+        return MemoryChoice(cfg.memory.checkpointing, "", shards, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
+    try:
+        return decide_memory(cfg, device, budget)
+    except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
+        return MemoryChoice(cfg.memory.checkpointing, "", 0, f"tiled_mlp: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", True)

@@ -79,7 +79,14 @@ SAVED_OPS: frozenset[Any] = frozenset(
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save matmul and attention outputs; recompute the rest (torch's SAC policy signature)."""
+    """Save matmul and attention outputs; recompute the rest (torch's SAC policy signature).
+
+    Nothing computed without grad is saved: autograd needs none of it, and torch's SAC would
+    otherwise cache it anyway (its cache ignores grad mode) -- e.g. the tiled MLP's shards,
+    computed under ``no_grad`` precisely so that their ``[tokens x intermediate]`` outputs are not
+    kept (:mod:`hone.transforms.tiled_mlp`)."""
+    if not torch.is_grad_enabled():
+        return CheckpointPolicy.PREFER_RECOMPUTE
     if getattr(op, "overloadpacket", op) in SAVED_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE

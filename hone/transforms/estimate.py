@@ -26,6 +26,10 @@ How each part is counted
   layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
   input and the matmul outputs; ``offload`` keeps two layers' inputs on the GPU and the rest in
   pinned host memory (reported as ``host``).
+* **Tiled MLP** (``memory.tiled_mlp``): the MLP keeps only its input; while the backward
+  differentiates one shard it holds that shard's activations and their gradients, the input
+  gradient and, for weights trained in bf16, float32 sums of the MLP's gradients
+  (:func:`tiled_mlp_transient`). ``auto``'s rule is :func:`decide_tiled_mlp`.
 * **Loss**: the standard loss upcasts the [tokens x vocab] logits to float32; at its peak the
   logits, the float32 log-softmax, its incoming gradient and its input gradient are alive
   (``compute + 12`` bytes per logit). The fused linear cross-entropy holds one chunk of tokens.
@@ -154,6 +158,10 @@ class MemoryEstimate:
     frozen_params: int
     trainable_params: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    tiled_mlp: int = 0
+    """Shards of the tiled MLP (0: untiled)."""
+    tiled_transient: int = 0
+    """Bytes the tiled MLP holds while one shard is differentiated (in ``activations``)."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -354,8 +362,22 @@ def _site_bytes(linears: list[LinearFacts], width: int, site: str, m: ModelFacts
     return per_token, fixed
 
 
-def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str) -> LayerBytes:
-    """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc)."""
+#: The projection inputs that belong to the MLP (dense or MoE block): what tiling takes away.
+MLP_SITES = ("mlp_in", "down_in")
+
+
+def auto_tiled_shards(tokens: int, hidden: int) -> int:
+    """``memory.tiled_mlp: auto``'s shard count: about ``hidden`` tokens per shard (as ALST
+    does), so one shard's ``[tokens x intermediate]`` activations are the size of an MLP weight
+    and the shard's matmuls are still large; at least 2."""
+    return max(2, -(-tokens // max(hidden, 1)))
+
+
+def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str, tiled: bool = False) -> LayerBytes:
+    """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc).
+
+    ``tiled``: the MLP is tiled (:mod:`hone.transforms.tiled_mlp`) and keeps only its input; what
+    it holds while one shard is differentiated is :func:`tiled_mlp_transient`."""
     c = m.compute_bytes
     h, q_width, kv_width = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     # CUDA's fused dropout keeps a bool mask; elsewhere a mask in the dropout input's dtype
@@ -383,9 +405,11 @@ def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: 
         if layer.moe and site == "down_in":
             continue
         t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes)
-        per_token += t
+        per_token += 0 if tiled and site in MLP_SITES else t
         fixed += f
-    if layer.moe:
+    if tiled:
+        per_token += c * h  # the MLP's input, saved by the tiled MLP for its recompute
+    elif layer.moe:
         k, e, im = m.top_k, m.experts, m.expert_intermediate
         # router probabilities (float32), routing indices and weights, then per routed token:
         # gate_up output, activation, expert output (for the routing-weight product)
@@ -401,14 +425,46 @@ def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: 
     return LayerBytes(per_token, per_key, fixed)
 
 
-def _selective_bytes(layer: LayerFacts, m: ModelFacts) -> LayerBytes:
+def mlp_bytes_per_token(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str) -> int:
+    """Bytes per token the untiled MLP keeps for its backward beyond what the tiled one keeps
+    (its ``[tokens x intermediate]`` activations, LoRA intermediates, routed tokens)."""
+    untiled = layer_bytes(layer, m, compiled=compiled, attention=attention, device=device)
+    tiled = layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=True)
+    return untiled.per_token - tiled.per_token
+
+
+def tiled_mlp_transient(layer: LayerFacts, m: ModelFacts, tokens: int, shards: int, *, compiled: bool, attention: str, device: str) -> int:
+    """Bytes the tiled MLP holds while it differentiates one shard in the backward: the shard's
+    activations (what the untiled MLP keeps, for ``tokens / shards`` tokens) and as much again
+    for their gradients, the input gradient it fills ([tokens x hidden]) and, for parameters
+    trained in a lower precision, their float32 gradient sums."""
+    c = m.compute_bytes
+    shard_tokens = -(-tokens // shards)
+    # the MLP's own saved tensors (eager: the input copy included) for one shard, twice
+    per_token = mlp_bytes_per_token(layer, m, compiled=False, attention=attention, device=device) + c * m.hidden
+    sums = 0
+    if m.trainable_elem_bytes != 4:
+        trained = sum(lf.in_features * lf.out_features for lf in layer.linears if lf.trainable and lf.site in MLP_SITES)
+        trained += sum(lf.lora_rank * (lf.in_features + lf.out_features) for lf in layer.linears if lf.lora_rank and lf.site in MLP_SITES)
+        if layer.experts_trainable:
+            trained += m.experts * 3 * m.expert_intermediate * m.hidden
+        sums = 4 * trained
+    return 2 * per_token * shard_tokens + c * tokens * m.hidden + sums
+
+
+def _selective_bytes(layer: LayerFacts, m: ModelFacts, tiled: bool = False) -> LayerBytes:
     """Selective checkpointing: the layer input and every matmul's output (base projections,
-    LoRA A and B, attention's output and log-sum-exp); the cheap ops are recomputed."""
+    LoRA A and B, attention's output and log-sum-exp); the cheap ops are recomputed. A tiled MLP
+    computes its matmuls without grad: selective keeps none of them, only the MLP's input."""
     c = m.compute_bytes
     per_token = c * m.hidden + c * m.heads * m.head_dim + 4 * m.heads
     for lf in layer.linears:
+        if tiled and lf.site in MLP_SITES:
+            continue
         per_token += c * lf.out_features + (c * (lf.lora_rank + lf.out_features) if lf.lora_rank else 0)
-    if layer.moe:
+    if tiled:
+        per_token += c * m.hidden
+    elif layer.moe:
         per_token += c * m.top_k * (2 * m.expert_intermediate + m.hidden) + 4 * m.experts
     return LayerBytes(per_token)
 
@@ -470,12 +526,14 @@ def estimate_memory(
     micro_batch: int | None = None,
     compiled: bool | None = None,
     device: str = "cuda",
+    tiled_mlp: int | Literal["auto"] = 0,
 ) -> MemoryEstimate:
     """Peak memory of one training step of ``cfg`` under ``checkpointing``
     (``none``/``full``/``selective``/``offload``) and ``loss``, without loading weights.
 
     ``sequence_len``/``micro_batch`` default to the config's; ``compiled`` to whether the config
-    compiles on ``device`` (``torch_compile: auto`` compiles on CUDA).
+    compiles on ``device`` (``torch_compile: auto`` compiles on CUDA). ``tiled_mlp``: the MLP in
+    that many shards (0: untiled; ``auto``: :func:`auto_tiled_shards` of the tokens).
     """
     if checkpointing not in POLICIES:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
@@ -488,8 +546,12 @@ def estimate_memory(
     attention = cfg.model.attn_implementation
     c, h = m.compute_bytes, m.hidden
     input_bytes = c * tokens * h  # one layer's saved input (checkpointing)
+    shards = auto_tiled_shards(tokens, h) if tiled_mlp == "auto" else int(tiled_mlp)
+    tiled = shards >= 2
 
-    full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device).at(tokens, seq) for layer in m.layers]
+    full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
+    # while the tiled MLP differentiates one shard (inside a layer's backward)
+    transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers) if tiled else 0
     if checkpointing == "none":
         stored_each, recompute, gpu_extra = full, 0, 0
     elif checkpointing == "full":
@@ -503,7 +565,7 @@ def estimate_memory(
         stored_each = [input_bytes + int(budget * max(f - input_bytes, 0)) for f in full]
         recompute, gpu_extra = int((1 - budget) * max(full)), 0
     elif checkpointing == "selective":
-        stored_each = [_selective_bytes(layer, m).at(tokens, seq) for layer in m.layers]
+        stored_each = [_selective_bytes(layer, m, tiled).at(tokens, seq) for layer in m.layers]
         recompute, gpu_extra = max(full), 0
     else:  # offload: every layer's input goes to pinned host memory; two are on the GPU at a time
         stored_each, recompute, gpu_extra = [0] * len(full), max(full), 2 * input_bytes
@@ -523,12 +585,12 @@ def estimate_memory(
         "loss backward": dict(trainable_state=grads if accumulating else 0, activations=stored, outside_layers=outside, loss=loss_peak),
         "backward, last layer": dict(
             trainable_state=grads if accumulating else m.outside_trainable_bytes,
-            activations=stored + recompute + grad_stream,
+            activations=stored + recompute + grad_stream + transient,
             outside_layers=0,
             loss=0,
         ),
         "backward, first layer": dict(
-            trainable_state=grads, activations=stored_each[0] + gpu_extra + recompute + grad_stream, outside_layers=0, loss=0
+            trainable_state=grads, activations=stored_each[0] + gpu_extra + recompute + grad_stream + transient, outside_layers=0, loss=0
         ),
         "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0),
     }
@@ -556,6 +618,8 @@ def estimate_memory(
         frozen_params=m.frozen_params,
         trainable_params=m.trainable_params,
         notes=tuple(notes),
+        tiled_mlp=shards if tiled else 0,
+        tiled_transient=transient,
         **parts,
     )
 
@@ -571,13 +635,16 @@ def longest_sequence(
     device: str = "cuda",
     multiple: int = 256,
     limit: int = 1 << 24,
+    tiled_mlp: int | Literal["auto"] = 0,
 ) -> int:
     """The longest ``sequence_len`` (a multiple of ``multiple``) whose estimated peak fits
     ``budget_bytes``; 0 when not even ``multiple`` tokens fit. Bisection on the estimate, which
     grows with the sequence (linearly, or quadratically with eager attention)."""
 
     def fits(seq: int) -> bool:
-        est = estimate_memory(cfg, checkpointing=checkpointing, loss=loss, sequence_len=seq, micro_batch=micro_batch, compiled=compiled, device=device)
+        est = estimate_memory(
+            cfg, checkpointing=checkpointing, loss=loss, sequence_len=seq, micro_batch=micro_batch, compiled=compiled, device=device, tiled_mlp=tiled_mlp
+        )
         return est.total <= budget_bytes
 
     lo, hi = 0, 1
@@ -596,11 +663,64 @@ def longest_sequence(
     return lo * multiple
 
 
+#: The share of the card an estimate may not use (estimates are not exact, the allocator
+#: fragments): the margin of ``activation_checkpointing: auto`` and ``tiled_mlp: auto``.
+AUTO_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class TiledDecision:
+    """``memory.tiled_mlp`` resolved for one checkpointing policy on one card."""
+
+    shards: int
+    """0: untiled."""
+    why: str
+    does_not_fit: bool = False
+    """``auto`` left tiling off on a run that does not fit even tiled (worth recording)."""
+
+
+def decide_tiled_mlp(cfg: HoneConfig, policy: str, loss: LossKind, device: str, budget: int, source: str) -> TiledDecision:
+    """``tiled_mlp`` under ``policy`` on a card of ``budget`` bytes (``source``: where that
+    number comes from, for the reason). An explicit count or ``off`` is taken as written;
+    ``auto`` tiles only when the untiled estimate does not fit (less :data:`AUTO_MARGIN`) and
+    the tiled one, in :func:`auto_tiled_shards` shards, does: the MLP's [tokens x intermediate]
+    activations are then what does not fit."""
+    configured = cfg.memory.tiled_mlp_shards
+    if configured is not None:
+        return TiledDecision(configured, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
+    usable = int(budget * (1 - AUTO_MARGIN))
+    limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+    untiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device).total
+    if untiled <= usable:
+        return TiledDecision(0, f"tiled_mlp: auto: the run fits untiled ({untiled / GIB:.1f} GiB <= {limit})")
+    tiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp="auto")
+    if tiled.total <= usable:
+        return TiledDecision(
+            tiled.tiled_mlp,
+            f"tiled_mlp: auto: {tiled.tiled_mlp} shards, the MLP's [tokens x intermediate] activations are what does not "
+            f"fit: untiled {untiled / GIB:.1f} GiB, tiled {tiled.total / GIB:.1f} GiB <= {limit}",
+        )
+    return TiledDecision(
+        0,
+        f"tiled_mlp: auto: off, the run does not fit tiled either ({untiled / GIB:.1f} GiB untiled, {tiled.total / GIB:.1f} GiB "
+        f"in {tiled.tiled_mlp} shards, > {limit}): tiling alone would not make it fit",
+        does_not_fit=True,
+    )
+
+
 def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
-    """The estimate of the step ``cfg`` runs as written (its checkpointing policy and loss);
+    """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
+    tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory);
     None for ``activation_checkpointing: auto``, whose policy the planner picks later."""
     policy = checkpointing_of(cfg)
     if policy not in POLICIES:
         return None
-    return estimate_memory(cfg, checkpointing=policy, loss=loss_of(cfg), device=device)
+    loss = loss_of(cfg)
+    shards = cfg.memory.tiled_mlp_shards
+    if shards is None:  # auto: decided on this device's card, as the planner decides it
+        from hone.transforms.card import device_memory
+
+        budget, source = device_memory(device, None)
+        shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source).shards
+    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards)
 

@@ -6,13 +6,11 @@ can add its transform list (name, switch, on/off, why) to the same report throug
 :func:`render_plan` without touching the numbers.
 """
 
-import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hone.config.root import HoneConfig
-from hone.errors import HoneError
+from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.estimate import (
     GIB,
     POLICIES,
@@ -25,55 +23,10 @@ from hone.transforms.estimate import (
     model_facts,
 )
 
-#: The card assumed when none is named and no CUDA device is visible (an H100/A100 80GB).
-DEFAULT_GPU_MEMORY = 80 * GIB
-
-_UNITS = {
-    "": GIB,  # a bare number is GiB
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+__all__ = ["DEFAULT_GPU_MEMORY", "PlanInputError", "PlanView", "device_memory", "parse_size", "plan_view", "render_plan"]
 
 TransformLine = tuple[str, str, bool, str]
 """(name, switch, on, why): one line of the planner's transform list."""
-
-
-class PlanInputError(HoneError):
-    """A ``hone plan`` argument that cannot be used."""
-
-
-def parse_size(text: str, flag: str = "--gpu-memory") -> int:
-    """Bytes in ``text``: ``80GiB``, ``24GB``, ``141 GiB``, ``81559MiB``, or a bare number of GiB."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise PlanInputError(
-            f"{flag}: '{text}' is not a memory size; write a number with a unit, e.g. 80GiB, 24GB, "
-            "141GiB or 81559MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; a bare number is GiB)"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise PlanInputError(f"{flag}: '{text}' is not a positive memory size")
-    return size
-
-
-def device_memory(device: str, requested: str | None) -> tuple[int, str]:
-    """(bytes, where the number comes from): ``--gpu-memory``, else the local CUDA device's
-    total memory, else the default 80 GiB card (CPU plans: the machine's RAM)."""
-    if requested is not None:
-        return parse_size(requested), "--gpu-memory"
-    if device == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-        except (ValueError, OSError, AttributeError):
-            return DEFAULT_GPU_MEMORY, "default (RAM size unknown)"
-    import torch
-
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory, f"cuda:0, {props.name}"
-    return DEFAULT_GPU_MEMORY, "no CUDA device here: an 80 GiB card (--gpu-memory to plan for another)"
 
 
 @dataclass(frozen=True)
@@ -93,6 +46,13 @@ class PlanView:
     longest: dict[str, int]
     model_line: str
     max_positions: int | None
+    tiled: dict[str, MemoryEstimate] | None = None
+    """The same estimates with the MLP tiled (``memory.tiled_mlp``'s count, or ``auto``'s)."""
+    tiled_longest: dict[str, int] | None = None
+    tiled_line: str = ""
+    """The tiling the config runs with here, and why."""
+    tiled_on: bool = False
+    """The config runs with the MLP tiled here (configured, or ``auto`` decided so)."""
 
 
 def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str, str]]:
@@ -111,6 +71,7 @@ def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str,
         ("attention", attention, "model.attn_implementation"),
         ("checkpointing", policy, "memory.activation_checkpointing"),
         ("compile", compile_value, "performance.torch_compile"),
+        ("tiled MLP", str(cfg.memory.tiled_mlp), "memory.tiled_mlp"),
         ("loss", loss_of(cfg), "performance.loss"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
@@ -120,9 +81,21 @@ def plan_view(cfg: HoneConfig, title: str, device: str, budget: int, budget_sour
     """Estimates under every policy, and the longest sequence each one fits in ``budget``."""
     from hone.models.loader import describe_adapter, format_count
 
+    from hone.transforms.auto_policy import auto_shards, decide_memory
+
     loss = loss_of(cfg)
     estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device) for p in POLICIES}
     longest = {p: longest_sequence(cfg, p, loss, budget, device=device) for p in POLICIES}
+    # tiled: the configured count, else auto's (also for "off": what tiling would give)
+    configured = cfg.memory.tiled_mlp_shards
+    shards = configured if configured else auto_shards(cfg)
+    per_length: int | str = configured if configured else "auto"
+    tiled = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, tiled_mlp=shards) for p in POLICIES}
+    tiled_longest = {p: longest_sequence(cfg, p, loss, budget, device=device, tiled_mlp=per_length) for p in POLICIES}
+    choice = decide_memory(cfg, device, budget)
+    tiled_line = (f"on, {choice.shards} shards" if choice.shards else "off") + f": {choice.tiled_why}"
+    if cfg.memory.checkpointing == "auto":
+        tiled_line += f"; checkpointing {choice.policy} ({choice.policy_why})"
     facts = model_facts(cfg)
     est = estimates["none"]
     total = est.frozen_params + est.trainable_params
@@ -143,6 +116,10 @@ def plan_view(cfg: HoneConfig, title: str, device: str, budget: int, budget_sour
         longest=longest,
         model_line=model_line,
         max_positions=facts.max_positions,
+        tiled=tiled,
+        tiled_longest=tiled_longest,
+        tiled_line=tiled_line,
+        tiled_on=choice.shards > 0,
     )
 
 
@@ -189,16 +166,29 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
         [f"fits {budget / GIB:.1f} GiB", *(("yes" if view.estimates[p].total <= budget else "NO") + f" ({100 * view.estimates[p].total / budget:.0f}%)" for p in policies)]
     )
     rows.append(["longest sequence that fits", *(f"{view.longest[p]:,}" if view.longest[p] else "none" for p in policies)])
+    if view.tiled:
+        shards = next(iter(view.tiled.values())).tiled_mlp
+        rows.append([f"tiled MLP ({shards} shards): activations", *(_gib(view.tiled[p].activations) for p in policies)])
+        rows.append(["  peak (GPU)", *(_gib(view.tiled[p].total) for p in policies)])
+        rows.append(
+            [f"  fits {budget / GIB:.1f} GiB", *(("yes" if view.tiled[p].total <= budget else "NO") + f" ({100 * view.tiled[p].total / budget:.0f}%)" for p in policies)]
+        )
+    if view.tiled_longest:
+        rows.append(["  longest sequence that fits", *(f"{view.tiled_longest[p]:,}" if view.tiled_longest[p] else "none" for p in policies)])
     out += _table(["component", *marked], rows)
+    if view.tiled_line:
+        out.append(f"  tiled MLP: {view.tiled_line}")
     out.append(f"  card: {budget / GIB:.1f} GiB ({view.budget_source}); device {view.device}")
     longest = max(view.longest.values())
     if view.max_positions and longest > view.max_positions:
         out.append(f"  note: the model's max_position_embeddings is {view.max_positions:,}; longer sequences need RoPE scaling")
+    # what the run really uses: the tiled estimates when it tiles the MLP
+    effective = view.tiled if view.tiled_on and view.tiled else view.estimates
     if view.chosen == "auto":
-        fitting = [p for p in policies if view.estimates[p].total <= budget]
+        fitting = [p for p in policies if effective[p].total <= budget]
         out.append(f"  checkpointing auto: fits under {', '.join(fitting) if fitting else 'no policy'} (the planner picks the fastest with a margin)")
-    elif view.chosen in view.estimates and view.estimates[view.chosen].total > budget:
-        fitting = [p for p in policies if view.estimates[p].total <= budget]
+    elif view.chosen in effective and effective[view.chosen].total > budget:
+        fitting = [p for p in policies if effective[p].total <= budget]
         hint = f"; fits with: {', '.join(fitting)}" if fitting else "; no policy fits: shorten data.sequence_len or training.micro_batch_size"
         out.append(f"  warning: checkpointing '{view.chosen}' does not fit this card{hint}")
     notes = sorted({n for e in view.estimates.values() for n in e.notes})

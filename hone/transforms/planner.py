@@ -12,19 +12,25 @@ model: one list, read top to bottom):
    config names, with packed ``sdpa`` rows switched to torch's varlen kernel where it runs. It
    decides once how packed micro-batches reach the attention (boundaries or hone's mask).
    Everything after it traces the attention the run will really use.
-2. (later: quantized base, fused kernels / experts backend, tiled MLP -- they swap modules,
-   so they come before anything that wraps or traces layers.)
-3. ``loss`` -- the loss function: the fused linear cross-entropy where it applies, else the
+2. (later: quantized base, fused kernels / experts backend -- they swap modules, so they come
+   before anything that wraps or traces layers.)
+3. ``tiled_mlp`` (adapted model) -- each decoder layer's MLP instance replaced by one that
+   computes it in shards of tokens under recomputation. It takes the PEFT-wrapped projections as
+   they are (so it runs on the adapted model), and comes before checkpointing and compile, which
+   wrap and trace the layer with the tiled MLP inside (a checkpointed layer recomputes the tiled
+   forward; a compiled layer breaks its graph around it). ``auto`` tiles only when the memory
+   estimate says the MLP's activations are what does not fit.
+4. ``loss`` -- the loss function: the fused linear cross-entropy where it applies, else the
    standard one. It changes no module; it sits before compile so that a compiled run compiles
    the standard loss along with the layers.
-4. ``activation_checkpointing`` (adapted model) -- recompute (or offload) each decoder layer's
+5. ``activation_checkpointing`` (adapted model) -- recompute (or offload) each decoder layer's
    activations. transformers' checkpointing layer wraps each layer's call, so the layer compiled
    next runs inside the checkpoint; ``selective`` under Inductor is the compiler's activation
    memory budget instead (set around each micro-batch by its step context).
-5. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
+6. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
-6. (later: context parallelism.)
-7. ``ddp`` / ``fsdp`` -- data parallelism over several processes (``distributed.strategy``; one
+7. (later: context parallelism.)
+8. ``ddp`` / ``fsdp`` -- data parallelism over several processes (``distributed.strategy``; one
    of the two on a world of several processes, :func:`hone.transforms.data_parallel.resolve_strategy`).
    ``ddp``: DistributedDataParallel around the module the loop calls per micro-batch, gradients
    summed across ranks. ``fsdp``: FSDP2 ``fully_shard`` of each decoder layer, then of that
@@ -118,7 +124,47 @@ ATTENTION = Transform(
 )
 
 
-# ---------------------------------------------------------------- 3. loss
+# ---------------------------------------------------------------- 3. tiled MLP
+
+
+def _tiled_mlp(cfg: HoneConfig, facts: RunFacts):
+    """The tiling: the configured shard count, or what ``auto`` decides from the memory
+    estimate (a :class:`~hone.transforms.auto_policy.MemoryChoice`; 0 shards: untiled)."""
+    from hone.transforms.auto_policy import tiled_mlp_choice
+
+    return tiled_mlp_choice(cfg, facts.device, facts.memory_bytes)
+
+
+def _tiled_mlp_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
+    """Recorded only when ``auto`` left tiling off on a run that does not fit (the usual case,
+    a run that fits untiled, is no news; ``hone plan`` prints it through ``why``)."""
+    if cfg.memory.tiled_mlp != "auto":
+        return None
+    choice = _tiled_mlp(cfg, facts)
+    return choice.tiled_why if choice.does_not_fit else None
+
+
+def _tiled_mlp_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.transforms.tiled_mlp import apply_tiled_mlp
+
+    choice = _tiled_mlp(cfg, facts)
+    details = apply_tiled_mlp(model, choice.shards)
+    details["why"] = choice.tiled_why
+    return details
+
+
+TILED_MLP = Transform(
+    name="tiled_mlp",
+    switch="memory.tiled_mlp",
+    wanted=lambda cfg, facts: cfg.memory.tiled_mlp != "off" and _tiled_mlp(cfg, facts).shards > 0,
+    why=lambda cfg, facts: _tiled_mlp(cfg, facts).tiled_why,
+    skipped_because=_tiled_mlp_skipped,
+    model=_tiled_mlp_apply,
+    label=lambda d: f"tiled MLP ({d['shards']} shards)",
+)
+
+
+# ---------------------------------------------------------------- 4. loss
 
 
 def _loss(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
@@ -144,7 +190,7 @@ LOSS = Transform(
 )
 
 
-# ---------------------------------------------------------------- 4. activation checkpointing
+# ---------------------------------------------------------------- 5. activation checkpointing
 
 
 def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
@@ -228,7 +274,7 @@ CHECKPOINTING = Transform(
 )
 
 
-# ---------------------------------------------------------------- 5. torch.compile
+# ---------------------------------------------------------------- 6. torch.compile
 
 
 def _compile_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
@@ -349,6 +395,7 @@ def _fsdp_module():
 #: Every transform, in the order they are applied (see the module docstring for why).
 TRANSFORMS: tuple[Transform, ...] = (
     ATTENTION,
+    TILED_MLP,
     LOSS,
     CHECKPOINTING,
     COMPILE,
@@ -503,7 +550,7 @@ def decisions(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...
                 why = "REFUSED: " + "; ".join(problems)
             lines.append((transform.name, transform.switch, True, why))
         else:
-            reason = transform.skipped_because(cfg, facts) or f"{transform.switch} is off"
+            reason = transform.skipped_because(cfg, facts) or (transform.why(cfg, facts) if transform.why is not None else f"{transform.switch} is off")
             lines.append((transform.name, transform.switch, False, reason))
     return lines
 

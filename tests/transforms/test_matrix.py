@@ -115,7 +115,7 @@ class Trainer:
         self.cache = root / "cache"
         self.runs = 0
 
-    def config(self, policy: str, compile_: str, packing: str, adapter: str):
+    def config(self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off"):
         self.runs += 1
         return parse_config(
             {
@@ -132,14 +132,14 @@ class Trainer:
                 "training": {"max_steps": STEPS, "micro_batch_size": MICRO_BATCH, "seed": 3,
                              "output_dir": str(self.root / f"run{self.runs}-{policy}-{compile_}-{packing}-{adapter}")},
                 "optimizer": {"learning_rate": LR, "adam_epsilon": ADAM_EPS, "lr_scheduler": "constant"},
-                "memory": {"activation_checkpointing": policy},
+                "memory": {"activation_checkpointing": policy, "tiled_mlp": tiled_mlp},
                 "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
                 "performance": COMPILE[compile_],
             }
         )
 
-    def train(self, policy: str, compile_: str, packing: str, adapter: str) -> Run:
-        cfg = self.config(policy, compile_, packing, adapter)
+    def train(self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off") -> Run:
+        cfg = self.config(policy, compile_, packing, adapter, tiled_mlp)
         steps = []
         run_training(
             cfg,
@@ -260,6 +260,37 @@ def test_every_cell_trains_like_the_plain_run(request, trainer, plain_runs, poli
         _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
 
 
+#: Tiled MLP cells: every policy x compile with LoRA on packed rows, and full fine-tune on
+#: unpacked rows without and with full checkpointing. 3 shards of 2 x 32 or 2 x 20 tokens: the
+#: last shard is shorter, and shards cross row boundaries.
+TILED_CELLS = [(policy, compile_, "packed", "lora") for policy in POLICIES for compile_ in COMPILE] + [
+    ("none", "off", "unpacked", "full"),
+    ("full", "on", "unpacked", "full"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize(("policy", "compile_", "packing", "adapter"), TILED_CELLS, ids=lambda v: str(v))
+def test_tiled_mlp_cells_train_like_the_plain_run(request, trainer, plain_runs, policy, compile_, packing, adapter):
+    plain = plain_runs(packing, adapter)
+    offloaded = request.getfixturevalue("offload_tracked") if policy == "offload" else None
+    torch._dynamo.reset()
+    got = trainer.train(policy, compile_, packing, adapter, tiled_mlp=3)
+    applied = _applied(got.record)
+    assert applied["tiled_mlp"]["shards"] == 3 and applied["tiled_mlp"]["layers"] == LAYERS
+    names = [a["name"] for a in got.record["applied"]]
+    assert names.index("tiled_mlp") < names.index("compile" if compile_ == "on" else "loss")
+    if policy != "none":
+        assert applied["activation_checkpointing"]["policy"] == policy
+    if compile_ == "on":
+        stats = got.record["compile"]
+        assert stats["counted"] and stats["recompiles"] == 0, stats
+    if offloaded is not None:
+        assert len(offloaded) == STEPS and all(stats.packed == LAYERS - 1 for stats in offloaded)
+    _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
+
+
 def test_selective_under_inductor_is_the_compilers_memory_budget(tokenizer):
     """Under Inductor, selective is not torch's checkpoint wrapper (its cache would see Inductor's
     kernels overwrite buffers) but the partitioner's activation memory budget, set around each
@@ -278,7 +309,7 @@ def test_selective_under_inductor_is_the_compilers_memory_budget(tokenizer):
     )
     facts = RunFacts(torch.device("cpu"))
     plan = plan_optimizations(cfg, facts)
-    assert plan.names == ["attention", "loss", "activation_checkpointing", "compile"]
+    assert plan.names == ["attention", "loss", "activation_checkpointing", "compile"]  # tiled_mlp: auto, off here
     model = tiny_model("tiny-qwen3", tokenizer)
     plan.apply(model, "base", cfg, facts)
     (applied,) = [a for a in plan.apply(model, "adapted", cfg, facts) if a.name == "activation_checkpointing"]
