@@ -101,27 +101,30 @@ def moe_experts_reference(
     gate_up_lora: LoraFactors | None = None,
     down_lora: LoraFactors | None = None,
     scaling: float = 1.0,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Routed experts output ``[T, H]`` for ``hidden [T, H]``, ``top_k_index / top_k_weights
-    [T, k]``: every expert's tokens in one float32 matmul chain, accumulated in float32 and
-    returned in ``hidden``'s dtype. Differentiable w.r.t. every floating input; host syncs and
-    per-expert loops are fine here: this is the yardstick, not the fast path."""
+    [T, k]``: every expert's tokens in one matmul chain in ``compute_dtype`` (float32: the
+    yardstick; bfloat16: what plain PyTorch rounds, the GPU tests' measure of a fair bf16
+    error), the weighted sum accumulated in float32 and returned in ``hidden``'s dtype.
+    Differentiable w.r.t. every floating input; host syncs and per-expert loops are fine here."""
     dtype = hidden.dtype
-    x = hidden.float()
-    w_gu = as_in_out(gate_up_proj, layout.transposed).float()
-    w_dn = as_in_out(down_proj, layout.transposed).float()
-    out = torch.zeros_like(x)
+    x = hidden.to(compute_dtype)
+    w_gu = as_in_out(gate_up_proj, layout.transposed).to(compute_dtype)
+    w_dn = as_in_out(down_proj, layout.transposed).to(compute_dtype)
+    out = torch.zeros_like(x, dtype=torch.float32)
     num_experts = gate_up_proj.shape[0]
     for e in range(num_experts):
         token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
         if token.numel() == 0:
             continue
         xe = x[token]
-        gu_lora = None if gate_up_lora is None else (gate_up_lora[0][e].float(), gate_up_lora[1][e].float())
-        dn_lora = None if down_lora is None else (down_lora[0][e].float(), down_lora[1][e].float())
-        gu_bias = None if gate_up_bias is None else gate_up_bias[e].float()
-        dn_bias = None if down_bias is None else down_bias[e].float()
+        cast = lambda t: None if t is None else t.to(compute_dtype)  # noqa: E731
+        gu_lora = None if gate_up_lora is None else (cast(gate_up_lora[0][e]), cast(gate_up_lora[1][e]))
+        dn_lora = None if down_lora is None else (cast(down_lora[0][e]), cast(down_lora[1][e]))
+        gu_bias = None if gate_up_bias is None else cast(gate_up_bias[e])
+        dn_bias = None if down_bias is None else cast(down_bias[e])
         h = gated_activation(_project(xe, w_gu[e], gu_bias, gu_lora, scaling), layout)
         y = _project(h, w_dn[e], dn_bias, dn_lora, scaling)
-        out = out.index_add(0, token, y * top_k_weights[token, slot].float().unsqueeze(1))
+        out = out.index_add(0, token, y.float() * top_k_weights[token, slot].float().unsqueeze(1))
     return out.to(dtype)

@@ -28,7 +28,9 @@ own launch it costs one more read of ``x`` and about ``r / N`` of the base GEMM'
 over that expert's rows only; an empty expert's block is written as zeros.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot products run in float32
-(the interpreter's dot does not take bfloat16) and one autotune config is tried.
+(the interpreter's dot does not take bfloat16) and one autotune config is tried. The
+interpreter also rounds float32 to bfloat16 by truncation (GPUs round to nearest even), twice
+the error of a real store: bfloat16 parity is the GPU tests' job (tests/gpu/test_moe_lora_gpu.py).
 """
 
 from __future__ import annotations

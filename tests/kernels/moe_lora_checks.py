@@ -20,12 +20,14 @@ from hone.kernels.moe_lora_reference import GPT_OSS, QWEN3_MOE, ExpertsLayout, m
 NAMES = ("hidden", "routing_weights", "gate_up", "down", "gate_up_bias", "down_bias", "gu_A", "gu_B", "dn_A", "dn_B")
 
 
-def skewed_routing(n_tokens: int, k: int, num_experts: int, empty: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def skewed_routing(
+    n_tokens: int, k: int, num_experts: int, empty: int, gen: torch.Generator, skew: float = 0.7
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(top_k_index, top_k_weights): distinct experts per token drawn with probabilities that
-    fall geometrically (expert 0 gets many rows, the tail few), the last ``empty`` experts
-    never chosen. Weights are a softmax, as a router's top-k renormalised scores are."""
+    fall geometrically by ``skew`` (expert 0 gets many rows, the tail few), the last ``empty``
+    experts never chosen. Weights are a softmax, as a router's top-k renormalised scores are."""
     live = num_experts - empty
-    probs = 0.7 ** torch.arange(live, dtype=torch.float64)
+    probs = skew ** torch.arange(live, dtype=torch.float64)
     index = torch.stack([torch.multinomial(probs, k, replacement=False, generator=gen) for _ in range(n_tokens)])
     weights = torch.randn(n_tokens, k, generator=gen).softmax(-1)
     return index, weights
@@ -44,10 +46,11 @@ def make_case(
     weight_std: float,
     bias: bool,
     device: str = "cpu",
+    skew: float = 0.7,
 ) -> dict:
     """Fresh random inputs for one parity case (float32 on ``device``)."""
     gen = torch.Generator().manual_seed(seed)
-    index, weights = skewed_routing(n_tokens, k, num_experts, empty, gen)
+    index, weights = skewed_routing(n_tokens, k, num_experts, empty, gen, skew)
 
     def rnd(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).to(device)
