@@ -1,5 +1,6 @@
 """Which model to fine-tune and how to load it."""
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -23,6 +24,7 @@ PresetName = Literal[
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
+ExpertsImplementation = Literal["grouped_mm", "eager", "hone"]
 
 
 class ModelConfig(Section):
@@ -58,6 +60,14 @@ class ModelConfig(Section):
     soft-capping; elsewhere through hone's block-diagonal mask. ``false``: always the mask.
     ``true``: the kernel or a clear error before training. Read only with ``sample_packing``."""
 
+    experts_implementation: ExpertsImplementation = "grouped_mm"
+    """How mixture-of-experts layers compute their experts (transformers' experts interface):
+    ``grouped_mm`` (transformers' default: one grouped matmul per projection), ``eager`` (a loop
+    over experts), or ``hone`` (hone's Triton grouped GEMMs with LoRA on the experts fused in, no
+    host syncs; CUDA, needs triton). LoRA on the experts (``adapter.lora_target_modules``
+    naming ``experts``, ``gate_up_proj`` or ``down_proj``) runs inside hone's kernels only
+    under ``hone``; see docs/moe.md. Read only for MoE models."""
+
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""
 
@@ -81,6 +91,11 @@ class ModelConfig(Section):
             raise ValueError(
                 f"attn_implementation: '{self.attn_implementation}' computes in bfloat16/float16 only, "
                 "but model.dtype is float32: set model.dtype: bfloat16, or use sdpa or flex_attention"
+            )
+        if self.experts_implementation == "hone" and importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "model.experts_implementation: 'hone' runs Triton kernels, but the Python package "
+                "'triton' is not installed (CUDA builds of torch bring it): install it, or use grouped_mm or eager"
             )
         if self.sdpa_varlen is True and self.attn_implementation != "sdpa":
             raise ValueError(

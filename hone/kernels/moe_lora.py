@@ -319,17 +319,21 @@ def moe_experts(
     gate_up_lora: LoraFactors | None = None,
     down_lora: LoraFactors | None = None,
     scaling: float = 1.0,
+    down_scaling: float | None = None,
 ) -> torch.Tensor:
     """Routed experts ``[T, H]`` through the grouped kernels; same arguments and result as
     :func:`hone.kernels.moe_lora_reference.moe_experts_reference` (see the module docstring
-    for the steps). Output in ``hidden``'s dtype."""
+    for the steps). ``down_scaling`` is the down projection's LoRA scaling where it differs
+    from gate_up's ``scaling``. Output in ``hidden``'s dtype."""
     n_tokens, hidden_dim = hidden.shape
     k = top_k_index.shape[1]
     perm, ends = route(top_k_index, gate_up_proj.shape[0])
     token_of_row = perm // k
     gate_up = moe_lora_linear(hidden, token_of_row, ends, gate_up_proj, layout.transposed, gate_up_bias, gate_up_lora, scaling)
     h = gated_activation(gate_up, layout)
-    y = moe_lora_linear(h, None, ends, down_proj, layout.transposed, down_bias, down_lora, scaling)
+    y = moe_lora_linear(
+        h, None, ends, down_proj, layout.transposed, down_bias, down_lora, scaling if down_scaling is None else down_scaling
+    )
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
     per_choice = y[inverse].view(n_tokens, k, hidden_dim).float()

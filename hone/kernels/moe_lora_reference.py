@@ -101,13 +101,17 @@ def moe_experts_reference(
     gate_up_lora: LoraFactors | None = None,
     down_lora: LoraFactors | None = None,
     scaling: float = 1.0,
+    down_scaling: float | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Routed experts output ``[T, H]`` for ``hidden [T, H]``, ``top_k_index / top_k_weights
     [T, k]``: every expert's tokens in one matmul chain in ``compute_dtype`` (float32: the
     yardstick; bfloat16: what plain PyTorch rounds, the GPU tests' measure of a fair bf16
     error), the weighted sum accumulated in float32 and returned in ``hidden``'s dtype.
-    Differentiable w.r.t. every floating input; host syncs and per-expert loops are fine here."""
+    Differentiable w.r.t. every floating input; host syncs and per-expert loops are fine here.
+    ``down_scaling`` is the down projection's LoRA scaling where it differs from ``scaling``."""
+    if down_scaling is None:
+        down_scaling = scaling
     dtype = hidden.dtype
     x = hidden.to(compute_dtype)
     w_gu = as_in_out(gate_up_proj, layout.transposed).to(compute_dtype)
@@ -125,6 +129,6 @@ def moe_experts_reference(
         gu_bias = None if gate_up_bias is None else cast(gate_up_bias[e])
         dn_bias = None if down_bias is None else cast(down_bias[e])
         h = gated_activation(_project(xe, w_gu[e], gu_bias, gu_lora, scaling), layout)
-        y = _project(h, w_dn[e], dn_bias, dn_lora, scaling)
+        y = _project(h, w_dn[e], dn_bias, dn_lora, down_scaling)
         out = out.index_add(0, token, y.float() * top_k_weights[token, slot].float().unsqueeze(1))
     return out.to(dtype)

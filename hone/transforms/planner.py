@@ -12,8 +12,10 @@ model: one list, read top to bottom):
    config names, with packed ``sdpa`` rows switched to torch's varlen kernel where it runs. It
    decides once how packed micro-batches reach the attention (boundaries or hone's mask).
    Everything after it traces the attention the run will really use.
-2. (later: quantized base, fused kernels / experts backend, tiled MLP -- they swap modules,
-   so they come before anything that wraps or traces layers.)
+2. ``experts`` (base model) -- the MoE experts implementation (``model.experts_implementation``,
+   :mod:`hone.transforms.experts`); before the adapter, which reads it to fuse expert LoRA.
+   (later: quantized base, fused kernels, tiled MLP -- they swap modules, so they come before
+   anything that wraps or traces layers.)
 3. ``loss`` -- the loss function: the fused linear cross-entropy where it applies, else the
    standard one. It changes no module; it sits before compile so that a compiled run compiles
    the standard loss along with the layers.
@@ -41,6 +43,7 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.transforms import compile as compile_transform
 from hone.transforms.base import RunFacts, RunHooks, Stage, Transform
+from hone.transforms.experts import EXPERTS
 from hone.transforms.inductor import configure_cache_dir
 
 __all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
@@ -285,7 +288,7 @@ COMPILE = Transform(
 )
 
 #: Every transform, in the order they are applied (see the module docstring for why).
-TRANSFORMS: tuple[Transform, ...] = (ATTENTION, LOSS, CHECKPOINTING, COMPILE)
+TRANSFORMS: tuple[Transform, ...] = (ATTENTION, EXPERTS, LOSS, CHECKPOINTING, COMPILE)
 
 
 # ---------------------------------------------------------------- planning and applying

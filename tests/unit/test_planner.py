@@ -56,7 +56,7 @@ def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
 
 
 def test_the_fixed_order_is_attention_loss_checkpointing_compile():
-    assert [t.name for t in TRANSFORMS] == ["attention", "loss", "activation_checkpointing", "compile"]
+    assert [t.name for t in TRANSFORMS] == ["attention", "experts", "loss", "activation_checkpointing", "compile"]
 
 
 def test_attention_the_device_cannot_run_is_refused_by_the_plan():

@@ -1,0 +1,58 @@
+"""The experts backend transform: which implementation computes the MoE experts.
+
+``model.experts_implementation`` other than transformers' default (``grouped_mm``) is applied
+to the base model, before the adapter: the adapter reads it to decide whether LoRA on the
+experts runs inside hone's fused kernels (:mod:`hone.models.experts.lora`). Like the attention
+backend, it goes through transformers' own registry and ``set_experts_implementation``; no
+module is swapped. What the kernels cannot run (ungated experts, a post-expert norm, an unknown
+gate function) is refused when the model is known, with the module named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hone.config.root import HoneConfig
+from hone.transforms.base import RunFacts, Transform
+
+
+def _wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
+    return cfg.model.experts_implementation != "grouped_mm"
+
+
+def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    if cfg.model.experts_implementation != "hone":
+        return []
+    from hone.kernels.moe_lora import moe_triton_available
+
+    if moe_triton_available(facts.device):
+        return []
+    return [
+        "model.experts_implementation: hone runs Triton kernels, which need triton and a CUDA device "
+        f"(this run is on {facts.device.type}); use grouped_mm or eager"
+    ]
+
+
+def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.models.errors import ModelError
+    from hone.models.experts.backend import experts_problems, set_experts_implementation
+
+    implementation = cfg.model.experts_implementation
+    if implementation == "hone":
+        problems = experts_problems(model, facts.device)
+        if problems:
+            raise ModelError("; ".join(problems))
+    return set_experts_implementation(model, implementation)
+
+
+EXPERTS = Transform(
+    name="experts",
+    switch="model.experts_implementation",
+    wanted=_wanted,
+    check=_check,
+    stage="base",
+    model=_apply,
+    label=lambda d: f"experts ({d['implementation']}, {d['experts_modules']} MoE layers)",
+)
