@@ -62,6 +62,7 @@ _MM_TILES = [
     (64, 128, 64, 4, 4),
     (128, 64, 64, 4, 4),
     (64, 64, 64, 4, 4),
+    (128, 32, 64, 4, 3),  # the rank-r outputs (x A^T, dY B): N = r
 ]
 # Weight gradients: M and N are the weight's dimensions, K the expert's rows.
 _WGRAD_TILES = [
@@ -69,6 +70,8 @@ _WGRAD_TILES = [
     (64, 128, 64, 4, 4),
     (128, 64, 32, 4, 4),
     (64, 64, 64, 4, 3),
+    (32, 128, 64, 4, 3),  # dA: M = r
+    (128, 32, 64, 4, 3),  # dB: N = r
 ]
 
 grouped_mm_kernel = None  # defined below when triton is installed

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from hone.kernels.moe_lora import moe_experts, moe_triton_available
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors
@@ -41,8 +42,6 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _uses_default_gate(module: nn.Module) -> bool:
-    from transformers.integrations.moe import _default_apply_gate
-
     return getattr(type(module), "_apply_gate", None) is _default_apply_gate
 
 
@@ -146,8 +145,6 @@ def hone_experts_forward(
 
 def register_hone_experts() -> None:
     """Make ``"hone"`` a name transformers' experts interface knows (idempotent)."""
-    from transformers.integrations.moe import ExpertsInterface
-
     ExpertsInterface.register(HONE, hone_experts_forward)
 
 
