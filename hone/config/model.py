@@ -1,6 +1,5 @@
 """Which model to fine-tune and how to load it."""
 
-import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -91,11 +90,6 @@ class ModelConfig(Section):
             raise ValueError(
                 f"attn_implementation: '{self.attn_implementation}' computes in bfloat16/float16 only, "
                 "but model.dtype is float32: set model.dtype: bfloat16, or use sdpa or flex_attention"
-            )
-        if self.experts_implementation == "hone" and importlib.util.find_spec("triton") is None:
-            raise ValueError(
-                "model.experts_implementation: 'hone' runs Triton kernels, but the Python package "
-                "'triton' is not installed (CUDA builds of torch bring it): install it, or use grouped_mm or eager"
             )
         if self.sdpa_varlen is True and self.attn_implementation != "sdpa":
             raise ValueError(

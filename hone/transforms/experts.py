@@ -23,14 +23,27 @@ def _wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
 
 
 def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    """hone's kernels need CUDA (or Triton's interpreter, in tests) and triton. Not a validator:
+    a CPU-only torch has no triton, yet ``hone plan`` there plans a run for a GPU machine that has
+    it, so triton is required only where this process will run on a CUDA device itself."""
     if cfg.model.experts_implementation != "hone":
         return []
-    from hone.kernels.moe_lora import moe_triton_available
+    import torch
 
-    if moe_triton_available(facts.device):
+    from hone.kernels.moe_lora import moe_triton_available
+    from hone.kernels.moe_lora_triton import triton
+
+    if facts.device.type == "cuda":
+        if triton is None and torch.cuda.is_available():
+            return [
+                "model.experts_implementation: hone runs Triton kernels, but the Python package 'triton' "
+                "is not installed (CUDA builds of torch bring it): install it, or use grouped_mm or eager"
+            ]
+        return []
+    if moe_triton_available(facts.device):  # the interpreter (tests)
         return []
     return [
-        "model.experts_implementation: hone runs Triton kernels, which need triton and a CUDA device "
+        "model.experts_implementation: hone runs Triton kernels on CUDA devices only "
         f"(this run is on {facts.device.type}); use grouped_mm or eager"
     ]
 

@@ -1,6 +1,5 @@
 """The experts backend's config key, plan check and layout detection (no kernels run here)."""
 
-import importlib.util
 import os
 
 import pytest
@@ -23,10 +22,17 @@ def test_config_key_is_validated():
         ModelConfig(preset="tiny-qwen3-moe", experts_implementation="scattermoe")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="triton is installed here")
-def test_hone_without_triton_is_refused_at_validation():
-    with pytest.raises(ValidationError, match="experts_implementation: 'hone'.*triton"):
-        ModelConfig(preset="tiny-qwen3-moe", experts_implementation="hone")
+def test_hone_on_a_cpu_run_is_refused_by_the_plan_check(tmp_path):
+    from hone.testing import tiny_config
+    from hone.transforms.base import RunFacts
+    from hone.transforms.experts import EXPERTS
+
+    cfg = tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe", "experts_implementation": "hone"})
+    assert EXPERTS.wanted(cfg, RunFacts(device=torch.device("cpu")))
+    problems = EXPERTS.check(cfg, RunFacts(device=torch.device("cpu")))
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert problems and "CUDA devices only" in problems[0] and "grouped_mm or eager" in problems[0]
+    assert not EXPERTS.wanted(tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe"}), RunFacts(device=torch.device("cpu")))
 
 
 def test_layouts_are_read_from_the_modules():
