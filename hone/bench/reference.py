@@ -38,11 +38,17 @@ def run_reference(
     if not full_ft:
         from peft import LoraConfig, get_peft_model
 
+        from hone.models.adapters import split_expert_targets
+
+        # experts' 3-D parameters go to PEFT's target_parameters (LoRA on the transformers
+        # default experts), everything else to target_modules, as a plain PEFT user writes it
+        modules, parameters = split_expert_targets(model, list(workload.adapter.lora_target_modules))
         lora = LoraConfig(
             r=workload.adapter.lora_r,
             lora_alpha=workload.adapter.lora_alpha,
             lora_dropout=0.0,
-            target_modules=list(workload.adapter.lora_target_modules),
+            target_modules=modules or None,
+            target_parameters=parameters or None,
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)

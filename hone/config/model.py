@@ -23,6 +23,7 @@ PresetName = Literal[
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
+ExpertsImplementation = Literal["grouped_mm", "eager", "hone"]
 
 
 class ModelConfig(Section):
@@ -57,6 +58,14 @@ class ModelConfig(Section):
     CUDA, bfloat16/float16, a model without sliding-window layers, attention dropout or logit
     soft-capping; elsewhere through hone's block-diagonal mask. ``false``: always the mask.
     ``true``: the kernel or a clear error before training. Read only with ``sample_packing``."""
+
+    experts_implementation: ExpertsImplementation = "grouped_mm"
+    """How mixture-of-experts layers compute their experts (transformers' experts interface):
+    ``grouped_mm`` (transformers' default: one grouped matmul per projection), ``eager`` (a loop
+    over experts), or ``hone`` (hone's Triton grouped GEMMs with LoRA on the experts fused in, no
+    host syncs; CUDA, needs triton). LoRA on the experts (``adapter.lora_target_modules``
+    naming ``experts``, ``gate_up_proj`` or ``down_proj``) runs inside hone's kernels only
+    under ``hone``; see docs/moe.md. Read only for MoE models."""
 
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""

@@ -7,12 +7,19 @@ quietly trains fewer layers than asked is worse than an error.
 ``all-linear`` is resolved here, to the names of the ``nn.Linear`` layers except the output
 head, rather than handed to PEFT: PEFT (0.21, transformers 5) maps v4-era MoE names onto the
 fused expert parameters, so its own ``all-linear`` on Qwen3-MoE also wraps the experts and the
-router with ``target_parameters`` wrappers. Those rebuild a full-size delta of every expert's
-weights in each forward, refuse ``lora_dropout`` and adapt the router, so hone keeps LoRA on
-MoE models to attention (and dense layers) for now: experts stay frozen, and any config that
-would make PEFT adapt them is refused with an explanation.
+router with ``target_parameters`` wrappers. hone adapts the experts only where the config names
+them: ``experts`` (an experts module: both its ``gate_up_proj`` and ``down_proj``) or the
+experts' 3-D parameters themselves (``gate_up_proj``, ``down_proj``, ``experts.down_proj``).
+Those become PEFT ``target_parameters`` (saved in PEFT's layout, loadable by
+``PeftModel.from_pretrained``); under ``model.experts_implementation: hone`` their LoRA runs
+inside hone's fused grouped-GEMM kernels (:mod:`hone.models.experts.lora`), otherwise through
+PEFT's own wrapper (a full-size delta of every expert's weights each forward). Expert LoRA
+cannot use ``lora_dropout`` (PEFT's ``ParamWrapper`` refuses it: the dropout cannot be
+factored out of ``x (W + BA)``). Anything else PEFT would map onto expert or router
+parameters on its own is refused with an explanation.
 """
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
@@ -34,28 +41,43 @@ def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
             param.requires_grad_(True)
         return model
     config = lora_config(model, adapter_cfg)
+    # PEFT rewrites the config's targets in place (its transformers-5 MoE conversion): keep what was asked.
+    asked_modules, asked_parameters = list(config.target_modules or []), list(config.target_parameters or [])
+    if config.target_parameters and getattr(getattr(model, "config", None), "_experts_implementation", None) == "hone":
+        from hone.models.experts.lora import register_fused_expert_lora
+
+        register_fused_expert_lora(config, model)
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # PEFT's refusals of a setting for a layer type
         raise ModelError(f"adapter: PEFT cannot apply LoRA {describe_lora(config)} to {type(model).__name__}: {exc}") from None
-    check_no_expert_lora(peft_model, adapter_cfg)
+    check_no_expert_lora(peft_model, adapter_cfg, requested=asked_parameters)
+    check_module_targets_kept(peft_model, asked_modules)
     return peft_model
 
 
 def lora_config(model: nn.Module, adapter_cfg: AdapterConfig) -> LoraConfig:
     """PEFT's config for ``adapter_cfg``, after checking every name against ``model``."""
     to_save = list(adapter_cfg.lora_modules_to_save)
+    parameters: list[str] = []
     if adapter_cfg.lora_target_modules == "all-linear":
         targets = all_linear_names(model, exclude=to_save)
     else:
-        targets = list(adapter_cfg.lora_target_modules)
+        requested = list(adapter_cfg.lora_target_modules)
+        targets, parameters = split_expert_targets(model, requested)
         check_target_modules(model, targets)
+        if parameters and adapter_cfg.lora_dropout:
+            raise ModelError(
+                f"adapter.lora_dropout: {adapter_cfg.lora_dropout} cannot apply to LoRA on the experts "
+                f"({', '.join(parameters)}): PEFT's expert LoRA has no dropout; set lora_dropout: 0"
+            )
     check_modules_to_save(model, to_save, targets)
     return LoraConfig(
         r=adapter_cfg.lora_r,
         lora_alpha=adapter_cfg.lora_alpha,
         lora_dropout=adapter_cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=targets or None,
+        target_parameters=parameters or None,
         use_rslora=adapter_cfg.use_rslora,
         modules_to_save=to_save or None,
         bias="none",
@@ -67,7 +89,39 @@ def lora_config(model: nn.Module, adapter_cfg: AdapterConfig) -> LoraConfig:
 
 
 def describe_lora(config: LoraConfig) -> str:
-    return f"(r={config.r}, dropout={config.lora_dropout}, targets={sorted(config.target_modules)})"
+    params = f", parameters={sorted(config.target_parameters)}" if config.target_parameters else ""
+    return f"(r={config.r}, dropout={config.lora_dropout}, targets={sorted(config.target_modules or [])}{params})"
+
+
+#: The 3-D parameters of an experts module that LoRA adapts (PEFT ``target_parameters``).
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def split_expert_targets(model: nn.Module, targets: list[str]) -> tuple[list[str], list[str]]:
+    """(module targets, expert parameter targets) of ``lora_target_modules``. A name that
+    matches an experts module (``experts``) stands for its gate_up_proj and down_proj; a name
+    that matches an expert 3-D parameter (``gate_up_proj``, ``experts.down_proj``) is that
+    parameter, and also a module target if linear layers carry the name too (a dense MLP's
+    ``down_proj`` beside the experts' in a mixed model)."""
+    from hone.models.experts.backend import experts_modules
+
+    experts = experts_modules(model)
+    expert_params = [
+        f"{name}.{param}" for name, module in experts for param in EXPERT_PARAMETERS if isinstance(getattr(module, param, None), torch.Tensor)
+    ]
+    modules = dict(model.named_modules())
+    module_targets: list[str] = []
+    parameter_targets: list[str] = []
+    for target in targets:
+        if any(_matches(name, target) for name, _ in experts):
+            parameter_targets += [f"{target}.{param}" for param in EXPERT_PARAMETERS]
+            continue
+        if any(_matches(name, target) for name in expert_params):
+            parameter_targets.append(target)
+            if not any(isinstance(m, LORA_MODULE_TYPES) for name, m in modules.items() if name and _matches(name, target)):
+                continue
+        module_targets.append(target)
+    return module_targets, list(dict.fromkeys(parameter_targets))
 
 
 def _matches(name: str, target: str) -> bool:
@@ -91,15 +145,32 @@ def all_linear_names(model: nn.Module, exclude: list[str]) -> list[str]:
     return sorted(names - set(exclude))
 
 
-def check_no_expert_lora(model: PeftModel, adapter_cfg: AdapterConfig) -> None:
-    """Refuse what PEFT turned into LoRA on fused MoE parameters (see the module docstring)."""
-    mapped = sorted(model.peft_config[model.active_adapter].target_parameters or [])
+def check_no_expert_lora(model: PeftModel, adapter_cfg: AdapterConfig, requested: list[str] | None = None) -> None:
+    """Refuse what PEFT turned into LoRA on fused MoE parameters beyond the ``requested`` ones
+    (see the module docstring)."""
+    mapped = sorted(set(model.peft_config[model.active_adapter].target_parameters or []) - set(requested or []))
     if mapped:
         raise ModelError(
             f"adapter.lora_target_modules: on {type(model.get_base_model()).__name__}, PEFT maps "
             f"{adapter_cfg.lora_target_modules} onto the fused expert/router parameters {mapped} "
-            "(MoE layers keep their experts as 3-D parameters in transformers 5); LoRA on experts is "
-            "not supported by hone yet: target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+            "(MoE layers keep their experts as 3-D parameters in transformers 5); name the experts "
+            "explicitly to adapt them ('experts', or 'gate_up_proj' / 'down_proj'), and the attention "
+            "projections (q_proj, k_proj, v_proj, o_proj) for the rest"
+        )
+
+
+def check_module_targets_kept(model: PeftModel, requested: list[str]) -> None:
+    """Refuse a module target PEFT dropped: its transformers-5 conversion moves any target
+    ending in a v4 MoE name (``down_proj``) onto the fused expert parameter, so a dense MLP's
+    ``down_proj`` beside the experts would silently stay frozen."""
+    kept = set(model.peft_config[model.active_adapter].target_modules or [])
+    dropped = sorted(set(requested) - kept)
+    if dropped:
+        raise ModelError(
+            f"adapter.lora_target_modules: on {type(model.get_base_model()).__name__}, PEFT maps {dropped} "
+            "onto the experts' fused parameters instead of the linear layers of that name (MoE layers keep "
+            "their experts as 3-D parameters in transformers 5), so those linear layers would stay frozen; "
+            "LoRA can adapt these names on the experts only: keep them for the experts, or remove them"
         )
 
 
@@ -116,9 +187,9 @@ def check_target_modules(model: nn.Module, targets: list[str]) -> None:
             kind = type(matched[0]).__name__
             experts = any(isinstance(p, nn.Parameter) and p.dim() == 3 for p in matched[0].parameters(recurse=False))
             why = (
-                f"it is a {kind} holding fused expert weights as 3-D parameters, which LoRA through "
-                "target_modules cannot wrap (LoRA on experts, PEFT's target_parameters, is not "
-                "supported yet)"
+                f"it is a {kind} holding fused expert weights as 3-D parameters that hone does not "
+                "know as an experts module (LoRA on experts covers transformers' experts modules: "
+                "name them 'experts', or their 'gate_up_proj' / 'down_proj')"
                 if experts
                 else f"it is a {kind}, not a linear or embedding layer"
             )

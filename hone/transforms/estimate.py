@@ -217,13 +217,15 @@ def _decoder_layers(model: Any, count: int) -> Any:
 
 
 def _layer_facts(layer: Any) -> LayerFacts:
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer, ParamWrapper
     from torch import nn
 
     linears: list[LinearFacts] = []
     inside_lora: set[int] = set()
     for name, module in layer.named_modules():
-        if isinstance(module, LoraLayer):
+        # LoRA on the experts' 3-D parameters (ParamWrapper) is no linear layer: its rank-r
+        # factors are small beside the experts, which the MoE terms below account for.
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
             adapter = module.active_adapters[0]
             base = module.get_base_layer()
             dropout = module.lora_dropout[adapter]

@@ -12,8 +12,10 @@ model: one list, read top to bottom):
    config names, with packed ``sdpa`` rows switched to torch's varlen kernel where it runs. It
    decides once how packed micro-batches reach the attention (boundaries or hone's mask).
    Everything after it traces the attention the run will really use.
-2. (later: quantized base, fused kernels / experts backend -- they swap modules, so they come
-   before anything that wraps or traces layers.)
+2. ``experts`` (base model) -- the MoE experts implementation (``model.experts_implementation``,
+   :mod:`hone.transforms.experts`); before the adapter, which reads it to fuse expert LoRA.
+   (later: quantized base, fused kernels -- they swap modules, so they come before anything that
+   wraps or traces layers.)
 3. ``tiled_mlp`` (adapted model) -- each decoder layer's MLP instance replaced by one that
    computes it in shards of tokens under recomputation. It takes the PEFT-wrapped projections as
    they are (so it runs on the adapted model), and comes before checkpointing and compile, which
@@ -55,6 +57,7 @@ from hone.errors import HoneError
 from hone.transforms import compile as compile_transform
 from hone.transforms.base import RunFacts, RunHooks, Stage, StepModule, Transform
 from hone.transforms.data_parallel import DDP, resolve_strategy
+from hone.transforms.experts import EXPERTS
 from hone.transforms.inductor import configure_cache_dir
 
 __all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
@@ -395,6 +398,7 @@ def _fsdp_module():
 #: Every transform, in the order they are applied (see the module docstring for why).
 TRANSFORMS: tuple[Transform, ...] = (
     ATTENTION,
+    EXPERTS,
     TILED_MLP,
     LOSS,
     CHECKPOINTING,

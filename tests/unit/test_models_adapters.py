@@ -75,13 +75,25 @@ def test_dotted_suffix_targets_are_accepted(tokenizer):
     assert sum("lora_A" in n for n, _ in model.named_parameters()) == 2  # one per layer
 
 
-def test_moe_experts_cannot_be_targeted_yet_and_the_error_says_why(tokenizer):
-    model = tiny_model("tiny-qwen3-moe", tokenizer)
+def test_moe_experts_are_adapted_through_peft_target_parameters(tokenizer):
+    model = lora(tiny_model("tiny-qwen3-moe", tokenizer), lora_target_modules=["q_proj", "experts"])
+    config = model.peft_config["default"]
+    assert config.target_modules == {"q_proj"}
+    assert config.target_parameters == {"experts.gate_up_proj", "experts.down_proj"}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("experts" in n and "lora_A" in n for n in trainable)
+    assert not any(n.endswith("gate_up_proj") or n.endswith("experts.down_proj") for n in trainable)  # base frozen
+
+
+def test_a_single_expert_parameter_can_be_targeted(tokenizer):
+    model = lora(tiny_model("tiny-qwen3-moe", tokenizer), lora_target_modules=["q_proj", "gate_up_proj"])
+    assert model.peft_config["default"].target_parameters == {"gate_up_proj"}
+
+
+def test_expert_lora_refuses_dropout_and_says_why(tokenizer):
     with pytest.raises(HoneError) as info:
-        lora(model, lora_target_modules=["q_proj", "experts"])
-    text = str(info.value)
-    assert "fused expert weights" in text and "target_parameters" in text
-    assert "q_proj" in text  # what can be adapted instead
+        lora(tiny_model("tiny-qwen3-moe", tokenizer), lora_target_modules=["experts"], lora_dropout=0.1)
+    assert "adapter.lora_dropout" in str(info.value) and "lora_dropout: 0" in str(info.value)
 
 
 def test_moe_lora_on_attention_leaves_experts_frozen(tokenizer):
@@ -130,4 +142,4 @@ def test_moe_dense_layer_names_that_peft_would_map_onto_experts_are_refused(toke
     assert any(n.endswith("mlp.down_proj") for n, _ in model.named_modules())
     with pytest.raises(HoneError) as info:
         lora(model, lora_target_modules=["q_proj", "down_proj"])
-    assert "fused expert" in str(info.value) and "not supported by hone yet" in str(info.value)
+    assert "['down_proj']" in str(info.value) and "would stay frozen" in str(info.value)

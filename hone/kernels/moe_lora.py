@@ -1,0 +1,341 @@
+"""Routed experts with LoRA through grouped GEMMs: sort once, one kernel per projection.
+
+:func:`moe_experts` equals :func:`hone.kernels.moe_lora_reference.moe_experts_reference`
+(forward and every gradient) with no per-expert Python loop and no host sync:
+
+1. **Route.** The ``T*k`` token-expert pairs are sorted by expert (``torch.sort``, stable);
+   rows per expert come from a ``scatter_add`` of ones and their running sum ``ends [E]``
+   stays on the device (``bincount`` would size its output from the data, a sync).
+2. **gate_up.** :func:`moe_lora_linear` reads each pair's token straight from ``hidden``
+   through the sorted token index (no ``[S, H]`` gathered copy), computes the rank-r
+   ``xa = x A^T`` for all experts in one launch, then ``x W + bias + s xa B^T`` in one more.
+3. **Activation** in PyTorch (SiLU-gated or gpt_oss' clamped SwiGLU, both layouts' gate/up
+   split): elementwise, which Inductor fuses into one kernel under regional compile. Fusing
+   it into the gate_up epilogue would save one ``[S, 2I]`` round trip in the forward but the
+   backward needs the pre-activation anyway, so it would be written regardless.
+4. **down** as step 2, on the sorted rows.
+5. **Combine.** Each token's ``k`` rows, weighted by the routing weights and summed in float32
+   (a gather through the inverse permutation and a sum: deterministic, and differentiable
+   w.r.t. the routing weights, which the router's gradient needs).
+
+:func:`moe_lora_linear` is the ``torch.library`` custom op ``hone::moe_lora_linear`` with a
+fake implementation and an autograd formula; its backward is grouped products too:
+``dxa = s dY B`` (one launch), ``dX = dY W^T + dxa A`` (one launch, the LoRA term in the
+epilogue again), ``dA_e = dxa_e^T x_e`` and ``dB_e = s dY_e^T xa_e`` over rank-sized
+intermediates, ``dW_e = x_e^T dY_e`` only when the weights train (full fine-tune) and the
+bias gradient as a segment sum. The Triton launches are ops of their own
+(``hone::moe_grouped_mm``, ``hone::moe_grouped_wgrad``), so ``torch.compile(fullgraph=True)``
+traces the forward and the backward without looking inside a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
+from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, triton
+
+__all__ = ["moe_experts", "moe_lora_linear", "moe_triton_available", "route"]
+
+
+def moe_triton_available(device: torch.device | str) -> bool:
+    """Whether the grouped kernels can run on ``device``: CUDA with triton, or any device
+    under the interpreter (``TRITON_INTERPRET=1`` before triton is imported)."""
+    if triton is None:
+        return False
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _launch_flags(dtype: torch.dtype) -> tuple[bool, str]:
+    """(CAST_F32, PRECISION): float32 inputs multiply in IEEE float32, not TF32, so the fp32
+    path is exact enough to compare with the reference; the interpreter multiplies in float32."""
+    return INTERPRET, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_available(t: torch.Tensor, op: str) -> None:
+    if not moe_triton_available(t.device):
+        raise RuntimeError(f"hone::{op} needs triton and a CUDA tensor (or TRITON_INTERPRET=1); got a {t.device} tensor")
+
+
+# ---------------------------------------------------------------------------------------------
+# Primitive launches (no autograd): forward grouped GEMM and grouped weight-gradient GEMM.
+
+
+@torch.library.custom_op("hone::moe_grouped_mm", mutates_args=())
+def grouped_mm(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    ends: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    xa: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """``y [S, N]``: for the sorted rows of each expert ``e``, ``x[rows] @ weight[e] (+ bias[e])
+    (+ scaling * xa @ lora_b[e].T)``. ``weight`` is ``[E, K, N]`` with any strides (a transposed
+    view costs nothing), ``lora_b`` ``[E, N, r]``, ``xa`` ``[S, r]``; ``rows`` None reads ``x``'s
+    rows in order (then ``S = x.shape[0]``). Rows outside ``0:ends[-1]`` are left unwritten."""
+    _check_available(x, "moe_grouped_mm")
+    num_experts, k_dim, n_dim = weight.shape
+    s = rows.shape[0] if rows is not None else x.shape[0]
+    y = torch.empty(s, n_dim, dtype=x.dtype, device=x.device)
+    if s == 0 or n_dim == 0:
+        return y
+    has_lora = xa is not None and lora_b is not None
+    rank = xa.shape[1] if has_lora else 0
+    dummy = ends  # any tensor: the kernel never reads a pointer whose flag is off
+    cast_f32, precision = _launch_flags(x.dtype)
+    grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) + num_experts, triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
+    grouped_mm_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        rows if rows is not None else dummy,
+        ends, num_experts,
+        weight, weight.stride(0), weight.stride(1), weight.stride(2),
+        bias if bias is not None else dummy,
+        bias.stride(0) if bias is not None else 0,
+        bias.stride(1) if bias is not None else 0,
+        xa if has_lora else dummy,
+        xa.stride(0) if has_lora else 0,
+        xa.stride(1) if has_lora else 0,
+        lora_b if has_lora else dummy,
+        lora_b.stride(0) if has_lora else 0,
+        lora_b.stride(1) if has_lora else 0,
+        lora_b.stride(2) if has_lora else 0,
+        float(scaling),
+        y, y.stride(0), y.stride(1),
+        n_dim, k_dim, rank,
+        GATHER=rows is not None,
+        HAS_BIAS=bias is not None,
+        HAS_LORA=has_lora,
+        E_P2=_next_pow2(num_experts),
+        BLOCK_R=max(16, _next_pow2(rank)),
+        CAST_F32=cast_f32,
+        PRECISION=precision,
+    )
+    return y
+
+
+@grouped_mm.register_fake
+def _(x, rows, ends, weight, bias, xa, lora_b, scaling):
+    s = rows.shape[0] if rows is not None else x.shape[0]
+    return x.new_empty(s, weight.shape[2])
+
+
+@torch.library.custom_op("hone::moe_grouped_wgrad", mutates_args=())
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    rows: torch.Tensor | None,
+    gather_a: bool,
+    gather_b: bool,
+    ends: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``out [E, M, N]`` with ``out[e] = scale * a_e^T @ b_e``, ``a_e`` / ``b_e`` the rows of
+    expert ``e`` of ``a [*, M]`` and ``b [*, N]`` (read through ``rows`` where ``gather_*``),
+    accumulated in float32 and rounded once to ``out_dtype``; zeros for an empty expert."""
+    _check_available(a, "moe_grouped_wgrad")
+    num_experts = ends.shape[0]
+    m_dim, n_dim = a.shape[1], b.shape[1]
+    out = torch.empty(num_experts, m_dim, n_dim, dtype=out_dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    cast_f32, precision = _launch_flags(a.dtype)
+    grid = lambda meta: (num_experts, triton.cdiv(m_dim, meta["BLOCK_M"]), triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
+    grouped_wgrad_kernel[grid](
+        a, a.stride(0), a.stride(1),
+        b, b.stride(0), b.stride(1),
+        rows if rows is not None else ends, ends,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        m_dim, n_dim, float(scale),
+        GATHER_A=gather_a,
+        GATHER_B=gather_b,
+        CAST_F32=cast_f32,
+        PRECISION=precision,
+    )
+    return out
+
+
+@grouped_wgrad.register_fake
+def _(a, b, rows, gather_a, gather_b, ends, scale, out_dtype):
+    return a.new_empty(ends.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# One expert projection with LoRA, differentiable.
+
+
+@torch.library.custom_op("hone::moe_lora_linear", mutates_args=())
+def _moe_lora_linear(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    ends: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [S, out], xa [S, r] or empty): see :func:`moe_lora_linear`. ``xa`` is returned (not
+    differentiable) so the backward reuses it for ``dB`` instead of recomputing ``x A^T``."""
+    w_in_out = weight if transposed else weight.transpose(1, 2)
+    if lora_a is None or lora_b is None:
+        return grouped_mm(x, rows, ends, w_in_out, bias, None, None, 0.0), x.new_empty(0)
+    xa = grouped_mm(x, rows, ends, lora_a.transpose(1, 2), None, None, None, 0.0)
+    return grouped_mm(x, rows, ends, w_in_out, bias, xa, lora_b, scaling), xa
+
+
+@_moe_lora_linear.register_fake
+def _(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling):
+    s = rows.shape[0] if rows is not None else x.shape[0]
+    n_out = weight.shape[2] if transposed else weight.shape[1]
+    y = x.new_empty(s, n_out)
+    xa = x.new_empty(s, lora_a.shape[1]) if lora_a is not None and lora_b is not None else x.new_empty(0)
+    return y, xa
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling = inputs
+    _, xa = output
+    ctx.transposed = transposed
+    ctx.scaling = scaling
+    ctx.x_shape = x.shape
+    ctx.has_rows = rows is not None
+    ctx.has_bias = bias is not None
+    ctx.has_lora = lora_a is not None and lora_b is not None
+    ctx.mark_non_differentiable(xa)
+    ctx.save_for_backward(x, rows, ends, weight, lora_a, lora_b, xa)
+
+
+def _expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The expert of each sorted row, on the device (no sync)."""
+    return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
+
+
+def _backward(ctx, grad_y, _grad_xa):
+    x, rows, ends, weight, lora_a, lora_b, xa = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_x, need_w, need_bias = need[0], need[3], need[5]
+    need_a, need_b = (need[6], need[7]) if ctx.has_lora else (False, False)
+    dy = grad_y.contiguous()
+    w_in_out = weight if ctx.transposed else weight.transpose(1, 2)
+    d_x = d_w = d_bias = d_a = d_b = None
+
+    dxa = None
+    if ctx.has_lora and (need_x or need_a):
+        # dxa = s * dY B_e  ([S, out] @ [out, r]); B_e is lora_b[e] seen as [E, out (K), r (N)].
+        dxa = grouped_mm(dy, None, ends, lora_b, None, None, None, 0.0) * ctx.scaling
+    if need_x:
+        # dX = dY W_e^T + dxa A_e: the same kernel, W read transposed, A as the epilogue's "B".
+        lora_args = (dxa, lora_a.transpose(1, 2)) if dxa is not None else (None, None)
+        dx_rows = grouped_mm(dy, None, ends, w_in_out.transpose(1, 2), None, lora_args[0], lora_args[1], 1.0)
+        if ctx.has_rows:
+            # Each token's k rows summed back (float32 accumulate, then x's dtype).
+            d_x = torch.zeros(ctx.x_shape, dtype=torch.float32, device=dy.device)
+            d_x.index_add_(0, rows, dx_rows.float())
+            d_x = d_x.to(dy.dtype)
+        else:
+            d_x = dx_rows
+    if need_a:
+        d_a = grouped_wgrad(dxa, x, rows, False, ctx.has_rows, ends, 1.0, lora_a.dtype)
+    if need_b:
+        d_b = grouped_wgrad(dy, xa, None, False, False, ends, ctx.scaling, lora_b.dtype)
+    if need_w:
+        # Written straight in the parameter's layout: [E, in, out] = x^T dY, [E, out, in] = dY^T x.
+        if ctx.transposed:
+            d_w = grouped_wgrad(x, dy, rows, ctx.has_rows, False, ends, 1.0, weight.dtype)
+        else:
+            d_w = grouped_wgrad(dy, x, rows, False, ctx.has_rows, ends, 1.0, weight.dtype)
+    if need_bias and ctx.has_bias:
+        experts = _expert_of_rows(ends, dy.shape[0])
+        d_bias = torch.zeros(weight.shape[0], dy.shape[1], dtype=torch.float32, device=dy.device)
+        d_bias.index_add_(0, experts, dy.float())
+        d_bias = d_bias.to(weight.dtype)
+    return d_x, None, None, d_w, None, d_bias, d_a, d_b, None
+
+
+_moe_lora_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_lora_linear(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    ends: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    bias: torch.Tensor | None = None,
+    lora: LoraFactors | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """One expert projection for rows sorted by expert: ``y [S, out]`` with, for the rows of
+    expert ``e`` (``ends[e-1]:ends[e]``), ``y = x[rows] W_e (+ bias_e) + s (x[rows] A_e^T) B_e^T``.
+
+    ``weight`` is the experts' 3-D parameter as stored (``[E, out, in]``, or ``[E, in, out]``
+    when ``transposed``), ``lora`` its factors ``(A [E, r, in], B [E, out, r])`` (PEFT's
+    per-expert view, any strides), ``rows`` an optional int64 index into ``x`` (None: ``x`` is
+    already in sorted order). Every floating input is cast to the weight's dtype first
+    (differentiably: float32 LoRA factors get float32 gradients). Differentiable w.r.t. ``x``,
+    ``weight``, ``bias`` and both factors; only what requires grad is computed.
+    """
+    dtype = weight.dtype
+    lora_a = lora_b = None
+    if lora is not None:
+        lora_a, lora_b = lora[0].to(dtype), lora[1].to(dtype)
+    y, _ = _moe_lora_linear(
+        x.to(dtype), rows, ends, weight, transposed, None if bias is None else bias.to(dtype), lora_a, lora_b, float(scaling)
+    )
+    return y
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, ends): the flattened token-expert pairs sorted by expert (``perm[i]`` is the pair
+    at sorted row ``i``; pair ``p`` is token ``p // k``'s ``p % k``-th choice) and the running
+    row count per expert, int32 ``[E]``. All on the device, no host sync."""
+    ids = top_k_index.reshape(-1)
+    _, perm = torch.sort(ids, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, ids.long(), torch.ones_like(ids, dtype=torch.int32))
+    return perm, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    layout: ExpertsLayout,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    gate_up_lora: LoraFactors | None = None,
+    down_lora: LoraFactors | None = None,
+    scaling: float = 1.0,
+    down_scaling: float | None = None,
+) -> torch.Tensor:
+    """Routed experts ``[T, H]`` through the grouped kernels; same arguments and result as
+    :func:`hone.kernels.moe_lora_reference.moe_experts_reference` (see the module docstring
+    for the steps). ``down_scaling`` is the down projection's LoRA scaling where it differs
+    from gate_up's ``scaling``. Output in ``hidden``'s dtype."""
+    n_tokens, hidden_dim = hidden.shape
+    k = top_k_index.shape[1]
+    perm, ends = route(top_k_index, gate_up_proj.shape[0])
+    token_of_row = perm // k
+    gate_up = moe_lora_linear(hidden, token_of_row, ends, gate_up_proj, layout.transposed, gate_up_bias, gate_up_lora, scaling)
+    h = gated_activation(gate_up, layout)
+    y = moe_lora_linear(
+        h, None, ends, down_proj, layout.transposed, down_bias, down_lora, scaling if down_scaling is None else down_scaling
+    )
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+    per_choice = y[inverse].view(n_tokens, k, hidden_dim).float()
+    out = (per_choice * top_k_weights.float().unsqueeze(-1)).sum(dim=1)
+    return out.to(hidden.dtype)

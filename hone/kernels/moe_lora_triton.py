@@ -1,0 +1,205 @@
+"""Triton kernels for routed experts: a grouped GEMM with the LoRA path fused in its epilogue,
+and a grouped weight-gradient GEMM. Launched through the ``torch.library`` ops of
+:mod:`hone.kernels.moe_lora`; nothing here knows about models.
+
+Rows (token-expert pairs) arrive sorted by expert; ``ends [E]`` (int32, on the device) is the
+running count of rows per expert, so expert ``e`` owns rows ``ends[e-1]:ends[e]``. Nothing on
+the host knows how many rows each expert has: the forward grid is an upper bound on the
+number of ``BLOCK_M`` row tiles, ``cdiv(S, BLOCK_M) + E`` (each expert wastes at most one
+partial tile), and every program finds its expert and first row from ``ends`` itself (a
+vector cumsum over the experts' tile counts). Programs past the last tile return at once.
+This keeps routing free of host syncs and works whatever ``BLOCK_M`` autotuning picks.
+
+:func:`grouped_mm_kernel` computes, for the rows of expert ``e``,
+
+    y = x W_e (+ bias_e) (+ s * xa B_e^T)
+
+with ``x`` read through an optional row index (``x[rows[i]]``: the first projection reads the
+token's hidden state directly, no ``[S, H]`` gathered copy), ``W_e`` read through arbitrary
+strides (so qwen3_moe's ``[E, out, in]`` and gpt_oss' ``[E, in, out]`` and their transposes
+for the backward are the same kernel, no weight copies), and ``xa = x A_e^T`` the rank-``r``
+intermediate computed beforehand by the same kernel. Why not compute ``x A^T`` inside the base
+GEMM's K loop: every N tile would redo it, ``r / BLOCK_N`` extra work (12% at r=16, BLOCK_N=128)
+and ``xa`` has to reach memory anyway because the backward's ``dB = dY^T xa`` needs it; as its
+own launch it costs one more read of ``x`` and about ``r / N`` of the base GEMM's FLOPs.
+
+:func:`grouped_wgrad_kernel` computes ``out[e] = scale * a_e^T b_e`` over expert ``e``'s rows
+(weights, LoRA A and B gradients), one program per (expert, M tile, N tile), its K loop running
+over that expert's rows only; an empty expert's block is written as zeros.
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot products run in float32
+(the interpreter's dot does not take bfloat16) and one autotune config is tried. The
+interpreter also rounds float32 to bfloat16 by truncation (GPUs round to nearest even), twice
+the error of a real store: bfloat16 parity is the GPU tests' job (tests/gpu/test_moe_lora_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # optional: CUDA wheels of torch bring triton, CPU wheels do not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs(small: list[tuple[int, int, int, int, int]]):
+    """Autotune configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); one under the
+    interpreter, where every extra config is minutes of CPU."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in small]
+
+
+# Tiles for H100-class GPUs: 128x128 and 64x128 with BLOCK_K 64 cover the MoE shapes (2I and H
+# of 1-4K, rows per expert of tens to thousands); the 64-row tiles waste less on small experts.
+_MM_TILES = [
+    (128, 128, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4),
+    (64, 64, 64, 4, 4),
+    (128, 32, 64, 4, 3),  # the rank-r outputs (x A^T, dY B): N = r
+]
+# Weight gradients: M and N are the weight's dimensions, K the expert's rows.
+_WGRAD_TILES = [
+    (128, 128, 64, 8, 3),
+    (64, 128, 64, 4, 4),
+    (128, 64, 32, 4, 4),
+    (64, 64, 64, 4, 3),
+    (32, 128, 64, 4, 3),  # dA: M = r
+    (128, 32, 64, 4, 3),  # dB: N = r
+]
+
+grouped_mm_kernel = None  # defined below when triton is installed
+grouped_wgrad_kernel = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_of_tile(pid_m, ends_ptr, num_experts, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(expert, first row, end row) of row tile ``pid_m``; expert == num_experts past the last tile."""
+        idx = tl.arange(0, E_P2)
+        valid = idx < num_experts
+        ends = tl.load(ends_ptr + idx, mask=valid, other=0)
+        starts = tl.load(ends_ptr + idx - 1, mask=valid & (idx > 0), other=0)
+        tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+        tile_ends = tl.cumsum(tiles, 0)
+        expert = tl.sum((valid & (tile_ends <= pid_m)).to(tl.int32), 0)
+        here = idx == expert
+        first_tile = tl.sum(tl.where(here, tile_ends - tiles, 0), 0)
+        start = tl.sum(tl.where(here, starts, 0), 0)
+        end = tl.sum(tl.where(here, ends, 0), 0)
+        return expert, start + (pid_m - first_tile) * BLOCK_M, end
+
+    @triton.autotune(configs=_configs(_MM_TILES), key=["N", "K", "HAS_LORA"])
+    @triton.jit
+    def grouped_mm_kernel(
+        x_ptr, stride_xm, stride_xk,
+        rows_ptr,
+        ends_ptr, num_experts,
+        w_ptr, stride_we, stride_wk, stride_wn,
+        bias_ptr, stride_be, stride_bn,
+        xa_ptr, stride_am, stride_ar,
+        lb_ptr, stride_lbe, stride_lbn, stride_lbr,
+        scaling,
+        y_ptr, stride_ym, stride_yn,
+        N, K, R,
+        GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+        E_P2: tl.constexpr, BLOCK_R: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        expert, row0, end = _expert_of_tile(tl.program_id(0), ends_ptr, num_experts, E_P2, BLOCK_M)
+        if expert >= num_experts:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        if GATHER:
+            src = tl.load(rows_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if CAST_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+        if HAS_LORA:
+            # Epilogue: + s * xa B_e^T, xa the rows' rank-r intermediate (sorted row order).
+            rs = tl.arange(0, BLOCK_R)
+            r_mask = rs < R
+            xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_am + rs[None, :] * stride_ar, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            lb = tl.load(
+                lb_ptr + expert.to(tl.int64) * stride_lbe + rs[:, None] * stride_lbr + cols[None, :] * stride_lbn,
+                mask=r_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if CAST_F32:
+                xa = xa.to(tl.float32)
+                lb = lb.to(tl.float32)
+            acc += scaling * tl.dot(xa, lb, input_precision=PRECISION)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols * stride_bn, mask=col_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(
+            y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn,
+            acc.to(y_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+    @triton.autotune(configs=_configs(_WGRAD_TILES), key=["M", "N"])
+    @triton.jit
+    def grouped_wgrad_kernel(
+        a_ptr, stride_as, stride_am,
+        b_ptr, stride_bs, stride_bn,
+        rows_ptr, ends_ptr,
+        out_ptr, stride_oe, stride_om, stride_on,
+        M, N, scale,
+        GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        expert = tl.program_id(0)
+        end = tl.load(ends_ptr + expert)
+        start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+        ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = ms < M
+        n_mask = ns < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s0 in range(start, end, BLOCK_K):
+            ss = s0 + tl.arange(0, BLOCK_K)
+            s_mask = ss < end
+            if GATHER_A or GATHER_B:
+                gathered = tl.load(rows_ptr + ss, mask=s_mask, other=0).to(tl.int64)
+            if GATHER_A:
+                sa = gathered
+            else:
+                sa = ss.to(tl.int64)
+            if GATHER_B:
+                sb = gathered
+            else:
+                sb = ss.to(tl.int64)
+            at = tl.load(a_ptr + sa[None, :] * stride_as + ms[:, None] * stride_am, mask=m_mask[:, None] & s_mask[None, :], other=0.0)
+            bt = tl.load(b_ptr + sb[:, None] * stride_bs + ns[None, :] * stride_bn, mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+            if CAST_F32:
+                at = at.to(tl.float32)
+                bt = bt.to(tl.float32)
+            acc = tl.dot(at, bt, acc, input_precision=PRECISION)
+        tl.store(
+            out_ptr + expert.to(tl.int64) * stride_oe + ms[:, None] * stride_om + ns[None, :] * stride_on,
+            (acc * scale).to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & n_mask[None, :],
+        )

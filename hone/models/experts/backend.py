@@ -1,0 +1,167 @@
+"""hone's experts backend: transformers' experts interface, running hone's grouped kernels.
+
+transformers 5 routes every ``@use_experts_implementation`` experts module's forward through
+``ExpertsInterface`` by the name in ``config._experts_implementation``. hone registers
+:func:`hone_experts_forward` there under ``"hone"`` and selects it with the model's own
+``set_experts_implementation``: the model code stays untouched (DESIGN.md, principle 2).
+
+The module's flags (``is_transposed``, ``is_concatenated``, ``has_bias``, ``has_gate``,
+``has_post_expert_norm``), its activation and its gate function are turned into an
+:class:`~hone.kernels.moe_lora_reference.ExpertsLayout`; what the kernels do not cover
+(ungated experts, a post-expert norm, expert parallelism, an activation other than SiLU or
+gpt_oss' clamped SwiGLU) is refused by :func:`experts_problems` before training, naming the
+module and the alternatives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+
+from hone.kernels.moe_lora import moe_experts, moe_triton_available
+from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors
+from hone.models.errors import ModelError
+
+HONE = "hone"
+#: ``model.experts_implementation`` values: hone's kernels, or transformers' own two.
+EXPERTS_IMPLEMENTATIONS = (HONE, "grouped_mm", "eager")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """An experts module transformers dispatches through its experts interface."""
+    return hasattr(module, "is_transposed") and hasattr(module, "has_gate") and isinstance(
+        getattr(module, "down_proj", None), (nn.Parameter, torch.Tensor)
+    )
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
+
+
+def _uses_default_gate(module: nn.Module) -> bool:
+    return getattr(type(module), "_apply_gate", None) is _default_apply_gate
+
+
+def layout_of(module: nn.Module) -> ExpertsLayout:
+    """The kernels' description of ``module``'s weights and gate; ModelError where they cannot run it."""
+    problem = _layout_problem(module)
+    if problem:
+        raise ModelError(f"model.experts_implementation: hone cannot run {type(module).__name__}: {problem}")
+    transposed = bool(module.is_transposed)
+    interleaved = not bool(getattr(module, "is_concatenated", True))
+    if _uses_default_gate(module):
+        return ExpertsLayout(transposed=transposed, interleaved=interleaved, activation="silu")
+    return ExpertsLayout(
+        transposed=transposed,
+        interleaved=interleaved,
+        activation="clamped_swiglu",
+        swiglu_alpha=float(module.alpha),
+        swiglu_limit=float(module.limit),
+    )
+
+
+def _layout_problem(module: nn.Module) -> str | None:
+    if not getattr(module, "has_gate", False):
+        return "its experts have no gate (up_proj only); the kernels compute gated experts"
+    if getattr(module, "has_post_expert_norm", False):
+        return "it normalises each expert's output (has_post_expert_norm), which the kernels do not"
+    if getattr(module, "_is_expert_parallel", False):
+        return "it is expert-parallel; the kernels run all experts on one device"
+    if _uses_default_gate(module):
+        act = getattr(module, "act_fn", None)
+        if not isinstance(act, nn.SiLU) and type(act).__name__ != "SiLUActivation":
+            return f"its activation is {type(act).__name__}; the kernels' default gate is SiLU(gate) * up"
+        return None
+    if type(module).__name__ == "GptOssExperts" and hasattr(module, "alpha") and hasattr(module, "limit"):
+        return None
+    return f"its gate function {type(module).__name__}._apply_gate is not one the kernels know (SiLU, gpt_oss' clamped SwiGLU)"
+
+
+def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
+    """Why ``experts_implementation: hone`` cannot run ``model`` on ``device`` (empty: it can)."""
+    modules = experts_modules(model)
+    if not modules:
+        return [f"model.experts_implementation: hone applies to mixture-of-experts models; {type(model).__name__} has no experts module"]
+    problems = []
+    if not moe_triton_available(device):
+        problems.append(
+            f"model.experts_implementation: hone runs Triton kernels, which need triton and a CUDA device "
+            f"(this run is on {device.type}); use grouped_mm or eager"
+        )
+    seen = set()
+    for _, module in modules:
+        problem = _layout_problem(module)
+        if problem and type(module) not in seen:
+            seen.add(type(module))
+            problems.append(f"model.experts_implementation: hone cannot run {type(module).__name__}: {problem}; use grouped_mm or eager")
+    return problems
+
+
+def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_index, top_k_weights) whether passed by position or by either model's names."""
+    values = list(args)
+    for names in (("top_k_index", "router_indices"), ("top_k_weights", "routing_weights")):
+        for name in names:
+            if name in kwargs:
+                values.append(kwargs[name])
+    if len(values) != 2:
+        raise TypeError(f"experts forward expects (hidden_states, top_k_index, top_k_weights), got {len(args)} positional and {sorted(kwargs)}")
+    return values[0], values[1]
+
+
+def hone_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    *args: Any,
+    lora: dict[str, LoraFactors] | None = None,
+    lora_scaling: dict[str, float] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The experts forward transformers calls for ``experts_implementation: hone``: the module's
+    weights through :func:`hone.kernels.moe_lora.moe_experts`. ``lora`` / ``lora_scaling``
+    (keyed ``gate_up_proj`` / ``down_proj``) are passed by hone's expert-LoRA layer
+    (:mod:`hone.models.experts.lora`), never by transformers."""
+    top_k_index, top_k_weights = _routing_args(args, kwargs)
+    lora = lora or {}
+    lora_scaling = lora_scaling or {}
+    return moe_experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        layout_of(self),
+        self.gate_up_proj_bias if self.has_bias else None,
+        self.down_proj_bias if self.has_bias else None,
+        lora.get("gate_up_proj"),
+        lora.get("down_proj"),
+        lora_scaling.get("gate_up_proj", 1.0),
+        lora_scaling.get("down_proj", 1.0),
+    )
+
+
+def register_hone_experts() -> None:
+    """Make ``"hone"`` a name transformers' experts interface knows (idempotent)."""
+    ExpertsInterface.register(HONE, hone_experts_forward)
+
+
+def set_experts_implementation(model: nn.Module, implementation: str) -> dict[str, Any]:
+    """Select ``implementation`` for every experts module of ``model`` through transformers'
+    ``set_experts_implementation``; returns what was applied (for the plan record)."""
+    if implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise ModelError(
+            f"model.experts_implementation: {implementation!r} is not one of: {', '.join(EXPERTS_IMPLEMENTATIONS)}"
+        )
+    modules = experts_modules(model)
+    if implementation == HONE:
+        register_hone_experts()
+        for _, module in modules:
+            layout_of(module)  # refuses what the kernels cannot run, before any step
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        raise ModelError(f"model.experts_implementation: {type(model).__name__} does not let transformers choose its experts implementation")
+    setter(implementation)
+    return {"implementation": implementation, "experts_modules": len(modules)}
