@@ -47,58 +47,25 @@ def is_eval_row(row: dict[str, Any]) -> bool:
     return "eval_loss" in row
 
 
-class MetricsLog:
-    """Appends rows to ``metrics.jsonl`` and keeps them in memory for the plot and report."""
+class RowsInMemory:
+    """The run's metrics rows, in memory (for the plot and the report). On its own it writes
+    nothing: the log of ranks other than 0 of a multi-process run; :class:`MetricsLog` adds the
+    file."""
 
     def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
-        """Open the log. ``resume_step``: keep only rows up to that step (a resumed run);
-        ``history``: the rows of the run resumed from, used when the file itself is missing (a
-        checkpoint resumed into a new output directory; see
-        :func:`hone.train.checkpoint.resume_history`)."""
+        """``resume_step``: keep only rows up to that step (a resumed run); ``history``: the rows
+        of the run resumed from, used when the file itself is missing (a checkpoint resumed into
+        a new output directory; see :func:`hone.train.checkpoint.resume_history`)."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self.rows: list[dict[str, Any]] = []
-            atomic_write_text(self.path, "")
-        else:
+        self.rows: list[dict[str, Any]] = []
+        if resume_step is not None:
             existing = read_metrics(self.path) if self.path.exists() else list(history or [])
             self.rows = [r for r in existing if r.get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
-        self._handle = open(self.path, "a", encoding="utf-8")
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append(self, row: dict[str, Any]) -> dict[str, Any]:
         row = clean_row(row)
         self.rows.append(row)
-        self._handle.write(json.dumps(row) + "\n")
-        self._handle.flush()
-
-    @property
-    def train_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if not is_eval_row(r)]
-
-    @property
-    def eval_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if is_eval_row(r)]
-
-    def close(self) -> None:
-        if not self._handle.closed:
-            self._handle.close()
-
-
-class RowsInMemory:
-    """A :class:`MetricsLog` that writes nothing (ranks other than 0 of a multi-process run):
-    the rows, including those of the run resumed from, stay in memory only."""
-
-    def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
-        self.path = Path(path)
-        if resume_step is None:
-            self.rows: list[dict[str, Any]] = []
-        else:
-            existing = read_metrics(self.path) if self.path.exists() else list(history or [])
-            self.rows = [r for r in existing if r.get("step", 0) <= resume_step]
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(clean_row(row))
+        return row
 
     @property
     def train_rows(self) -> list[dict[str, Any]]:
@@ -110,3 +77,24 @@ class RowsInMemory:
 
     def close(self) -> None:
         pass
+
+
+class MetricsLog(RowsInMemory):
+    """Appends rows to ``metrics.jsonl`` and keeps them in memory for the plot and report."""
+
+    def __init__(self, path: Path, *, resume_step: int | None = None, history: list[dict[str, Any]] | None = None):
+        """Open the log (rewritten to the rows kept, see :class:`RowsInMemory`)."""
+        super().__init__(path, resume_step=resume_step, history=history)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self._handle = open(self.path, "a", encoding="utf-8")
+
+    def append(self, row: dict[str, Any]) -> dict[str, Any]:
+        row = super().append(row)
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+        return row
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()
