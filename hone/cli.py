@@ -341,9 +341,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     try:
         load_config(args.output)
-    except ConfigError as exc:
+    except ConfigError:
         print(f"{args.output} does not validate; fix it by hand:", file=sys.stderr)
-        raise exc
+        raise
     print(f"{args.output}: valid (schema and combinations; run `hone validate {args.output}` to check the files it names)")
     return 0
 

@@ -355,7 +355,7 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
 def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, content: str) -> None:
     """Axolotl's chat_template field mappings -> hone's chat dataset fields."""
     entry["field_messages"] = ds.take("field_messages") or messages
-    mapping = ds.take("message_property_mappings") or {}
+    mapping = dict(ds.take("message_property_mappings") or {})  # a copy: the caller's mapping stays as read
     role = mapping.pop("role", None) or ds.take("message_field_role") or role
     content = mapping.pop("content", None) or ds.take("message_field_content") or content
     if mapping:
