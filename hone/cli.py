@@ -22,6 +22,8 @@ examples:
   hone train examples/quickstart.yml
   hone train examples/distributed.yml --nproc-per-node 2
   hone generate runs/quickstart --prompt "What color is a lemon?"
+  hone chat runs/quickstart
+  hone convert axolotl.yml -o hone.yml
   hone plan examples/compile.yml --gpu-memory 24GiB
   hone bench benchmarks/specs/qwen3-8b-lora.yml
 """
@@ -307,6 +309,98 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- hone convert / hone chat (issue 16) ----------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Translate an Axolotl config, write it atomically, then validate it with hone's loader."""
+    import yaml
+
+    from hone.atomic import atomic_write_text
+    from hone.config import ConfigError, load_config
+    from hone.convert.axolotl import convert_axolotl, render_conversion
+
+    try:
+        raw = yaml.safe_load(args.source.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HoneError(f"Axolotl config not found: {args.source}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise HoneError(f"cannot read the Axolotl config {args.source}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise HoneError(f"{args.source}: an Axolotl config is a mapping of keys, got {type(raw).__name__}")
+    if args.output.exists() and not args.force:
+        raise HoneError(f"{args.output} exists: pass --force to overwrite it, or choose another -o")
+    conversion = convert_axolotl(raw)
+    atomic_write_text(args.output, render_conversion(conversion, str(args.source)))
+    print(f"wrote {args.output}")
+    if conversion.untranslated:
+        print(f"not translated ({len(conversion.untranslated)}):")
+        for item in conversion.untranslated:
+            print(f"  {item.key}: {item.reason}")
+    for note in conversion.notes:
+        print(f"note: {note}")
+    try:
+        load_config(args.output)
+    except ConfigError:
+        print(f"{args.output} does not validate; fix it by hand:", file=sys.stderr)
+        raise
+    print(f"{args.output}: valid (schema and combinations; run `hone validate {args.output}` to check the files it names)")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from hone.export.chat import chat_loop, load_chat_model
+
+    model, tokenizer, setup = load_chat_model(args.run_dir, device=args.device)
+    return chat_loop(
+        model,
+        tokenizer,
+        setup,
+        sys.stdin,
+        sys.stdout,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        system=args.system,
+        interactive=sys.stdin.isatty(),
+    )
+
+
+def _add_convert_and_chat(add: Callable[..., argparse.ArgumentParser]) -> None:
+    p = add(
+        "convert",
+        cmd_convert,
+        "translate an Axolotl config into a hone config",
+        "Translate the Axolotl config SOURCE into a hone config (-o), listing every key that has no "
+        "hone equivalent with the reason (printed, and as a comment block at the top of the output), "
+        "then validate the result with hone's config loader (exit 0 valid, 2 not). See docs/convert.md.",
+    )
+    p.add_argument("source", type=Path, help="Axolotl YAML config")
+    p.add_argument("--output", "-o", type=Path, required=True, help="hone YAML config to write")
+    p.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+
+    p = add(
+        "chat",
+        cmd_chat,
+        "chat with a fine-tuned run (or a model directory) in the terminal",
+        "Load the final adapter or model of RUN (a training.output_dir), or a model directory, and chat: "
+        "each line you type is a user turn, rendered with the run's chat template together with the "
+        "conversation so far; the reply streams as it is generated. /reset starts a new conversation, "
+        "/exit (or Ctrl-D) quits.",
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN", help="run directory written by `hone train`, or a model directory")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (with --temperature > 0)")
+    p.add_argument("--system", default=None, help="system message at the start of every conversation")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
+# --- end hone convert / hone chat -------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hone",
@@ -433,13 +527,15 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=False)
     quick.add_argument("--warmup", type=int, default=4)
     quick.add_argument("--steps", type=int, default=12)
+
+    _add_convert_and_chat(add)  # hone convert, hone chat
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("validate", "plan", "preprocess", "train", "generate", "merge"):
+    if args.command in ("validate", "plan", "preprocess", "train", "generate", "merge", "chat"):
         _prepare_libraries(args.verbose)
     try:
         return args.func(args)

@@ -1,0 +1,760 @@
+"""Translate an Axolotl YAML config into a hone config (``hone convert``).
+
+Pure functions: a parsed Axolotl mapping in, a hone config mapping out, together with every
+Axolotl key that could not be carried over and why. Nothing here reads files, imports torch or
+validates; the CLI writes the result and runs hone's own loader on it, so "it converts" and
+"it validates" are two separate, honest statements.
+
+The translation takes keys out of the Axolotl mapping one at a time (:class:`_Reader`), so a key
+that no rule consumed is reported instead of silently dropped. A key whose value asks for
+nothing (null, false, an empty string or list) is dropped quietly: leaving it out changes no
+behaviour. Keys that hone does not need because it does the same thing on its own are listed as
+notes, not as untranslated.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Mapping
+
+import yaml
+
+from hone.config.attention import BACKENDS
+from hone.config.data import SUFFIX_FORMATS
+from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS
+
+
+@dataclass(frozen=True)
+class Untranslated:
+    """An Axolotl key (dotted path, list items as ``[i]``) that has no place in the hone config."""
+
+    key: str
+    reason: str
+
+
+@dataclass
+class Conversion:
+    """The hone config (plain mapping, sections in hone's order) and what the translation lost."""
+
+    config: dict[str, Any]
+    untranslated: list[Untranslated] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Keys translated with a change of meaning, or not needed because hone does it itself."""
+
+    @property
+    def untranslated_keys(self) -> list[str]:
+        return [u.key for u in self.untranslated]
+
+
+#: A hand-written ChatML template (Axolotl's ``chat_template: chatml``): hone takes templates as
+#: Jinja text, and ChatML is the one named template simple and universal enough to spell out.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_SECTION_ORDER = ("model", "data", "adapter", "training", "optimizer", "memory", "performance", "logging", "distributed")
+
+_TRACKERS = "hone writes TensorBoard events and metrics.jsonl; set up this experiment tracker in hone's logging section by hand"
+_HUB = "hone never uploads: push the run directory yourself"
+_NO_QUANT = "hone has no quantized (4/8-bit) base model: the base loads in model.dtype (more memory than Axolotl)"
+
+#: Axolotl keys that hone cannot express, with the reason shown to the user. Keys not here and
+#: not translated get a generic reason.
+REASONS: dict[str, str] = {
+    "load_in_4bit": _NO_QUANT,
+    "load_in_8bit": _NO_QUANT,
+    "bnb_config_kwargs": _NO_QUANT,
+    "gptq": _NO_QUANT,
+    "deepspeed": "hone shards with PyTorch FSDP2, not DeepSpeed; only ZeRO-3 maps (to distributed.strategy: fsdp); "
+    "distributed.strategy: auto picks DDP or FSDP2 by memory",
+    "special_tokens": "hone keeps the tokenizer's own special tokens (it sets only a missing pad token); "
+    "edit the tokenizer's files to change them",
+    "tokens": "hone adds no tokens to the vocabulary; add them to the tokenizer (and resize the model) beforehand",
+    "added_tokens_overrides": "hone adds no tokens to the vocabulary",
+    "train_on_inputs": "hone trains only the response of alpaca rows and the train_on roles of chat rows",
+    "pad_to_sequence_len": "hone pads each micro-batch to its longest row; packed rows are always sequence_len long",
+    "group_by_length": "hone does not sort batches by length",
+    "evals_per_epoch": "hone counts evaluation in optimizer steps: set training.eval_steps",
+    "saves_per_epoch": "hone counts checkpoints in optimizer steps: set training.save_steps",
+    "early_stopping_patience": "hone has no early stopping",
+    "loss_watchdog_threshold": "hone has no loss watchdog (it stops after training.max_consecutive_nonfinite non-finite steps)",
+    "loss_watchdog_patience": "hone has no loss watchdog (it stops after training.max_consecutive_nonfinite non-finite steps)",
+    "eval_table_size": "hone does not sample generations during evaluation",
+    "eval_max_new_tokens": "hone does not sample generations during evaluation",
+    "eval_causal_lm_metrics": "hone evaluates the loss only",
+    "do_bench_eval": "hone evaluates the loss only",
+    "lora_model_dir": "hone starts a new adapter; it does not continue training an existing one",
+    "unfrozen_parameters": "hone trains LoRA adapters (plus adapter.lora_modules_to_save) or every weight",
+    "neftune_noise_alpha": "hone adds no embedding noise",
+    "xformers_attention": "hone has no xformers backend; attention stays sdpa",
+    "s2_attention": "hone has no shifted-sparse attention",
+    "flash_attn_cross_entropy": "hone chooses its loss with performance.loss",
+    "flash_attn_rms_norm": "hone has no flash-attn RMSNorm",
+    "flash_attn_fuse_qkv": "hone does not fuse the q/k/v projections",
+    "flash_attn_fuse_mlp": "hone does not fuse the MLP projections",
+    "liger_rope": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
+    "liger_rms_norm": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
+    "liger_glu_activation": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
+    "liger_layer_norm": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
+    "plugins": "hone has no plugins; fused loss plugins map to performance.loss",
+    "wandb_project": _TRACKERS,
+    "wandb_entity": _TRACKERS,
+    "wandb_name": _TRACKERS,
+    "wandb_run_id": _TRACKERS,
+    "wandb_watch": _TRACKERS,
+    "wandb_log_model": _TRACKERS,
+    "wandb_mode": _TRACKERS,
+    "use_wandb": _TRACKERS,
+    "mlflow_tracking_uri": _TRACKERS,
+    "mlflow_experiment_name": _TRACKERS,
+    "mlflow_run_name": _TRACKERS,
+    "use_mlflow": _TRACKERS,
+    "comet_api_key": _TRACKERS,
+    "comet_project_name": _TRACKERS,
+    "use_comet": _TRACKERS,
+    "hub_model_id": _HUB,
+    "hub_strategy": _HUB,
+    "push_to_hub": _HUB,
+    "push_dataset_to_hub": _HUB,
+    "hf_use_auth_token": "hone works offline, on local files only",
+    "rl": "hone fine-tunes with the language-modelling loss only (no DPO/ORPO/KTO/GRPO)",
+    "reward_model": "hone fine-tunes with the language-modelling loss only",
+    "max_memory": "hone places the model on one device per process",
+    "gpu_memory_limit": "hone places the model on one device per process",
+    "lora_on_cpu": "hone places the model on one device per process",
+    "ddp_timeout": "hone uses torch.distributed's default timeout",
+    "ddp_bucket_cap_mb": "hone uses DDP's default bucket size",
+    "ddp_broadcast_buffers": "hone uses DDP's defaults",
+    "ddp_find_unused_parameters": "hone uses DDP's defaults",
+    "dataloader_num_workers": "hone batches pre-tokenized data in the training process",
+    "dataloader_pin_memory": "hone batches pre-tokenized data in the training process",
+    "dataloader_prefetch_factor": "hone batches pre-tokenized data in the training process",
+    "shuffle_merged_datasets": "hone always shuffles the mixed training rows (by training.seed)",
+    "resize_token_embeddings_to_32x": "hone keeps the model's embedding size",
+    "lr_scheduler_kwargs": "hone's schedules take only warm-up and optimizer.cosine_min_lr_ratio",
+    "optim_args": "hone's AdamW takes only the optimizer section's keys",
+    "lr_quadratic_warmup": "hone's warm-up is linear",
+    "sequence_parallel_degree": "hone has no sequence parallelism",
+    "tensor_parallel_size": "hone has no tensor parallelism",
+    "context_parallel_size": "hone has no context parallelism",
+    "relora_steps": "hone has no ReLoRA",
+    "peft_layers_to_transform": "hone puts adapters on every matching layer",
+    "lora_fan_in_fan_out": "hone's LoRA uses PEFT's default layout",
+    "save_strategy": "hone checkpoints every training.save_steps and at the end",
+    "eval_strategy": "hone evaluates every training.eval_steps and at the end",
+    "save_only_model": "hone's checkpoints always hold what a resume needs",
+    "max_packed_sequence_len": "hone packs into rows of data.sequence_len",
+    "sample_packing_eff_est": "hone packs once, before training, and knows the exact row count",
+    "sample_packing_bin_size": "hone packs with best-fit decreasing (see data.sample_packing_group_size)",
+    "multipack_real_batches": "hone packs documents into rows of data.sequence_len",
+    "chat_template_kwargs": "hone renders the chat template with messages and add_generation_prompt only",
+    "default_system_message": "hone adds no system message; put it in the data",
+    "remove_unused_columns": "hone keeps only the columns its dataset type names",
+}
+
+#: Keys hone does not need: it does the same thing on its own (shown as notes).
+NOT_NEEDED: dict[str, str] = {
+    "base_model_config": "hone reads the model's config from model.path",
+    "model_type": "hone picks the model class from config.json",
+    "model_config_type": "hone picks the model class from config.json",
+    "tokenizer_type": "hone loads the tokenizer with AutoTokenizer",
+    "is_llama_derived_model": "hone reads the architecture from config.json",
+    "is_mistral_derived_model": "hone reads the architecture from config.json",
+    "is_qwen_derived_model": "hone reads the architecture from config.json",
+    "is_falcon_derived_model": "hone reads the architecture from config.json",
+    "strict": "hone validates every key; unknown keys are errors",
+    "save_safetensors": "hone always writes safetensors",
+    "low_cpu_mem_usage": "hone builds models on the meta device",
+    "gradient_checkpointing_kwargs": "hone's activation checkpointing is always non-reentrant",
+    "lora_mlp_kernel": "hone chooses its LoRA kernels through the plan",
+    "lora_qkv_kernel": "hone chooses its LoRA kernels through the plan",
+    "lora_o_kernel": "hone chooses its LoRA kernels through the plan",
+    "local_rank": "set by the launcher (torchrun)",
+    "debug": "use hone --verbose",
+    "use_tensorboard": "hone writes TensorBoard events by default (logging.tensorboard)",
+    "fsdp_version": "hone's FSDP is always FSDP2",
+}
+
+
+def _asks_nothing(value: Any) -> bool:
+    """Whether leaving the key out changes nothing (null, false, empty)."""
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def _number(value: Any) -> float | int | None:
+    """A number, also from a string (YAML 1.1 reads ``2e-5`` without a dot as a string)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+class _Reader:
+    """Takes keys out of one Axolotl mapping; what is left at the end was not translated."""
+
+    def __init__(self, raw: Mapping[str, Any], prefix: str = "") -> None:
+        self.left: dict[str, Any] = dict(raw)
+        self.prefix = prefix
+        self.untranslated: list[Untranslated] = []
+        self.notes: list[str] = []
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def take(self, key: str) -> Any:
+        return self.left.pop(key, None)
+
+    def has(self, key: str) -> bool:
+        return not _asks_nothing(self.left.get(key))
+
+    def drop(self, key: str, reason: str) -> None:
+        """Record ``key`` as untranslated (unless it asks for nothing)."""
+        value = self.left.pop(key, None)
+        if not _asks_nothing(value):
+            self.untranslated.append(Untranslated(self.name(key), reason))
+
+    def number(self, key: str, target: dict[str, Any], target_key: str, integer: bool = False) -> None:
+        """Copy a numeric key, or report it when it is not a number."""
+        value = self.take(key)
+        if value is None:
+            return
+        parsed = _number(value)
+        if parsed is None or (integer and float(parsed) != int(parsed)):
+            kind = "an integer" if integer else "a number"
+            self.untranslated.append(Untranslated(self.name(key), f"{value!r} is not {kind}"))
+            return
+        target[target_key] = int(parsed) if integer else parsed
+
+    def finish(self, generic: str) -> None:
+        """Report every key nobody took."""
+        for key, value in list(self.left.items()):
+            del self.left[key]
+            if key in NOT_NEEDED and not self.prefix:
+                if not _asks_nothing(value):
+                    self.notes.append(f"{key}: not needed ({NOT_NEEDED[key]})")
+                continue
+            if _asks_nothing(value):
+                continue
+            self.untranslated.append(Untranslated(self.name(key), REASONS.get(key, generic) if not self.prefix else generic))
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+
+def _model(r: _Reader, model: dict[str, Any]) -> None:
+    base = r.take("base_model")
+    if base is not None:
+        model["path"] = str(base)  # a hub id stays an id (hone resolves ids from the local cache)
+    tokenizer = r.take("tokenizer_config")
+    if tokenizer is not None and tokenizer != base:
+        model["tokenizer_path"] = str(tokenizer)
+    if r.take("trust_remote_code") is True:
+        model["trust_remote_code"] = True
+    model["dtype"] = _dtype(r)
+
+
+def _dtype(r: _Reader) -> str:
+    """bf16 / fp16 / tf32 -> model.dtype. Axolotl's ``bf16: auto`` means bf16 where supported."""
+    bf16, fp16, tf32 = r.take("bf16"), r.take("fp16"), r.take("tf32")
+    if fp16 is True and bf16 not in (True, "auto"):
+        return "float16"
+    if bf16 in (True, "auto", "true"):
+        return "bfloat16"
+    if bf16 is False:
+        if tf32 is True:
+            r.notes.append("tf32: true without bf16/fp16 -> model.dtype: float32 (torch decides TF32 matmul use)")
+        return "float32"
+    r.notes.append("bf16 not set -> model.dtype: bfloat16 (hone's default)")
+    return "bfloat16"
+
+
+def _attention(r: _Reader, model: dict[str, Any]) -> None:
+    """Axolotl's attention flags -> model.attn_implementation (one backend)."""
+    chosen: str | None = None
+    direct = r.take("attn_implementation")
+    if direct is not None:
+        if direct in BACKENDS:
+            chosen = direct
+        else:
+            r.untranslated.append(Untranslated("attn_implementation", f"'{direct}' is not one of hone's: {', '.join(BACKENDS)}"))
+    flags = (("flex_attention", "flex_attention"), ("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa"), ("eager_attention", "eager"))
+    for key, backend in flags:
+        if r.take(key) is True and chosen is None:
+            chosen = backend
+    if chosen == "flash_attention_2" and not BACKENDS[chosen].installed:
+        r.notes.append(
+            "flash_attention: true -> model.attn_implementation: sdpa, because flash-attn is not installed here "
+            "(packed rows still run through torch's FlashAttention-2 varlen kernel on CUDA in bf16); "
+            "install flash-attn and set flash_attention_2 to use it"
+        )
+        chosen = "sdpa"
+    if chosen == "flash_attention_2" and model.get("dtype") == "float32":
+        r.notes.append("flash_attention: true with float32 -> model.attn_implementation: sdpa (flash kernels are bf16/fp16 only)")
+        chosen = "sdpa"
+    if chosen is not None and chosen != "sdpa":
+        model["attn_implementation"] = chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
+    """``path`` (and ``data_files``/``ds_type``) -> a local file hone can read."""
+    path = ds.take("path")
+    data_files = ds.take("data_files")
+    ds_type = ds.take("ds_type")
+    if isinstance(data_files, list) and len(data_files) == 1:
+        data_files = data_files[0]
+    if isinstance(data_files, str):
+        if path not in (None, "json", "parquet", "csv", "arrow") and ds_type is None:
+            ds.notes.append(f"{ds.name('data_files')}: the file is read as the dataset; path '{path}' is dropped")
+        if path in ("json", "parquet", "csv", "arrow") and ds_type is None:
+            ds_type = path
+        path = data_files
+    elif data_files is not None:
+        ds.untranslated.append(Untranslated(ds.name("data_files"), "several files in one entry: give each file its own dataset entry"))
+    if path is None:
+        entry["path"] = "MISSING.jsonl"
+        ds.untranslated.append(Untranslated(ds.name("path"), "no path: set data.datasets[].path to a local file"))
+        return
+    text = str(path)
+    suffix = PurePosixPath(text).suffix.lower()
+    formats = {"json": "json", "jsonl": "jsonl", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
+    if ds_type in formats:
+        entry["path"] = text
+        if suffix not in SUFFIX_FORMATS:
+            entry["file_format"] = formats[ds_type]
+        return
+    if ds_type is not None:
+        ds.untranslated.append(Untranslated(ds.name("ds_type"), f"'{ds_type}' is not a file format hone reads (json, jsonl, parquet, csv, arrow)"))
+    if suffix in SUFFIX_FORMATS:
+        entry["path"] = text
+        return
+    # A hub dataset id (or a directory): hone reads one local file per entry.
+    local = "data/" + text.strip("/").replace("/", "__") + ".jsonl"
+    entry["path"] = local
+    ds.untranslated.append(
+        Untranslated(
+            ds.name("path"),
+            f"'{text}' is a hub dataset id or directory; hone reads local files: export it (e.g. "
+            f"datasets.load_dataset('{text}', split='train').to_json('{local}')), the output points at {local}",
+        )
+    )
+
+
+def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, content: str) -> None:
+    """Axolotl's chat_template field mappings -> hone's chat dataset fields."""
+    entry["field_messages"] = ds.take("field_messages") or messages
+    mapping = dict(ds.take("message_property_mappings") or {})  # a copy: the caller's mapping stays as read
+    role = mapping.pop("role", None) or ds.take("message_field_role") or role
+    content = mapping.pop("content", None) or ds.take("message_field_content") or content
+    if mapping:
+        ds.untranslated.append(Untranslated(ds.name("message_property_mappings"), f"only role and content map; not {', '.join(mapping)}"))
+    if role != "role":
+        entry["field_role"] = role
+    if content != "content":
+        entry["field_content"] = content
+    if entry["field_messages"] == "messages":
+        del entry["field_messages"]
+    roles = ds.take("roles")
+    if isinstance(roles, dict):
+        role_map = {
+            source: standard
+            for standard, sources in roles.items()
+            for source in (sources if isinstance(sources, list) else [sources])
+            if source != standard
+        }
+        if role_map:
+            entry.setdefault("role_map", {}).update(role_map)
+    train_on = ds.take("roles_to_train")
+    if train_on:
+        entry["train_on"] = list(train_on)
+    ds.drop("train_on_eos", "hone trains the tokens the template renders for each trained role's turn; the EOS policy is not a setting")
+    ds.drop("train_on_eot", "hone trains the tokens the template renders for each trained role's turn; the EOT policy is not a setting")
+    ds.drop("message_field_training", "hone picks trained turns by role (train_on), not per message")
+    ds.drop("message_field_training_detail", "hone picks trained turns by role (train_on), not per message")
+    ds.drop("drop_system_message", "hone renders every message of a row")
+
+
+def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[dict[str, Any] | None, _Reader]:
+    """One Axolotl dataset entry -> one hone dataset entry (None when its type has no match)."""
+    ds = _Reader(raw if isinstance(raw, Mapping) else {}, prefix=f"{group}[{index}].")
+    if not isinstance(raw, Mapping):
+        ds.untranslated.append(Untranslated(f"{group}[{index}]", "a dataset entry must be a mapping"))
+        return None, ds
+    kind = ds.take("type")
+    entry: dict[str, Any] = {}
+    _local_path(ds, entry)
+    if kind == "alpaca":
+        entry["type"] = "alpaca"
+    elif kind == "completion":
+        entry["type"] = "completion"
+        text = ds.take("field")
+        if text and text != "text":
+            entry["field_text"] = text
+    elif kind in ("chat_template", "chat_template.default"):
+        entry["type"] = "chat"
+        _chat_fields(ds, entry, "messages", "role", "content")
+        template = ds.take("chat_template")
+        jinja = ds.take("chat_template_jinja")
+        if template is not None or jinja is not None:
+            _chat_template(ds, template, jinja, data, key_prefix=ds.prefix)
+    elif kind in ("sharegpt", "sharegpt:chat"):
+        entry["type"] = "chat"
+        entry["field_messages"] = "conversations"
+        entry["role_map"] = {"human": "user", "gpt": "assistant"}
+        _chat_fields(ds, entry, "conversations", "from", "value")
+        ds.drop("conversation", "hone renders chats with the tokenizer's template or data.chat_template (Jinja), not FastChat conversation names")
+    else:
+        shown = kind if isinstance(kind, str) else "a custom format mapping"
+        ds.untranslated.append(
+            Untranslated(f"{group}[{index}]", f"type {shown!r} has no hone dataset type (hone has: alpaca, chat, completion, pretokenized); the entry is left out")
+        )
+        ds.left.clear()
+        return None, ds
+    ds.drop("split", "hone reads the whole file")
+    ds.drop("name", "hone reads one local file per entry (no dataset configs)")
+    ds.drop("revision", "hone reads one local file per entry (no revisions)")
+    ds.drop("shards", "hone reads the whole file")
+    ds.finish("not a dataset key hone knows how to translate")
+    return entry, ds
+
+
+def _chat_template(r: _Reader, template: Any, jinja: Any, data: dict[str, Any], key_prefix: str = "") -> None:
+    """Axolotl's ``chat_template`` (a name, ``jinja`` or ``tokenizer_default``) -> data.chat_template."""
+    if template in (None, "tokenizer_default", "tokenizer_default_fallback_chatml") and jinja is None:
+        return
+    if jinja is not None and template in (None, "jinja"):
+        data["chat_template"] = str(jinja)
+    elif template == "chatml":
+        data["chat_template"] = CHATML_TEMPLATE
+        r.notes.append(f"{key_prefix}chat_template: chatml -> data.chat_template: a ChatML Jinja template")
+    elif isinstance(template, str) and ("{%" in template or "{{" in template):
+        data["chat_template"] = template
+    else:
+        r.untranslated.append(
+            Untranslated(
+                f"{key_prefix}chat_template",
+                f"'{template}' is an Axolotl template name; hone uses the tokenizer's own template, or Jinja text in data.chat_template",
+            )
+        )
+
+
+def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], notes: list[str]) -> None:
+    data["datasets"] = []
+    for group, target in (("datasets", "datasets"), ("test_datasets", "test_datasets")):
+        entries = r.take(group) or []
+        if not isinstance(entries, list):
+            entries = [entries]
+        for index, raw in enumerate(entries):
+            entry, ds = _dataset(raw, index, group, data)
+            untranslated.extend(ds.untranslated)
+            notes.extend(ds.notes)
+            if entry is not None:
+                data.setdefault(target, []).append(entry)
+    _chat_template(r, r.take("chat_template"), r.take("chat_template_jinja"), data)
+    r.number("sequence_len", data, "sequence_len", integer=True)
+    val = r.take("val_set_size")
+    if val is not None:
+        number = _number(val)
+        if number is None or not 0 <= number < 1:
+            untranslated.append(Untranslated("val_set_size", f"{val!r}: hone takes a fraction in [0, 1) of the training rows"))
+        elif number > 0:
+            if data.get("test_datasets"):
+                untranslated.append(Untranslated("val_set_size", "test_datasets are set; hone takes one eval source"))
+            else:
+                data["val_set_size"] = number
+    for key in ("sample_packing", "eval_sample_packing"):
+        value = r.take(key)
+        if isinstance(value, bool):
+            data[key] = value
+    prepared = r.take("dataset_prepared_path")
+    if prepared:
+        data["dataset_prepared_path"] = str(prepared)
+    for key in ("dataset_processes", "dataset_num_proc"):
+        r.number(key, data, "num_proc", integer=True)
+    if r.take("excess_length_strategy") == "truncate":
+        data["excess_length_strategy"] = "truncate"
+    if data.get("test_datasets") == []:
+        del data["test_datasets"]
+
+
+# ----------------------------------------------------------------------------------------------
+# adapter
+
+
+def _adapter(r: _Reader, adapter: dict[str, Any]) -> None:
+    kind = r.take("adapter")
+    lora_keys = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save", "peft_use_rslora")
+    if kind not in ("lora", "qlora"):
+        if kind is not None:
+            r.untranslated.append(Untranslated("adapter", f"'{kind}' is not an adapter hone has (lora, or none for a full fine-tune)"))
+        adapter["type"] = "none"
+        for key in lora_keys:
+            r.drop(key, "LoRA settings, but no LoRA adapter is set (a full fine-tune)")
+        return
+    adapter["type"] = "lora"
+    if kind == "qlora":
+        r.notes.append("adapter: qlora -> adapter.type: lora on a base in model.dtype (hone has no 4-bit base; more memory)")
+    r.number("lora_r", adapter, "lora_r", integer=True)
+    r.number("lora_alpha", adapter, "lora_alpha")
+    r.number("lora_dropout", adapter, "lora_dropout")
+    modules = r.take("lora_target_modules")
+    if r.take("lora_target_linear") is True:
+        adapter["lora_target_modules"] = "all-linear"
+        if modules:
+            r.notes.append("lora_target_linear: true covers lora_target_modules -> adapter.lora_target_modules: all-linear")
+    elif isinstance(modules, str):
+        adapter["lora_target_modules"] = "all-linear" if modules == "all-linear" else [modules]
+    elif modules:
+        adapter["lora_target_modules"] = [str(m) for m in modules]
+    to_save = r.take("lora_modules_to_save")
+    if to_save:
+        adapter["lora_modules_to_save"] = [str(m) for m in to_save]
+    if r.take("peft_use_rslora") is True:
+        adapter["use_rslora"] = True
+
+
+# ----------------------------------------------------------------------------------------------
+# training, optimizer
+
+
+def _training(r: _Reader, training: dict[str, Any], has_eval: bool) -> None:
+    r.number("micro_batch_size", training, "micro_batch_size", integer=True)
+    r.number("gradient_accumulation_steps", training, "gradient_accumulation_steps", integer=True)
+    if r.has("max_steps"):
+        r.number("max_steps", training, "max_steps", integer=True)
+        r.drop("num_epochs", "max_steps is set and decides the run length")
+    else:
+        r.take("max_steps")
+        r.number("num_epochs", training, "num_epochs")
+    r.number("max_grad_norm", training, "max_grad_norm")
+    if training.get("max_grad_norm") == 0:
+        training["max_grad_norm"] = None  # HF's 0 = no clipping
+    r.number("save_steps", training, "save_steps", integer=True)
+    r.number("save_total_limit", training, "save_total_limit", integer=True)
+    if has_eval:
+        r.number("eval_steps", training, "eval_steps", integer=True)
+    else:
+        r.drop("eval_steps", "there is no eval data (val_set_size is 0 and no test_datasets)")
+    r.number("seed", training, "seed", integer=True)
+    out = r.take("output_dir")
+    if out:
+        training["output_dir"] = str(out)
+    resume = r.take("resume_from_checkpoint")
+    if resume:
+        training["resume"] = str(resume)
+    if r.take("auto_resume_from_checkpoints") is True and "resume" not in training:
+        training["resume"] = "latest"
+
+
+_OPTIMIZERS_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "adamw_apex_fused")
+_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
+
+
+def _optimizer(r: _Reader, optimizer: dict[str, Any]) -> None:
+    name = r.take("optimizer")
+    if name is not None and name not in _OPTIMIZERS_ADAMW:
+        r.untranslated.append(
+            Untranslated("optimizer", f"'{name}' is not an optimizer hone has; optimizer.name: adamw (32-bit states, fused on CUDA) is used")
+        )
+    r.number("learning_rate", optimizer, "learning_rate")
+    r.number("weight_decay", optimizer, "weight_decay")
+    r.number("adam_beta1", optimizer, "adam_beta1")
+    r.number("adam_beta2", optimizer, "adam_beta2")
+    r.number("adam_epsilon", optimizer, "adam_epsilon")
+    scheduler = r.take("lr_scheduler")
+    if scheduler in _SCHEDULERS:
+        optimizer["lr_scheduler"] = _SCHEDULERS[scheduler]
+    elif scheduler is not None:
+        r.untranslated.append(
+            Untranslated("lr_scheduler", f"'{scheduler}' is not a schedule hone has (constant, linear, cosine); cosine is used")
+        )
+    r.number("cosine_min_lr_ratio", optimizer, "cosine_min_lr_ratio")
+    if r.has("warmup_steps"):
+        r.number("warmup_steps", optimizer, "warmup_steps", integer=True)
+        r.drop("warmup_ratio", "warmup_steps is set; hone takes one of the two")
+    else:
+        r.take("warmup_steps")
+        r.number("warmup_ratio", optimizer, "warmup_ratio")
+
+
+# ----------------------------------------------------------------------------------------------
+# memory, performance, distributed, logging
+
+
+def _memory(r: _Reader, memory: dict[str, Any]) -> None:
+    checkpointing = r.take("gradient_checkpointing")
+    offload = r.take("activation_offloading")
+    if checkpointing in (True, "true"):
+        policy = "full"
+    elif checkpointing in ("offload", "offload_disk"):
+        policy = "offload"
+        if checkpointing == "offload_disk":
+            r.notes.append("gradient_checkpointing: offload_disk -> offload (hone offloads to pinned host memory, not disk)")
+    elif checkpointing not in (None, False):
+        r.untranslated.append(Untranslated("gradient_checkpointing", f"'{checkpointing}' is not a checkpointing mode hone knows (true, offload)"))
+        policy = "none"
+    else:
+        policy = "none"
+    if offload not in (None, False):
+        policy = "offload"
+        r.notes.append("activation_offloading -> memory.activation_checkpointing: offload (layer inputs in pinned host memory)")
+    if policy != "none":
+        memory["activation_checkpointing"] = policy
+
+
+def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None:
+    compile_on = r.take("torch_compile")
+    if compile_on in (True, "auto"):
+        performance["torch_compile"] = compile_on
+        backend = r.take("torch_compile_backend")
+        if backend in ("inductor", "aot_eager", "eager"):
+            if backend != "inductor":
+                performance["torch_compile_backend"] = backend
+        elif backend is not None:
+            r.untranslated.append(Untranslated("torch_compile_backend", f"'{backend}' is not a backend hone has (inductor, aot_eager, eager)"))
+        mode = r.take("torch_compile_mode")
+        if mode in COMPILE_MODES:
+            if COMPILE_MODES[mode] and packing:
+                r.untranslated.append(
+                    Untranslated("torch_compile_mode", f"'{mode}' uses CUDA graphs, which need fixed shapes; packed batches vary (hone refuses the two together)")
+                )
+            elif mode != "default":
+                performance["torch_compile_mode"] = mode
+        elif mode is not None:
+            r.untranslated.append(Untranslated("torch_compile_mode", f"'{mode}' is not one of: {', '.join(COMPILE_MODES)}"))
+        options = r.take("torch_compile_options") or {}
+        kept = {k: v for k, v in options.items() if k in INDUCTOR_OPTIONS and type(v) is INDUCTOR_OPTIONS[k]}
+        for key in options:
+            if key not in kept:
+                r.untranslated.append(Untranslated(f"torch_compile_options.{key}", "not an Inductor option hone allows (see docs/compile.md)"))
+        if kept:
+            performance["torch_compile_options"] = kept
+    else:
+        for key in ("torch_compile_backend", "torch_compile_mode", "torch_compile_options"):
+            r.drop(key, "torch_compile is not on")
+    fused_loss = [k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy") if r.take(k) is True]
+    if fused_loss:
+        performance["loss"] = "fused_linear_ce"
+        r.notes.append(f"{', '.join(fused_loss)} -> performance.loss: fused_linear_ce (hone's chunked loss, no [tokens x vocab] logits)")
+    plugins = r.left.get("plugins")
+    if isinstance(plugins, list):
+        rest = [p for p in plugins if not any(s in str(p) for s in ("CutCrossEntropy", "LigerPlugin"))]
+        if not rest:  # the fused-loss plugins are covered by performance.loss (or ask for nothing)
+            r.take("plugins")
+        else:
+            r.left["plugins"] = rest
+
+
+def _fsdp_option(config: Mapping[str, Any], name: str) -> Any:
+    """``fsdp_config`` keys come with (FSDP1 style) or without (FSDP2 style) the ``fsdp_`` prefix."""
+    for key in (name, f"fsdp_{name}"):
+        if key in config:
+            return config[key]
+    return None
+
+
+def _distributed(r: _Reader, distributed: dict[str, Any]) -> None:
+    fsdp = r.take("fsdp")
+    config = r.take("fsdp_config") or {}
+    version = r.left.get("fsdp_version")
+    if fsdp or config or version:
+        distributed["strategy"] = "fsdp"
+        if _fsdp_option(config, "offload_params") is True:
+            distributed["cpu_offload"] = True
+        reshard = _fsdp_option(config, "reshard_after_forward")
+        if reshard is False or (isinstance(fsdp, list) and "shard_grad_op" in fsdp):
+            distributed["reshard_after_forward"] = False
+        handled = {"offload_params", "reshard_after_forward"}
+        quiet = {"auto_wrap_policy", "transformer_layer_cls_to_wrap", "version", "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading"}
+        for key, value in config.items():
+            bare = key.removeprefix("fsdp_")
+            if bare in handled:
+                continue
+            if bare in quiet:
+                r.notes.append(f"fsdp_config.{key}: not needed (hone shards each decoder layer and the root with FSDP2)")
+            elif not _asks_nothing(value):
+                r.untranslated.append(Untranslated(f"fsdp_config.{key}", "hone's FSDP2 takes only cpu_offload and reshard_after_forward (distributed section)"))
+    deepspeed = r.left.get("deepspeed")
+    if isinstance(deepspeed, str) and "zero3" in deepspeed.replace("_", "").replace("-", "").lower() and "strategy" not in distributed:
+        r.take("deepspeed")
+        distributed["strategy"] = "fsdp"
+        if "offload" in deepspeed.lower():
+            distributed["cpu_offload"] = True
+        r.notes.append(f"deepspeed: {deepspeed} (ZeRO-3) -> distributed.strategy: fsdp (PyTorch FSDP2)")
+
+
+def _logging(r: _Reader, logging: dict[str, Any]) -> None:
+    r.number("logging_steps", logging, "logging_steps", integer=True)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
+    """Translate a parsed Axolotl config into a hone config mapping.
+
+    Returns the mapping (sections in hone's order, empty sections left out), every Axolotl key
+    it could not translate with the reason, and notes on keys translated with a change of
+    meaning. Does not validate: run :func:`hone.config.parse_config` on the result.
+    """
+    r = _Reader(raw)
+    untranslated: list[Untranslated] = []
+    notes: list[str] = []
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_ORDER}
+    _model(r, sections["model"])
+    _attention(r, sections["model"])
+    _data(r, sections["data"], untranslated, notes)
+    _adapter(r, sections["adapter"])
+    data = sections["data"]
+    has_eval = bool(data.get("val_set_size")) or bool(data.get("test_datasets"))
+    _training(r, sections["training"], has_eval)
+    _optimizer(r, sections["optimizer"])
+    _memory(r, sections["memory"])
+    _performance(r, sections["performance"], packing=bool(data.get("sample_packing")))
+    _distributed(r, sections["distributed"])
+    _logging(r, sections["logging"])
+    r.finish("not an Axolotl key hone knows how to translate")
+    untranslated.extend(r.untranslated)
+    notes.extend(r.notes)
+    config = {name: section for name, section in sections.items() if section or name in ("model", "data")}
+    return Conversion(config=config, untranslated=untranslated, notes=notes)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML with multi-line strings (chat templates) as literal blocks."""
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def render_conversion(conversion: Conversion, source: str) -> str:
+    """The hone YAML, headed by a comment block listing untranslated keys and notes."""
+    lines = [f"# hone config converted from the Axolotl config {source} by `hone convert`."]
+    if conversion.untranslated:
+        lines.append("#")
+        lines.append(f"# Not translated ({len(conversion.untranslated)}):")
+        for item in conversion.untranslated:
+            lines.append(f"#   {item.key}: {item.reason}")
+    if conversion.notes:
+        lines.append("#")
+        lines.append("# Notes:")
+        lines.extend(f"#   {note}" for note in conversion.notes)
+    body = yaml.dump(conversion.config, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100)
+    return "\n".join(lines) + "\n\n" + body
