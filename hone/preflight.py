@@ -81,20 +81,11 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
 
     model = cfg.model
     config: Any = None
+    downloading = _pending_downloads(cfg, result)
     if model.path is not None:
-        if not model.path.is_dir():
-            if model.path.exists():
-                message = f"'{model.path}' is a file; it must be a model directory written by save_pretrained"
-            else:
-                message = f"model directory not found: '{model.path}' (relative paths are from {Path.cwd()})"
-            result.issues.append(ConfigIssue("model.path", message))
-            if model.tokenizer_path is None:
-                return None  # the tokenizer would be looked for in the same missing place
-        else:
-            from hone.models.model_dir import model_dir_problems
-
-            problems, config = model_dir_problems(model.path, model.trust_remote_code, weights=weights)
-            result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
+        config = None if "model.path" in downloading else _model_dir_issues(cfg, result, weights)
+        if config is _MISSING:
+            return None  # the tokenizer would be looked for in the same missing place
     else:
         from hone.models.presets import build_preset_config
 
@@ -104,9 +95,61 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
             key, _, message = str(exc).partition(": ")
             result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
     key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
-    if weights and (model.tokenizer_path is not None or model.path is not None):
+    if weights and (model.tokenizer_path is not None or model.path is not None) and key not in downloading:
         result.issues += [ConfigIssue(key, p) for p in tokenizer_dir_problems(model)]
     return config
+
+
+_MISSING = object()
+
+
+def _model_dir_issues(cfg: HoneConfig, result: PreflightResult, weights: bool) -> Any:
+    """``model.path`` (a directory or a cached hub id): its problems, and its config when
+    readable; ``_MISSING`` when it is not there and the tokenizer would share its fate."""
+    from hone.models.hub import HubModelNotFound, hub_id_of, local_model_dir
+
+    model = cfg.model
+    try:
+        path = local_model_dir(model.path)  # a hub id: its cached snapshot
+    except HubModelNotFound as exc:
+        result.issues.append(ConfigIssue("model.path", str(exc).removeprefix("model.path: ")))
+        return _MISSING if model.tokenizer_path is None else None
+    config: Any = None
+    if not path.is_dir():
+        if path.exists():
+            message = f"'{path}' is a file; it must be a model directory written by save_pretrained"
+        else:
+            message = f"model directory not found: '{path}' (relative paths are from {Path.cwd()})"
+        result.issues.append(ConfigIssue("model.path", message))
+        if model.tokenizer_path is None:
+            return _MISSING
+    else:
+        from hone.models.model_dir import model_dir_problems
+
+        problems, config = model_dir_problems(path, model.trust_remote_code, weights=weights)
+        if hub_id_of(model.path) is not None:  # say which id the snapshot belongs to
+            problems = [f"{p.removeprefix('model.path: ')} (the cached snapshot of '{model.path}')" for p in problems]
+        result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
+    return config
+
+
+def _pending_downloads(cfg: HoneConfig, result: PreflightResult) -> set[str]:
+    """Keys whose hub id is not cached but will be downloaded by ``hone train``
+    (``model.allow_download: true``): noted as warnings, their checks wait for the files."""
+    if not cfg.model.allow_download:
+        return set()
+    from hone.models.hub import cached_snapshot, hub_cache_dir, hub_id_of
+
+    pending = set()
+    for key, value in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)):
+        hub = hub_id_of(value) if value is not None else None
+        if hub is not None and cached_snapshot(hub) is None:
+            pending.add(key)
+            result.warnings.append(
+                f"{key}: '{hub}' is not in the local hub cache ({hub_cache_dir()}); `hone train` will download "
+                "its safetensors, config and tokenizer files (model.allow_download: true)"
+            )
+    return pending
 
 
 def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> None:

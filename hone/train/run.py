@@ -140,6 +140,7 @@ def _run_training(
     step_callback: Callable[[StepMetrics], None] | None,
 ) -> TrainResult:
     from hone.data.prepare import prepare_data
+    from hone.models.hub import download_missing
     from hone.models.loader import load_model
     from hone.models.tokenizer import load_tokenizer
     from hone.train.checkpoint_io import RankZeroCheckpoints
@@ -157,6 +158,7 @@ def _run_training(
     with together(world):
         if world.is_main:
             resume_from = prepare_output_dir(cfg, warn)
+            download_missing(cfg.model, say=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
             tokenizer = load_tokenizer(cfg.model)
             data = prepare_data(cfg, tokenizer)
     resume_from = _from_rank_zero(world, resume_from)
