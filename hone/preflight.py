@@ -41,6 +41,7 @@ def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = T
     result.issues += _path_issues(cfg)
     if output_dir:
         result.issues += _output_dir_issues(cfg)
+    _tracker_check(cfg, result)
     model_config = _model_issues(cfg, result, weights)
     _context_check(cfg, model_config, result)
     return result
@@ -150,6 +151,18 @@ def _pending_downloads(cfg: HoneConfig, result: PreflightResult) -> set[str]:
                 "its safetensors, config and tokenizer files (model.allow_download: true)"
             )
     return pending
+
+
+def _tracker_check(cfg: HoneConfig, result: PreflightResult) -> None:
+    """Trackers that could not start (package missing, no W&B login, ...): issues, or warnings
+    under ``logging.tracker_errors: warn``. Starts nothing."""
+    from hone.track.trackers import tracker_problems
+
+    for key, problem in tracker_problems(cfg):
+        if cfg.logging.tracker_errors == "warn":
+            result.warnings.append(f"{key}: {problem}; training without it (logging.tracker_errors: warn)")
+        else:
+            result.issues.append(ConfigIssue(key, problem))
 
 
 def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> None:
