@@ -34,29 +34,36 @@ def preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True)
 def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> PreflightResult:
     """Files, model directory, tokenizer, run directory and sequence length, all at once.
 
-    ``output_dir=False`` skips the run-directory check (``hone preprocess`` writes none);
+    ``output_dir=False`` skips the run-directory and tracker checks (``hone preprocess`` writes no run);
     ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone).
     """
     result = PreflightResult()
     result.issues += _path_issues(cfg)
-    if output_dir:
+    if output_dir:  # the commands that start a run (validate, train): its directory, its trackers
         result.issues += _output_dir_issues(cfg)
-    _tracker_check(cfg, result)
+        _tracker_check(cfg, result)
     model_config = _model_issues(cfg, result, weights)
     _context_check(cfg, model_config, result)
     return result
 
 
 def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
+    from hone.data.errors import DataError
+    from hone.data.hub_files import local_data_file
     from hone.paths import readable_file_problem
 
     issues: list[ConfigIssue] = []
     for section in ("datasets", "test_datasets"):
         for index, dataset in enumerate(getattr(cfg.data, section)):
             key = f"data.{section}[{index}].path"
-            if not dataset.path.exists():
-                issues.append(ConfigIssue(key, f"data file not found: '{dataset.path}' (relative paths are from {Path.cwd()})"))
-            elif (problem := readable_file_problem(dataset.path)) is not None:
+            try:
+                path = local_data_file(dataset.path, key)  # hf://datasets/...: its cached file
+            except DataError as exc:
+                issues.append(ConfigIssue(key, str(exc).removeprefix(f"{key}: ")))
+                continue
+            if not path.exists():
+                issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
+            elif (problem := readable_file_problem(path)) is not None:
                 issues.append(ConfigIssue(key, problem))
     prepared = cfg.data.dataset_prepared_path
     if prepared is not None and prepared.exists() and not prepared.is_dir():

@@ -86,14 +86,19 @@ def test_missing_id_says_which_where_and_how(hub_cache, value):
         assert "--revision v9" in text
 
 
-def _cfg_file(tmp_path, model: dict, steps: int = 2) -> Path:
+def _rows() -> str:
     rng = random.Random()
     words = ["plum", "purple", "sky", "blue", "grass", "green"]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(8))}) + "\n" for _ in range(12)))
+    return "".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(8))}) + "\n" for _ in range(12))
+
+
+def _cfg_file(tmp_path, model: dict, steps: int = 2, data: str | None = None) -> Path:
+    if data is None:
+        data = str(tmp_path / "data.jsonl")
+        Path(data).write_text(_rows())
     raw = {
         "model": {"dtype": "float32", **model},
-        "data": {"datasets": [{"path": str(data), "type": "completion"}], "sequence_len": 32,
+        "data": {"datasets": [{"path": data, "type": "completion"}], "sequence_len": 32,
                  "dataset_prepared_path": str(tmp_path / "prep")},
         "adapter": {"type": "lora", "lora_r": 2},
         "training": {"max_steps": steps, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")},
@@ -128,13 +133,40 @@ def test_tokenizer_path_as_id(hub_cache, saved_models):
     assert len(tok) == len(tiny_tokenizer())
 
 
-def test_a_tiny_training_run_loads_the_model_by_id(hub_cache, tmp_path, saved_models):
+@pytest.fixture
+def hub_dataset(hub_cache):
+    """``datasets--Org--Data`` with ``train.jsonl`` in snapshot MAIN (ref main)."""
+    repo = hub_cache / "datasets--Org--Data"
+    (repo / "snapshots" / MAIN).mkdir(parents=True)
+    (repo / "snapshots" / MAIN / "train.jsonl").write_text(_rows())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+    return repo / "snapshots" / MAIN / "train.jsonl"
+
+
+def test_dataset_file_from_the_cache(hub_dataset, tmp_path, capsys):
+    from hone.data.errors import DataError
+    from hone.data.hub_files import local_data_file, parse_hub_file
+
+    assert parse_hub_file("hf://datasets/Org/Data@v2/sub/x.jsonl").revision == "v2"
+    assert parse_hub_file(Path("hf://datasets/Org/Data/x.jsonl")).filename == "x.jsonl"  # pathlib folds '//'
+    assert local_data_file(Path("hf://datasets/Org/Data/train.jsonl"), "k") == hub_dataset
+    with pytest.raises(DataError, match="--repo-type dataset"):
+        local_data_file(Path("hf://datasets/Org/Data/test.jsonl"), "k")
+    assert main(["validate", str(_cfg_file(tmp_path, {"path": "Org/Tiny"}, data="hf://datasets/Org/Data/train.jsonl"))]) == 0
+    capsys.readouterr()
+    assert main(["validate", str(_cfg_file(tmp_path, {"path": "Org/Tiny"}, data="hf://datasets/Org/Nope/train.jsonl"))]) == 2
+    err = capsys.readouterr()
+    assert "data.datasets[0].path" in err.err and "Org/Nope" in err.err
+
+
+def test_a_tiny_training_run_loads_the_model_by_id(hub_dataset, hub_cache, tmp_path, saved_models):
     from safetensors.torch import load_file
 
     from hone.config.loader import load_config
     from hone.train.run import run_training
 
-    cfg = load_config(_cfg_file(tmp_path, {"path": "Org/Tiny@v1"}))
+    cfg = load_config(_cfg_file(tmp_path, {"path": "Org/Tiny@v1"}, data="hf://datasets/Org/Data/train.jsonl"))
     result = run_training(cfg, device="cpu", console=Console(quiet=True))
     assert result.steps == 2 and result.final_train_loss is not None
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").exists()
