@@ -177,3 +177,24 @@ def test_a_tiny_training_run_loads_the_model_by_id(hub_dataset, hub_cache, tmp_p
     saved = load_file(str(saved_models[1] / "model.safetensors"))
     name = next(n for n in saved if n.endswith("q_proj.weight"))
     assert base.state_dict()[name].equal(saved[name])
+
+
+def test_download_missing_downloads_nothing_it_need_not(hub_cache):
+    """Without allow_download nothing is fetched; with it, a cached id is not fetched again
+    (the fixture's HF_HUB_OFFLINE and the missing network would make a fetch fail)."""
+    from hone.models.hub import download_missing
+
+    said = []
+    base = {"data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}}
+    missing = parse_config({**base, "model": {"path": "Org/Missing"}}).model
+    assert download_missing(missing, say=said.append) == []
+    cached = parse_config({**base, "model": {"path": "Org/Tiny", "tokenizer_path": "Org/Tiny@v1", "allow_download": True}}).model
+    assert download_missing(cached, say=said.append) == [] and said == []
+
+
+def test_allow_download_needs_an_id_or_path():
+    from hone.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="allow_download"):
+        parse_config({"model": {"preset": "tiny-llama", "allow_download": True},
+                      "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}})
