@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hone.track.trackers import run_name, scalars
+from hone.track.rows import run_name, scalars
 
 if TYPE_CHECKING:
     from hone.config.root import HoneConfig

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hone.errors import HoneError
-from hone.track.tensorboard import EVAL_TAGS, TRAIN_TAGS
 
 if TYPE_CHECKING:
     from hone.config.root import HoneConfig
@@ -51,20 +50,6 @@ class ExternalTracker(Protocol):
     def finish(self, optimizations: dict[str, Any] | None, plot: Path | None, *, failed: bool = False) -> None:
         """Attach the outputs and close; idempotent (a run that fails closes what is open)."""
         ...
-
-
-def scalars(row: dict[str, Any]) -> dict[str, float]:
-    """The row's numbers under their tracker tags (``train/loss``, ``eval/loss``, ...)."""
-    out = {}
-    for key, tag in (*TRAIN_TAGS.items(), *EVAL_TAGS.items()):
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[tag] = float(value)
-    return out
-
-
-def run_name(cfg: "HoneConfig", configured: str | None) -> str:
-    return configured or Path(cfg.training.output_dir).resolve().name
 
 
 # ---------------------------------------------------------------- checks without starting

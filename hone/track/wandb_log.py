@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hone.track.trackers import run_name, scalars
+from hone.track.rows import run_name, scalars
 
 if TYPE_CHECKING:
     from hone.config.root import HoneConfig
