@@ -34,28 +34,36 @@ def preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True)
 def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> PreflightResult:
     """Files, model directory, tokenizer, run directory and sequence length, all at once.
 
-    ``output_dir=False`` skips the run-directory check (``hone preprocess`` writes none);
+    ``output_dir=False`` skips the run-directory and tracker checks (``hone preprocess`` writes no run);
     ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone).
     """
     result = PreflightResult()
     result.issues += _path_issues(cfg)
-    if output_dir:
+    if output_dir:  # the commands that start a run (validate, train): its directory, its trackers
         result.issues += _output_dir_issues(cfg)
+        _tracker_check(cfg, result)
     model_config = _model_issues(cfg, result, weights)
     _context_check(cfg, model_config, result)
     return result
 
 
 def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
+    from hone.data.errors import DataError
+    from hone.data.hub_files import local_data_file
     from hone.paths import readable_file_problem
 
     issues: list[ConfigIssue] = []
     for section in ("datasets", "test_datasets"):
         for index, dataset in enumerate(getattr(cfg.data, section)):
             key = f"data.{section}[{index}].path"
-            if not dataset.path.exists():
-                issues.append(ConfigIssue(key, f"data file not found: '{dataset.path}' (relative paths are from {Path.cwd()})"))
-            elif (problem := readable_file_problem(dataset.path)) is not None:
+            try:
+                path = local_data_file(dataset.path, key)  # hf://datasets/...: its cached file
+            except DataError as exc:
+                issues.append(ConfigIssue(key, str(exc).removeprefix(f"{key}: ")))
+                continue
+            if not path.exists():
+                issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
+            elif (problem := readable_file_problem(path)) is not None:
                 issues.append(ConfigIssue(key, problem))
     prepared = cfg.data.dataset_prepared_path
     if prepared is not None and prepared.exists() and not prepared.is_dir():
@@ -81,20 +89,11 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
 
     model = cfg.model
     config: Any = None
+    downloading = _pending_downloads(cfg, result)
     if model.path is not None:
-        if not model.path.is_dir():
-            if model.path.exists():
-                message = f"'{model.path}' is a file; it must be a model directory written by save_pretrained"
-            else:
-                message = f"model directory not found: '{model.path}' (relative paths are from {Path.cwd()})"
-            result.issues.append(ConfigIssue("model.path", message))
-            if model.tokenizer_path is None:
-                return None  # the tokenizer would be looked for in the same missing place
-        else:
-            from hone.models.model_dir import model_dir_problems
-
-            problems, config = model_dir_problems(model.path, model.trust_remote_code, weights=weights)
-            result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
+        config = None if "model.path" in downloading else _model_dir_issues(cfg, result, weights)
+        if config is _MISSING:
+            return None  # the tokenizer would be looked for in the same missing place
     else:
         from hone.models.presets import build_preset_config
 
@@ -104,9 +103,73 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
             key, _, message = str(exc).partition(": ")
             result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
     key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
-    if weights and (model.tokenizer_path is not None or model.path is not None):
+    if weights and (model.tokenizer_path is not None or model.path is not None) and key not in downloading:
         result.issues += [ConfigIssue(key, p) for p in tokenizer_dir_problems(model)]
     return config
+
+
+_MISSING = object()
+
+
+def _model_dir_issues(cfg: HoneConfig, result: PreflightResult, weights: bool) -> Any:
+    """``model.path`` (a directory or a cached hub id): its problems, and its config when
+    readable; ``_MISSING`` when it is not there and the tokenizer would share its fate."""
+    from hone.models.hub import HubModelNotFound, hub_id_of, local_model_dir
+
+    model = cfg.model
+    try:
+        path = local_model_dir(model.path)  # a hub id: its cached snapshot
+    except HubModelNotFound as exc:
+        result.issues.append(ConfigIssue("model.path", str(exc).removeprefix("model.path: ")))
+        return _MISSING if model.tokenizer_path is None else None
+    config: Any = None
+    if not path.is_dir():
+        if path.exists():
+            message = f"'{path}' is a file; it must be a model directory written by save_pretrained"
+        else:
+            message = f"model directory not found: '{path}' (relative paths are from {Path.cwd()})"
+        result.issues.append(ConfigIssue("model.path", message))
+        if model.tokenizer_path is None:
+            return _MISSING
+    else:
+        from hone.models.model_dir import model_dir_problems
+
+        problems, config = model_dir_problems(path, model.trust_remote_code, weights=weights)
+        if hub_id_of(model.path) is not None:  # say which id the snapshot belongs to
+            problems = [f"{p.removeprefix('model.path: ')} (the cached snapshot of '{model.path}')" for p in problems]
+        result.issues += [ConfigIssue("model.path", p.removeprefix("model.path: ")) for p in problems]
+    return config
+
+
+def _pending_downloads(cfg: HoneConfig, result: PreflightResult) -> set[str]:
+    """Keys whose hub id is not cached but will be downloaded by ``hone train``
+    (``model.allow_download: true``): noted as warnings, their checks wait for the files."""
+    if not cfg.model.allow_download:
+        return set()
+    from hone.models.hub import cached_snapshot, hub_cache_dir, hub_id_of
+
+    pending = set()
+    for key, value in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)):
+        hub = hub_id_of(value) if value is not None else None
+        if hub is not None and cached_snapshot(hub) is None:
+            pending.add(key)
+            result.warnings.append(
+                f"{key}: '{hub}' is not in the local hub cache ({hub_cache_dir()}); `hone train` will download "
+                "its safetensors, config and tokenizer files (model.allow_download: true)"
+            )
+    return pending
+
+
+def _tracker_check(cfg: HoneConfig, result: PreflightResult) -> None:
+    """Trackers that could not start (package missing, no W&B login, ...): issues, or warnings
+    under ``logging.tracker_errors: warn``. Starts nothing."""
+    from hone.track.trackers import tracker_problems
+
+    for key, problem in tracker_problems(cfg):
+        if cfg.logging.tracker_errors == "warn":
+            result.warnings.append(f"{key}: {problem}; training without it (logging.tracker_errors: warn)")
+        else:
+            result.issues.append(ConfigIssue(key, problem))
 
 
 def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> None:

@@ -26,7 +26,9 @@ SUFFIX_FORMATS: dict[str, str] = {
 
 class _DatasetBase(Section):
     path: Path
-    """Local data file (jsonl, json, parquet, csv or arrow). Relative paths are from the CWD."""
+    """Local data file (jsonl, json, parquet, csv or arrow). Relative paths are from the CWD.
+    ``hf://datasets/Org/Name[@revision]/file.jsonl`` reads that file of a dataset repo from the
+    local Hugging Face cache (never downloaded)."""
 
     file_format: FileFormat = "auto"
     """File format; ``auto`` picks it from the file suffix."""

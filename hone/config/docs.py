@@ -46,9 +46,17 @@ def _default(field) -> str:
 
 
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    return ["| key | type | default | meaning |", "|---|---|---|---|", *_rows(model, prefix)]
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    """One row per key; a nested section (``logging.wandb``) lists its keys under its prefix."""
+    rows = []
     for name, field in model.model_fields.items():
-        if _models_in(field.annotation) and name not in ("datasets", "test_datasets"):
+        nested = _models_in(field.annotation)
+        if nested and name not in ("datasets", "test_datasets"):
+            if len(nested) == 1:
+                rows += _rows(nested[0], f"{prefix}{name}.")
             continue
         doc = (field.description or "").replace("\n", " ").replace("|", "\\|")
         rows.append(f"| `{prefix}{name}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")

@@ -30,7 +30,9 @@ class ModelConfig(Section):
     """Which model to fine-tune and how its weights are loaded."""
 
     path: Path | None = None
-    """Local Hugging Face model directory (``save_pretrained`` layout, safetensors weights)."""
+    """Local Hugging Face model directory (``save_pretrained`` layout, safetensors weights), or a
+    model id ``Org/Name`` / ``Org/Name@revision`` found in the local Hugging Face cache
+    (``HF_HUB_CACHE`` / ``HF_HOME`` honoured; a local directory of that name wins)."""
 
     preset: PresetName | None = None
     """Random-initialised architecture preset instead of ``path`` (quickstart, benchmarks)."""
@@ -39,7 +41,13 @@ class ModelConfig(Section):
     """Fields of the preset's transformers config to override, e.g. ``num_hidden_layers: 8``."""
 
     tokenizer_path: Path | None = None
-    """Tokenizer directory; defaults to ``path`` (or the bundled tiny tokenizer for presets)."""
+    """Tokenizer directory or cached model id; defaults to ``path`` (or the bundled tiny
+    tokenizer for presets)."""
+
+    allow_download: bool = False
+    """Let ``hone train`` download a model id of ``path`` / ``tokenizer_path`` that is not in
+    the local hub cache (safetensors, config and tokenizer files only). Off: hone never
+    touches the network, and a missing id is an error that says how to fetch it."""
 
     dtype: Dtype = "bfloat16"
     """Dtype of the weights and of compute. LoRA adapters (and ``lora_modules_to_save``) are kept
@@ -77,6 +85,8 @@ class ModelConfig(Section):
                 "set exactly one of model.path (a local model directory) or model.preset "
                 "(a random-init architecture such as tiny-llama)"
             )
+        if self.allow_download and self.path is None and self.tokenizer_path is None:
+            raise ValueError("model.allow_download applies to a model id in model.path or model.tokenizer_path; remove it for presets")
         if self.preset_overrides and self.preset is None:
             raise ValueError("model.preset_overrides only applies together with model.preset")
         backend = self.attention

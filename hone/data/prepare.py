@@ -91,6 +91,9 @@ def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> 
     ``use_cache=False`` neither reads nor writes the cache (the datasets are kept in memory).
     Raises :class:`DataError` for any problem with the data or data options.
     """
+    from hone.data.hub_files import with_cached_data_files
+
+    cfg = with_cached_data_files(cfg)  # hf://datasets/... entries: their files in the local hub cache
     prepared = _prepare(cfg, tokenizer, use_cache=use_cache)
     prepared.packing = _packing(cfg, prepared)
     return prepared

@@ -21,6 +21,7 @@ from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter
 from hone.models.errors import ModelError
+from hone.models.hub import local_model_dir
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
 from hone.models.presets import build_preset_config, get_preset
@@ -81,7 +82,7 @@ def build_base_model(
     if model_cfg.preset is not None:
         model = build_preset_model(model_cfg, tokenizer, device, dtype, seed)
     else:
-        model = load_pretrained(model_cfg.path, model_cfg, device, dtype)
+        model = load_pretrained(local_model_dir(model_cfg.path), model_cfg, device, dtype)
     check_vocab_fits(model, tokenizer, model_cfg)
     return model
 

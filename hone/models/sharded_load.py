@@ -35,6 +35,7 @@ from hone.config import HoneConfig
 from hone.models.adapters import apply_adapter
 from hone.models.errors import ModelError
 from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
+from hone.models.hub import local_model_dir
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import precision_for
 
@@ -151,7 +152,7 @@ def load_model_sharded(
     model_cfg = cfg.model
     if model_cfg.path is None:
         raise ModelError("sharded load: model.path is not set (presets load normally: their weights are drawn, not read)")
-    path = Path(model_cfg.path)
+    path = local_model_dir(model_cfg.path)  # a hub id: its cached snapshot
     check_model_dir(path)
     precision = precision_for(model_cfg.dtype, full_finetune=not cfg.adapter.is_lora)
     config = read_causal_lm_config(path, model_cfg.trust_remote_code)

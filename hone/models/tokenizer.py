@@ -33,11 +33,14 @@ def bundled_tokenizer_path() -> Path:
 
 
 def tokenizer_source(model_cfg: ModelConfig) -> tuple[Path, str]:
-    """The directory to load and the config key (or origin) that chose it, for messages."""
+    """The directory to load and the config key (or origin) that chose it, for messages.
+    A hub id gives its cached snapshot (:class:`~hone.models.hub.HubModelNotFound` if absent)."""
+    from hone.models.hub import local_model_dir
+
     if model_cfg.tokenizer_path is not None:
-        return model_cfg.tokenizer_path, "model.tokenizer_path"
+        return local_model_dir(model_cfg.tokenizer_path, "model.tokenizer_path"), "model.tokenizer_path"
     if model_cfg.path is not None:
-        return model_cfg.path, "model.path"
+        return local_model_dir(model_cfg.path, "model.path"), "model.path"
     return bundled_tokenizer_path(), "hone's bundled tokenizer"
 
 
@@ -50,7 +53,12 @@ def tokenizer_dir_problems(model_cfg: ModelConfig) -> list[str]:
     missing directory, no vocabulary file, a ``tokenizer_config.json`` that is not JSON."""
     import json
 
-    path, origin = tokenizer_source(model_cfg)
+    from hone.models.hub import HubModelNotFound
+
+    try:
+        path, origin = tokenizer_source(model_cfg)
+    except HubModelNotFound as exc:
+        return [str(exc).partition(": ")[2]]
     if not path.exists():
         return [f"tokenizer directory not found: '{path}' ({origin}; relative paths are from {Path.cwd()})"]
     if not path.is_dir():
@@ -74,7 +82,12 @@ def tokenizer_dir_problems(model_cfg: ModelConfig) -> list[str]:
 
 def load_tokenizer(model_cfg: ModelConfig) -> "PreTrainedTokenizerBase":
     """The tokenizer for ``model_cfg``; raises :class:`TokenizerError` naming the directory."""
-    path, origin = tokenizer_source(model_cfg)
+    from hone.models.hub import HubModelNotFound
+
+    try:
+        path, origin = tokenizer_source(model_cfg)
+    except HubModelNotFound as exc:
+        raise TokenizerError(str(exc)) from None
     if not path.is_dir():
         raise TokenizerError(f"tokenizer directory not found: '{path}' ({origin}; relative paths are from {Path.cwd()})")
     from transformers import AutoTokenizer

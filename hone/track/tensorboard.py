@@ -34,6 +34,25 @@ class TensorBoardLog:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._writer.add_scalar(tag, value, step)
 
+    def text(self, tag: str, text: str) -> None:
+        """Text for TensorBoard's text tab, shown as code (the config, the optimizations)."""
+        body = "\n".join("    " + line for line in text.splitlines())  # markdown code block
+        self._writer.add_text(tag, body, 0)
+
+    def finish(self, optimizations: dict[str, Any] | None, plot: Path | None) -> None:
+        """The applied optimizations (text tab) and ``loss.png`` (images tab) at the end."""
+        if optimizations is not None:
+            import json
+
+            self.text("optimizations", json.dumps(optimizations, indent=2))
+        if plot is not None and Path(plot).is_file():
+            try:
+                from matplotlib.image import imread
+
+                self._writer.add_image("loss_plot", imread(str(plot)), 0, dataformats="HWC")
+            except (ImportError, OSError, ValueError):
+                pass  # the plot is still in the run directory
+
     def close(self) -> None:
         self._writer.flush()
         self._writer.close()

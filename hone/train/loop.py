@@ -50,6 +50,7 @@ from rich.console import Console
 from torch import nn
 from torch.profiler import record_function  # names the loop's phases in a profile; no cost otherwise
 
+from hone.config.loader import dump_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
 from hone.errors import HoneError
@@ -234,6 +235,7 @@ def train_loop(
     autocast_dtype: torch.dtype | None = None,
     hooks: RunHooks | None = None,
     world: World | None = None,
+    trackers: list | None = None,
 ) -> LoopResult:
     """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set)
     on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on ``eval_data`` if given.
@@ -244,6 +246,10 @@ def train_loop(
 
     ``world``: this process among the run's (default: the process group joined, if any). Every
     rank calls this with the same data and config; rank 0 writes the outputs.
+
+    ``trackers``: W&B / MLflow trackers already started (``hone train`` starts them before the
+    model loads); without them rank 0 starts those of ``logging.trackers`` here. The loop
+    closes them.
 
     Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
@@ -295,6 +301,10 @@ def train_loop(
     start_step = counters.step
     stream = BatchStream(plan, t.seed, counters.position, rank=world.rank)
     step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
+    if trackers is None and world.is_main:
+        from hone.track.trackers import start_trackers
+
+        trackers = start_trackers(cfg, lambda m: console.print(f"warning: {m}", highlight=False, markup=False))
     tracker = Tracker(
         log_cfg,
         output_dir,
@@ -303,6 +313,8 @@ def train_loop(
         resume_step=start_step if resume_from is not None else None,
         history=history,
         enabled=world.is_main,
+        external=trackers,
+        run_config=dump_config(cfg) if world.is_main else None,
     )
 
     def checkpoint_state() -> dict[str, Any]:
@@ -519,6 +531,9 @@ def train_loop(
                 if stopping and not last:
                     interrupted = stop.signal_name or "SIGTERM"  # another rank saw the signal
                     break
+    except BaseException:
+        tracker.failed = True  # trackers mark the run failed
+        raise
     finally:
         plot_path = tracker.close()
 

@@ -33,6 +33,7 @@ from hone.track.metrics import METRICS_FILE
 from hone.track.plot import PLOT_FILE
 from hone.track.report import format_report
 from hone.track.tracker import TENSORBOARD_DIR
+from hone.track.trackers import abandon_trackers, start_trackers
 from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
 from hone.train.device import resolve_device
 from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
@@ -126,8 +127,14 @@ def run_training(
     world = world_from_env()
     check_launch(cfg, world, device.type)  # more processes than GPUs, strategy none: before anything loads
     world = init_world(device.type)
+    trackers: list = []  # W&B / MLflow, started on rank 0 before the data and the model
     try:
-        return _run_training(cfg, world, device_of(world, device.type) if world.distributed else device, console, step_callback)
+        return _run_training(
+            cfg, world, device_of(world, device.type) if world.distributed else device, console, step_callback, trackers
+        )
+    except BaseException:
+        abandon_trackers(trackers)  # those the loop did not close: a start-up failure
+        raise
     finally:
         close_world()
 
@@ -138,8 +145,10 @@ def _run_training(
     device: torch.device,
     console: Console | None,
     step_callback: Callable[[StepMetrics], None] | None,
+    trackers: list,
 ) -> TrainResult:
     from hone.data.prepare import prepare_data
+    from hone.models.hub import download_missing
     from hone.models.loader import load_model
     from hone.models.tokenizer import load_tokenizer
     from hone.train.checkpoint_io import RankZeroCheckpoints
@@ -157,6 +166,8 @@ def _run_training(
     with together(world):
         if world.is_main:
             resume_from = prepare_output_dir(cfg, warn)
+            download_missing(cfg.model, say=lambda m: console.print(m, highlight=False, markup=False, soft_wrap=True))
+            trackers += start_trackers(cfg, warn)  # a tracker that cannot start stops the run here
             tokenizer = load_tokenizer(cfg.model)
             data = prepare_data(cfg, tokenizer)
     resume_from = _from_rank_zero(world, resume_from)
@@ -236,6 +247,7 @@ def _run_training(
             autocast_dtype=getattr(loaded, "autocast_dtype", None),
             hooks=hooks,
             world=world,
+            trackers=trackers,
         )
     finally:
         if watch is not None:

@@ -201,9 +201,10 @@ def _transformers_config(model: Any) -> Any:
 
             vocab = len(load_tokenizer(model))
         return build_preset_config(model.preset, dict(model.preset_overrides), vocab)
+    from hone.models.hub import local_model_dir
     from hone.models.model_dir import read_causal_lm_config
 
-    return read_causal_lm_config(model.path, model.trust_remote_code)
+    return read_causal_lm_config(local_model_dir(model.path), model.trust_remote_code)
 
 
 def _decoder_layers(model: Any, count: int) -> Any:

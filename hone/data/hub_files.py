@@ -1,0 +1,81 @@
+"""Data files of a Hugging Face dataset repo, read from the local hub cache.
+
+``path: hf://datasets/Org/Name/train.jsonl`` (or ``hf://datasets/Org/Name@revision/...``, the
+address huggingface_hub's file system uses) names one file of a dataset repo; hone reads it
+from the cache (``HF_HUB_CACHE`` / ``HF_HOME``) with huggingface_hub's
+``try_to_load_from_cache`` and never downloads it. The file suffix still picks the format, so
+the config validates as for a local file. Resolved once, when the data is prepared
+(:func:`with_cached_data_files`) and when the files are checked (``hone validate``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hone.data.errors import DataError
+from hone.models.hub import hub_cache_dir
+
+if TYPE_CHECKING:
+    from hone.config.root import HoneConfig
+
+#: ``pathlib`` folds ``hf://`` to ``hf:/``: both spellings are read.
+_HUB_FILE = re.compile(
+    r"^hf:/{1,2}datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.-]+))?/(?P<file>.+)$"
+)
+
+
+@dataclass(frozen=True)
+class HubFile:
+    repo_id: str
+    filename: str
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        at = f"@{self.revision}" if self.revision else ""
+        return f"hf://datasets/{self.repo_id}{at}/{self.filename}"
+
+
+def parse_hub_file(path: str | Path) -> HubFile | None:
+    """The dataset file ``path`` names (``hf://datasets/Org/Name[@rev]/file``), or None. Pure."""
+    match = _HUB_FILE.match(str(path))
+    return None if match is None else HubFile(match["repo"], match["file"], match["revision"])
+
+
+def local_data_file(path: Path, key: str) -> Path:
+    """``path`` itself, or the cached copy of the dataset file it names; :class:`DataError`
+    when that file is not in the cache."""
+    hub = parse_hub_file(path)
+    if hub is None:
+        return Path(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(
+        hub.repo_id, hub.filename, cache_dir=hub_cache_dir(), revision=hub.revision, repo_type="dataset"
+    )
+    if isinstance(found, str):
+        return Path(found)
+    revision = f" --revision {hub.revision}" if hub.revision else ""
+    raise DataError(
+        f"{key}: '{hub}' is not in the local Hugging Face cache ({hub_cache_dir()}, set by HF_HUB_CACHE or "
+        f"HF_HOME); hone reads datasets from local files only: fetch it with `huggingface-cli download "
+        f"{hub.repo_id} {hub.filename} --repo-type dataset{revision}` (or `hf download`)"
+    )
+
+
+def with_cached_data_files(cfg: "HoneConfig") -> "HoneConfig":
+    """``cfg`` with every ``hf://datasets/...`` entry pointing at its cached file (the same
+    config object when there is none)."""
+    updates = {}
+    for section in ("datasets", "test_datasets"):
+        entries = getattr(cfg.data, section)
+        if any(parse_hub_file(entry.path) for entry in entries):
+            updates[section] = [
+                entry.model_copy(update={"path": local_data_file(entry.path, f"data.{section}[{index}].path")})
+                for index, entry in enumerate(entries)
+            ]
+    if not updates:
+        return cfg
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update=updates)})
