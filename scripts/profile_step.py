@@ -7,10 +7,15 @@ Runs ``run_training`` (the code path of ``hone train``) on random tokens, record
 ``warmup+1 .. warmup+active`` with ``torch.profiler`` and writes a markdown table: kernels
 grouped by name, their share of device time, and GEMM (matmul) time against everything else.
 Not a benchmark (the profiler adds overhead); use ``hone bench`` for step times.
+
+Under ``torchrun --nproc-per-node N scripts/profile_step.py ... --set distributed.strategy=ddp``
+every rank profiles its own steps and writes ``OUT`` with ``.rankR`` before the suffix (rank 0
+also prints its table), so a data-parallel step's communication and waits can be read per rank.
 """
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -68,10 +73,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = work / "random.jsonl"
-        _write_random_dataset(data, random_batches(spec.workload, steps * args.accum, id_limit, 0, torch.device("cpu")))
+        _write_random_dataset(data, random_batches(spec.workload, steps * args.accum * int(os.environ.get("WORLD_SIZE", "1")), id_limit, 0, torch.device("cpu")))
         cfg = _hone_config(spec, cond, work, data)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched, with_stack=args.stacks) as prof:
             run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
+        if args.trace:
+            args.trace = args.trace.with_name(f"{args.trace.stem}.rank{rank}{args.trace.suffix}")
     gaps_text = ""
     if args.trace or args.gaps:
         trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
@@ -124,8 +134,9 @@ def main() -> None:
         lines.append(f"| `{short}` | {t / args.active / 1000:.2f} | {100 * t / total:.1f}% | {n // args.active} |")
     text = "\n".join(lines) + "\n" + gaps_text
     args.out.write_text(text)
-    print(text)
-    print(json.dumps({"total_ms_per_step": total / args.active / 1000, "gemm_share": gemm / total}))
+    if rank == 0:
+        print(text)
+    print(f"rank {rank}:", json.dumps({"total_ms_per_step": total / args.active / 1000, "gemm_share": gemm / total}))
 
 
 if __name__ == "__main__":

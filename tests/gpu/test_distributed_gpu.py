@@ -99,3 +99,76 @@ def test_more_processes_than_gpus_is_refused_before_starting(tmp_path):
     assert proc.returncode == 2
     assert "--nproc-per-node 3" in proc.stderr and "2 visible CUDA devices" in proc.stderr
     assert not (tmp_path / "too-many").exists()
+
+
+def _launch(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    # a session of its own: the kill below reaches torchrun and both ranks, as an out-of-memory
+    # killer or a preempted node would
+    return subprocess.Popen([sys.executable, "-m", "hone", *args], env=env, cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _long_run(tmp_path: Path, name: str, strategy: str, **training) -> Path:
+    path = _config(tmp_path, name, 1, memory={})
+    cfg = yaml.safe_load(path.read_text())
+    cfg["training"].update(max_steps=40, save_steps=4, eval_steps=40, **training)
+    cfg["distributed"] = {"strategy": strategy}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_two_gpu_run_resumes_from_its_last_complete_checkpoint(tmp_path, strategy):
+    """SIGKILL to the launcher's whole process group mid-run (no graceful stop, possibly mid-write),
+    then the same command with ``training.resume: latest``: the resumed run's losses from the
+    checkpoint on equal the uninterrupted run's."""
+    import signal
+    import time
+
+    straight = _hone("train", str(_long_run(tmp_path, "straight", strategy)), "--nproc-per-node", "2")
+    assert straight.returncode == 0, straight.stderr[-4000:]
+
+    killed_cfg = _long_run(tmp_path, "killed", strategy)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    proc = _launch("train", str(killed_cfg), "--nproc-per-node", "2")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (checkpoints / "step-8" / "COMPLETE").exists():
+        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-4000:]}"
+        assert time.monotonic() < deadline, "no checkpoint at step 8"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (tmp_path / "killed" / "final").exists(), "the run finished before the kill: make it longer"
+    done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "COMPLETE").exists())
+    assert 8 <= done < 40
+
+    cfg = yaml.safe_load(killed_cfg.read_text())
+    cfg["training"]["resume"] = "latest"
+    killed_cfg.write_text(yaml.safe_dump(cfg))
+    resumed = _hone("train", str(killed_cfg), "--nproc-per-node", "2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if "loss" in r}
+    after = [s for s in range(done + 1, 41)]
+    assert after and [got[s] for s in after] == pytest.approx([want[s] for s in after], rel=1e-5)
+
+
+def test_fsdp_cpu_offload_trains_like_gpu_resident_fsdp(tmp_path):
+    """``distributed.cpu_offload`` keeps parameters, gradients and optimizer state on the host
+    (FSDP2's CPUOffloadPolicy): the same losses as GPU-resident FSDP2 (fp32)."""
+    runs = {}
+    for name, offload in (("resident", False), ("offloaded", True)):
+        path = _config(tmp_path, name, 1, memory={})
+        cfg = yaml.safe_load(path.read_text())
+        cfg["adapter"] = {"type": "none"}
+        cfg["distributed"] = {"strategy": "fsdp", "cpu_offload": offload}
+        path.write_text(yaml.safe_dump(cfg))
+        proc = _hone("train", str(path), "--nproc-per-node", "2")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[name] = _losses(tmp_path / name)
+    (t1, e1), (t2, e2) = runs["resident"], runs["offloaded"]
+    assert len(t1) == len(t2) == 5
+    assert t2 == pytest.approx(t1, rel=1e-4) and e2 == pytest.approx(e1, rel=1e-4)

@@ -1,5 +1,8 @@
 """FSDP2 on 2 GPUs (NCCL), bf16, regional compile (Inductor) and full checkpointing: the summed
-gradients of 2 ranks x 1 micro-batch equal one GPU's accumulated gradients at bf16 tolerance.
+gradients of 2 ranks x 1 micro-batch are as close to a float32 one-GPU run as one GPU's own bf16
+accumulated gradients are (bf16 rounding alone puts a LoRA A gradient several percent off, so a
+fixed bound against the bf16 run cannot tell rounding from a wrong reduction; a lost or doubled
+rank's share puts the sharded run tens of percent off).
 
 Run: pytest -q -m gpu tests/gpu/test_fsdp_gpu.py (needs >= 2 CUDA devices; skips otherwise).
 """
@@ -34,7 +37,7 @@ def _cfg(tmp, adapter: str):
     return tiny_config(tmp, **sections)
 
 
-def _model(adapter: str, device):
+def _model(adapter: str, device, dtype: str = "bfloat16"):
     from hone.models.precision import cast_trainable, precision_for
     from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
 
@@ -42,7 +45,7 @@ def _model(adapter: str, device):
     model = tiny_model("tiny-llama", tiny_tokenizer(), seed=3, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     if adapter == "lora":
         model = with_random_lora(model, seed=4)
-    precision = precision_for("bfloat16", full_finetune=adapter != "lora")
+    precision = precision_for(dtype, full_finetune=adapter != "lora")
     for p in model.parameters():
         if not p.requires_grad:
             p.data = p.data.to(precision.weights)
@@ -90,8 +93,6 @@ def _worker(rank: int, port: int, tmp: Path, adapter: str) -> None:
 def test_fsdp_bf16_compile_checkpointing_matches_one_gpu(tmp_path, adapter):
     import torch.multiprocessing as mp
 
-    from hone.testing import run_hooks
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -99,16 +100,29 @@ def test_fsdp_bf16_compile_checkpointing_matches_one_gpu(tmp_path, adapter):
     sharded = torch.load(tmp_path / "sharded.pt")
 
     device = torch.device("cuda", 0)
-    model, precision = _model(adapter, device)
+    one_gpu_bf16 = _one_gpu_grads(adapter, device, "bfloat16")
+    float32 = _one_gpu_grads(adapter, device, "float32")
+    assert set(sharded) == set(float32) == set(one_gpu_bf16)
+    for name, want in float32.items():
+        assert torch.isfinite(sharded[name]).all()
+        rounding = _relative(one_gpu_bf16[name], want)
+        err = _relative(sharded[name], want)
+        assert err <= 2 * rounding + 1e-2, f"{name}: {err:.3e} off float32 (one GPU in bf16: {rounding:.3e})"
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _one_gpu_grads(adapter: str, device, dtype: str) -> dict[str, torch.Tensor]:
+    """The whole window accumulated on one GPU, eager, no checkpointing."""
+    from hone.testing import run_hooks
+
+    model, precision = _model(adapter, device, dtype)
     hooks = run_hooks(model, device="cuda")
     window = _window()
     tokens = sum(b.trained_tokens for b in window)
     for batch in window:
         batch = batch.to(device).with_attention(hooks.layout)
         (hooks.step_module(model, precision.autocast_dtype).module(batch) / tokens).backward()
-    want = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    assert set(sharded) == set(want)
-    for name, value in want.items():
-        err = ((sharded[name] - value).norm() / value.norm().clamp_min(1e-12)).item()
-        assert err < 2e-2, f"{name}: relative error {err:.3e}"
-        assert torch.isfinite(sharded[name]).all()
+    return {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
