@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (a slice of a big model)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--set", dest="overrides", action="append", default=[])
@@ -55,6 +56,7 @@ def main() -> None:
             "name": "profile",
             "workload": {
                 "preset": args.preset,
+                **({"layers": args.layers} if args.layers else {}),
                 "sequence_len": args.seq,
                 "micro_batch_size": args.mbs,
                 "gradient_accumulation_steps": args.accum,

@@ -112,6 +112,9 @@ def wrap_ddp(step: StepModule, cfg: HoneConfig, facts: RunFacts) -> tuple[StepMo
         module,
         device_ids=None,  # the module is already on this rank's device; micro-batches are too
         find_unused_parameters=False,  # every trainable weight gets a gradient every micro-batch
+        # gradients live in the all-reduce buckets: no copy into and out of them each step, and
+        # one gradient's memory instead of two (the grad norm, clipping and optimizer read views)
+        gradient_as_bucket_view=True,
         **buffers,
     )
     ddp.register_comm_hook(state=None, hook=sum_gradients)
