@@ -1,6 +1,7 @@
 """Tiled MLP on CUDA in bf16: a qwen3-style model at 8K tokens gives the untiled gradients
-within bf16 tolerance (LoRA on every projection and full fine-tune, eager and under Inductor
-with full checkpointing), and without checkpointing its peak memory is lower by about the MLP's
+as closely as bf16 rounding allows (LoRA on every projection and full fine-tune, eager and under
+Inductor with full checkpointing; judged against a float32 run, since Inductor's own bf16 fusions
+put some gradients a few percent off the eager bf16 run with or without tiling), and without checkpointing its peak memory is lower by about the MLP's
 [tokens x intermediate] activations. Skipped without a GPU.
 
 Run: ``pytest -q -m gpu tests/gpu/test_tiled_mlp_gpu.py``
@@ -33,7 +34,7 @@ def tok():
     return tiny_tokenizer()
 
 
-def _model(tok, adapter: str):
+def _model(tok, adapter: str, dtype: torch.dtype = torch.bfloat16):
     model = tiny_model(
         "tiny-qwen3", tok, seed=41, num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=SEQ,
@@ -43,7 +44,7 @@ def _model(tok, adapter: str):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(42)
             model = with_random_lora(model, seed=43)
-    return model.to(device="cuda", dtype=torch.bfloat16).train()
+    return model.to(device="cuda", dtype=dtype).train()
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -58,14 +59,20 @@ def _grads(model, ids):
     return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _assert_close(got, want):
-    (loss, grads), (ref_loss, ref_grads) = got, want
-    assert torch.isfinite(loss) and abs(loss - ref_loss) <= BF16_TOL * abs(ref_loss)
+def _norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _assert_close(got, untiled, float32):
+    """``got`` as close to the float32 run as the untiled bf16 eager run is (twice its error plus
+    1e-2 of slack, norm-relative): a wrong or doubled MLP shard's gradient is tens of percent off."""
+    (loss, grads), (base_loss, base_grads), (ref_loss, ref_grads) = got, untiled, float32
+    assert torch.isfinite(loss) and abs(loss - ref_loss) <= 2 * abs(base_loss - ref_loss) + BF16_TOL * abs(ref_loss)
     assert grads.keys() == ref_grads.keys() and any(".mlp." in n for n in ref_grads)
     for name, ref in ref_grads.items():
         assert torch.isfinite(grads[name]).all(), name
-        err = (grads[name] - ref).abs().max() / ref.abs().max()
-        assert err <= BF16_TOL, f"{name}: relative difference {err:.2e}"
+        err, rounding = _norm_error(grads[name], ref), _norm_error(base_grads[name], ref)
+        assert err <= 2 * rounding + 1e-2, f"{name}: {err:.2e} off float32 (untiled bf16: {rounding:.2e})"
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor-full-checkpointing"])
@@ -78,9 +85,10 @@ def test_tiled_gradients_match_untiled_at_8k_in_bf16(tok, adapter, compiled):
         apply_activation_checkpointing(tiled, "full")
         compile_regional(tiled, PerformanceConfig(torch_compile=True, torch_compile_backend="inductor"), dynamic=False)
     ids = _ids(len(tok))
-    want = _grads(model, ids)
+    untiled = _grads(model, ids)
+    float32 = _grads(_model(tok, adapter, torch.float32), ids)
     for _ in range(2 if compiled else 1):
-        _assert_close(_grads(tiled, ids), want)
+        _assert_close(_grads(tiled, ids), untiled, float32)
 
 
 def test_tiling_lowers_the_peak_by_the_mlp_activations(tok):
