@@ -69,11 +69,29 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _options():
+def _options(**extra: Any):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # frozen base weights come from the model source, as in the single-process checkpoint
-    return StateDictOptions(ignore_frozen_params=True)
+    return StateDictOptions(ignore_frozen_params=True, **extra)
+
+
+def _set_trainable_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, **state: Any) -> None:
+    """``set_state_dict`` for a state that holds the trainable weights only: loading is not
+    strict (the frozen base weights are absent by design, and a strict load refuses a LoRA model
+    for them), so the check that every trainable weight was restored, and nothing else, is here."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    full = bool(state.pop("full_state_dict", False))
+    result = set_state_dict(model, optimizer, **state, options=_options(strict=False, full_state_dict=full))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(k for k in getattr(result, "missing_keys", []) if k in trainable)
+    unexpected = sorted(getattr(result, "unexpected_keys", []))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"cannot resume from {path}: it does not fit this run's trainable weights "
+            f"(missing: {missing[:5] or 'none'}; not in this model: {unexpected[:5] or 'none'})"
+        )
 
 
 def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -158,8 +176,6 @@ def load_sharded_checkpoint(
 
     All ranks call it, after the model is sharded and the optimizer built, before the first step."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
@@ -171,7 +187,7 @@ def load_sharded_checkpoint(
         dcp.load(wanted, checkpoint_id=str(path / DCP_DIR))
     except Exception as exc:  # DCP reports missing keys and bad shapes as CheckpointException
         raise CheckpointError(f"cannot resume from {path}: it does not fit this run's model or optimizer ({exc})") from None
-    set_state_dict(model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"], options=_options())
+    _set_trainable_state(model, optimizer, path, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"])
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
     rng = path / f"rng-rank{_rank()}.pt"
     if not rng.is_file():  # more ranks than the run that saved it: no stream of its own
@@ -194,7 +210,6 @@ def load_full_checkpoint_sharded(
     it in the same order on every world size, so the numbers map to this optimizer's parameter
     names, which is how torch's full optimizer state dict is keyed."""
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     from hone.train.checkpoint_layout import OPTIMIZER_FILE, RNG_FILE, WEIGHTS_FILE
 
@@ -210,9 +225,8 @@ def load_full_checkpoint_sharded(
         "state": {by_index[i]: value for i, value in saved["state"].items()},
         "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]],
     }
-    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
     try:
-        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=options)
+        _set_trainable_state(model, optimizer, path, model_state_dict=weights, optim_state_dict=optim_sd, full_state_dict=True)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot resume from {path}: {exc}") from None
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))

@@ -101,20 +101,10 @@ def test_more_processes_than_gpus_is_refused_before_starting(tmp_path):
     assert not (tmp_path / "too-many").exists()
 
 
-def _launch(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    # a session of its own: the kill below reaches torchrun and both ranks, as an out-of-memory
-    # killer or a preempted node would
-    return subprocess.Popen([sys.executable, "-m", "hone", *args], env=env, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _long_run(tmp_path: Path, name: str, strategy: str, **training) -> Path:
+def _long_run(tmp_path: Path, name: str, strategy: str) -> Path:
     path = _config(tmp_path, name, 1, memory={})
     cfg = yaml.safe_load(path.read_text())
-    cfg["training"].update(max_steps=40, save_steps=4, eval_steps=40, **training)
+    cfg["training"].update(max_steps=40, save_steps=4, eval_steps=40)
     cfg["distributed"] = {"strategy": strategy}
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -122,37 +112,17 @@ def _long_run(tmp_path: Path, name: str, strategy: str, **training) -> Path:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_killed_two_gpu_run_resumes_from_its_last_complete_checkpoint(tmp_path, strategy):
-    """SIGKILL to the launcher's whole process group mid-run (no graceful stop, possibly mid-write),
-    then the same command with ``training.resume: latest``: the resumed run's losses from the
-    checkpoint on equal the uninterrupted run's."""
-    import signal
-    import time
+    """SIGKILL to the whole launch mid-run, then the same command with ``training.resume:
+    latest``: from the checkpoint on, the uninterrupted run's losses (tests/distributed/killed_run.py)."""
+    sys.path.insert(0, str(REPO / "tests" / "distributed"))
+    from killed_run import kill_and_resume, train_losses
 
-    straight = _hone("train", str(_long_run(tmp_path, "straight", strategy)), "--nproc-per-node", "2")
-    assert straight.returncode == 0, straight.stderr[-4000:]
-
-    killed_cfg = _long_run(tmp_path, "killed", strategy)
-    checkpoints = tmp_path / "killed" / "checkpoints"
-    proc = _launch("train", str(killed_cfg), "--nproc-per-node", "2")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (checkpoints / "step-8" / "COMPLETE").exists():
-        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-4000:]}"
-        assert time.monotonic() < deadline, "no checkpoint at step 8"
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (tmp_path / "killed" / "final").exists(), "the run finished before the kill: make it longer"
-    done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "COMPLETE").exists())
-    assert 8 <= done < 40
-
-    cfg = yaml.safe_load(killed_cfg.read_text())
-    cfg["training"]["resume"] = "latest"
-    killed_cfg.write_text(yaml.safe_dump(cfg))
-    resumed = _hone("train", str(killed_cfg), "--nproc-per-node", "2")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if "loss" in r}
-    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if "loss" in r}
-    after = [s for s in range(done + 1, 41)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    done = kill_and_resume(_long_run(tmp_path, "straight", strategy), _long_run(tmp_path, "killed", strategy), env, kill_after=8, timeout_s=TIMEOUT_S)
+    want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
+    after = list(range(done + 1, 41))
     assert after and [got[s] for s in after] == pytest.approx([want[s] for s in after], rel=1e-5)
 
 

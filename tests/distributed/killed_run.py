@@ -1,0 +1,63 @@
+"""A data-parallel run killed mid-training and resumed, shared by the CPU (gloo) test and the
+two-GPU (NCCL) one: the run is launched as a user would (``hone train CFG --nproc-per-node 2``),
+SIGKILLed with its whole process group once a checkpoint is complete (no graceful stop, maybe
+mid-write of the next one), then the same command runs again with ``training.resume: latest``."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from hone.track.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def _launch(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
+    # a session of its own, so the kill reaches torchrun and both ranks, as an out-of-memory killer
+    # or a preempted node would
+    return subprocess.Popen(
+        [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
+        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _finish(cfg: Path, env: dict[str, str], timeout_s: float) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def kill_and_resume(straight_cfg: Path, killed_cfg: Path, env: dict[str, str], kill_after: int, timeout_s: float = 600) -> int:
+    """Run ``straight_cfg`` to the end; run ``killed_cfg`` (the same run, another output_dir) and
+    SIGKILL it once ``step-{kill_after}`` is complete; resume it to the end. Returns the step of
+    the newest complete checkpoint the kill left (what the resumed run started from)."""
+    _finish(straight_cfg, env, timeout_s)
+    cfg = yaml.safe_load(killed_cfg.read_text())
+    run_dir = Path(cfg["training"]["output_dir"])
+    checkpoints = run_dir / "checkpoints"
+    proc = _launch(killed_cfg, env)
+    deadline = time.monotonic() + timeout_s
+    while not (checkpoints / f"step-{kill_after}" / "COMPLETE").exists():
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"no complete checkpoint at step {kill_after} after {timeout_s} s"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (run_dir / "final").exists(), "the run finished before the kill: give it more steps"
+    done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "COMPLETE").exists())
+    assert done >= kill_after
+    cfg["training"]["resume"] = "latest"
+    killed_cfg.write_text(yaml.safe_dump(cfg))
+    _finish(killed_cfg, env, timeout_s)
+    return done

@@ -1,0 +1,40 @@
+"""A 2-process FSDP2 run (gloo, CPU) killed with SIGKILL mid-run resumes from its newest complete
+checkpoint to the uninterrupted run's losses. The NCCL version is in tests/gpu/test_distributed_gpu.py."""
+
+import json
+import random
+
+import pytest
+import yaml
+
+from dist_launch import child_env
+from killed_run import kill_and_resume, train_losses
+
+STEPS = 24
+
+
+def _config(tmp_path, name: str):
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        rng = random.Random(1)
+        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(8, 40))]}) + "\n" for _ in range(48)))
+    cfg = {
+        "model": {"preset": "tiny-llama", "dtype": "float32"},
+        "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 64, "dataset_prepared_path": str(tmp_path / "cache")},
+        "adapter": {"type": "lora", "lora_r": 4},
+        "training": {"max_steps": STEPS, "save_steps": 4, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
+        "optimizer": {"learning_rate": 5e-3},
+        "distributed": {"strategy": "fsdp"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+    }
+    path = tmp_path / f"{name}.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_killed_two_process_fsdp_run_resumes_to_the_uninterrupted_losses(tmp_path):
+    done = kill_and_resume(_config(tmp_path, "straight"), _config(tmp_path, "killed"), child_env(), kill_after=4, timeout_s=300)
+    want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
+    after = list(range(done + 1, STEPS + 1))
+    assert after, "the kill came after the last step"
+    assert [got[s] for s in after] == pytest.approx([want[s] for s in after], rel=1e-5)
