@@ -105,7 +105,8 @@ def _reference_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor) -> 
     mode: Mode = "rowwise" if b_scale.numel() > 1 else "tensorwise"
     a2 = a.reshape(-1, a.shape[-1])
     a_q, a_scale = quantize(a2, mode)
-    out = dequantize(a_q, a_scale) @ dequantize(b_q, b_scale).t()
+    with torch.autocast(a.device.type, enabled=False):  # float32 even inside a bf16 autocast region
+        out = dequantize(a_q, a_scale) @ dequantize(b_q, b_scale).t()
     return out.to(a.dtype).reshape(*a.shape[:-1], b_q.shape[0])
 
 
