@@ -258,6 +258,8 @@ def _after_step(model: nn.Module) -> None:
 
 def _why(cfg: "HoneConfig", facts: RunFacts) -> str:
     perf = cfg.performance
+    if perf.fp8 == "off":
+        return "performance.fp8: off"
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
         return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16"
