@@ -20,11 +20,12 @@ Two cases, one switch:
 Why the frozen base keeps its bf16 weight on the GPU: PEFT reads ``base_layer.weight`` outside
 the forward (merging and unmerging adapters, dtype and device look-ups), hone's eval and
 generation run the same modules, and a checkpoint of the base must stay loadable by anything
-that does not know float8. The float8 copies are non-persistent buffers: they follow the module
-across devices, are never saved, and DDP does not broadcast them (hone turns buffer
-broadcasting off). An 8B base costs 16 GB more than bf16 alone; on an 80 GB card beside LoRA
-activations that fits, and a later option can drop the bf16 copy once PEFT's merge is routed
-through a dequantization.
+that does not know float8. An 8B base costs 16 GB more than bf16 alone; on an 80 GB card beside
+LoRA activations that fits, and a later option can drop the bf16 copy once PEFT's merge is
+routed through a dequantization. The float8 copies are non-persistent buffers: they follow the
+module across devices and are never saved. DDP broadcasts every buffer once, when it wraps the
+model (hone turns the per-forward broadcast off); collectives take no float8 on gloo, so the
+copies are stored as their uint8 bytes and viewed as float8 in the forward.
 
 Ordered after the quantized-base slot (an NF4 base cannot also be float8) and before tiled
 MLP, checkpointing and compile, which wrap and trace the swapped modules as they are.
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from hone.kernels.fp8_linear import FP8 as FLOAT8
 from hone.kernels.fp8_linear import ALIGN, FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
 from hone.transforms.base import RunFacts, Transform
 
@@ -74,12 +76,21 @@ class Fp8FrozenLinear(nn.Linear):
         if self.weight.requires_grad:
             raise ValueError("Fp8FrozenLinear takes a frozen weight (requires_grad=False)")
         q = quantize_frozen_weight(self.weight.detach(), self.mode)
-        for name in ("w_q", "w_scale", "wt_q", "wt_scale"):
-            # not persistent: derived from the weight, so never written to a checkpoint
-            self.register_buffer(name, getattr(q, name), persistent=False)
+        # not persistent: derived from the weight, so never written to a checkpoint. The float8
+        # bytes are kept as uint8: DDP broadcasts every buffer from rank 0 when it wraps the
+        # model, and collectives take uint8 on every backend (gloo has no float8 type).
+        self.register_buffer("w_q", q.w_q.view(torch.uint8), persistent=False)
+        self.register_buffer("w_scale", q.w_scale, persistent=False)
+        self.register_buffer("wt_q", q.wt_q.view(torch.uint8), persistent=False)
+        self.register_buffer("wt_scale", q.wt_scale, persistent=False)
+
+    @property
+    def fp8_weight(self) -> FrozenFp8Weight:
+        """The quantized weight as the kernel takes it."""
+        return FrozenFp8Weight(self.w_q.view(FLOAT8), self.w_scale, self.wt_q.view(FLOAT8), self.wt_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8_weight = FrozenFp8Weight(self.w_q, self.w_scale, self.wt_q, self.wt_scale)
+        fp8_weight = self.fp8_weight
         # the matmul writes the weight's dtype (bf16): under autocast the input may be float32
         y = fp8_frozen_linear(x.to(self.weight.dtype), fp8_weight)
         return y if self.bias is None else y + self.bias

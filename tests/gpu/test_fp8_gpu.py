@@ -19,6 +19,7 @@ import socket
 
 import pytest
 import torch
+from torch import nn
 from rich.console import Console
 
 from hone.config import parse_config
@@ -42,9 +43,20 @@ def _rel(a, b):
 # ---------------------------------------------------------------- the frozen-base LoRA layer
 
 
+class _One(nn.Module):
+    """A model of one linear layer, for PEFT to wrap."""
+
+    def __init__(self, proj: nn.Module) -> None:
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x):
+        return self.proj(x)
+
+
 @pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
 def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mode):
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft import LoraConfig, get_peft_model
 
     from hone.transforms.fp8 import Fp8FrozenLinear
 
@@ -52,8 +64,7 @@ def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mo
     tokens, k, n, r = 4096, 4096, 14_336, 16  # llama3-8b's up_proj, seq 4096
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     base.weight.data.normal_(0, 0.02)
-    base.weight.requires_grad_(False)
-    lora = LoraLinear(base, "default", r=r, lora_alpha=32).to("cuda")
+    lora = get_peft_model(_One(base), LoraConfig(r=r, lora_alpha=32, target_modules=["proj"])).base_model.model.proj.to("cuda")
     for p in (lora.lora_A["default"].weight, lora.lora_B["default"].weight):
         p.data.normal_(0, 0.02)  # B random: zero B makes A's gradient zero
     x = torch.randn(2, tokens // 2, k, device="cuda", dtype=torch.bfloat16)
