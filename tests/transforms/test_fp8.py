@@ -202,3 +202,18 @@ def test_full_finetune_float8_all_gather_only_with_tensorwise():
     assert float8_training_config("tensorwise", fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
     assert not float8_training_config("rowwise", fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
     assert not float8_training_config("tensorwise").enable_fsdp_float8_all_gather
+
+
+def test_full_finetune_converts_on_the_meta_device_for_the_sharded_loader(tokenizer):
+    """The sharded loader applies the plan before any weight exists, then materialises them."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from hone.models.presets import build_preset_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_preset_config("tiny-llama", {}, len(tokenizer)))
+    convert_full_finetune(model, "tensorwise", fsdp_float8_all_gather=True, emulate=True)
+    model.to_empty(device="cpu")
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Float8Linear) and layer.weight.device.type == "cpu"
