@@ -34,6 +34,7 @@ MLP, checkpointing and compile, which wrap and trace the swapped modules as they
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -246,7 +247,14 @@ def _fsdp_on(cfg: "HoneConfig", facts: RunFacts) -> bool:
 
 
 def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
+    import importlib.util
+
     problems = fp8_device_problems(facts.device)
+    if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
+        problems.append(
+            "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
+            "installed: pip install torchao, or fp8: off"
+        )
     if cfg.adapter.is_lora and _fsdp_on(cfg, facts):
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
@@ -255,16 +263,27 @@ def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
     return problems
 
 
+#: Models whose weights FSDP2 all-gathers in float8: their scales are computed after each
+#: optimizer step. Kept beside the model (nothing is added to a transformers object).
+_PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
 def _apply(model: nn.Module, cfg: "HoneConfig", facts: RunFacts) -> dict[str, Any]:
     perf = cfg.performance
     mode: Mode = perf.fp8  # type: ignore[assignment]
     if cfg.adapter.is_lora:
         return convert_frozen_base(model, mode, perf.fp8_base_linears)
-    return convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts))
+    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts))
+    if details["fsdp_float8_all_gather"]:
+        _PRECOMPUTE.add(model)
+    return details
 
 
 def _after_step(model: nn.Module) -> None:
-    precompute_scales(model)
+    """Without this the float8 all-gather still works, computing each layer's scale (one small
+    all-reduce per layer) in its pre-all-gather hook; precomputed, it is one all-reduce in all."""
+    if model in _PRECOMPUTE:
+        precompute_scales(model)
 
 
 def _why(cfg: "HoneConfig", facts: RunFacts) -> str:
