@@ -2,9 +2,10 @@
 model's projection shape against the dequantized reference and against bf16 (output, input
 gradient, LoRA gradients); compiled LoRA training through ``run_training`` with 0 graph breaks
 and 0 recompiles, tracking bf16; torchao's full fine-tune, eager and compiled, tracking bf16;
-FSDP2 on 2 GPUs with float8 all-gather (tensorwise) tracking one GPU's bf16 run.
+on 2 GPUs, FSDP2 full fine-tuning with float8 all-gather (tensorwise) and DDP with a float8
+LoRA base, each tracking the same run in bf16.
 
-Run: pytest -q -m gpu tests/gpu/test_fp8_gpu.py (the FSDP2 test needs >= 2 GPUs; skips otherwise).
+Run: pytest -q -m gpu tests/gpu/test_fp8_gpu.py (the 2-GPU tests skip on one GPU).
 
 Tolerances: against the dequantized reference (same float8 operands, float32 matmul) only
 accumulation order and the final bf16 rounding differ: rtol 1.6e-2 (2 bf16 ulps), and the
@@ -163,34 +164,48 @@ def test_full_finetune_float8_trains_like_bf16(tmp_path, mode, compile_):
 # ---------------------------------------------------------------- FSDP2, float8 all-gather
 
 
-def _fsdp_worker(rank: int, port: int, tmp_path, name: str, performance: dict) -> None:
+def _worker(rank: int, port: int, tmp_path, name: str, adapter: dict, performance: dict, strategy: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
     perf = {"torch_compile": True, **performance}
-    losses, record, _ = _train(tmp_path, name, {"type": "none"}, perf, checkpointing="full", distributed={"strategy": "fsdp"})
+    losses, record, _ = _train(tmp_path, name, adapter, perf, checkpointing="full", distributed={"strategy": strategy})
     if rank == 0:
         (tmp_path / f"{name}.json").write_text(json.dumps({"losses": losses, "record": record}))
 
 
-def _fsdp_run(tmp_path, name, performance):
+def _two_gpus(tmp_path, name, performance, adapter=None, strategy="fsdp"):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_fsdp_worker, args=(port, tmp_path, name, performance), nprocs=2, join=True)
+    args = (port, tmp_path, name, adapter or {"type": "none"}, performance, strategy)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
+
+
+@two_gpus
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_fsdp2_float8_full_finetune_tracks_fsdp2_bf16(tmp_path, mode):
-    """2 ranks, FSDP2, compile
-    and full checkpointing: float8 (tensorwise: weights all-gathered in float8, scales computed
-    after each optimizer step) against the same run in bf16, step for step."""
-    bf16 = _fsdp_run(tmp_path, "fsdp-bf16", {})
-    fp8 = _fsdp_run(tmp_path, f"fsdp-{mode}", {"fp8": mode})
+    """2 ranks, FSDP2, compile and full checkpointing: float8 (tensorwise: weights all-gathered
+    in float8, scales computed after each optimizer step) against the same run in bf16."""
+    bf16 = _two_gpus(tmp_path, "fsdp-bf16", {})
+    fp8 = _two_gpus(tmp_path, f"fsdp-{mode}", {"fp8": mode})
     applied = {a["name"]: a["details"] for a in fp8["record"]["applied"]}
     assert "fsdp" in applied, list(applied)
     assert applied["fp8"]["fsdp_float8_all_gather"] == (mode == "tensorwise")
+    assert all(abs(a - b) / b < 0.03 for a, b in zip(fp8["losses"], bf16["losses"], strict=True)), (fp8["losses"], bf16["losses"])
+
+
+@two_gpus
+def test_ddp_float8_lora_tracks_ddp_bf16(tmp_path):
+    """2 ranks, DDP (the float8 copies are broadcast once when DDP wraps the model), compile and
+    full checkpointing: LoRA on a float8 base against the same run on a bf16 base."""
+    bf16 = _two_gpus(tmp_path, "ddp-bf16", {}, LORA, "ddp")
+    fp8 = _two_gpus(tmp_path, "ddp-fp8", {"fp8": "rowwise"}, LORA, "ddp")
+    applied = {a["name"]: a["details"] for a in fp8["record"]["applied"]}
+    assert "ddp" in applied and applied["fp8"]["converted"] == 4 * 7
     assert all(abs(a - b) / b < 0.03 for a, b in zip(fp8["losses"], bf16["losses"], strict=True)), (fp8["losses"], bf16["losses"])
