@@ -87,8 +87,9 @@ class Fp8FrozenLinear(nn.Linear):
 
     @property
     def fp8_weight(self) -> FrozenFp8Weight:
-        """The quantized weight as the kernel takes it."""
-        return FrozenFp8Weight(self.w_q.view(FLOAT8), self.w_scale, self.wt_q.view(FLOAT8), self.wt_scale)
+        """The quantized weight as the kernel takes it. ``float()`` is a no-op unless a
+        ``model.to(dtype)`` cast the float32 scales (it leaves the uint8 bytes alone)."""
+        return FrozenFp8Weight(self.w_q.view(FLOAT8), self.w_scale.float(), self.wt_q.view(FLOAT8), self.wt_scale.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8_weight = self.fp8_weight
