@@ -165,7 +165,7 @@ def test_full_finetune_float8_trains_like_bf16(tmp_path, mode, compile_):
 
 
 def _worker(rank: int, port: int, tmp_path, name: str, adapter: dict, performance: dict, strategy: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     torch.cuda.set_device(rank)
     perf = {"torch_compile": True, **performance}
     losses, record, _ = _train(tmp_path, name, adapter, perf, checkpointing="full", distributed={"strategy": strategy})
