@@ -17,6 +17,7 @@ PresetName = Literal[
     "tiny-gemma",
     "tiny-qwen3-moe",
     "llama3-8b",
+    "llama3.2-3b",
     "qwen3-8b",
     "qwen3-30b-a3b",
 ]

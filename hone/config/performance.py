@@ -76,6 +76,17 @@ class PerformanceConfig(Section):
     upcasts them to float32 as transformers does. ``auto``: the fused loss wherever it applies
     (models whose logits are the plain output projection), the standard one elsewhere."""
 
+    fp8: Literal["off", "rowwise", "tensorwise"] = "off"
+    """Float8 matmuls for the base's linear layers (docs/quantization.md), on GPUs of compute
+    capability >= 8.9 (Ada, Hopper). With LoRA the frozen base weights are quantized once and
+    the LoRA path stays bf16; a full fine-tune goes through torchao's float8 training (every
+    linear but the output head). ``rowwise``: a scale per row (more accurate); ``tensorwise``:
+    one per tensor (with FSDP2, weights are all-gathered in float8). Needs model.dtype bfloat16."""
+
+    fp8_base_linears: Literal["lora_targets", "all"] = "lora_targets"
+    """With LoRA and ``fp8`` on: which frozen linears compute in float8. ``lora_targets``: the
+    projections LoRA wraps; ``all``: every frozen linear but the output head."""
+
     @field_validator("torch_compile_options", mode="before")
     @classmethod
     def _allowlisted(cls, options: Any) -> Any:
@@ -111,6 +122,11 @@ class PerformanceConfig(Section):
                     f"{', '.join(stray)} only apply when compiling but performance.torch_compile is false: "
                     "set torch_compile: true (or auto), or remove them"
                 )
+        if self.fp8 == "off" and self.fp8_base_linears != "lora_targets":
+            raise ValueError(
+                f"fp8_base_linears: {self.fp8_base_linears} only applies with fp8 on but performance.fp8 is off: "
+                "set fp8: rowwise or tensorwise, or remove it"
+            )
         if self.torch_compile_backend != "inductor":
             inductor_only = [k for k in ("torch_compile_mode", "torch_compile_options") if getattr(self, k)]
             if inductor_only:

@@ -60,6 +60,25 @@ class HoneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _fp8_needs_bf16(self) -> "HoneConfig":
+        """Float8 matmuls write bf16 (rowwise scaling has no float32 output on CUDA) and the
+        frozen-base layers keep a bf16 weight beside its float8 copies."""
+        perf = self.performance
+        if perf.fp8 == "off":
+            return self
+        if self.model.dtype != "bfloat16":
+            raise ValueError(
+                f"performance.fp8: {perf.fp8} needs model.dtype: bfloat16 (got {self.model.dtype}); "
+                "set model.dtype: bfloat16, or fp8: off"
+            )
+        if perf.fp8_base_linears != "lora_targets" and not self.adapter.is_lora:
+            raise ValueError(
+                f"performance.fp8_base_linears: {perf.fp8_base_linears} chooses frozen linears of a LoRA base, "
+                "but adapter.type is not lora (a full fine-tune converts every linear but the head): remove it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
         """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
         records (and keeps the memory of) another graph, so they only pay off when every

@@ -118,6 +118,28 @@ PRESETS: dict[str, Preset] = {
         ),
         tiny=False,
     ),
+    # meta-llama/Llama-3.2-3B config.json, without its llama3 RoPE scaling (long-context
+    # frequencies; no change to the compute): the ~3B full fine-tune of the FP8 bench
+    "llama3.2-3b": Preset(
+        LlamaConfig,
+        dict(
+            vocab_size=128_256,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            hidden_act="silu",
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=500_000.0,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            mlp_bias=False,
+        ),
+        tiny=False,
+    ),
     # Qwen/Qwen3-8B config.json
     "qwen3-8b": Preset(
         Qwen3Config,

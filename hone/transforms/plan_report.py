@@ -73,6 +73,7 @@ def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str,
         ("compile", compile_value, "performance.torch_compile"),
         ("tiled MLP", str(cfg.memory.tiled_mlp), "memory.tiled_mlp"),
         ("loss", loss_of(cfg), "performance.loss"),
+        ("fp8", perf.fp8, "performance.fp8"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
 

@@ -16,6 +16,12 @@ model: one list, read top to bottom):
    :mod:`hone.transforms.experts`); before the adapter, which reads it to fuse expert LoRA.
    (later: quantized base, fused kernels -- they swap modules, so they come before anything that
    wraps or traces layers.)
+   ``fp8`` (adapted model) -- float8 matmuls for the base's linears (``performance.fp8``,
+   :mod:`hone.transforms.fp8`): with LoRA, the base layer inside each PEFT wrapper is replaced by
+   one on a float8 weight quantized once; a full fine-tune goes through torchao's float8
+   training. It swaps module instances, so it comes after the quantized-base slot (a 4-bit base
+   is not also float8) and before tiled MLP, checkpointing, compile and FSDP2, which wrap, trace
+   and shard the swapped modules (FSDP2 then all-gathers tensorwise weights in float8).
 3. ``tiled_mlp`` (adapted model) -- each decoder layer's MLP instance replaced by one that
    computes it in shards of tokens under recomputation. It takes the PEFT-wrapped projections as
    they are (so it runs on the adapted model), and comes before checkpointing and compile, which
@@ -58,6 +64,7 @@ from hone.transforms import compile as compile_transform
 from hone.transforms.base import RunFacts, RunHooks, Stage, StepModule, Transform
 from hone.transforms.data_parallel import DDP, resolve_strategy
 from hone.transforms.experts import EXPERTS
+from hone.transforms.fp8 import FP8
 from hone.transforms.inductor import configure_cache_dir
 
 __all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
@@ -399,6 +406,8 @@ def _fsdp_module():
 TRANSFORMS: tuple[Transform, ...] = (
     ATTENTION,
     EXPERTS,
+    # (the quantized base, model.quantize, goes here: it replaces the base weights first)
+    FP8,
     TILED_MLP,
     LOSS,
     CHECKPOINTING,

@@ -42,6 +42,11 @@ def test_tiny_presets_cover_distinct_architectures():
                  num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
         ),
         (
+            "llama3.2-3b",
+            dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                 num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+        ),
+        (
             "qwen3-8b",
             dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
@@ -58,14 +63,14 @@ def test_real_presets_have_published_shapes(name, expected):
     config = build_preset_config(name, {}, vocab_size=2048)
     for key, value in expected.items():
         assert getattr(config, key) == value, key
-    theta = {"llama3-8b": 500_000.0}.get(name, 1_000_000.0)
+    theta = {"llama3-8b": 500_000.0, "llama3.2-3b": 500_000.0}.get(name, 1_000_000.0)
     assert config.rope_parameters["rope_theta"] == theta
 
 
 def test_real_presets_count_their_published_parameters():
     from transformers import AutoModelForCausalLM
 
-    expected = {"llama3-8b": 8.03e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.53e9}
+    expected = {"llama3-8b": 8.03e9, "llama3.2-3b": 3.21e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.53e9}
     for name, count in expected.items():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(build_preset_config(name, {}, 2048))

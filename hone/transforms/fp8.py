@@ -1,0 +1,315 @@
+"""The float8 transform: the base's linear layers compute in float8 (``performance.fp8``).
+
+Two cases, one switch:
+
+- **LoRA on a frozen base**: each targeted projection's base layer (and, with
+  ``performance.fp8_base_linears: all``, every other frozen linear but the output head) is
+  replaced by an :class:`Fp8FrozenLinear` instance -- the same weight, quantized once into the
+  two float8 layouts its forward and input-gradient matmuls need (:mod:`hone.kernels.fp8_linear`).
+  The LoRA path stays in bf16; no weight gradient is computed. This runs on the adapted model
+  (PEFT's ``lora.Linear`` keeps calling its ``base_layer``; only that instance changes).
+- **Full fine-tuning**: torchao's float8 training (``convert_to_float8_training``): every
+  linear but the output head and those with a dimension not a multiple of 16 becomes torchao's
+  ``Float8Linear``, which quantizes weight, input and output gradient per call (all three
+  matmuls in float8). Under FSDP2 with tensorwise scaling, weights are all-gathered in float8
+  and their scales computed for all layers at once after each optimizer step. torchao computes
+  the amax of current scaling where the scale is computed (the FSDP pre-all-gather hook reduces
+  it over the mesh it is handed), so a converted module holds no process group: it deep-copies
+  and pickles.
+
+Why the frozen base keeps its bf16 weight on the GPU: PEFT reads ``base_layer.weight`` outside
+the forward (merging and unmerging adapters, dtype and device look-ups), hone's eval and
+generation run the same modules, and a checkpoint of the base must stay loadable by anything
+that does not know float8. An 8B base costs 16 GB more than bf16 alone; on an 80 GB card beside
+LoRA activations that fits, and a later option can drop the bf16 copy once PEFT's merge is
+routed through a dequantization. The float8 copies are non-persistent buffers: they follow the
+module across devices and are never saved. DDP broadcasts every buffer once, when it wraps the
+model (hone turns the per-forward broadcast off); collectives take no float8 on gloo, so the
+copies are stored as their uint8 bytes and viewed as float8 in the forward.
+
+Ordered after the quantized-base slot (an NF4 base cannot also be float8) and before tiled
+MLP, checkpointing and compile, which wrap and trace the swapped modules as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hone.kernels.fp8_linear import FP8 as FLOAT8
+from hone.kernels.fp8_linear import ALIGN, FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
+from hone.transforms.base import RunFacts, Transform
+
+if TYPE_CHECKING:
+    from hone.config.root import HoneConfig
+
+#: float8 matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
+MIN_CAPABILITY = (8, 9)
+
+
+# ---------------------------------------------------------------- the frozen-base layer
+
+
+class Fp8FrozenLinear(nn.Linear):
+    """An ``nn.Linear`` whose frozen weight is multiplied in float8 (its gradient is never
+    computed). A subclass, so whatever checks for a linear layer (PEFT, hone's target checks)
+    still sees one; the weight and bias are the original layer's parameters, shared."""
+
+    w_q: torch.Tensor
+    w_scale: torch.Tensor
+    wt_q: torch.Tensor
+    wt_scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, mode: Mode) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.mode = mode
+        self.requantize()
+
+    def requantize(self) -> None:
+        """Quantize the weight again (after it was changed in place, e.g. loaded)."""
+        if self.weight.requires_grad:
+            raise ValueError("Fp8FrozenLinear takes a frozen weight (requires_grad=False)")
+        q = quantize_frozen_weight(self.weight.detach(), self.mode)
+        # not persistent: derived from the weight, so never written to a checkpoint. The float8
+        # bytes are kept as uint8: DDP broadcasts every buffer from rank 0 when it wraps the
+        # model, and collectives take uint8 on every backend (gloo has no float8 type).
+        self.register_buffer("w_q", q.w_q.view(torch.uint8), persistent=False)
+        self.register_buffer("w_scale", q.w_scale, persistent=False)
+        self.register_buffer("wt_q", q.wt_q.view(torch.uint8), persistent=False)
+        self.register_buffer("wt_scale", q.wt_scale, persistent=False)
+
+    @property
+    def fp8_weight(self) -> FrozenFp8Weight:
+        """The quantized weight as the kernel takes it. ``float()`` is a no-op unless a
+        ``model.to(dtype)`` cast the float32 scales (it leaves the uint8 bytes alone)."""
+        return FrozenFp8Weight(self.w_q.view(FLOAT8), self.w_scale.float(), self.wt_q.view(FLOAT8), self.wt_scale.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fp8_weight = self.fp8_weight
+        # the matmul writes the weight's dtype (bf16): under autocast the input may be float32
+        y = fp8_frozen_linear(x.to(self.weight.dtype), fp8_weight)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.mode}"
+
+
+def fits_fp8(linear: nn.Linear) -> bool:
+    """``_scaled_mm`` needs both dimensions of the weight to be multiples of 16."""
+    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets") -> dict[str, Any]:
+    """Swap frozen base linears for :class:`Fp8FrozenLinear` in place; returns what it did.
+
+    ``scope``: ``lora_targets`` -- the base layer of every LoRA-wrapped linear;
+    ``all`` -- also every other frozen ``nn.Linear`` but the output head. Layers with a
+    dimension that is not a multiple of 16 stay as they are (counted as skipped)."""
+    from peft.tuners.lora import LoraLayer
+
+    head = _output_head(model)
+    converted, skipped = 0, []
+    lora_bases: set[int] = set()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        if type(base) is not nn.Linear:  # already converted, or not a plain linear (embedding, conv, experts)
+            continue
+        lora_bases.add(id(base))
+        if not fits_fp8(base):
+            skipped.append(name)
+            continue
+        _replace_base_layer(module, Fp8FrozenLinear(base, mode))
+        converted += 1
+    if scope == "all":
+        for name, parent, child_name, child in _linear_children(model):
+            if id(child) in lora_bases or child is head or child.weight.requires_grad:
+                continue
+            if not fits_fp8(child):
+                skipped.append(name)
+                continue
+            setattr(parent, child_name, Fp8FrozenLinear(child, mode))
+            converted += 1
+    return {"mode": mode, "case": "frozen base (LoRA)", "scope": scope, "converted": converted, "skipped": skipped}
+
+
+def _replace_base_layer(lora_layer: nn.Module, new: nn.Module) -> None:
+    """PEFT's ``LoraLayer`` holds the original layer as its ``base_layer`` submodule (possibly
+    nested); replace that instance at the innermost level."""
+    holder = lora_layer
+    while isinstance(getattr(holder, "base_layer", None), nn.Module) and hasattr(holder.base_layer, "base_layer"):
+        holder = holder.base_layer
+    holder.base_layer = new
+
+
+def _linear_children(model: nn.Module):
+    """(qualified name, parent, attribute, module) of every plain ``nn.Linear``."""
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                yield (f"{parent_name}.{child_name}" if parent_name else child_name), parent, child_name, child
+
+
+# ---------------------------------------------------------------- full fine-tuning (torchao)
+
+
+def float8_training_config(mode: Mode, fsdp_float8_all_gather: bool = False, emulate: bool = False):
+    """torchao's recipe for ``mode``; float8 all-gather only with tensorwise scaling (torchao's
+    rowwise weights are gathered in bf16 and scaled per row after the gather)."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(mode)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather and mode == "tensorwise", emulate=emulate)
+
+
+def full_finetune_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """torchao's ``module_filter_fn``: every linear but the output head (its vocabulary-wide
+    logits feed the loss; float8 there costs accuracy for little time) and those with a
+    dimension that is not a multiple of 16. Embeddings are not linears and stay as they are."""
+    head = _output_head(model)
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if module is head or fqn.split(".")[-1] == "lm_head":
+            return False
+        return isinstance(module, nn.Linear) and fits_fp8(module)
+
+    return keep
+
+
+def convert_full_finetune(model: nn.Module, mode: Mode, fsdp_float8_all_gather: bool = False, emulate: bool = False) -> dict[str, Any]:
+    """torchao's float8 training on every eligible linear, in place; returns what it did.
+    ``emulate`` computes the float8 matmuls in high precision (CPU tests)."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = float8_training_config(mode, fsdp_float8_all_gather, emulate)
+    linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
+    convert_to_float8_training(model, config=config, module_filter_fn=full_finetune_filter(model))
+    converted = sum(1 for m in model.modules() if isinstance(m, Float8Linear))
+    return {
+        "mode": mode,
+        "case": "full fine-tune (torchao float8 training)",
+        "converted": converted,
+        "kept_high_precision": linears - converted,
+        "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+    }
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """After each optimizer step: the float8 scales of every FSDP-sharded weight in one
+    all-reduce (tensorwise float8 all-gather only; a no-op for any other model)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+# ---------------------------------------------------------------- the transform
+
+
+def fp8_device_problems(device: torch.device, capability: tuple[int, int] | None = None) -> list[str]:
+    """Whether ``device`` has float8 matmuls. ``capability`` overrides the device's own (tests);
+    on a CUDA device this process cannot see (``hone plan`` for a GPU on a CPU machine) the
+    check is left to the run."""
+    if device.type != "cuda":
+        return [
+            f"performance.fp8 needs float8 matmuls, which this run's device ({device.type}) lacks: allowed only on "
+            "CUDA GPUs of compute capability >= 8.9 (Ada, Hopper or newer); use fp8: off"
+        ]
+    if capability is None:
+        if not torch.cuda.is_available():
+            return []
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "this GPU"
+        return [
+            f"performance.fp8 needs float8 matmuls: {name} has compute capability {capability[0]}.{capability[1]}, "
+            f"float8 needs >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper or newer); use fp8: off"
+        ]
+    return []
+
+
+def _fsdp_on(cfg: "HoneConfig", facts: RunFacts) -> bool:
+    from hone.transforms.data_parallel import resolve_strategy
+
+    return facts.world.distributed and resolve_strategy(cfg, facts)[0] == "fsdp"
+
+
+def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
+    import importlib.util
+
+    problems = fp8_device_problems(facts.device)
+    if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
+        problems.append(
+            "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
+            "installed: pip install torchao, or fp8: off"
+        )
+    if cfg.adapter.is_lora and _fsdp_on(cfg, facts):
+        problems.append(
+            "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
+            "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
+        )
+    return problems
+
+
+#: Models whose weights FSDP2 all-gathers in float8: their scales are computed after each
+#: optimizer step. Kept beside the model (nothing is added to a transformers object).
+_PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _apply(model: nn.Module, cfg: "HoneConfig", facts: RunFacts) -> dict[str, Any]:
+    perf = cfg.performance
+    mode: Mode = perf.fp8  # type: ignore[assignment]
+    if cfg.adapter.is_lora:
+        return convert_frozen_base(model, mode, perf.fp8_base_linears)
+    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts))
+    if details["fsdp_float8_all_gather"]:
+        _PRECOMPUTE.add(model)
+    return details
+
+
+def _after_step(model: nn.Module) -> None:
+    """Without this the float8 all-gather still works, computing each layer's scale (one small
+    all-reduce per layer) in its pre-all-gather hook; precomputed, it is one all-reduce in all."""
+    if model in _PRECOMPUTE:
+        precompute_scales(model)
+
+
+def _why(cfg: "HoneConfig", facts: RunFacts) -> str:
+    perf = cfg.performance
+    if perf.fp8 == "off":
+        return "performance.fp8: off"
+    if cfg.adapter.is_lora:
+        which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
+        return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16"
+    return f"performance.fp8: {perf.fp8}; full fine-tune through torchao's float8 training (all linears but the head)"
+
+
+def _label(d: dict[str, Any]) -> str:
+    kind = "frozen base" if d.get("case", "").startswith("frozen") else "torchao training"
+    extra = ", float8 all-gather" if d.get("fsdp_float8_all_gather") else ""
+    return f"fp8 ({d.get('mode')}, {kind}, {d.get('converted')} linears{extra})"
+
+
+FP8 = Transform(
+    name="fp8",
+    switch="performance.fp8",
+    wanted=lambda cfg, facts: cfg.performance.fp8 != "off",
+    check=_check,
+    why=_why,
+    model=_apply,
+    after_optimizer_step=_after_step,
+    label=_label,
+)

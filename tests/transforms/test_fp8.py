@@ -1,0 +1,219 @@
+"""The fp8 transform on the CPU: config validation, the device refusal (with a fake compute
+capability), which modules each case converts, a LoRA layer on a float8 base against the
+dequantized reference (output, input gradient, LoRA gradients), checkpoints without float8
+copies, a compiled converted layer, and torchao's full fine-tune conversion (emulated float8)
+deep-copying and pickling."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from hone.config import parse_config
+from hone.config.adapter import AdapterConfig
+from hone.config.errors import ConfigError
+from hone.kernels.fp8_linear import fp8_linear_reference, quantize_frozen_weight
+from hone.models.adapters import apply_adapter
+from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.transforms.base import RunFacts
+from hone.transforms.fp8 import (
+    Fp8FrozenLinear,
+    convert_frozen_base,
+    convert_full_finetune,
+    fp8_device_problems,
+)
+from hone.transforms.planner import PlanError, decisions, plan_optimizations
+
+_RAW = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}}
+CUDA = torch.device("cuda")
+
+
+def cfg(adapter="lora", model=None, **performance):
+    return parse_config({**_RAW, "model": {"preset": "tiny-llama", **(model or {})}, "adapter": {"type": adapter}, "performance": performance})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+# ---------------------------------------------------------------- config and device
+
+
+def test_fp8_defaults_off_and_takes_the_two_scaling_modes():
+    assert cfg().performance.fp8 == "off"
+    assert cfg(fp8="rowwise").performance.fp8 == "rowwise"
+    assert cfg(adapter="none", fp8="tensorwise").performance.fp8 == "tensorwise"
+    with pytest.raises(ConfigError, match="fp8"):
+        cfg(fp8="blockwise")
+
+
+def test_fp8_needs_bf16_and_base_linears_need_lora_and_fp8():
+    with pytest.raises(ConfigError, match=r"performance.fp8: rowwise needs model.dtype: bfloat16 \(got float32\)"):
+        cfg(model={"dtype": "float32"}, fp8="rowwise")
+    with pytest.raises(ConfigError, match="fp8_base_linears: all only applies with fp8 on"):
+        cfg(fp8_base_linears="all")
+    with pytest.raises(ConfigError, match="adapter.type is not lora"):
+        cfg(adapter="none", fp8="rowwise", fp8_base_linears="all")
+    assert cfg(fp8="rowwise", fp8_base_linears="all").performance.fp8_base_linears == "all"
+
+
+def test_device_check_refuses_cpu_and_gpus_older_than_ada_naming_key_device_and_what_is_allowed():
+    (cpu,) = fp8_device_problems(torch.device("cpu"))
+    assert "performance.fp8" in cpu and "(cpu)" in cpu and "compute capability >= 8.9" in cpu and "fp8: off" in cpu
+    (ampere,) = fp8_device_problems(CUDA, capability=(8, 0))
+    assert "compute capability 8.0" in ampere and ">= 8.9" in ampere and "fp8: off" in ampere
+    assert fp8_device_problems(CUDA, capability=(8, 9)) == []
+    assert fp8_device_problems(CUDA, capability=(9, 0)) == []
+
+
+def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
+    with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
+        plan_optimizations(cfg(fp8="rowwise"), RunFacts(torch.device("cpu")))
+    lines = {name: (on, why) for name, _, on, why in decisions(cfg(fp8="rowwise"), RunFacts(torch.device("cpu")))}
+    assert lines["fp8"][0] and lines["fp8"][1].startswith("REFUSED")
+    on, why = {n: (o, w) for n, _, o, w in decisions(cfg(fp8="tensorwise"), RunFacts(CUDA))}["fp8"]
+    assert on and "frozen base in float8" in why
+    assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
+
+
+def test_plan_puts_fp8_before_checkpointing_and_compile():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-machine plan of a CUDA run")
+    plan = plan_optimizations(cfg(fp8="rowwise", torch_compile=True), RunFacts(CUDA))
+    assert plan.names.index("fp8") < plan.names.index("compile")
+
+
+# ---------------------------------------------------------------- frozen base (LoRA)
+
+
+def _lora_model(tokenizer, targets):
+    model = tiny_model("tiny-llama", tokenizer, seed=3)
+    return apply_adapter(model, AdapterConfig(type="lora", lora_r=4, lora_target_modules=targets))
+
+
+def _kinds(model):
+    return {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def test_frozen_base_converts_the_base_layers_of_the_lora_targets_only(tokenizer):
+    model = _lora_model(tokenizer, ["q_proj", "v_proj", "down_proj"])
+    details = convert_frozen_base(model, "rowwise")
+    kinds = _kinds(model)
+    fp8 = sorted(n for n, k in kinds.items() if k == "Fp8FrozenLinear")
+    assert len(fp8) == 6 and details["converted"] == 6 and details["skipped"] == []
+    assert all(n.endswith(("q_proj.base_layer", "v_proj.base_layer", "down_proj.base_layer")) for n in fp8)
+    assert all(k == "Linear" for n, k in kinds.items() if "lora_" in n or n.endswith(("k_proj", "o_proj", "lm_head")))
+
+
+def test_frozen_base_all_converts_every_frozen_linear_but_the_head(tokenizer):
+    model = _lora_model(tokenizer, ["q_proj"])
+    details = convert_frozen_base(model, "tensorwise", scope="all")
+    kinds = _kinds(model)
+    assert details["converted"] == 2 * 7  # seven projections per layer, two layers
+    assert kinds["base_model.model.lm_head"] == "Linear"
+    assert all(k == "Linear" for n, k in kinds.items() if "lora_" in n)
+
+
+def test_frozen_base_keeps_the_checkpoint_as_it_was(tokenizer):
+    model = _lora_model(tokenizer, ["q_proj", "v_proj"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_frozen_base(model, "rowwise")
+    after = model.state_dict()
+    assert set(after) == set(before)  # no float8 copy is saved
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+def test_lora_layer_on_a_float8_base_equals_the_dequantized_reference(tokenizer, mode):
+    model = with_random_lora(tiny_model("tiny-llama", tokenizer, seed=4), seed=5)
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    base_weight = layer.base_layer.weight.detach().clone()
+    convert_frozen_base(model, mode)
+    assert isinstance(layer.base_layer, Fp8FrozenLinear)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 7, base_weight.shape[1], generator=gen)
+    grad = torch.randn(2, 7, base_weight.shape[0], generator=gen)
+
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(x1).backward(grad)
+    got = {"dx": x1.grad, **{n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}}
+    layer.zero_grad()
+    a, b = layer.lora_A["default"], layer.lora_B["default"]
+    ref = fp8_linear_reference(x2, quantize_frozen_weight(base_weight, mode)) + b(a(x2)) * layer.scaling["default"]
+    ref.backward(grad)
+    want = {"dx": x2.grad, **{n: p.grad for n, p in layer.named_parameters() if p.requires_grad}}
+    assert set(got) == {"dx", "lora_A.default.weight", "lora_B.default.weight"}
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert layer.base_layer.weight.grad is None  # frozen: no weight gradient
+
+
+def test_converted_model_tracks_the_unconverted_one_and_compiles_fullgraph(tokenizer):
+    model = with_random_lora(tiny_model("tiny-llama", tokenizer, seed=7), seed=8)
+    ids = torch.randint(0, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        exact = model(input_ids=ids).logits
+    convert_frozen_base(model, "rowwise")
+    with torch.no_grad():
+        fp8 = model(input_ids=ids).logits
+    rel = ((fp8 - exact).norm() / exact.norm()).item()
+    assert 1e-5 < rel < 0.08
+
+    layer = model.base_model.model.model.layers[0]
+    hidden = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(10))
+    position_ids = torch.arange(12).expand(2, -1)
+    rotary = model.base_model.model.model.rotary_emb(hidden, position_ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    first = lambda out: out if torch.is_tensor(out) else out[0]  # noqa: E731 (layers return a tensor or a tuple)
+    torch.testing.assert_close(first(compiled(hidden, position_embeddings=rotary)), first(layer(hidden, position_embeddings=rotary)))
+
+
+# ---------------------------------------------------------------- full fine-tune (torchao)
+
+
+def test_full_finetune_converts_every_linear_but_the_head_and_copies_and_pickles(tokenizer):
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny_model("tiny-llama", tokenizer, seed=11)
+    ids = torch.randint(0, len(tokenizer), (2, 16), generator=torch.Generator().manual_seed(12))
+    exact = model(input_ids=ids, labels=ids).loss.item()
+    details = convert_full_finetune(model, "rowwise", emulate=True)
+    assert details["converted"] == 2 * 7 and details["kept_high_precision"] == 1
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert all(isinstance(m, Float8Linear) for n, m in model.named_modules() if n.endswith("proj"))
+
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - exact) / exact < 0.02
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None  # full fine-tune: weights train
+
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert isinstance(twin.model.layers[1].self_attn.q_proj, Float8Linear)
+        torch.testing.assert_close(twin(input_ids=ids, labels=ids).loss, loss.detach())
+
+
+def test_full_finetune_float8_all_gather_only_with_tensorwise():
+    from hone.transforms.fp8 import float8_training_config
+
+    assert float8_training_config("tensorwise", fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
+    assert not float8_training_config("rowwise", fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
+    assert not float8_training_config("tensorwise").enable_fsdp_float8_all_gather
+
+
+def test_full_finetune_converts_on_the_meta_device_for_the_sharded_loader(tokenizer):
+    """The sharded loader applies the plan before any weight exists, then materialises them."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from hone.models.presets import build_preset_config
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_preset_config("tiny-llama", {}, len(tokenizer)))
+    convert_full_finetune(model, "tensorwise", fsdp_float8_all_gather=True, emulate=True)
+    model.to_empty(device="cpu")
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Float8Linear) and layer.weight.device.type == "cpu"
