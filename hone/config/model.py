@@ -16,9 +16,11 @@ PresetName = Literal[
     "tiny-mistral",
     "tiny-gemma",
     "tiny-qwen3-moe",
+    "tiny-gpt-oss",
     "llama3-8b",
     "qwen3-8b",
     "qwen3-30b-a3b",
+    "gpt-oss-20b",
 ]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
