@@ -60,7 +60,9 @@ class ModelConfig(Section):
     """Attention backend (transformers' ``AttentionInterface``): ``eager``, ``sdpa``,
     ``flex_attention`` (skips the blocks between packed documents; trains on CUDA only),
     ``flash_attention_2`` / ``flash_attention_3`` (CUDA, bf16/fp16, need the flash-attn package).
-    Every one isolates packed documents; see docs/packing.md."""
+    Every one isolates packed documents; see docs/packing.md. Models with attention sinks
+    (gpt_oss) train through hone's flex attention with sinks under ``sdpa`` or ``flex_attention``;
+    flash attention, which would drop the sinks, is refused for them (docs/moe.md)."""
 
     sdpa_varlen: bool | Literal["auto"] = "auto"
     """Packed rows under ``sdpa``: ``auto`` runs them through torch's per-document varlen kernel
