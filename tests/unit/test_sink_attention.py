@@ -150,6 +150,18 @@ def test_the_sinks_change_the_output(tiny_gpt_oss):
     tiny_gpt_oss.set_attn_implementation("eager")
 
 
+def test_generation_through_the_sink_backend_equals_eager(tiny_gpt_oss):
+    """A KV cache: the query is shorter than the keys, windows reach back into the cache."""
+    prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(random.randrange(10_000)))
+    out = {}
+    for implementation in ("eager", register_sink_attention()):
+        tiny_gpt_oss.set_attn_implementation(implementation)
+        with torch.no_grad():
+            out[implementation] = tiny_gpt_oss.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    tiny_gpt_oss.set_attn_implementation("eager")
+    assert torch.equal(out["eager"], out[SINK_ATTENTION])
+
+
 def test_a_model_with_sinks_gets_the_sink_backend_or_a_clear_refusal():
     config = build_preset_config("tiny-gpt-oss", {}, vocab_size=300)
     assert sink_backend_for(config, "sdpa") == SINK_ATTENTION

@@ -164,9 +164,12 @@ def sink_attention(
         s_aux = torch.full((query.shape[1],), float("-inf"), device=query.device)  # no sink: sigmoid(inf) = 1
     query, key, value = _autocast_inputs(query, key, value)
     if attention_mask is None or (BlockMask is not None and isinstance(attention_mask, BlockMask)):
+        # A KV cache (generation) grows the keys every token, which would recompile the
+        # compiled flex kernel each time: decoding takes the dense path.
+        decoding = query.shape[2] != key.shape[2]
         if attention_mask is None and query.shape[2] > 1:
             attention_mask = _causal_block_mask(query, key)
-        if query.device.type == "cuda" or not torch.is_grad_enabled():
+        if not decoding and (query.device.type == "cuda" or not torch.is_grad_enabled()):
             out = flex_sink_attention(query, key, value, attention_mask, s_aux, scaling)
             return out.transpose(1, 2).contiguous(), None
         attention_mask = None if attention_mask is None else _dense(attention_mask, query, key)
