@@ -192,12 +192,16 @@ def _dense(block_mask: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Ten
     return create_mask(block_mask.mask_mod, query.shape[0], 1, query.shape[2], key.shape[2], device=query.device)
 
 
-def sink_attention_mask(device: torch.device | str = "cpu", **kwargs: Any) -> Any:
+def sink_attention_mask(**kwargs: Any) -> Any:
     """The mask transformers builds for :data:`SINK_ATTENTION`: its flex ``BlockMask`` on CUDA,
-    its boolean sdpa mask (always materialised) elsewhere."""
-    if torch.device(device).type == "cuda":
-        return flex_attention_mask(device=device, **kwargs)
-    return sdpa_mask(device=device, **{**kwargs, "allow_is_causal_skip": False})
+    its boolean sdpa mask (always materialised) elsewhere. The keyword arguments go through as
+    transformers passes them (``device`` in 5.x; older releases pass ``cache_position``)."""
+    where = kwargs.get("device")
+    if where is None:
+        where = getattr(kwargs.get("cache_position"), "device", None) or getattr(kwargs.get("attention_mask"), "device", "cpu")
+    if torch.device(where).type == "cuda":
+        return flex_attention_mask(**kwargs)
+    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
 
 
 def register_sink_attention() -> str:
