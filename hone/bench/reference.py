@@ -1,6 +1,7 @@
 """The reference condition: the transformers + PEFT step a user would write by hand.
 
-Deliberately plain: the model from ``from_config`` with sdpa attention, PEFT ``get_peft_model``,
+Deliberately plain: the model from ``from_config`` with sdpa attention (transformers' default
+where a model has none), PEFT ``get_peft_model``,
 optional non-reentrant checkpointing and whole-model ``torch.compile``, fused AdamW, and the
 model's own loss (``labels=input_ids``). Every hone row is reported as a ratio to this.
 """
@@ -14,12 +15,17 @@ from hone.bench.spec import Condition, Workload
 
 
 def build_reference_model(config: object, dtype: str, device: torch.device, seed: int) -> torch.nn.Module:
-    """The model as a user builds it: ``from_config`` on the device, sdpa attention."""
+    """The model as a user builds it: ``from_config`` on the device, sdpa attention, or
+    transformers' own default for a model that declares no sdpa support (gpt_oss: eager, the
+    attention that computes its sinks on every device)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        except ValueError:  # "does not support an attention implementation through ... sdpa"
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
 
 def run_reference(

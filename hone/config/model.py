@@ -16,10 +16,12 @@ PresetName = Literal[
     "tiny-mistral",
     "tiny-gemma",
     "tiny-qwen3-moe",
+    "tiny-gpt-oss",
     "llama3-8b",
     "llama3.2-3b",
     "qwen3-8b",
     "qwen3-30b-a3b",
+    "gpt-oss-20b",
 ]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -59,7 +61,9 @@ class ModelConfig(Section):
     """Attention backend (transformers' ``AttentionInterface``): ``eager``, ``sdpa``,
     ``flex_attention`` (skips the blocks between packed documents; trains on CUDA only),
     ``flash_attention_2`` / ``flash_attention_3`` (CUDA, bf16/fp16, need the flash-attn package).
-    Every one isolates packed documents; see docs/packing.md."""
+    Every one isolates packed documents; see docs/packing.md. Models with attention sinks
+    (gpt_oss) train through hone's flex attention with sinks under ``sdpa`` or ``flex_attention``;
+    flash attention, which would drop the sinks, is refused for them (docs/moe.md)."""
 
     sdpa_varlen: bool | Literal["auto"] = "auto"
     """Packed rows under ``sdpa``: ``auto`` runs them through torch's per-document varlen kernel

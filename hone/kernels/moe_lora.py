@@ -35,7 +35,7 @@ import os
 import torch
 
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
-from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, triton
+from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, rows_bucket, triton
 
 __all__ = ["moe_experts", "moe_lora_linear", "moe_triton_available", "route"]
 
@@ -110,7 +110,7 @@ def grouped_mm(
         lora_b.stride(2) if has_lora else 0,
         float(scaling),
         y, y.stride(0), y.stride(1),
-        n_dim, k_dim, rank,
+        n_dim, k_dim, rank, rows_bucket(s, num_experts),
         GATHER=rows is not None,
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
@@ -155,7 +155,7 @@ def grouped_wgrad(
         b, b.stride(0), b.stride(1),
         rows if rows is not None else ends, ends,
         out, out.stride(0), out.stride(1), out.stride(2),
-        m_dim, n_dim, float(scale),
+        m_dim, n_dim, float(scale), rows_bucket(rows.shape[0] if rows is not None else a.shape[0], num_experts),
         GATHER_A=gather_a,
         GATHER_B=gather_b,
         CAST_F32=cast_f32,

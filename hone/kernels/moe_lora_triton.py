@@ -48,8 +48,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs(small: list[tuple[int, int, int, int, int]]):
-    """Autotune configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); one under the
-    interpreter, where every extra config is minutes of CPU."""
+    """Autotune configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); exactly one
+    under the interpreter, where every extra config is minutes of CPU."""
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in small]
@@ -64,15 +64,51 @@ _MM_TILES = [
     (64, 64, 64, 4, 4),
     (128, 32, 64, 4, 3),  # the rank-r outputs (x A^T, dY B): N = r
 ]
-# Weight gradients: M and N are the weight's dimensions, K the expert's rows.
+# Weight gradients: M and N are the weight's dimensions, K the expert's rows (their loop is
+# as long as the expert's load, so long K tiles pay off with many rows per expert).
 _WGRAD_TILES = [
     (128, 128, 64, 8, 3),
     (64, 128, 64, 4, 4),
     (128, 64, 32, 4, 4),
     (64, 64, 64, 4, 3),
+    (128, 128, 32, 8, 4),
     (32, 128, 64, 4, 3),  # dA: M = r
+    (16, 128, 64, 4, 3),  # dA at r <= 16
     (128, 32, 64, 4, 3),  # dB: N = r
+    (128, 16, 64, 4, 3),  # dB at r <= 16
 ]
+
+
+def _fitting(configs: list, m: int | None, n: int) -> list:
+    """The configs whose tiles overshoot the problem least (a 128-wide tile over a rank-16
+    dimension computes 8x the useful work): all of them for full-size problems, the rank-sized
+    ones for LoRA's rank dimension. Autotuning then times only the plausible ones, which keeps
+    the first step short."""
+    def waste(cfg) -> float:
+        over_m = 1.0 if m is None else max(1.0, cfg.kwargs["BLOCK_M"] / max(16, _pow2(m)))
+        return over_m * max(1.0, cfg.kwargs["BLOCK_N"] / max(16, _pow2(n)))
+
+    least = min(waste(cfg) for cfg in configs)
+    return [cfg for cfg in configs if waste(cfg) == least]
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _prune_mm(configs: list, named_args: dict, **kwargs) -> list:
+    return _fitting(configs, None, named_args["N"])
+
+
+def _prune_wgrad(configs: list, named_args: dict, **kwargs) -> list:
+    return _fitting(configs, named_args["M"], named_args["N"])
+
+
+def rows_bucket(rows: int, experts: int) -> int:
+    """The autotune key for the experts' load: average rows per expert, rounded up to a power of
+    two (the host never sees the per-expert counts; the total is a shape). Tiles are tuned again
+    per bucket, not per exact length, so varying batch lengths do not retune every step."""
+    return _pow2(max(1, rows // max(1, experts)))
 
 grouped_mm_kernel = None  # defined below when triton is installed
 grouped_wgrad_kernel = None
@@ -96,7 +132,10 @@ if triton is not None:
         end = tl.sum(tl.where(here, ends, 0), 0)
         return expert, start + (pid_m - first_tile) * BLOCK_M, end
 
-    @triton.autotune(configs=_configs(_MM_TILES), key=["N", "K", "HAS_LORA"])
+    @triton.autotune(
+        configs=_configs(_MM_TILES), key=["N", "K", "ROWS_BUCKET", "HAS_LORA"],
+        prune_configs_by={"early_config_prune": _prune_mm},
+    )
     @triton.jit
     def grouped_mm_kernel(
         x_ptr, stride_xm, stride_xk,
@@ -108,7 +147,7 @@ if triton is not None:
         lb_ptr, stride_lbe, stride_lbn, stride_lbr,
         scaling,
         y_ptr, stride_ym, stride_yn,
-        N, K, R,
+        N, K, R, ROWS_BUCKET,
         GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
         E_P2: tl.constexpr, BLOCK_R: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -160,14 +199,17 @@ if triton is not None:
             mask=row_mask[:, None] & col_mask[None, :],
         )
 
-    @triton.autotune(configs=_configs(_WGRAD_TILES), key=["M", "N"])
+    @triton.autotune(
+        configs=_configs(_WGRAD_TILES), key=["M", "N", "ROWS_BUCKET"],
+        prune_configs_by={"early_config_prune": _prune_wgrad},
+    )
     @triton.jit
     def grouped_wgrad_kernel(
         a_ptr, stride_as, stride_am,
         b_ptr, stride_bs, stride_bn,
         rows_ptr, ends_ptr,
         out_ptr, stride_oe, stride_om, stride_on,
-        M, N, scale,
+        M, N, scale, ROWS_BUCKET,
         GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):

@@ -24,6 +24,7 @@ from hone.models.errors import ModelError
 from hone.models.hub import local_model_dir
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
+from hone.models.attention.sinks import sink_backend_for
 from hone.models.presets import build_preset_config, get_preset
 
 
@@ -102,7 +103,7 @@ def build_preset_model(
     with seeded(seed, init_device):
         with init_device:
             model = AutoModelForCausalLM.from_config(
-                config, dtype=init_dtype, attn_implementation=model_cfg.attn_implementation
+                config, dtype=init_dtype, attn_implementation=sink_backend_for(config, model_cfg.attn_implementation)
             )
     cast_parameters(model, dtype)
     return model.to(device)
@@ -129,7 +130,7 @@ def load_pretrained(path: Path, model_cfg: ModelConfig, device: torch.device, dt
             use_safetensors=True,
             trust_remote_code=model_cfg.trust_remote_code,
             dtype=dtype,
-            attn_implementation=model_cfg.attn_implementation,
+            attn_implementation=sink_backend_for(config, model_cfg.attn_implementation),
             device_map=device,
             output_loading_info=True,
         )

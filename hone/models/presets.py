@@ -15,6 +15,7 @@ from typing import Any, get_args
 from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedConfig,
@@ -36,6 +37,17 @@ _TINY = dict(
     head_dim=16,
     max_position_embeddings=8192,
     initializer_range=0.02,
+)
+
+#: openai/gpt-oss-20b's rope_scaling (YaRN, x32 over the 4096-token original context).
+_GPT_OSS_ROPE = dict(
+    rope_type="yarn",
+    rope_theta=150_000.0,
+    factor=32.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=4096,
 )
 
 
@@ -93,6 +105,28 @@ PRESETS: dict[str, Preset] = {
             decoder_sparse_step=1,
             rms_norm_eps=1e-6,
             rope_theta=1_000_000.0,
+            tie_word_embeddings=False,
+        ),
+        tiny=True,
+    ),
+    "tiny-gpt-oss": Preset(
+        # gpt_oss at toy size: attention sinks, alternating sliding-window / full layers (a
+        # window shorter than the sample rows, so it masks), YaRN RoPE, biased attention, and
+        # experts in its own layout (transposed [E, in, out], interleaved gate/up, per-expert
+        # biases, clamped SwiGLU).
+        GptOssConfig,
+        dict(
+            _TINY,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=131_072,  # YaRN's x32 over 4096, as in the real config
+            sliding_window=16,  # layer_types: GptOssConfig alternates sliding / full by itself
+            rope_parameters=dict(_GPT_OSS_ROPE),
+            rms_norm_eps=1e-5,
+            attention_bias=True,
+            swiglu_limit=7.0,
+            router_aux_loss_coef=0.9,
             tie_word_embeddings=False,
         ),
         tiny=True,
@@ -183,6 +217,32 @@ PRESETS: dict[str, Preset] = {
             router_aux_loss_coef=0.001,
             tie_word_embeddings=False,
             attention_bias=False,
+        ),
+        tiny=False,
+    ),
+    # openai/gpt-oss-20b config.json: 24 layers alternating (GptOssConfig's own layer_types) sliding-window (128) and full
+    # attention, attention sinks, 32 experts of 2880, 4 active, YaRN RoPE (x32 over 4096).
+    "gpt-oss-20b": Preset(
+        GptOssConfig,
+        dict(
+            vocab_size=201_088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            sliding_window=128,
+            max_position_embeddings=131_072,
+            rope_parameters=dict(_GPT_OSS_ROPE),
+            rms_norm_eps=1e-5,
+            attention_bias=True,
+            attention_dropout=0.0,
+            swiglu_limit=7.0,
+            router_aux_loss_coef=0.9,
+            tie_word_embeddings=False,
         ),
         tiny=False,
     ),

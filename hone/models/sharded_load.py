@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 
 from hone.config import HoneConfig
 from hone.models.adapters import apply_adapter
+from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
 from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.hub import local_model_dir
@@ -158,7 +159,7 @@ def load_model_sharded(
     config = read_causal_lm_config(path, model_cfg.trust_remote_code)
     with parameters_on_meta():
         base = AutoModelForCausalLM.from_config(
-            config, dtype=precision.weights, attn_implementation=model_cfg.attn_implementation,
+            config, dtype=precision.weights, attn_implementation=sink_backend_for(config, model_cfg.attn_implementation),
             trust_remote_code=model_cfg.trust_remote_code,
         )
     check_vocab_fits(base, tokenizer, model_cfg)

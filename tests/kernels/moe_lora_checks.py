@@ -185,9 +185,18 @@ def check_opcheck() -> dict:
     return results
 
 
+def check_autotune() -> dict:
+    """How many autotune configs each kernel carries here (one under the interpreter)."""
+    from hone.kernels.moe_lora_triton import grouped_mm_kernel, grouped_wgrad_kernel
+
+    return {"grouped_mm": len(grouped_mm_kernel.configs), "grouped_wgrad": len(grouped_wgrad_kernel.configs)}
+
+
 if __name__ == "__main__":
     which = sys.argv[1]
-    if which == "compile":
+    if which == "autotune":
+        out = check_autotune()
+    elif which == "compile":
         out = check_compile()
     elif which == "opcheck":
         out = check_opcheck()

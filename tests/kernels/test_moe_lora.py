@@ -64,5 +64,9 @@ def test_compile_fullgraph_traces_forward_and_backward():
     assert all(not isinstance(e, str) and e <= 1e-6 for e in errors.values()), errors
 
 
+def test_the_interpreter_tries_exactly_one_autotune_config_per_kernel():
+    assert _interpreted("autotune") == {"grouped_mm": 1, "grouped_wgrad": 1}
+
+
 def test_ops_pass_opcheck():
     assert _interpreted("opcheck") == {"grouped_mm": "ok", "grouped_wgrad": "ok", "moe_lora_linear": "ok"}

@@ -30,7 +30,7 @@ def test_tiny_presets_take_the_tokenizer_vocabulary(name):
 
 def test_tiny_presets_cover_distinct_architectures():
     model_types = {build_preset_config(n, {}, 100).model_type for n in PRESETS if n.startswith("tiny-")}
-    assert model_types == {"llama", "qwen3", "mistral", "gemma3_text", "qwen3_moe"}
+    assert model_types == {"llama", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "gpt_oss"}
 
 
 @pytest.mark.parametrize(
@@ -57,24 +57,41 @@ def test_tiny_presets_cover_distinct_architectures():
                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                  num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
         ),
+        (
+            "gpt-oss-20b",
+            dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                 num_experts_per_tok=4, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+                 max_position_embeddings=131072, tie_word_embeddings=False,
+                 layer_types=["sliding_attention", "full_attention"] * 12),
+        ),
     ],
 )
 def test_real_presets_have_published_shapes(name, expected):
     config = build_preset_config(name, {}, vocab_size=2048)
     for key, value in expected.items():
         assert getattr(config, key) == value, key
-    theta = {"llama3-8b": 500_000.0, "llama3.2-3b": 500_000.0}.get(name, 1_000_000.0)
+    theta = {"llama3-8b": 500_000.0, "llama3.2-3b": 500_000.0, "gpt-oss-20b": 150_000.0}.get(name, 1_000_000.0)
     assert config.rope_parameters["rope_theta"] == theta
 
 
 def test_real_presets_count_their_published_parameters():
     from transformers import AutoModelForCausalLM
 
-    expected = {"llama3-8b": 8.03e9, "llama3.2-3b": 3.21e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.53e9}
+    expected = {"llama3-8b": 8.03e9, "llama3.2-3b": 3.21e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.53e9, "gpt-oss-20b": 20.91e9}
     for name, count in expected.items():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(build_preset_config(name, {}, 2048))
         assert abs(sum(p.numel() for p in model.parameters()) - count) / count < 0.005, name
+
+
+def test_gpt_oss_20b_rope_is_its_yarn_and_depth_overrides_keep_alternating_layers():
+    config = build_preset_config("gpt-oss-20b", {}, vocab_size=2048)
+    assert config.rope_parameters == {
+        "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096,
+    }
+    assert build_preset_config("gpt-oss-20b", {"num_hidden_layers": 6}, 2048).layer_types == ["sliding_attention", "full_attention"] * 3
 
 
 def test_real_preset_keeps_its_vocab_but_refuses_a_larger_tokenizer():
@@ -148,3 +165,15 @@ def test_big_preset_is_built_in_the_target_dtype_with_tokenizer_special_tokens(t
     assert model.config.vocab_size == 4096
     assert model.config.eos_token_id == tokenizer.eos_token_id != 128001
     assert model.config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_gpt_oss_preset_is_built_in_the_target_dtype_with_the_sink_attention(tokenizer):
+    from hone.models.attention.sinks import SINK_ATTENTION
+
+    overrides = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "vocab_size": 4096}
+    model = build_preset_model(ModelConfig(preset="gpt-oss-20b", preset_overrides=overrides), tokenizer,
+                               torch.device("cpu"), torch.bfloat16, seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # sinks and expert biases too
+    assert model.config._attn_implementation == SINK_ATTENTION
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]

@@ -14,6 +14,7 @@ from hone.config import HoneConfig
 from hone.config.model import ModelConfig
 from hone.models.attention.causal import register_causal_sdpa
 from hone.models.attention.packed_mask import all_layers_attend_fully
+from hone.models.attention.sinks import SINK_ATTENTION, has_attention_sinks, sink_backend_for
 from hone.models.attention.varlen import fused_kernel_runs, register_varlen_sdpa
 from hone.models.errors import ModelError
 
@@ -43,6 +44,8 @@ def select_attention_kernel(model: Any, cfg: HoneConfig, device: torch.device, c
     :data:`~hone.models.attention.causal.CAUSAL_SDPA`: the same sdpa kernel, with no mask
     prepared by transformers and so no host sync in the forward.
     """
+    if has_attention_sinks(model.config):
+        return select_sink_kernel(model, cfg)
     packed = select_packed_kernel(model, cfg, device, compute)
     if packed is not None or cfg.model.attn_implementation != "sdpa":
         return packed
@@ -52,12 +55,25 @@ def select_attention_kernel(model: Any, cfg: HoneConfig, device: torch.device, c
     return "causal, no mask prepared"
 
 
+def select_sink_kernel(model: Any, cfg: HoneConfig) -> str | None:
+    """A model with attention sinks (gpt_oss) trains through hone's flex attention with sinks
+    (:mod:`hone.models.attention.sinks`) for ``sdpa`` and ``flex_attention``, or eager; never
+    through the causal / varlen sdpa kernels, which would drop the sinks. The loader already
+    built it with the backend :func:`~hone.models.attention.sinks.sink_backend_for` chose."""
+    name = sink_backend_for(model.config, cfg.model.attn_implementation)
+    if name != model.config._attn_implementation:
+        model.set_attn_implementation(name)
+    return "attention sinks through hone's flex attention" if name == SINK_ATTENTION else None
+
+
 def causal_blockers(config: Any) -> list[str]:
     """What a model's attention needs beyond causality over the whole row (empty: nothing), for
     which transformers' own mask must stay."""
     blockers = []
     if not all_layers_attend_fully(config):
         blockers.append("sliding-window layers")
+    if has_attention_sinks(config):
+        blockers.append("attention sinks")
     if getattr(config, "attention_chunk_size", None):
         blockers.append("chunked attention")
     if getattr(config, "use_bidirectional_attention", False):
@@ -100,6 +116,8 @@ def varlen_blockers(config: Any, device: torch.device, compute: torch.dtype) -> 
         )
     if not all_layers_attend_fully(config):
         blockers.append("the model has sliding-window layers")
+    if has_attention_sinks(config):
+        blockers.append("the model has attention sinks")
     if getattr(config, "attention_dropout", 0.0):
         blockers.append(f"the model uses attention dropout ({config.attention_dropout})")
     if getattr(config, "attn_logit_softcapping", None) is not None:
