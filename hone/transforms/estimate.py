@@ -199,6 +199,8 @@ class MemoryEstimate:
     """The process's host memory (resident, pinned included): :data:`HOST_BASE_BYTES` + ``host``."""
     param_shards: int = 1
     """Processes the weights, gradients and optimizer state are sharded over (FSDP)."""
+    layers: int = 0
+    """Decoder layers of the model."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -681,6 +683,7 @@ def estimate_memory(
         offloaded_layers=offloaded,
         host_total=HOST_BASE_BYTES + host,
         param_shards=param_shards,
+        layers=len(full),
         **parts,
     )
 

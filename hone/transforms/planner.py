@@ -130,7 +130,7 @@ ATTENTION = Transform(
 # ---------------------------------------------------------------- 3. tiled MLP
 
 
-def _param_shards(cfg: HoneConfig, facts: RunFacts) -> int:
+def param_shards(cfg: HoneConfig, facts: RunFacts) -> int:
     """Processes FSDP shards the weights over (1 without FSDP): the memory left for activations
     on each card, which ``auto``'s tiling and checkpointing decide on."""
     return facts.world.world_size if _fsdp_module().fsdp_wanted(cfg, facts) else 1
@@ -141,7 +141,7 @@ def _tiled_mlp(cfg: HoneConfig, facts: RunFacts):
     estimate (a :class:`~hone.transforms.auto_policy.MemoryChoice`; 0 shards: untiled)."""
     from hone.transforms.auto_policy import tiled_mlp_choice
 
-    return tiled_mlp_choice(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=_param_shards(cfg, facts))
+    return tiled_mlp_choice(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts))
 
 
 def _tiled_mlp_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
@@ -209,7 +209,7 @@ def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
         return policy, f"memory.activation_checkpointing: {policy}"
     from hone.transforms.auto_policy import auto_checkpointing
 
-    return auto_checkpointing(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=_param_shards(cfg, facts))
+    return auto_checkpointing(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts))
 
 
 def _checkpointing_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
