@@ -129,3 +129,21 @@ def test_longest_table_orders_the_switches():
     assert "furthest" in text and "layers offloaded" in text and f"{best.longest:,}" in text
     cpu = longest_table(_cfg(), 8 * GIB, None, device="cpu", losses=("standard",))
     assert {r.checkpointing for r in cpu} == {"none", "selective", "full"}
+
+
+def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
+    from pathlib import Path
+
+    from hone.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["plan", "examples/long-context.yml", "--gpu-memory", "80GiB", "--host-memory", "128GiB"]
+    assert main([*args, "--seq-len", "524288"]) == 0
+    out = capsys.readouterr().out
+    assert "1 x 524288 tokens" in out and "Longest sequence that fits 80.0 GiB of GPU and 128 GiB host" in out
+    assert "layers offloaded" in out and "/36" in out and "furthest:" in out
+    assert main([*args[:-1], "lots"]) != 0
+    assert "--host-memory: 'lots' is not a memory size" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "2"]) != 0
+    assert "--seq-len 2" in capsys.readouterr().err
