@@ -247,9 +247,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             print(f"  {row['condition']} #{row['replicate']}: {row['status']}: {row['error']}", flush=True)
 
+    command = "hone bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    if spec.kind != "table":  # one process per (condition, length)
+        from hone.bench.longest import run_by_length, write_lengths_report
+
+        print(f"hone bench: {spec.name}: {spec.kind} over {len(spec.conditions)} conditions -> {out}", flush=True)
+
+        def show_length(row: dict) -> None:
+            if row["status"] == "summary":
+                print(f"  {row['condition']}: longest {row['longest']:,} tokens", flush=True)
+            elif row["status"] == "ok":
+                print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB", flush=True)
+            else:
+                print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['status']}: {row['error']}", flush=True)
+
+        rows = run_by_length(spec, out, on_row=show_length)
+        table = write_lengths_report(spec, rows, out, command)
+        print(table.read_text())
+        print(f"results: {out / 'results.jsonl'}, {table}")
+        # a longest search expects failures (that is how it finds the limit); lengths do not
+        return 0 if spec.kind == "longest" or all(r["status"] == "ok" for r in rows) else 1
     print(f"hone bench: {spec.name}: {len(spec.conditions)} conditions x {spec.replicates} replicate(s) -> {out}", flush=True)
     rows = run_bench(spec, out, on_row=show)
-    table, chart = write_reports(spec, rows, out, command="hone bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    table, chart = write_reports(spec, rows, out, command=command)
     print(table.read_text())
     print(f"results: {out / 'results.jsonl'}, {table}, {chart}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
