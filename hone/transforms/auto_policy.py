@@ -164,7 +164,8 @@ def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None 
     """``memory.offload_layers`` for a run of ``layers`` decoder layers: (how many layers' inputs
     go to the host, None for all of them; why). ``auto``: all when the host (``host_budget``,
     default this machine's RAM) holds their pinned blocks, else as many as fit it
-    (:func:`hone.transforms.estimate.offload_split`)."""
+    (:func:`hone.transforms.estimate.offload_split`). With a frozen embedding (LoRA) layer 0's
+    input is never offloaded (autograd holds it as a leaf): ``layers - 1`` can be."""
     asked = cfg.memory.offload_layers
     if asked != "auto":
         return (None if asked >= layers else asked), f"memory.offload_layers: {asked} of {layers} layers"
@@ -175,6 +176,7 @@ def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None 
     facts = model_facts(cfg)
     tokens = (sequence_len or cfg.data.sequence_len) * cfg.training.micro_batch_size
     input_bytes = facts.compute_bytes * tokens * facts.hidden
+    layers -= 0 if facts.embedding_trainable else 1
     count = offload_split(layers, input_bytes, "auto", host_budget)
     block = pinned_block(input_bytes)
     need = f"{layers} x {block / GIB:.2f} GiB pinned + {HOST_BASE_BYTES / GIB:.0f} GiB for the process"

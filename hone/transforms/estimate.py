@@ -151,6 +151,9 @@ class ModelFacts:
     outside_trainable_bytes: int
     """Trainable bytes outside the decoder layers (embedding, head, final norm)."""
     head_trainable: bool
+    embedding_trainable: bool
+    """A frozen embedding (LoRA) makes layer 0's input a leaf that autograd keeps on the GPU:
+    the offload hooks never move it."""
     final_norm_trainable: bool
     compute_bytes: int
     autocast: bool
@@ -352,6 +355,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         trainable_bytes=trainable * tbytes,
         outside_trainable_bytes=outside_trainable * tbytes,
         head_trainable=bool(head is not None and any(p.requires_grad for p in head.parameters())),
+        embedding_trainable=any(p.requires_grad for p in base.get_input_embeddings().parameters()),
         final_norm_trainable=bool(final_norm is not None and any(p.requires_grad for p in final_norm.parameters())),
         compute_bytes=_elem_bytes(precision.compute),
         autocast=precision.autocast_dtype is not None,
@@ -619,8 +623,9 @@ def estimate_memory(
     else:  # offload: the first k layers' inputs go to pinned host memory, the rest stay here;
         # while the backward walks the offloaded ones, two are on the GPU (one in use, one coming)
         asked = cfg.memory.offload_layers if offload_layers is None else offload_layers
-        offloaded = offload_split(len(full), input_bytes, asked, host_budget)
-        stored_each = [0] * offloaded + [input_bytes] * (len(full) - offloaded)
+        leaf = 0 if m.embedding_trainable else 1  # layer 0's input stays (a leaf under LoRA)
+        offloaded = offload_split(len(full) - leaf, input_bytes, asked, host_budget)
+        stored_each = [input_bytes] * leaf + [0] * offloaded + [input_bytes] * (len(full) - leaf - offloaded)
         recompute, gpu_extra = max(full), (2 * input_bytes if offloaded else 0)
     stored = sum(stored_each) + gpu_extra
     offloaded = offloaded if checkpointing == "offload" else 0
