@@ -605,6 +605,7 @@ def estimate_memory(
     full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
     # while the tiled MLP differentiates one shard (inside a layer's backward)
     transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers) if tiled else 0
+    late_extra: int | None = None  # GPU bytes beside the stored ones late in the step (default gpu_extra)
     if checkpointing == "none":
         stored_each, recompute, gpu_extra = full, 0, 0
     elif checkpointing == "full":
@@ -625,9 +626,12 @@ def estimate_memory(
         asked = cfg.memory.offload_layers if offload_layers is None else offload_layers
         leaf = 0 if m.embedding_trainable else 1  # layer 0's input stays (a leaf under LoRA)
         offloaded = offload_split(len(full) - leaf, input_bytes, asked, host_budget)
-        stored_each = [input_bytes] * leaf + [0] * offloaded + [input_bytes] * (len(full) - leaf - offloaded)
+        kept_after = len(full) - leaf - offloaded
+        stored_each = [input_bytes] * leaf + [0] * offloaded + [input_bytes] * kept_after
         recompute, gpu_extra = max(full), (2 * input_bytes if offloaded else 0)
-    stored = sum(stored_each) + gpu_extra
+        if kept_after:  # the copies back start once the kept layers are done and freed
+            late_extra = 0
+    stored = sum(stored_each) + (gpu_extra if late_extra is None else late_extra)
     offloaded = offloaded if checkpointing == "offload" else 0
     host = offloaded * pinned_block(input_bytes)
 

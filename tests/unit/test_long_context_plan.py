@@ -58,7 +58,7 @@ def test_a_split_moves_memory_from_the_host_to_the_gpu():
     assert [e.host for e in est.values()] == [0, 3 * pinned_block(one_input), 5 * pinned_block(one_input)]
     assert all(e.host_total == HOST_BASE_BYTES + e.host for e in est.values())
     # the kept layers' inputs are on the GPU (two more while the offloaded ones come back)
-    assert est[0].activations > est[3].activations > est[6].activations
+    assert est[0].activations > est[3].activations >= est[6].activations
     full = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
     assert est[0].total == full.total and full.host == 0  # nothing offloaded is full
     # the config's key is the default
