@@ -87,3 +87,20 @@ def test_offload_layers_config_values():
             MemoryConfig(offload_layers=bad)
     with pytest.raises(ValueError, match="max_tensors"):
         OffloadActivations(max_tensors=-1)
+
+
+@pytest.mark.parametrize(("asked", "host", "want"), [(1, None, 1), ("auto", 1 << 50, "all"), ("auto", 1, 0)])
+def test_the_planner_applies_the_configured_split(asked, host, want, tokenizer, tmp_path):
+    """The checkpointing transform reads memory.offload_layers (auto: decided on the host memory
+    in the run's facts) and records the split with its reason in optimizations.json."""
+    from hone.testing import tiny_config
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import CHECKPOINTING
+
+    cfg = tiny_config(tmp_path, memory={"activation_checkpointing": "offload", "offload_layers": asked}, model={"preset_overrides": {"num_hidden_layers": LAYERS}})
+    facts = RunFacts(torch.device("cpu"), host_memory_bytes=host)
+    model = _model(tokenizer, "full")
+    details = CHECKPOINTING.model(model, cfg, facts)
+    assert details["offload"]["layers_offloaded"] == want
+    assert "offload_layers" in details["offload"]["why"]
+    assert offloader_for(model).max_tensors == (None if want == "all" else want)
