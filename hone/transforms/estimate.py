@@ -24,8 +24,13 @@ How each part is counted
   activation recomputed): counted separately, checked against ``aot_eager_decomp_partition``.
 * **Checkpointing policies**: ``none`` keeps every layer's activations; ``full`` keeps each
   layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
-  input and the matmul outputs; ``offload`` keeps two layers' inputs on the GPU and the rest in
-  pinned host memory (reported as ``host``).
+  input and the matmul outputs; ``offload`` moves the layers' inputs to pinned host memory
+  (reported as ``host``, in power-of-two blocks as torch's pinned allocator rounds them), all of
+  them or, when the host cannot hold them (``memory.offload_layers``, :func:`offload_split`),
+  the first ones, keeping the others on the GPU; two are on the GPU while the backward walks the
+  offloaded ones. ``host_total`` adds the process's own resident memory (:data:`HOST_BASE_BYTES`).
+* **FSDP** (``param_shards``): weights, gradients and optimizer state divided over the
+  processes, plus two layers' weights gathered whole.
 * **Tiled MLP** (``memory.tiled_mlp``): the MLP keeps only its input; while the backward
   differentiates one shard it holds that shard's activations and their gradients, the input
   gradient and, for weights trained in bf16, float32 sums of the MLP's gradients
