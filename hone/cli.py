@@ -247,9 +247,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             print(f"  {row['condition']} #{row['replicate']}: {row['status']}: {row['error']}", flush=True)
 
+    command = "hone bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    if spec.kind != "table":  # one process per (condition, length)
+        from hone.bench.longest import run_by_length, write_lengths_report
+
+        print(f"hone bench: {spec.name}: {spec.kind} over {len(spec.conditions)} conditions -> {out}", flush=True)
+
+        def show_length(row: dict) -> None:
+            if row["status"] == "summary":
+                print(f"  {row['condition']}: longest {row['longest']:,} tokens", flush=True)
+            elif row["status"] == "ok":
+                print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB", flush=True)
+            else:
+                print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['status']}: {row['error']}", flush=True)
+
+        rows = run_by_length(spec, out, on_row=show_length)
+        table = write_lengths_report(spec, rows, out, command)
+        print(table.read_text())
+        print(f"results: {out / 'results.jsonl'}, {table}")
+        # a longest search expects failures (that is how it finds the limit); lengths do not
+        return 0 if spec.kind == "longest" or all(r["status"] == "ok" for r in rows) else 1
     print(f"hone bench: {spec.name}: {len(spec.conditions)} conditions x {spec.replicates} replicate(s) -> {out}", flush=True)
     rows = run_bench(spec, out, on_row=show)
-    table, chart = write_reports(spec, rows, out, command="hone bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    table, chart = write_reports(spec, rows, out, command=command)
     print(table.read_text())
     print(f"results: {out / 'results.jsonl'}, {table}, {chart}")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
@@ -264,11 +284,15 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
         raw = yaml.safe_load(args.config.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         raw = None  # load_config reports it
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is not None and seq_len < 8:
+        raise HoneError(f"--seq-len {seq_len}: give a sequence length of at least 8 tokens")
     if isinstance(raw, dict) and "workload" in raw:
         from hone.bench.spec import load_spec
         from hone.bench.worker import _hone_config
 
-        spec = load_spec(args.config, args.overrides)
+        spec_overrides = list(args.overrides or []) + ([f"workload.sequence_len={seq_len}"] if seq_len else [])
+        spec = load_spec(args.config, spec_overrides)
         scratch = Path("bench-scratch")
         return [
             (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, scratch / "random.jsonl"))
@@ -278,7 +302,7 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
     from hone.config import ConfigError, load_config
     from hone.preflight import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, list(args.overrides or []) + ([f"data.sequence_len={seq_len}"] if seq_len else []))
     missing = preflight(cfg, output_dir=False, weights=False)
     needed = [issue for issue in missing if issue.path.startswith("model.")]
     if needed:  # the model's config.json is read; the data is not
@@ -289,9 +313,11 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hone.transforms.card import host_memory
     from hone.transforms.plan_report import device_memory, plan_view, render_plan
 
     budget, source = device_memory(args.device, args.gpu_memory)
+    host_budget, host_source = host_memory(getattr(args, "host_memory", None))
     configs = _plan_configs(args)
     if not configs:
         raise HoneError(f"{args.config}: the bench spec has no hone condition to plan (only reference rows)")
@@ -303,9 +329,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.train.distributed import World
 
     processes = args.nproc_per_node or 1
-    facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0))
+    facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)
+    from hone.transforms.planner import param_shards
+
     for title, cfg in configs:
-        print(render_plan(plan_view(cfg, title, args.device, budget, source), transforms=decisions(cfg, facts)), flush=True)
+        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, param_shards(cfg, facts))
+        print(render_plan(view, transforms=decisions(cfg, facts)), flush=True)
     return 0
 
 
@@ -449,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the run trains on (resolves torch_compile: auto); default cuda")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="plan for N data-parallel processes (resolves distributed.strategy: auto); default 1")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="plan at this sequence length instead of the config's data.sequence_len (a bench spec's workload.sequence_len)")
+    p.add_argument("--host-memory", default=None, help="host memory for offloaded layer inputs and the process, e.g. 128GiB (default: this machine's RAM)")
 
     p = add(
         "preprocess",

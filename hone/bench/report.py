@@ -16,7 +16,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
         ok = [r for r in mine if r.get("status") == "ok"]
         entry: dict[str, Any] = {"condition": condition.name, "kind": condition.reference or "hone", "runs": len(mine), "ok": len(ok)}
         if ok:
-            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "estimated_peak_gib", "peak_reserved_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median", "tokens_per_s_per_gpu", "scaling"):
+            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "estimated_peak_gib", "peak_reserved_gib", "peak_host_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median", "tokens_per_s_per_gpu", "scaling"):
                 values = [r[key] for r in ok if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
@@ -82,20 +82,21 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     multi = any(c.nproc > 1 for c in spec.conditions)
     lines += [
         "",
-        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | MFU | first step s | last loss |"
+        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | peak host GiB | MFU | first step s | last loss |"
         + (" GPUs | tok/s per GPU | scaling vs 1 GPU |" if multi else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if multi else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if multi else ""),
     ]
     if multi:
         lines.insert(4, "Multi-GPU rows: tok/s is the total over the ranks, ms/step the slowest rank's, peak memory the fullest rank's.")
     for s in summary:
         if not s["ok"]:
-            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | |")
+            lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | | |")
             continue
         ratio = f"{base['median_ms'] / s['median_ms']:.2f}x" if base else ""
         lines.append(
             f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
-            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
+            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | "
+            f"{_fmt(s.get('peak_host_gib'), '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
             + (
                 f" {s.get('nproc', 1)} | {s.get('tokens_per_s_per_gpu') or s['tokens_per_s']:,.0f} | {_fmt(s.get('scaling'), '.2f')}{'x' if s.get('scaling') else ''} |"

@@ -109,10 +109,47 @@ class Condition(Section):
         return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}" for key, value in self.set.items()]
 
 
+class LongestSearch(Section):
+    """``kind: longest``: how the longest sequence is searched for (docs/long-context.md)."""
+
+    start: int = Field(16384, ge=8)
+    """The first length tried; doubled while it completes, then bisected."""
+
+    max: int = Field(524288, ge=8)
+    """No length beyond this is tried (the search stops there when it completes)."""
+
+    granularity: int = Field(8192, ge=8)
+    """The bisection stops when the last completed and the first failed length are this close;
+    every length tried is a multiple of it (``start`` and ``max`` excepted)."""
+
+    steps: int = Field(3, ge=2)
+    """Optimizer steps a length must complete: the first is the warm-up (compile), the others
+    are timed for the tok/s column."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "LongestSearch":
+        if self.start > self.max:
+            raise ValueError(f"search.start {self.start} is beyond search.max {self.max}")
+        return self
+
+
 class BenchSpec(Section):
     """A benchmark: one workload, conditions, and how to time them."""
 
     name: str = "bench"
+    kind: Literal["table", "longest", "lengths"] = "table"
+    """``table``: every condition at ``workload.sequence_len``. ``longest``: for every condition,
+    the longest sequence that completes ``search.steps`` optimizer steps (doubling from
+    ``search.start``, then bisecting to ``search.granularity``), each length in its own process,
+    with tok/s and peak GPU and host memory per length. ``lengths``: every condition at each of
+    ``lengths`` (a tok/s and memory table by length)."""
+
+    search: LongestSearch = Field(default_factory=LongestSearch)
+    """``kind: longest``: the search."""
+
+    lengths: list[int] = Field(default_factory=list)
+    """``kind: lengths``: the sequence lengths, each run in its own process per condition."""
+
     workload: Workload
     conditions: list[Condition] = Field(min_length=1)
     warmup_steps: int = Field(4, ge=1)
@@ -140,6 +177,18 @@ class BenchSpec(Section):
                 f"workload.data 'lengths' varies document lengths, which the reference step (full-length "
                 f"random rows) does not; remove the reference condition(s) {', '.join(refs)} or use data: random"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _kind_has_what_it_needs(self) -> "BenchSpec":
+        if self.kind == "lengths" and not self.lengths:
+            raise ValueError("kind: lengths needs lengths: a list of sequence lengths, e.g. [8192, 65536]")
+        if self.lengths and self.kind != "lengths":
+            raise ValueError(f"lengths is only read by kind: lengths (this spec is kind: {self.kind})")
+        if any(n < 8 for n in self.lengths):
+            raise ValueError(f"lengths must be at least 8 tokens each, got {self.lengths}")
+        if self.kind != "table" and self.workload.data != "random":
+            raise ValueError(f"kind: {self.kind} varies the row length: use workload.data: random (full-length rows)")
         return self
 
     @model_validator(mode="after")

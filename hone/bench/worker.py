@@ -222,6 +222,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["packing_efficiency"] = round(packing_efficiency, 4)
     if compile_stats is not None:
         row["compile"] = compile_stats
+    row["peak_host_gib"] = peak_host_gib()
     if device.type == "cuda":
         row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
@@ -230,6 +231,18 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["peak_alloc_gib"] = row["peak_reserved_gib"] = None
         row["device"] = "cpu"
     return row
+
+
+def peak_host_gib() -> float | None:
+    """This process's peak resident memory in GiB (``ru_maxrss``: KiB on Linux, bytes on macOS):
+    pinned host buffers are resident, so offloaded layer inputs are in it. None where the
+    platform has no ``resource`` module."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 2)
 
 
 def compile_cache_dir(condition: Condition, spec_file: Path) -> Path:

@@ -41,6 +41,14 @@ class MemoryConfig(Section):
     says the run does not fit the device untiled and does fit tiled, in about ``hidden_size``
     tokens per shard (``hone plan`` prints the choice and why)."""
 
+    offload_layers: Literal["auto"] | int = "auto"
+    """``activation_checkpointing: offload``: how many decoder layers' saved inputs go to pinned
+    host memory (the first ones, in forward order; the others stay on the GPU, where the backward
+    needs them first). ``auto``: every layer's when the host has the memory for them, else as
+    many as fit the host's memory less a margin (at 512K tokens a qwen3-8b layer input is 4 GiB:
+    36 of them do not fit a 128 GiB host). An integer: at most that many (0: none, which is
+    ``full``). ``hone plan`` prints the split and the host memory it takes."""
+
     gradient_checkpointing: bool | None = None
     """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is
     ``none``. Set one of the two keys, not both with different meanings."""
@@ -67,6 +75,22 @@ class MemoryConfig(Section):
             raise ValueError(f"{value!r} is not a tiling; {allowed}")
         if value < 2:
             raise ValueError(f"{value} is not a shard count that tiles (1 shard is the untiled MLP); {allowed}")
+        return value
+
+    @field_validator("offload_layers", mode="before")
+    @classmethod
+    def _offload_layers_value(cls, value: Any) -> Any:
+        """``auto`` or a count of layers (0 or more); a digit string from a command-line override
+        is a count."""
+        allowed = "allowed: auto, or a number of layers (an integer, 0 or more)"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{value!r} is not a number of layers; {allowed}")
+        if value < 0:
+            raise ValueError(f"{value} is negative; {allowed}")
         return value
 
     @property

@@ -19,9 +19,21 @@ from typing import Any
 
 from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
-from hone.transforms.card import device_memory
+from hone.transforms.card import device_memory, host_memory
 from hone.transforms.estimate import AUTO_MARGIN as MARGIN
-from hone.transforms.estimate import POLICIES, auto_tiled_shards, decide_tiled_mlp, estimate_memory, loss_of, model_facts
+from hone.transforms.estimate import (
+    GIB,
+    HOST_BASE_BYTES,
+    HOST_MARGIN,
+    POLICIES,
+    auto_tiled_shards,
+    decide_tiled_mlp,
+    estimate_memory,
+    loss_of,
+    model_facts,
+    offload_split,
+    pinned_block,
+)
 
 
 @dataclass(frozen=True)
@@ -52,30 +64,39 @@ def auto_shards(cfg: HoneConfig, sequence_len: int | None = None) -> int:
     return auto_tiled_shards(tokens, model_facts(cfg).hidden)
 
 
-def decide_memory(cfg: HoneConfig, device: Any, budget: int | None = None) -> MemoryChoice:
+def decide_memory(
+    cfg: HoneConfig, device: Any, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
+) -> MemoryChoice:
     """The checkpointing policy and MLP tiling of ``cfg`` on ``device`` (``budget``: the memory
-    to plan for, default the device's), ``auto`` settings decided by the rule of the module doc.
-    Cached per config, device and budget: the planner asks several times per run."""
+    to plan for, default the device's; ``host_budget``: the host memory for an ``offload`` split,
+    default this machine's RAM; ``param_shards``: processes FSDP shards the weights over),
+    ``auto`` settings decided by the rule of the module doc. Cached per config, device and
+    budgets: the planner asks several times per run."""
     kind, budget, source = _budget(device, budget)
-    key = (cfg.model_dump_json(), kind, budget, source)
+    if host_budget is None:
+        host_budget = host_memory(None)[0]
+    key = (cfg.model_dump_json(), kind, budget, source, host_budget, param_shards)
     if key not in _DECIDED:
         if len(_DECIDED) >= 64:
             _DECIDED.clear()
-        _DECIDED[key] = _decide(cfg, kind, budget, source)
+        _DECIDED[key] = _decide(cfg, kind, budget, source, host_budget, param_shards)
     return _DECIDED[key]
 
 
-_DECIDED: dict[tuple[str, str, int, str], MemoryChoice] = {}
+_DECIDED: dict[tuple[str, str, int, str, int, int], MemoryChoice] = {}
 
 
-def _decide(cfg: HoneConfig, kind: str, budget: int, source: str) -> MemoryChoice:
+def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: int, param_shards: int) -> MemoryChoice:
     usable = int(budget * (1 - MARGIN))
     configured = cfg.memory.tiled_mlp_shards  # None: auto
     policy = cfg.memory.checkpointing
     loss = loss_of(cfg)
+    if param_shards > 1:
+        source = f"{source}, weights sharded over {param_shards} processes"
 
     def peak(p: str, shards: int) -> int:
-        return estimate_memory(cfg, checkpointing=p, loss=loss, device=kind, tiled_mlp=shards).total
+        est = estimate_memory(cfg, checkpointing=p, loss=loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards)
+        return est.total
 
     fixed_shards = configured if configured is not None else 0
     if policy == "auto":
@@ -92,7 +113,9 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str) -> MemoryChoic
                 return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    tiled = decide_tiled_mlp(cfg, policy if policy in POLICIES else "none", loss, kind, budget, source)
+    tiled = decide_tiled_mlp(
+        cfg, policy if policy in POLICIES else "none", loss, kind, budget, source, host_budget=host_budget, param_shards=param_shards
+    )
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
 
@@ -111,16 +134,20 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def auto_checkpointing(cfg: HoneConfig, device: Any, budget: int | None = None) -> tuple[str, str]:
+def auto_checkpointing(
+    cfg: HoneConfig, device: Any, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
+) -> tuple[str, str]:
     """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
     peak fits the device's memory with a margin (offload only on CUDA, where its side streams
     overlap the copies; selective at ``memory.selective_memory_budget`` under Inductor), the MLP
     tiled only where nothing fits untiled (:func:`decide_memory`)."""
-    choice = decide_memory(cfg, device, budget)
+    choice = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     return choice.policy, choice.policy_why
 
 
-def tiled_mlp_choice(cfg: HoneConfig, device: Any, budget: int | None = None) -> MemoryChoice:
+def tiled_mlp_choice(
+    cfg: HoneConfig, device: Any, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
+) -> MemoryChoice:
     """The tiling of ``cfg`` on ``device`` (``shards`` 0: untiled) and why. For ``auto``, a model
     the estimate cannot read is left untiled, with the reason: ``auto`` is the default, and a
     run must not fail on a switch it never asked for."""
@@ -128,6 +155,34 @@ def tiled_mlp_choice(cfg: HoneConfig, device: Any, budget: int | None = None) ->
         shards = cfg.memory.tiled_mlp_shards or 0
         return MemoryChoice(cfg.memory.checkpointing, "", shards, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
     try:
-        return decide_memory(cfg, device, budget)
+        return decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
         return MemoryChoice(cfg.memory.checkpointing, "", 0, f"tiled_mlp: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", True)
+
+
+def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None) -> tuple[int | None, str]:
+    """``memory.offload_layers`` for a run of ``layers`` decoder layers: (how many layers' inputs
+    go to the host, None for all of them; why). ``auto``: all when the host (``host_budget``,
+    default this machine's RAM) holds their pinned blocks, else as many as fit it
+    (:func:`hone.transforms.estimate.offload_split`). With a frozen embedding (LoRA) layer 0's
+    input is never offloaded (autograd holds it as a leaf): ``layers - 1`` can be."""
+    asked = cfg.memory.offload_layers
+    if asked != "auto":
+        return (None if asked >= layers else asked), f"memory.offload_layers: {asked} of {layers} layers"
+    if host_budget is None:
+        host_budget, source = host_memory(None)
+    else:
+        source = f"{host_budget / GIB:.0f} GiB of host memory"
+    facts = model_facts(cfg)
+    tokens = (sequence_len or cfg.data.sequence_len) * cfg.training.micro_batch_size
+    input_bytes = facts.compute_bytes * tokens * facts.hidden
+    layers -= 0 if facts.embedding_trainable else 1
+    count = offload_split(layers, input_bytes, "auto", host_budget)
+    block = pinned_block(input_bytes)
+    need = f"{layers} x {block / GIB:.2f} GiB pinned + {HOST_BASE_BYTES / GIB:.0f} GiB for the process"
+    if count >= layers:
+        return None, f"offload_layers: auto: all {layers} layers' inputs on the host ({need} fits {source} less a {HOST_MARGIN:.0%} margin)"
+    return count, (
+        f"offload_layers: auto: {count} of {layers} layers' inputs on the host, the last {layers - count} on the GPU "
+        f"({need} does not fit {source} less a {HOST_MARGIN:.0%} margin)"
+    )

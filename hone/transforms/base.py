@@ -67,6 +67,9 @@ class RunFacts:
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
     memory_bytes: int | None = None
     """The device memory to plan for (``hone plan --gpu-memory``); None: the device's own."""
+    host_memory_bytes: int | None = None
+    """The host memory to plan an ``offload`` split for (``hone plan --host-memory``); None:
+    this machine's RAM."""
     world: World = SINGLE
     """The run's processes (a world of one unless launched by torchrun)."""
 

@@ -59,3 +59,15 @@ def device_memory(device: str, requested: str | None) -> tuple[int, str]:
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, f"cuda:0, {props.name}"
     return DEFAULT_GPU_MEMORY, "no CUDA device here: an 80 GiB card (--gpu-memory to plan for another)"
+
+
+def host_memory(requested: str | None) -> tuple[int, str]:
+    """(bytes, where the number comes from) of the host memory a plan may use for offloaded
+    layer inputs (pinned) and the process itself: ``--host-memory``, else this machine's RAM.
+    Plan on a laptop for a GPU machine with ``--host-memory`` (e.g. 128GiB)."""
+    if requested is not None:
+        return parse_size(requested, "--host-memory"), "--host-memory"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    except (ValueError, OSError, AttributeError):
+        return 128 * GIB, "default 128 GiB (RAM size unknown)"

@@ -104,10 +104,17 @@ _OFFLOADERS: weakref.WeakKeyDictionary[nn.Module, OffloadActivations] = weakref.
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, policy: Policy, *, offload_min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True
+    model: nn.Module,
+    policy: Policy,
+    *,
+    offload_min_bytes: int = DEFAULT_MIN_BYTES,
+    use_streams: bool = True,
+    offload_layers: int | None = None,
 ) -> dict[str, Any]:
     """Checkpoint each decoder layer of ``model`` (a transformers model or a PEFT wrapper) under
-    ``policy``; returns what was done, for optimizations.json."""
+    ``policy``; returns what was done, for optimizations.json. ``offload_layers`` (``offload``
+    only): move at most this many layers' inputs to the host, the first ones; the later layers'
+    stay on the device (None: every layer's)."""
     if policy not in ("full", "selective", "offload"):
         raise ValueError(f"policy must be full, selective or offload (decide auto first), got {policy!r}")
     base = _base_model(model)
@@ -140,12 +147,17 @@ def apply_activation_checkpointing(
     if policy == "selective":
         record["saved_ops"] = sorted(str(op) for op in SAVED_OPS)
     if policy == "offload":
-        offloader = OffloadActivations(min_bytes=offload_min_bytes, use_streams=use_streams, model=model)
+        offloader = OffloadActivations(min_bytes=offload_min_bytes, use_streams=use_streams, model=model, max_tensors=offload_layers)
         stop, stop_name = _after_last_layer(base)
         offloader.pause_before(stop)
         _OFFLOADERS[model] = offloader
         _OFFLOADERS[base] = offloader
-        record["offload"] = {"min_bytes": offload_min_bytes, "side_streams": use_streams, "paused_at": stop_name}
+        record["offload"] = {
+            "min_bytes": offload_min_bytes,
+            "side_streams": use_streams,
+            "paused_at": stop_name,
+            "layers_offloaded": "all" if offload_layers is None else min(offload_layers, len(checkpointed)),
+        }
     return record
 
 

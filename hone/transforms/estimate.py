@@ -24,8 +24,13 @@ How each part is counted
   activation recomputed): counted separately, checked against ``aot_eager_decomp_partition``.
 * **Checkpointing policies**: ``none`` keeps every layer's activations; ``full`` keeps each
   layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
-  input and the matmul outputs; ``offload`` keeps two layers' inputs on the GPU and the rest in
-  pinned host memory (reported as ``host``).
+  input and the matmul outputs; ``offload`` moves the layers' inputs to pinned host memory
+  (reported as ``host``, in power-of-two blocks as torch's pinned allocator rounds them), all of
+  them or, when the host cannot hold them (``memory.offload_layers``, :func:`offload_split`),
+  the first ones, keeping the others on the GPU; two are on the GPU while the backward walks the
+  offloaded ones. ``host_total`` adds the process's own resident memory (:data:`HOST_BASE_BYTES`).
+* **FSDP** (``param_shards``): weights, gradients and optimizer state divided over the
+  processes, plus two layers' weights gathered whole.
 * **Tiled MLP** (``memory.tiled_mlp``): the MLP keeps only its input; while the backward
   differentiates one shard it holds that shard's activations and their gradients, the input
   gradient and, for weights trained in bf16, float32 sums of the MLP's gradients
@@ -60,6 +65,37 @@ POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 #: rounding of every block to 512 bytes / 2 MiB segments, as a fraction of the rest.
 WORKSPACE_BYTES = 256 * MIB
 WORKSPACE_FRACTION = 0.005
+
+#: Host memory of a training process that offloads nothing (resident set): the torch/CUDA
+#: libraries and the CUDA context's host side, Python, the tokenizer and the data. Set from
+#: ``hone bench`` rows' peak RSS at short lengths on an H100 machine (docs/long-context.md).
+HOST_BASE_BYTES = 6 * GIB
+
+#: The share of the host's memory an offload split may not use (the page cache, other
+#: processes, and the allocator's rounding beyond what :func:`pinned_block` counts).
+HOST_MARGIN = 0.1
+
+
+def pinned_block(nbytes: int) -> int:
+    """Bytes torch's pinned-memory allocator takes for an ``nbytes`` request: it rounds every
+    block up to a power of two (``CachingHostAllocator``), so a layer input of 4.5 GiB costs 8 GiB
+    of host memory: the split must count blocks, not tensors."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def offload_split(layers: int, input_bytes: int, asked: int | Literal["auto"], host_budget: int | None) -> int:
+    """How many layers' inputs the ``offload`` policy moves to the host: ``asked`` when it is a
+    count (at most ``layers``); for ``auto`` every layer's when ``host_budget`` (bytes of host
+    memory; None: unlimited) holds them, else as many pinned blocks as fit it less
+    :data:`HOST_MARGIN` and :data:`HOST_BASE_BYTES`. The others stay on the GPU."""
+    if asked != "auto":
+        return max(0, min(int(asked), layers))
+    block = pinned_block(input_bytes)
+    if host_budget is None or block == 0:
+        return layers
+    room = int(host_budget * (1 - HOST_MARGIN)) - HOST_BASE_BYTES
+    return max(0, min(layers, room // block))
+
 
 #: LoRA/linear inputs are grouped by what they read: q/k/v read the attention norm's output,
 #: gate/up (and a trainable MoE router) the MLP norm's output. A shared input is kept once
@@ -120,6 +156,9 @@ class ModelFacts:
     outside_trainable_bytes: int
     """Trainable bytes outside the decoder layers (embedding, head, final norm)."""
     head_trainable: bool
+    embedding_trainable: bool
+    """A frozen embedding (LoRA) makes layer 0's input a leaf that autograd keeps on the GPU:
+    the offload hooks never move it."""
     final_norm_trainable: bool
     compute_bytes: int
     autocast: bool
@@ -162,6 +201,14 @@ class MemoryEstimate:
     """Shards of the tiled MLP (0: untiled)."""
     tiled_transient: int = 0
     """Bytes the tiled MLP holds while one shard is differentiated (in ``activations``)."""
+    offloaded_layers: int = 0
+    """``offload``: layers whose saved input is in pinned host memory (the rest on the GPU)."""
+    host_total: int = 0
+    """The process's host memory (resident, pinned included): :data:`HOST_BASE_BYTES` + ``host``."""
+    param_shards: int = 1
+    """Processes the weights, gradients and optimizer state are sharded over (FSDP)."""
+    layers: int = 0
+    """Decoder layers of the model."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -313,6 +360,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         trainable_bytes=trainable * tbytes,
         outside_trainable_bytes=outside_trainable * tbytes,
         head_trainable=bool(head is not None and any(p.requires_grad for p in head.parameters())),
+        embedding_trainable=any(p.requires_grad for p in base.get_input_embeddings().parameters()),
         final_norm_trainable=bool(final_norm is not None and any(p.requires_grad for p in final_norm.parameters())),
         compute_bytes=_elem_bytes(precision.compute),
         autocast=precision.autocast_dtype is not None,
@@ -530,6 +578,9 @@ def estimate_memory(
     compiled: bool | None = None,
     device: str = "cuda",
     tiled_mlp: int | Literal["auto"] = 0,
+    offload_layers: int | Literal["auto"] | None = None,
+    host_budget: int | None = None,
+    param_shards: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of one training step of ``cfg`` under ``checkpointing``
     (``none``/``full``/``selective``/``offload``) and ``loss``, without loading weights.
@@ -537,6 +588,10 @@ def estimate_memory(
     ``sequence_len``/``micro_batch`` default to the config's; ``compiled`` to whether the config
     compiles on ``device`` (``torch_compile: auto`` compiles on CUDA). ``tiled_mlp``: the MLP in
     that many shards (0: untiled; ``auto``: :func:`auto_tiled_shards` of the tokens).
+    ``offload_layers`` (``offload``): the host/GPU split, default the config's
+    ``memory.offload_layers``, ``auto`` decided on ``host_budget`` bytes of host memory
+    (:func:`offload_split`). ``param_shards``: processes FSDP shards the weights, gradients and
+    optimizer state over (each holds a ``1/param_shards`` share, plus two layers gathered whole).
     """
     if checkpointing not in POLICIES:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
@@ -555,6 +610,7 @@ def estimate_memory(
     full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
     # while the tiled MLP differentiates one shard (inside a layer's backward)
     transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers) if tiled else 0
+    late_extra: int | None = None  # GPU bytes beside the stored ones late in the step (default gpu_extra)
     if checkpointing == "none":
         stored_each, recompute, gpu_extra = full, 0, 0
     elif checkpointing == "full":
@@ -570,17 +626,32 @@ def estimate_memory(
     elif checkpointing == "selective":
         stored_each = [_selective_bytes(layer, m, tiled).at(tokens, seq) for layer in m.layers]
         recompute, gpu_extra = max(full), 0
-    else:  # offload: every layer's input goes to pinned host memory; two are on the GPU at a time
-        stored_each, recompute, gpu_extra = [0] * len(full), max(full), 2 * input_bytes
-    stored = sum(stored_each) + gpu_extra
-    host = len(full) * input_bytes if checkpointing == "offload" else 0
+    else:  # offload: the first k layers' inputs go to pinned host memory, the rest stay here;
+        # while the backward walks the offloaded ones, two are on the GPU (one in use, one coming)
+        asked = cfg.memory.offload_layers if offload_layers is None else offload_layers
+        leaf = 0 if m.embedding_trainable else 1  # layer 0's input stays (a leaf under LoRA)
+        offloaded = offload_split(len(full) - leaf, input_bytes, asked, host_budget)
+        kept_after = len(full) - leaf - offloaded
+        stored_each = [input_bytes] * leaf + [0] * offloaded + [input_bytes] * kept_after
+        recompute, gpu_extra = max(full), (2 * input_bytes if offloaded else 0)
+        if kept_after:  # the copies back start once the kept layers are done and freed
+            late_extra = 0
+    stored = sum(stored_each) + (gpu_extra if late_extra is None else late_extra)
+    offloaded = offloaded if checkpointing == "offload" else 0
+    host = offloaded * pinned_block(input_bytes)
 
     # final norm (float32 copy + inverse RMS), the RoPE cos/sin tables every layer reads
     outside = tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)
     loss_peak = loss_bytes(m, tokens, loss, device)
+    if param_shards < 1:
+        raise ValueError(f"param_shards must be >= 1, got {param_shards}")
     weights = m.frozen_bytes + m.trainable_bytes
     grads = m.trainable_bytes
     optimizer = 2 * m.trainable_bytes
+    if param_shards > 1:  # FSDP2: a share of everything, and two layers unsharded at a time
+        per_layer = (m.frozen_bytes + m.trainable_bytes) // max(len(m.layers), 1)
+        weights = -(-weights // param_shards) + 2 * per_layer
+        grads, optimizer = -(-grads // param_shards), -(-optimizer // param_shards)
     grad_stream = 2 * c * tokens * h  # the residual stream's gradient and one temporary
     accumulating = cfg.training.gradient_accumulation_steps > 1  # earlier micro-batches' grads
 
@@ -623,6 +694,10 @@ def estimate_memory(
         notes=tuple(notes),
         tiled_mlp=shards if tiled else 0,
         tiled_transient=transient,
+        offloaded_layers=offloaded,
+        host_total=HOST_BASE_BYTES + host,
+        param_shards=param_shards,
+        layers=len(full),
         **parts,
     )
 
@@ -639,16 +714,32 @@ def longest_sequence(
     multiple: int = 256,
     limit: int = 1 << 24,
     tiled_mlp: int | Literal["auto"] = 0,
+    offload_layers: int | Literal["auto"] | None = None,
+    host_budget: int | None = None,
+    param_shards: int = 1,
 ) -> int:
     """The longest ``sequence_len`` (a multiple of ``multiple``) whose estimated peak fits
-    ``budget_bytes``; 0 when not even ``multiple`` tokens fit. Bisection on the estimate, which
-    grows with the sequence (linearly, or quadratically with eager attention)."""
+    ``budget_bytes`` on the GPU and, when ``host_budget`` is given, whose host memory
+    (``host_total``) fits that; 0 when not even ``multiple`` tokens fit. Bisection on the
+    estimate, which grows with the sequence (linearly, or quadratically with eager attention;
+    an ``auto`` offload split keeps fewer layers on the host as they grow, so the GPU share
+    grows faster than linearly once the host is full)."""
 
     def fits(seq: int) -> bool:
         est = estimate_memory(
-            cfg, checkpointing=checkpointing, loss=loss, sequence_len=seq, micro_batch=micro_batch, compiled=compiled, device=device, tiled_mlp=tiled_mlp
+            cfg,
+            checkpointing=checkpointing,
+            loss=loss,
+            sequence_len=seq,
+            micro_batch=micro_batch,
+            compiled=compiled,
+            device=device,
+            tiled_mlp=tiled_mlp,
+            offload_layers=offload_layers,
+            host_budget=host_budget,
+            param_shards=param_shards,
         )
-        return est.total <= budget_bytes
+        return est.total <= budget_bytes and (host_budget is None or est.host_total <= host_budget)
 
     lo, hi = 0, 1
     if not fits(multiple):
@@ -682,21 +773,26 @@ class TiledDecision:
     """``auto`` left tiling off on a run that does not fit even tiled (worth recording)."""
 
 
-def decide_tiled_mlp(cfg: HoneConfig, policy: str, loss: LossKind, device: str, budget: int, source: str) -> TiledDecision:
+def decide_tiled_mlp(
+    cfg: HoneConfig, policy: str, loss: LossKind, device: str, budget: int, source: str, *, host_budget: int | None = None, param_shards: int = 1
+) -> TiledDecision:
     """``tiled_mlp`` under ``policy`` on a card of ``budget`` bytes (``source``: where that
     number comes from, for the reason). An explicit count or ``off`` is taken as written;
     ``auto`` tiles only when the untiled estimate does not fit (less :data:`AUTO_MARGIN`) and
     the tiled one, in :func:`auto_tiled_shards` shards, does: the MLP's [tokens x intermediate]
-    activations are then what does not fit."""
+    activations are then what does not fit. ``param_shards``: FSDP's share of the weights per
+    process (a sharded run has more room for activations); ``host_budget``: the host memory an
+    ``offload`` split is decided on."""
     configured = cfg.memory.tiled_mlp_shards
     if configured is not None:
         return TiledDecision(configured, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
     usable = int(budget * (1 - AUTO_MARGIN))
     limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
-    untiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device).total
+    extra = {"host_budget": host_budget, "param_shards": param_shards}
+    untiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, **extra).total
     if untiled <= usable:
         return TiledDecision(0, f"tiled_mlp: auto: the run fits untiled ({untiled / GIB:.1f} GiB <= {limit})")
-    tiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp="auto")
+    tiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp="auto", **extra)
     if tiled.total <= usable:
         return TiledDecision(
             tiled.tiled_mlp,
@@ -711,19 +807,24 @@ def decide_tiled_mlp(cfg: HoneConfig, policy: str, loss: LossKind, device: str, 
     )
 
 
-def estimate_for_config(cfg: HoneConfig, device: str = "cuda") -> MemoryEstimate | None:
+def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int | None = None) -> MemoryEstimate | None:
     """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
-    tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory);
-    None for ``activation_checkpointing: auto``, whose policy the planner picks later."""
+    tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory, an
+    ``offload_layers: auto`` split on ``host_budget``, default this machine's RAM); None for
+    ``activation_checkpointing: auto``, whose policy the planner picks later."""
     policy = checkpointing_of(cfg)
     if policy not in POLICIES:
         return None
     loss = loss_of(cfg)
+    if host_budget is None:
+        from hone.transforms.card import host_memory
+
+        host_budget = host_memory(None)[0]
     shards = cfg.memory.tiled_mlp_shards
     if shards is None:  # auto: decided on this device's card, as the planner decides it
         from hone.transforms.card import device_memory
 
         budget, source = device_memory(device, None)
-        shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source).shards
-    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards)
+        shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source, host_budget=host_budget).shards
+    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards, host_budget=host_budget)
 

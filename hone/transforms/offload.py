@@ -81,10 +81,22 @@ class OffloadActivations:
     back to torch's host cache, so later steps reuse it without pinning again).
     """
 
-    def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True, model: nn.Module | None = None) -> None:
+    def __init__(
+        self, min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True, model: nn.Module | None = None, max_tensors: int | None = None
+    ) -> None:
         """``model``: its parameters are never copied (checked by storage, so views of frozen
         weights are caught too); ``use_streams``: copy on side CUDA streams (else on the
-        current stream, still without blocking the host)."""
+        current stream, still without blocking the host); ``max_tensors``: offload at most this
+        many tensors per micro-batch, the first ones saved (None: every one that qualifies).
+
+        Why the first: the backward needs the last-saved tensors first, so those are best kept
+        on the device (no copy back to wait for), and by the time it reaches the offloaded ones
+        the kept ones have been freed, leaving room for the copies coming back. Under the
+        ``offload`` policy one tensor is one layer's input, so this is the host/GPU split of
+        ``memory.offload_layers`` when the host cannot hold every layer's."""
+        if max_tensors is not None and max_tensors < 0:
+            raise ValueError(f"max_tensors must be >= 0 or None, got {max_tensors}")
+        self.max_tensors = max_tensors
         self.min_bytes = min_bytes
         self.use_streams = use_streams
         # weakly: a registry keyed by the model holds this offloader, which must not keep it alive
@@ -133,6 +145,8 @@ class OffloadActivations:
 
     def _offloads(self, tensor: torch.Tensor) -> bool:
         if not self._active or isinstance(tensor, nn.Parameter) or not tensor.requires_grad:
+            return False
+        if self.max_tensors is not None and self.stats.packed >= self.max_tensors:
             return False
         if tensor.grad_fn is None:  # a leaf: autograd's grad accumulator keeps it alive anyway
             return False

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hone.config.root import HoneConfig
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
+from hone.transforms.long_context import LongestRow, longest_table, render_longest
 from hone.transforms.estimate import (
     GIB,
     POLICIES,
@@ -53,6 +54,10 @@ class PlanView:
     """The tiling the config runs with here, and why."""
     tiled_on: bool = False
     """The config runs with the MLP tiled here (configured, or ``auto`` decided so)."""
+    host_budget: int | None = None
+    host_source: str = ""
+    long_rows: list[LongestRow] | None = None
+    """The longest sequence of every policy x tiling x loss (:mod:`hone.transforms.long_context`)."""
 
 
 def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str, str]]:
@@ -78,22 +83,40 @@ def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str,
     ]
 
 
-def plan_view(cfg: HoneConfig, title: str, device: str, budget: int, budget_source: str) -> PlanView:
-    """Estimates under every policy, and the longest sequence each one fits in ``budget``."""
+def plan_view(
+    cfg: HoneConfig,
+    title: str,
+    device: str,
+    budget: int,
+    budget_source: str,
+    host_budget: int | None = None,
+    host_source: str = "",
+    param_shards: int = 1,
+) -> PlanView:
+    """Estimates under every policy, and the longest sequence each one fits in ``budget`` (and in
+    ``host_budget`` bytes of host memory, default this machine's RAM)."""
     from hone.models.loader import describe_adapter, format_count
 
     from hone.transforms.auto_policy import auto_shards, decide_memory
+    from hone.transforms.card import host_memory
+    from hone.transforms.estimate import loss_decision
 
+    if host_budget is None:
+        host_budget, host_source = host_memory(None)
+    host = {"host_budget": host_budget, "param_shards": param_shards}
     loss = loss_of(cfg)
-    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device) for p in POLICIES}
-    longest = {p: longest_sequence(cfg, p, loss, budget, device=device) for p in POLICIES}
+    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, **host) for p in POLICIES}
+    longest = {p: longest_sequence(cfg, p, loss, budget, device=device, **host) for p in POLICIES}
     # tiled: the configured count, else auto's (also for "off": what tiling would give)
     configured = cfg.memory.tiled_mlp_shards
     shards = configured if configured else auto_shards(cfg)
     per_length: int | str = configured if configured else "auto"
-    tiled = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, tiled_mlp=shards) for p in POLICIES}
-    tiled_longest = {p: longest_sequence(cfg, p, loss, budget, device=device, tiled_mlp=per_length) for p in POLICIES}
-    choice = decide_memory(cfg, device, budget)
+    tiled = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, tiled_mlp=shards, **host) for p in POLICIES}
+    tiled_longest = {p: longest_sequence(cfg, p, loss, budget, device=device, tiled_mlp=per_length, **host) for p in POLICIES}
+    choice = decide_memory(cfg, device, budget, **host)
+    # the fused loss is a column only where it can compute this model's loss exactly
+    fusable = loss == "fused_linear_ce" or loss_decision(cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"loss": "auto"})}))[0] == "fused_linear_ce"
+    long_rows = longest_table(cfg, budget, host_budget, device=device, losses=("standard", "fused_linear_ce") if fusable else ("standard",), param_shards=param_shards)
     tiled_line = (f"on, {choice.shards} shards" if choice.shards else "off") + f": {choice.tiled_why}"
     if cfg.memory.checkpointing == "auto":
         tiled_line += f"; checkpointing {choice.policy} ({choice.policy_why})"
@@ -121,6 +144,9 @@ def plan_view(cfg: HoneConfig, title: str, device: str, budget: int, budget_sour
         tiled_longest=tiled_longest,
         tiled_line=tiled_line,
         tiled_on=choice.shards > 0,
+        host_budget=host_budget,
+        host_source=host_source,
+        long_rows=long_rows,
     )
 
 
@@ -161,6 +187,10 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     rows.append(["peak (GPU)", *(_gib(view.estimates[p].total) for p in policies)])
     rows.append(["  at", *(view.estimates[p].phase for p in policies)])
     rows.append(["host (pinned)", *(_gib(view.estimates[p].host) for p in policies)])
+    rows.append(["host (process, pinned incl.)", *(_gib(view.estimates[p].host_total) for p in policies)])
+    if "offload" in view.estimates:
+        off = view.estimates["offload"]
+        rows.append(["layers offloaded", *(f"{off.offloaded_layers}/{off.layers}" if p == "offload" else "-" for p in policies)])
     rows.append(["activations per layer", *(_gib(view.estimates[p].activations_per_layer) for p in policies)])
     budget = view.budget
     rows.append(
@@ -194,4 +224,6 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
         out.append(f"  warning: checkpointing '{view.chosen}' does not fit this card{hint}")
     notes = sorted({n for e in view.estimates.values() for n in e.notes})
     out += [f"  note: {n}" for n in notes]
+    if view.long_rows:
+        out += ["", *render_longest(view.long_rows, budget, view.host_budget, view.host_source)]
     return "\n".join(out) + "\n"

@@ -137,12 +137,18 @@ ATTENTION = Transform(
 # ---------------------------------------------------------------- 3. tiled MLP
 
 
+def param_shards(cfg: HoneConfig, facts: RunFacts) -> int:
+    """Processes FSDP shards the weights over (1 without FSDP): the memory left for activations
+    on each card, which ``auto``'s tiling and checkpointing decide on."""
+    return facts.world.world_size if _fsdp_module().fsdp_wanted(cfg, facts) else 1
+
+
 def _tiled_mlp(cfg: HoneConfig, facts: RunFacts):
     """The tiling: the configured shard count, or what ``auto`` decides from the memory
     estimate (a :class:`~hone.transforms.auto_policy.MemoryChoice`; 0 shards: untiled)."""
     from hone.transforms.auto_policy import tiled_mlp_choice
 
-    return tiled_mlp_choice(cfg, facts.device, facts.memory_bytes)
+    return tiled_mlp_choice(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts))
 
 
 def _tiled_mlp_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
@@ -210,7 +216,7 @@ def _checkpointing_policy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
         return policy, f"memory.activation_checkpointing: {policy}"
     from hone.transforms.auto_policy import auto_checkpointing
 
-    return auto_checkpointing(cfg, facts.device, facts.memory_bytes)
+    return auto_checkpointing(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts))
 
 
 def _checkpointing_wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
@@ -252,6 +258,13 @@ def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> 
             "mechanism": "Inductor's partitioner under an activation memory budget (each compiled layer recomputes its cheapest ops first)",
             "activation_memory_budget": cfg.memory.selective_memory_budget,
         }
+    elif policy == "offload":
+        from hone.transforms.auto_policy import offload_layers_choice
+        from hone.transforms.compile import decoder_layers
+
+        layers, split_why = offload_layers_choice(cfg, len(decoder_layers(model)), facts.host_memory_bytes)
+        details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda", offload_layers=layers)
+        details["offload"]["why"] = split_why
     else:
         details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda")
     details["why"] = why

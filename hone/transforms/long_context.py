@@ -1,0 +1,118 @@
+"""The longest sequence each memory policy fits, on the card and in the host's memory.
+
+Why: at long context the question is not "does this config fit" but "how far does each switch
+take me": checkpointing (none/selective/full/offload), the tiled MLP and the fused loss each
+remove a different term that grows with the sequence, and offloading moves the layers' inputs
+to host memory, which is finite too. :func:`longest_table` answers it for every combination
+from the estimate alone (:mod:`hone.transforms.estimate`), so ``hone plan`` prints it without a
+GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
+"""
+
+from dataclasses import dataclass
+
+from hone.config.root import HoneConfig
+from hone.transforms.estimate import GIB, POLICIES, LossKind, MemoryEstimate, estimate_memory, longest_sequence
+
+#: Granularity of the search: sequences are multiples of this.
+MULTIPLE = 1024
+
+#: No search goes beyond this many tokens (16M).
+LIMIT = 1 << 24
+
+
+@dataclass(frozen=True)
+class LongestRow:
+    """One combination and the longest sequence it fits (0: not even :data:`MULTIPLE`)."""
+
+    checkpointing: str
+    tiled: bool
+    loss: LossKind
+    longest: int
+    at_longest: MemoryEstimate | None
+    """The estimate at ``longest`` (GPU peak, host memory, the offload split)."""
+
+
+def longest_table(
+    cfg: HoneConfig,
+    budget: int,
+    host_budget: int | None,
+    *,
+    device: str = "cuda",
+    losses: tuple[LossKind, ...] = ("standard", "fused_linear_ce"),
+    param_shards: int = 1,
+) -> list[LongestRow]:
+    """For every checkpointing policy x tiled MLP (off, ``auto``'s shard count at each length) x
+    loss in ``losses``: the longest sequence whose estimated GPU peak fits ``budget`` bytes and
+    whose host memory fits ``host_budget`` (None: unlimited), with ``offload_layers`` as the
+    config sets it (``auto``: the split that fits the host). Offload only on CUDA."""
+    rows = []
+    for policy in POLICIES:
+        if policy == "offload" and device != "cuda":
+            continue
+        for tiled in (False, True):
+            for loss in losses:
+                shards: int | str = "auto" if tiled else 0
+                longest = longest_sequence(
+                    cfg,
+                    policy,
+                    loss,
+                    budget,
+                    device=device,
+                    multiple=MULTIPLE,
+                    limit=LIMIT,
+                    tiled_mlp=shards,  # type: ignore[arg-type]
+                    host_budget=host_budget,
+                    param_shards=param_shards,
+                )
+                at = None
+                if longest:
+                    at = estimate_memory(
+                        cfg,
+                        checkpointing=policy,
+                        loss=loss,
+                        sequence_len=longest,
+                        device=device,
+                        tiled_mlp=shards,  # type: ignore[arg-type]
+                        host_budget=host_budget,
+                        param_shards=param_shards,
+                    )
+                rows.append(LongestRow(policy, tiled, loss, longest, at))
+    return rows
+
+
+def best_row(rows: list[LongestRow]) -> LongestRow | None:
+    """The combination that reaches furthest (None when nothing fits)."""
+    fitting = [r for r in rows if r.longest]
+    return max(fitting, key=lambda r: r.longest) if fitting else None
+
+
+def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None, host_source: str) -> list[str]:
+    """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory)."""
+    host = f"{host_budget / GIB:.0f} GiB host ({host_source})" if host_budget else "unlimited host memory"
+    out = [f"Longest sequence that fits {budget / GIB:.1f} GiB of GPU and {host} (estimate, micro-batch as configured):"]
+    header = ["checkpointing", "tiled MLP", "loss", "longest", "GPU peak", "host", "layers offloaded"]
+    table = []
+    for r in rows:
+        est = r.at_longest
+        table.append(
+            [
+                r.checkpointing,
+                f"auto ({est.tiled_mlp})" if r.tiled and est is not None else ("auto" if r.tiled else "off"),
+                r.loss,
+                f"{r.longest:,}" if r.longest else "none",
+                f"{est.total / GIB:.1f}" if est else "-",
+                f"{est.host_total / GIB:.1f}" if est else "-",
+                (f"{est.offloaded_layers}/{est.layers}" if r.checkpointing == "offload" and est else "-"),
+            ]
+        )
+    widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
+    line = lambda cells: "  " + "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
+    out += [line(header), "  " + "  ".join("-" * w for w in widths), *(line(x) for x in table)]
+    best = best_row(rows)
+    if best is not None:
+        out.append(
+            f"  furthest: {best.longest:,} tokens with checkpointing {best.checkpointing}, tiled MLP "
+            f"{'auto' if best.tiled else 'off'}, {best.loss} loss"
+        )
+    return out
+

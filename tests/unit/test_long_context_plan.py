@@ -1,0 +1,150 @@
+"""The long-context planner: host memory of an offload split, FSDP's share of the weights, the
+longest sequence per policy x tiling x loss (estimates only; tiny and real presets on the meta
+device, no weights)."""
+
+import pytest
+
+from hone.config import parse_config
+from hone.transforms.auto_policy import decide_memory, offload_layers_choice
+from hone.transforms.estimate import (
+    GIB,
+    HOST_BASE_BYTES,
+    HOST_MARGIN,
+    estimate_memory,
+    longest_sequence,
+    offload_split,
+    pinned_block,
+)
+from hone.transforms.long_context import best_row, longest_table, render_longest
+
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _cfg(preset="tiny-llama", seq=4096, layers=4, **memory):
+    model = {"preset": preset, "dtype": "bfloat16"}
+    if preset.startswith("tiny"):
+        model["preset_overrides"] = {"num_hidden_layers": layers}
+    return parse_config(
+        {
+            "model": model,
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": seq},
+            "adapter": {"type": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_modules": QKVO},
+            "memory": memory,
+        }
+    )
+
+
+def test_pinned_blocks_round_up_to_powers_of_two():
+    assert [pinned_block(n) for n in (0, 1, 3, 4, 5, 4 * GIB, 4 * GIB + 1)] == [0, 1, 4, 4, 8, 4 * GIB, 8 * GIB]
+
+
+def test_offload_split_keeps_what_the_host_cannot_hold():
+    block = 4 * GIB  # qwen3-8b's layer input at 512K tokens
+    assert offload_split(36, block, "auto", None) == 36
+    assert offload_split(36, block, "auto", 1024 * GIB) == 36
+    room = int(128 * GIB * (1 - HOST_MARGIN)) - HOST_BASE_BYTES
+    assert offload_split(36, block, "auto", 128 * GIB) == room // block < 36
+    assert offload_split(36, block, 5, 128 * GIB) == 5  # a count is taken as written
+    assert offload_split(36, block, 99, None) == 36
+    assert offload_split(36, block, "auto", HOST_BASE_BYTES) == 0
+
+
+def test_a_split_moves_memory_from_the_host_to_the_gpu():
+    cfg = _cfg(seq=8192, layers=6)
+    # asking for all 6: under LoRA layer 0's input is a leaf autograd keeps, 5 can move
+    est = {k: estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", offload_layers=k) for k in (0, 3, 6)}
+    one_input = 2 * 8192 * 64  # bf16 x tokens x hidden of tiny-llama
+    assert [e.offloaded_layers for e in est.values()] == [0, 3, 5]
+    assert [e.host for e in est.values()] == [0, 3 * pinned_block(one_input), 5 * pinned_block(one_input)]
+    assert all(e.host_total == HOST_BASE_BYTES + e.host for e in est.values())
+    # the kept layers' inputs are on the GPU (two more while the offloaded ones come back)
+    assert est[0].activations > est[3].activations >= est[6].activations
+    full = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    assert est[0].total == full.total and full.host == 0  # nothing offloaded is full
+    # the config's key is the default
+    assert estimate_memory(_cfg(seq=8192, offload_layers=2), checkpointing="offload", loss="fused_linear_ce").offloaded_layers == 2
+
+
+def test_auto_split_follows_the_host_budget():
+    cfg = _cfg(seq=8192)
+    block = pinned_block(2 * 8192 * 64)
+    host = HOST_BASE_BYTES + 3 * block
+    want = offload_split(3, block, "auto", host)  # layer 0's input stays (LoRA)
+    est = estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", host_budget=host)
+    assert est.offloaded_layers == want < 3
+    layers, why = offload_layers_choice(cfg, 4, host)
+    assert layers == want and "on the GPU" in why
+    assert offload_layers_choice(cfg, 4, 1024 * GIB) == (None, offload_layers_choice(cfg, 4, 1024 * GIB)[1])
+    assert offload_layers_choice(_cfg(offload_layers=9), 4)[0] is None  # more than there are: all
+    assert offload_layers_choice(_cfg(offload_layers=1), 4)[0] == 1
+
+
+def test_fsdp_shards_the_weights_and_leaves_room_for_activations():
+    cfg = _cfg("qwen3-8b", seq=65536)
+    one = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    four = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=4)
+    assert four.weights < one.weights / 3 and four.param_shards == 4
+    assert four.activations == one.activations
+    with pytest.raises(ValueError, match="param_shards"):
+        estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=0)
+
+
+def test_tiled_auto_accounts_for_fsdp_sharding():
+    """A card too small for the weights and the MLP's activations: one process tiles; with the
+    weights sharded over 8 processes the same run fits untiled."""
+    cfg = _cfg("qwen3-8b", seq=65536, activation_checkpointing="full")
+    est = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    tiled = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", tiled_mlp="auto")
+    assert tiled.total < est.total
+    # a budget that the tiled run fits, the untiled not, on one process
+    budget = int((tiled.total + est.total) / 2 / 0.9)
+    assert decide_memory(cfg, "cuda", budget, host_budget=256 * GIB).shards > 0
+    sharded = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=8)
+    assert sharded.total <= budget * 0.9
+    assert decide_memory(cfg, "cuda", budget, host_budget=256 * GIB, param_shards=8).shards == 0
+
+
+def test_longest_sequence_respects_the_host():
+    cfg = _cfg("qwen3-8b", seq=4096)
+    unlimited = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto")
+    host = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto", host_budget=128 * GIB)
+    all_offloaded = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto", host_budget=128 * GIB, offload_layers=36)
+    assert unlimited > host > all_offloaded > 0
+    at = estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", sequence_len=host, tiled_mlp="auto", host_budget=128 * GIB)
+    assert at.total <= 80 * GIB and at.host_total <= 128 * GIB and at.offloaded_layers < 36
+
+
+def test_longest_table_orders_the_switches():
+    rows = longest_table(_cfg("qwen3-8b"), 80 * GIB, 128 * GIB)
+    assert len(rows) == 4 * 2 * 2
+    by = {(r.checkpointing, r.tiled, r.loss): r.longest for r in rows}
+    for tiled in (False, True):
+        for loss in ("standard", "fused_linear_ce"):
+            assert by[("none", tiled, loss)] <= by[("full", tiled, loss)] <= by[("offload", tiled, loss)]
+    assert by[("full", False, "standard")] < by[("full", False, "fused_linear_ce")]
+    assert by[("offload", False, "fused_linear_ce")] < by[("offload", True, "fused_linear_ce")]
+    best = best_row(rows)
+    assert (best.checkpointing, best.tiled, best.loss) == ("offload", True, "fused_linear_ce")
+    assert best.at_longest.total <= 80 * GIB and best.at_longest.host_total <= 128 * GIB
+    text = "\n".join(render_longest(rows, 80 * GIB, 128 * GIB, "--host-memory"))
+    assert "furthest" in text and "layers offloaded" in text and f"{best.longest:,}" in text
+    cpu = longest_table(_cfg(), 8 * GIB, None, device="cpu", losses=("standard",))
+    assert {r.checkpointing for r in cpu} == {"none", "selective", "full"}
+
+
+def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
+    from pathlib import Path
+
+    from hone.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["plan", "examples/long-context.yml", "--gpu-memory", "80GiB", "--host-memory", "128GiB"]
+    assert main([*args, "--seq-len", "524288"]) == 0
+    out = capsys.readouterr().out
+    assert "1 x 524288 tokens" in out and "Longest sequence that fits 80.0 GiB of GPU and 128 GiB host" in out
+    assert "layers offloaded" in out and "/36" in out and "furthest:" in out
+    assert main([*args[:-1], "lots"]) != 0
+    assert "--host-memory: 'lots' is not a memory size" in capsys.readouterr().err
+    assert main([*args, "--seq-len", "2"]) != 0
+    assert "--seq-len 2" in capsys.readouterr().err
