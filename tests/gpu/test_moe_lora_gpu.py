@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from moe_lora_checks import FULL, LORA, compare, make_case, run  # noqa: E402
+from moe_lora_checks import FULL, LORA, make_case, run  # noqa: E402
 
 from hone.kernels.moe_lora import moe_experts, moe_triton_available  # noqa: E402
 from hone.kernels.moe_lora_reference import GPT_OSS, QWEN3_MOE, moe_experts_reference  # noqa: E402

@@ -90,7 +90,7 @@ def check_expert_lora(preset: str) -> dict:
     return out
 
 
-def check_compile() -> dict:
+def check_compile(preset: str = "tiny-qwen3-moe") -> dict:
     """The adapted model with hone's experts under ``torch.compile(fullgraph=True)`` (aot_eager:
     forward and backward traced, kernels run as they are): no graph break, same logits and grads."""
     tokenizer = tiny_tokenizer()
