@@ -190,3 +190,23 @@ def test_plan_applies_quantize_after_attention_and_loader_never_puts_full_weight
     assert all(not isinstance(m, nn.Linear) or m is loaded.model.get_output_embeddings() or "lora_" in n
                for n, m in loaded.model.named_modules())
     assert loaded.trainable_params > 0
+
+
+def test_bench_qlora_reference_is_bitsandbytes_nf4_with_double_quantization():
+    bnb = pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+
+    from hone.bench.reference import build_qlora_reference_model
+    from hone.models.presets import build_preset_config
+
+    config = build_preset_config("tiny-llama", OVERRIDES, 384)
+    model = build_qlora_reference_model(config, "bfloat16", torch.device("cpu"), seed=0)
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantized) == 14 and model.get_output_embeddings().weight.dtype == torch.float32  # kbit prep upcasts
+    state = quantized[0].weight.quant_state
+    assert state.quant_type == "nf4" and state.nested and quantized[0].compute_dtype == torch.bfloat16
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
