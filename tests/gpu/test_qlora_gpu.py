@@ -108,7 +108,7 @@ def test_compiled_qlora_layer_has_no_graph_break_and_matches_eager(tmp_path):
     kwargs = {"position_embeddings": emb, "attention_mask": None, "position_ids": positions}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         eager = layer(hidden, **kwargs)
-        compiled = torch.compile(layer, fullgraph=True)(hidden, **kwargs)
+        compiled = torch.compile(layer)(hidden, **kwargs)  # as hone compiles layers; breaks are counted
     eager = eager[0] if isinstance(eager, tuple) else eager
     compiled = compiled[0] if isinstance(compiled, tuple) else compiled
     assert sum(counters["graph_break"].values()) == 0
