@@ -79,8 +79,12 @@ if triton is not None:
         high = tl.load(code_ptr + ((byte >> 4) & 15), mask=mask, other=0.0).to(tl.float32)
         low = tl.load(code_ptr + (byte & 15), mask=mask, other=0.0).to(tl.float32)
         # the product of two bf16 values is exact in float32: one rounding, as torch's bf16 multiply
-        tl.store(out_ptr + 2 * offs, _round(high * scale, IS_BF16, out_dtype).to(out_dtype), mask=mask)
-        tl.store(out_ptr + 2 * offs + 1, _round(low * scale, IS_BF16, out_dtype).to(out_dtype), mask=mask)
+        high = _round(high * scale, IS_BF16, out_dtype).to(out_dtype)
+        low = _round(low * scale, IS_BF16, out_dtype).to(out_dtype)
+        # byte i holds weights 2i (high nibble) and 2i+1: one contiguous store of 2 * BLOCK values
+        values = tl.interleave(high, low)
+        out_offs = pid.to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+        tl.store(out_ptr + out_offs, values, mask=out_offs < 2 * n_bytes)
 
 
 def nf4_dequantize_triton(
