@@ -10,10 +10,10 @@ opaque CUDA call that ``torch.compile`` cannot trace without a break, and its qu
 happens when the weight is moved to CUDA. docs/quantization.md has the measurements.
 
 Only the quantization itself comes from torchao (``to_nf4``, when the base is built); the
-forward and backward use hone's op. :class:`NF4Linear` keeps the components as buffers (never
+forward and backward use hone's ops. :class:`NF4Linear` keeps the components as buffers (never
 parameters: nothing of the base is trained, so no checkpoint or optimizer ever sees them) and
-computes ``x @ dequantize(W).T`` in an autograd function that saves only the 4-bit components
-and dequantizes again in the backward: a bf16 copy of a weight lives only inside one matmul.
+computes ``x @ dequantize(W).T`` with :func:`hone.kernels.nf4_dequant.nf4_linear`, whose
+backward dequantizes again: a bf16 copy of a weight lives only inside one matmul.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
-from hone.kernels.nf4_dequant import nf4_dequantize
+from hone.kernels.nf4_dequant import nf4_dequantize, nf4_linear
 from hone.models.errors import ModelError
 
 #: Weights per NF4 scale, and scales per int8 quantization factor (QLoRA's and torchao's defaults).
@@ -62,28 +61,6 @@ def can_quantize(linear: nn.Linear) -> bool:
     """Double quantization groups ``BLOCK_SIZE * SCALER_BLOCK_SIZE`` weights (16,384): a layer whose
     size is not a multiple of that stays in the model's dtype (tiny test layers, odd heads)."""
     return linear.weight.numel() % (BLOCK_SIZE * SCALER_BLOCK_SIZE) == 0
-
-
-class _NF4Matmul(torch.autograd.Function):
-    """``x @ W.T`` with ``W`` dequantized on the fly in the forward and again in the backward, so
-    autograd saves the 4-bit components and never a full-precision weight."""
-
-    @staticmethod
-    def forward(ctx, x, packed, scalers, factors, mean, out_features: int, in_features: int):
-        weight = nf4_dequantize(packed, scalers, factors, mean, BLOCK_SIZE, SCALER_BLOCK_SIZE, out_features, in_features)
-        ctx.save_for_backward(packed, scalers, factors, mean)
-        ctx.shape = (out_features, in_features)
-        ctx.input_dtype = x.dtype
-        return F.linear(x.to(weight.dtype), weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        packed, scalers, factors, mean = ctx.saved_tensors
-        weight = nf4_dequantize(packed, scalers, factors, mean, BLOCK_SIZE, SCALER_BLOCK_SIZE, *ctx.shape)
-        grad_x = grad.to(weight.dtype) @ weight
-        return grad_x.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 class NF4Linear(nn.Module):
@@ -134,9 +111,9 @@ class NF4Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _NF4Matmul.apply(
+        out = nf4_linear(
             x, self.qweight, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
-            self.out_features, self.in_features,
+            BLOCK_SIZE, SCALER_BLOCK_SIZE, self.out_features, self.in_features,
         )
         return out if self.bias is None else out + self.bias
 

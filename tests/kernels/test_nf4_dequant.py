@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
 
-from hone.kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference  # noqa: E402
+from hone.kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference, nf4_linear  # noqa: E402
 from hone.models.nf4 import nf4_components  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
 
@@ -55,6 +55,44 @@ def test_op_matches_reference_and_traces_without_graph_break():
     assert explained.graph_break_count == 0
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*nf4_components(nf4), x), x @ eager.t(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_nf4_linear_op_forward_and_input_grad_and_its_graph_holds_no_weight(dtype, tol):
+    nf4 = _quantized((128, 256), dtype, seed=5)
+    parts = nf4_components(nf4)
+    weight = nf4.get_original_weight()
+    x = torch.randn(2, 3, 256, requires_grad=True)  # float32 input, as under autocast
+    torch.library.opcheck(torch.ops.hone.nf4_linear.default, (x, *parts, 64, 256, 128, 256))
+    out = nf4_linear(x, *parts, 64, 256, 128, 256)
+    assert out.dtype == dtype
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out_ref = x_ref.to(dtype) @ weight.t()
+    out_ref.backward(grad)
+    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=tol, atol=tol)
+
+    # traced forward+backward: one op each way, no dequantized weight in between to save
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    fn = aot_function(lambda x, *p: nf4_linear(x, *p, 64, 256, 128, 256), fw_compiler=keep, bw_compiler=keep,
+                      partition_fn=min_cut_rematerialization_partition)
+    fn(torch.randn(4, 256, requires_grad=True), *parts).sum().backward()
+    forward, backward = graphs
+    outputs = [n for n in forward.graph.nodes if n.op == "output"][0].args[0]
+    saved = [o for o in outputs[1:] if o is not None]
+    assert saved and all(o.op == "placeholder" for o in saved), saved  # only the 4-bit inputs are kept
+    assert not any("nf4_dequantize" in str(n.target) for g in graphs for n in g.graph.nodes)
 
 
 _CHECKS = r"""
