@@ -181,8 +181,8 @@ def quantize_linears(model: nn.Module, device: torch.device | str) -> dict[str, 
     return {
         "quantized_layers": quantized,
         "kept_layers": kept,
-        "weights_gib": round(full_bytes / 2**30, 3),
-        "nf4_gib": round(nf4_bytes / 2**30, 3),
+        "weights_mib": round(full_bytes / 2**20, 1),
+        "nf4_mib": round(nf4_bytes / 2**20, 1),
     }
 
 

@@ -54,11 +54,15 @@ def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]
     return {"format": cfg.model.quantize, "compute_dtype": cfg.model.dtype, **details}
 
 
+def _size(mib: float) -> str:
+    return f"{mib / 1024:.2f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
+
+
 def _label(details: dict[str, Any]) -> str:
     kept = f", {len(details['kept_layers'])} kept in {details['compute_dtype']}" if details.get("kept_layers") else ""
     return (
         f"quantize ({details['format']}: {details['quantized_layers']} linear layers, "
-        f"{details['weights_gib']} -> {details['nf4_gib']} GiB{kept})"
+        f"{_size(details['weights_mib'])} -> {_size(details['nf4_mib'])}{kept})"
     )
 
 
