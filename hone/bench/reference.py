@@ -4,6 +4,15 @@ Deliberately plain: the model from ``from_config`` with sdpa attention (transfor
 where a model has none), PEFT ``get_peft_model``,
 optional non-reentrant checkpointing and whole-model ``torch.compile``, fused AdamW, and the
 model's own loss (``labels=input_ids``). Every hone row is reported as a ratio to this.
+
+``hf-peft-qlora`` is the common QLoRA recipe (transformers + PEFT + bitsandbytes): every linear
+layer but the head in bitsandbytes 4-bit (``BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16)``),
+then PEFT's ``prepare_model_for_kbit_training`` (norms, embedding and head upcast to float32),
+then LoRA. A preset has no files to ``from_pretrained`` with a quantization config, so the
+random model is built on the CPU and its linear layers are swapped for ``bnb.nn.Linear4bit``
+holding ``Params4bit`` weights, which quantize as they move to the GPU: what transformers'
+bitsandbytes integration does while loading.
 """
 
 import time
@@ -28,6 +37,41 @@ def build_reference_model(config: object, dtype: str, device: torch.device, seed
             return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
 
 
+def build_qlora_reference_model(config: object, dtype: str, device: torch.device, seed: int) -> torch.nn.Module:
+    """The QLoRA base as transformers + bitsandbytes load it (nf4, double quantization, ``dtype``
+    compute), prepared by PEFT's ``prepare_model_for_kbit_training`` (without its checkpointing:
+    the condition decides that, as for the plain reference)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        from hone.models.errors import ModelError
+
+        raise ModelError(
+            "bench condition reference: hf-peft-qlora needs the Python package 'bitsandbytes' (the "
+            "QLoRA reference stack): pip install 'hone[bench-qlora]' (or pip install bitsandbytes)"
+        ) from None
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    compute = getattr(torch, dtype)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=compute, attn_implementation="sdpa")  # on the CPU
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and child is not head:
+                quantized = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    compute_dtype=compute, compress_statistics=True, quant_type="nf4",
+                )
+                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+                if child.bias is not None:
+                    quantized.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, quantized.to(device))  # quantized on the way to the GPU
+    model.to(device)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
 def run_reference(
     config: object,
     workload: Workload,
@@ -39,7 +83,10 @@ def run_reference(
     on_step: Callable[[int, float, float], None],
 ) -> None:
     """Train ``steps`` optimizer steps; ``on_step(step, seconds, loss)`` after each one."""
-    model = build_reference_model(config, workload.dtype, device, seed)
+    if condition.reference == "hf-peft-qlora":
+        model = build_qlora_reference_model(config, workload.dtype, device, seed)
+    else:
+        model = build_reference_model(config, workload.dtype, device, seed)
     full_ft = workload.adapter.type == "none"
     if not full_ft:
         from peft import LoraConfig, get_peft_model

@@ -68,8 +68,9 @@ class Condition(Section):
     """One row of the table: hone with config overrides, or the built-in reference."""
 
     name: str
-    reference: Literal["hf-peft"] | None = None
-    """Run the plain transformers + PEFT step instead of hone."""
+    reference: Literal["hf-peft", "hf-peft-qlora"] | None = None
+    """Run the plain transformers + PEFT step instead of hone; ``hf-peft-qlora``: the same on a
+    bitsandbytes 4-bit base (nf4, double quantization; see :mod:`hone.bench.reference`)."""
 
     gradient_checkpointing: bool = False
     """Reference only: non-reentrant checkpointing of every decoder layer."""

@@ -136,7 +136,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     compile_stats: dict[str, Any] | None = None
     estimated_gib: float | None = None
 
-    if condition.reference == "hf-peft":
+    if condition.reference is not None:
         batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -1,5 +1,6 @@
 """Which model to fine-tune and how to load it."""
 
+import importlib.util
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,7 @@ PresetName = Literal[
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
 ExpertsImplementation = Literal["grouped_mm", "eager", "hone"]
+Quantize = Literal["none", "nf4"]
 
 
 class ModelConfig(Section):
@@ -80,6 +82,17 @@ class ModelConfig(Section):
     naming ``experts``, ``gate_up_proj`` or ``down_proj``) runs inside hone's kernels only
     under ``hone``; see docs/moe.md. Read only for MoE models."""
 
+    quantize: Quantize = "none"
+    """Store the frozen base model's linear layers in 4 bits for LoRA (QLoRA): ``nf4`` keeps each
+    linear layer but the output head as NormalFloat-4 codes in blocks of 64 weights with
+    double-quantized scales (torchao's NF4 layout; about 0.52 bytes a weight) and computes in
+    ``model.dtype`` (bf16), dequantizing one layer at a time in hone's kernel. The base is
+    quantized layer by layer as it is loaded, so the full-precision model never sits on the
+    GPU. Needs ``adapter.type: lora`` and the optional ``quant`` extra
+    (``pip install 'hone[quant]'``); not with ``distributed.strategy: fsdp``. Adapters save as
+    usual PEFT adapters; ``hone merge`` merges into the dequantized base. See
+    docs/quantization.md."""
+
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""
 
@@ -105,6 +118,11 @@ class ModelConfig(Section):
             raise ValueError(
                 f"attn_implementation: '{self.attn_implementation}' computes in bfloat16/float16 only, "
                 "but model.dtype is float32: set model.dtype: bfloat16, or use sdpa or flex_attention"
+            )
+        if self.quantize == "nf4" and importlib.util.find_spec("torchao") is None:
+            raise ValueError(
+                "model.quantize: 'nf4' needs the Python package 'torchao', which is not installed: "
+                "pip install 'hone[quant]' (or pip install torchao), or set model.quantize: none"
             )
         if self.sdpa_varlen is True and self.attn_implementation != "sdpa":
             raise ValueError(

@@ -96,6 +96,32 @@ class HoneConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _quantized_base_needs_lora(self) -> "HoneConfig":
+        """A 4-bit base cannot be trained: its weights are codes, not parameters. FSDP2 would have
+        to shard and all-gather the packed codes and scales, which hone does not do yet."""
+        if self.model.quantize == "none":
+            return self
+        if not self.adapter.is_lora:
+            raise ValueError(
+                f"model.quantize: '{self.model.quantize}' stores the base weights in 4 bits, which cannot "
+                "be trained, but adapter.type is 'none' (full fine-tune): set adapter.type: lora (QLoRA), "
+                "or model.quantize: none"
+            )
+        if self.distributed.strategy == "fsdp":
+            raise ValueError(
+                f"model.quantize: '{self.model.quantize}' does not work with distributed.strategy: fsdp "
+                "(FSDP2 would shard the packed 4-bit weights): use distributed.strategy: ddp (each GPU holds "
+                "the 4-bit model, about a quarter of its bf16 size), or model.quantize: none"
+            )
+        if self.performance.fp8 != "off":
+            raise ValueError(
+                f"model.quantize: '{self.model.quantize}' and performance.fp8: {self.performance.fp8} both replace "
+                "the base's linear layers (a 4-bit base is dequantized to bf16 for its matmuls, a float8 one keeps "
+                "float8 copies): choose one, model.quantize: none or performance.fp8: off"
+            )
+        return self
+
     @property
     def tokens_per_step(self) -> int:
         """Upper bound on tokens in one optimizer step (all micro-batches, full length)."""

@@ -2,7 +2,10 @@
 training data wrapped prompts (so ``generate`` wraps them the same way).
 
 A LoRA run's base model is rebuilt exactly as training built it (a preset from the run's seed,
-in the run's weight dtype; or the same local directory), then its adapter is loaded on top.
+in the run's weight dtype; or the same local directory), then its adapter is loaded on top. A
+QLoRA run's (``model.quantize: nf4``) base is read in full precision and every weight training
+held in 4 bits is replaced by its NF4 round trip (quantized and dequantized by the same code):
+the adapter was trained against those weights, not the original ones.
 Its own module so that ``generate`` and ``merge`` both build on it without importing each other.
 """
 
@@ -67,7 +70,16 @@ def load_for_inference(
     tokenizer = load_run_tokenizer(run)
     if run.is_adapter:
         trained_dtype = precision_for(cfg.model.dtype, full_finetune=False).weights
-        base = build_base_model(cfg.model, tokenizer, device, trained_dtype, seed=cfg.training.seed)
+        quantized = cfg.model.quantize != "none"
+        # QLoRA: built where training built it (the CPU: a big preset's random draw depends on
+        # the device), then every 4-bit weight is replaced by its NF4 round trip
+        built_on = torch.device("cpu") if quantized else device
+        base = build_base_model(cfg.model, tokenizer, built_on, trained_dtype, seed=cfg.training.seed)
+        if quantized:
+            from hone.models.nf4 import nf4_roundtrip_
+
+            nf4_roundtrip_(base, trained_dtype)
+            base.to(device)
         model: nn.Module = PeftModel.from_pretrained(base, str(run.final), is_trainable=False)
     else:
         model = load_pretrained(run.final, cfg.model, device, target, key=f"{run.directory}/final")

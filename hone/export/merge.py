@@ -3,6 +3,14 @@
 The merge runs in float32 on a base identical to the one training saw (so a bf16 base is
 rounded once, at the end, not twice), then the merged weights are stored in the run's
 ``model.dtype``. This needs the whole model in float32 memory on ``device`` (CPU by default).
+
+A QLoRA run (``model.quantize: nf4``) merges into the *dequantized* base: the base is read from
+``model.path`` (or the preset) in ``model.dtype``, each weight training held in 4 bits is
+quantized and dequantized exactly as training did (:func:`hone.models.nf4.nf4_roundtrip_`),
+and the adapter is added to that. The adapter learned to correct the 4-bit weights it saw, so
+this merged model computes what the trained model computed; merging into the original bf16
+weights instead would apply those corrections to weights they were not learned for. The 4-bit
+weights themselves are never merged into (a 4-bit matrix cannot hold the sum).
 """
 
 from pathlib import Path

@@ -25,9 +25,13 @@ from torch import nn
 
 from hone.config.adapter import AdapterConfig
 from hone.models.errors import ModelError
+from hone.models.nf4 import NF4Linear, has_nf4, register_nf4_lora
+
+#: Linear layer types: ``nn.Linear`` and QLoRA's frozen 4-bit :class:`~hone.models.nf4.NF4Linear`.
+LINEAR_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, NF4Linear)
 
 #: Module types LoRA can wrap through ``target_modules`` in a causal LM.
-LORA_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
+LORA_MODULE_TYPES: tuple[type[nn.Module], ...] = (*LINEAR_TYPES, nn.Embedding)
 
 
 def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
@@ -47,6 +51,8 @@ def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
         from hone.models.experts.lora import register_fused_expert_lora
 
         register_fused_expert_lora(config, model)
+    if has_nf4(model):  # QLoRA: PEFT's LoRA layer around hone's 4-bit linear (model.quantize)
+        register_nf4_lora(config)
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # PEFT's refusals of a setting for a layer type
@@ -131,7 +137,7 @@ def _matches(name: str, target: str) -> bool:
 
 def linear_module_names(model: nn.Module) -> list[str]:
     """Short names of the linear layers (``q_proj``, ``down_proj``, ``lm_head`` ...)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, LINEAR_TYPES)})
 
 
 def all_linear_names(model: nn.Module, exclude: list[str]) -> list[str]:
@@ -140,7 +146,7 @@ def all_linear_names(model: nn.Module, exclude: list[str]) -> list[str]:
     names = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not head
+        if isinstance(module, LINEAR_TYPES) and module is not head
     }
     return sorted(names - set(exclude))
 

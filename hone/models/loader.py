@@ -60,11 +60,16 @@ def load_model(
     base-stage transforms, e.g. the attention kernel)."""
     device = torch.device(device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
-    base = build_base_model(cfg.model, tokenizer, device, precision.weights, seed=cfg.training.seed)
+    # A quantized base (model.quantize) is built on the CPU: the plan's quantize transform moves
+    # one full-precision layer at a time to the device, so the device never holds the whole of it.
+    build_on = torch.device("cpu") if cfg.model.quantize != "none" else device
+    base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed)
     if before_adapter is not None:
         before_adapter(base)
-    with seeded(seed=cfg.training.seed + 1, device=device):  # new adapter weights, own stream
+    with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
+    if build_on != device:  # the rest: embedding, norms, head, adapter weights
+        model.to(device)
     cast_trainable(model, precision.trainable)
     model.train()
     trainable, total = count_parameters(model)

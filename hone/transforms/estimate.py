@@ -310,6 +310,18 @@ def _layer_facts(layer: Any) -> LayerFacts:
     )
 
 
+#: NF4 storage per weight (model.quantize: nf4): a 4-bit code, an int8 scale per 64 weights and a
+#: float32 factor per 16,384 (hone.models.nf4).
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / 16384
+
+
+def _nf4_weights(base: Any) -> int:
+    """Weights the quantize transform stores in NF4 (every linear layer but the head that fits its blocks)."""
+    from hone.models.nf4 import can_quantize, quantizable_linears
+
+    return sum(linear.weight.numel() for _, _, linear, _ in quantizable_linears(base) if can_quantize(linear))
+
+
 @lru_cache(maxsize=32)
 def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
     import torch
@@ -326,6 +338,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
     precision = precision_for(model_cfg.dtype, full_finetune=not adapter_cfg.is_lora)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
+        quantized = _nf4_weights(base) if model_cfg.quantize == "nf4" else 0
         model = apply_adapter(base, adapter_cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers_name, layer_list = _decoder_layers(model, text.num_hidden_layers)
@@ -356,7 +369,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         layers=tuple(_layer_facts(layer) for layer in layer_list),
         frozen_params=frozen,
         trainable_params=trainable,
-        frozen_bytes=frozen * _elem_bytes(precision.weights),
+        frozen_bytes=(frozen - quantized) * _elem_bytes(precision.weights) + round(quantized * NF4_BYTES_PER_WEIGHT),
         trainable_bytes=trainable * tbytes,
         outside_trainable_bytes=outside_trainable * tbytes,
         head_trainable=bool(head is not None and any(p.requires_grad for p in head.parameters())),

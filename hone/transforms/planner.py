@@ -12,9 +12,13 @@ model: one list, read top to bottom):
    config names, with packed ``sdpa`` rows switched to torch's varlen kernel where it runs. It
    decides once how packed micro-batches reach the attention (boundaries or hone's mask).
    Everything after it traces the attention the run will really use.
-2. ``experts`` (base model) -- the MoE experts implementation (``model.experts_implementation``,
+2. ``quantize`` (base model) -- ``model.quantize: nf4``: every linear layer but the head swapped
+   for a frozen 4-bit one (:mod:`hone.transforms.quantize`), one layer at a time onto the device
+   (the loader builds a quantized base on the CPU). It swaps modules, so it comes before anything
+   that wraps or traces layers; the adapter then wraps the 4-bit layers with LoRA.
+2b. ``experts`` (base model) -- the MoE experts implementation (``model.experts_implementation``,
    :mod:`hone.transforms.experts`); before the adapter, which reads it to fuse expert LoRA.
-   (later: quantized base, fused kernels -- they swap modules, so they come before anything that
+   (later: fused kernels -- they swap modules, so they come before anything that
    wraps or traces layers.)
    ``fp8`` (adapted model) -- float8 matmuls for the base's linears (``performance.fp8``,
    :mod:`hone.transforms.fp8`): with LoRA, the base layer inside each PEFT wrapper is replaced by
@@ -66,6 +70,7 @@ from hone.transforms.data_parallel import DDP, resolve_strategy
 from hone.transforms.experts import EXPERTS
 from hone.transforms.fp8 import FP8
 from hone.transforms.inductor import configure_cache_dir
+from hone.transforms.quantize import QUANTIZE
 
 __all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
 
@@ -418,8 +423,8 @@ def _fsdp_module():
 #: Every transform, in the order they are applied (see the module docstring for why).
 TRANSFORMS: tuple[Transform, ...] = (
     ATTENTION,
+    QUANTIZE,
     EXPERTS,
-    # (the quantized base, model.quantize, goes here: it replaces the base weights first)
     FP8,
     TILED_MLP,
     LOSS,

@@ -1,0 +1,78 @@
+"""The quantized-base transform: QLoRA's frozen base in NF4 (``model.quantize: nf4``).
+
+It runs on the base model right after the attention kernel and before anything that wraps or
+traces layers (experts backend, adapter, checkpointing, compile): it swaps every linear layer
+but the output head for an :class:`~hone.models.nf4.NF4Linear`, which the adapter then wraps
+with LoRA (PEFT's custom-module mapping) and the compiler traces through hone's dequantization
+op without a graph break.
+
+The loader builds a quantized run's base model on the CPU (:func:`hone.models.loader.load_model`),
+so this transform moves one full-precision weight at a time to the device, quantizes it there
+and drops it: the device never holds the full-precision model. The rest of the model (embedding,
+norms, head) follows once the adapter is attached.
+
+Checkpoints need no state-dict hook: the 4-bit weights are buffers, not trainable parameters,
+and hone's step checkpoints hold only the trainable weights and the optimizer (LoRA), never the
+base. A full fine-tune of a 4-bit base and FSDP2 sharding of it are refused by the config
+(:class:`hone.config.root.HoneConfig`); ``distributed.strategy: auto`` choosing FSDP2 is refused here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hone.config.root import HoneConfig
+from hone.transforms.base import RunFacts, Transform
+
+
+def _wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
+    return cfg.model.quantize != "none"
+
+
+def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    from hone.models.nf4 import INSTALL_HINT, torchao_installed
+    from hone.transforms.data_parallel import resolve_strategy
+
+    problems = []
+    if not torchao_installed():
+        problems.append(f"model.quantize: nf4 needs the Python package 'torchao': {INSTALL_HINT}, or set model.quantize: none")
+    strategy, why = resolve_strategy(cfg, facts)
+    if strategy == "fsdp":
+        problems.append(
+            f"model.quantize: nf4 does not work with FSDP2 ({why}); set distributed.strategy: ddp "
+            "(every GPU holds the 4-bit model), or model.quantize: none"
+        )
+    return problems
+
+
+def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.models.nf4 import quantize_linears
+
+    details = quantize_linears(model, facts.device)
+    return {"format": cfg.model.quantize, "compute_dtype": cfg.model.dtype, **details}
+
+
+def _size(mib: float) -> str:
+    return f"{mib / 1024:.2f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
+
+
+def _label(details: dict[str, Any]) -> str:
+    kept = f", {len(details['kept_layers'])} kept in {details['compute_dtype']}" if details.get("kept_layers") else ""
+    return (
+        f"quantize ({details['format']}: {details['quantized_layers']} linear layers, "
+        f"{_size(details['weights_mib'])} -> {_size(details['nf4_mib'])}{kept})"
+    )
+
+
+QUANTIZE = Transform(
+    name="quantize",
+    switch="model.quantize",
+    wanted=_wanted,
+    check=_check,
+    stage="base",
+    model=_apply,
+    label=_label,
+    why=lambda cfg, facts: f"model.quantize: {cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)",
+)

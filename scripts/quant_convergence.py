@@ -1,0 +1,130 @@
+"""Convergence of quantized bases: the same LoRA run in bf16 and on a quantized base, final eval
+losses side by side (issue 15: within 2% of bf16).
+
+Not a test. By default, on the bundled chat sample (examples/data/chat_sample.jsonl):
+
+1. ``--pretrain-steps`` of a full bf16 fine-tune of a small random Qwen3 (hidden 512, 8 layers,
+   every linear layer a multiple of NF4's 16,384-weight groups), saved as a model directory: a
+   base that has learned something, so quantizing it loses something (a random base's LoRA run
+   compares little);
+2. for each mode, ``--steps`` of LoRA (r 32 on all linear layers) from that base, with the
+   mode's config overrides: ``bf16`` (none) and ``nf4`` (``model.quantize=nf4``), plus any
+   ``--mode NAME=key=value[,key=value...]`` (e.g. ``--mode fp8-rowwise=performance.fp8=rowwise``);
+3. prints a markdown table: final eval loss, its relative difference from bf16, tok/s, peak GiB.
+
+``--set key=value`` overrides apply to every LoRA run (e.g. ``--set performance.torch_compile=true``).
+Each mode runs in this process one after the other; ``--pretrain-steps 0`` skips step 1 and
+trains LoRA on the random preset with its head trained in full (``lora_modules_to_save``).
+
+    PYTHONPATH=$PWD python scripts/quant_convergence.py                       # ~3-5 min on an H100
+    PYTHONPATH=$PWD python scripts/quant_convergence.py --steps 300 --mode fp8-rowwise=performance.fp8=rowwise
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from hone.config import parse_config
+from hone.config.loader import apply_overrides
+from hone.train.run import run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 64}
+BUILTIN_MODES = {"bf16": [], "nf4": ["model.quantize=nf4"]}
+
+
+def _raw(out_dir: Path, steps: int, seed: int) -> dict[str, Any]:
+    return {
+        "model": {"preset": "tiny-qwen3", "preset_overrides": SMALL, "dtype": "bfloat16"},
+        "data": {"datasets": [{"path": str(ROOT / "examples/data/chat_sample.jsonl"), "type": "chat"}],
+                 "sequence_len": 256, "val_set_size": 0.05, "dataset_prepared_path": str(out_dir / "prepared")},
+        "adapter": {"type": "lora", "lora_r": 32, "lora_alpha": 32, "lora_target_modules": "all-linear"},
+        "training": {"max_steps": steps, "micro_batch_size": 16, "eval_steps": max(steps // 4, 1), "seed": seed},
+        "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": max(steps // 20, 1)},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+    }
+
+
+def _run(raw: dict[str, Any], overrides: list[str], output_dir: Path) -> dict[str, Any]:
+    if output_dir.exists():
+        shutil.rmtree(output_dir)
+    raw = apply_overrides(raw, [*overrides, f"training.output_dir={output_dir}"])
+    cfg = parse_config(raw)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    result = run_training(cfg, console=Console(quiet=True))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    torch._dynamo.reset()
+    return {"eval": result.last_eval_loss, "first_eval": result.first_eval_loss, "tok_s": result.tokens_per_s,
+            "peak_gib": peak, "final": result.final_dir}
+
+
+def _parse_mode(text: str) -> tuple[str, list[str]]:
+    name, sep, rest = text.partition("=")
+    if not sep or not rest:
+        raise SystemExit(f"--mode {text!r}: expected NAME=key=value[,key=value...]")
+    return name, rest.split(",")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="LoRA steps per mode")
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="full bf16 steps that make the base (0: random preset)")
+    parser.add_argument("--mode", action="append", default=[], help="extra mode: NAME=key=value[,key=value...]")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", help="key=value for every LoRA run")
+    parser.add_argument("--only", nargs="*", help="run only these modes (bf16 always runs: it is the reference)")
+    parser.add_argument("--out", type=Path, default=Path("runs/quant-convergence"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    modes = dict(BUILTIN_MODES)
+    modes.update(_parse_mode(m) for m in args.mode)
+    if args.only:
+        modes = {k: v for k, v in modes.items() if k == "bf16" or k in args.only}
+    args.out.mkdir(parents=True, exist_ok=True)
+    raw = _raw(args.out, args.steps, args.seed)
+    base_note = "random preset, head trained in full"
+    if args.pretrain_steps > 0:
+        pre_raw = _raw(args.out, args.pretrain_steps, args.seed)
+        pre_raw["adapter"] = {"type": "none"}
+        pre_raw["optimizer"]["learning_rate"] = 2e-3
+        print(f"pretraining the base: {args.pretrain_steps} full bf16 steps ...", flush=True)
+        pre = _run(pre_raw, [], args.out / "base")
+        raw["model"] = {"path": str(pre["final"]), "dtype": "bfloat16"}
+        base_note = f"base: {args.pretrain_steps} full bf16 steps from random (eval loss {pre['eval']:.4f})"
+    else:
+        raw["adapter"]["lora_modules_to_save"] = ["lm_head"]
+        raw["model"]["preset_overrides"] = {**SMALL, "tie_word_embeddings": False}
+
+    results = {}
+    for name, overrides in modes.items():
+        print(f"mode {name}: {args.steps} LoRA steps {overrides} ...", flush=True)
+        try:
+            results[name] = _run(raw, [*overrides, *args.overrides], args.out / name)
+        except Exception as exc:  # noqa: BLE001 - a row, not the end of the run
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+    ref = results.get("bf16", {}).get("eval")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{device}; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n")
+    print("| mode | overrides | final eval loss | rel. diff vs bf16 | tok/s | peak GiB |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        shown = ", ".join(modes[name]) or "-"
+        if "error" in r:
+            print(f"| {name} | {shown} | error: {r['error']} | | | |")
+            continue
+        rel = f"{100 * (r['eval'] - ref) / ref:+.2f}%" if ref else "-"
+        print(f"| {name} | {shown} | {r['eval']:.4f} | {rel} | {r['tok_s']:.0f} | {r['peak_gib']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
