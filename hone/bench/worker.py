@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
 
     world = world_from_env()  # torchrun's, for an nproc > 1 condition
     if world.distributed:
-        init_world("cuda" if torch.cuda.is_available() else "cpu")
+        init_world("cuda" if torch.cuda.is_available() else "cpu", cpu_collectives=bool(condition.set.get("distributed.cpu_offload")))
         result_file = str(Path(result_file).with_name(f"{Path(result_file).stem}.rank{world.rank}.json"))
     try:
         row = run_condition(spec, condition, int(replicate), world.world_size)

@@ -149,23 +149,28 @@ def together(world: World) -> Iterator[None]:
     agree(world)
 
 
-def backend_for(device_type: str) -> str:
-    """NCCL between GPUs, gloo between CPU processes (tests, and CPU-only machines)."""
-    return "nccl" if device_type == "cuda" else "gloo"
+def backend_for(device_type: str, cpu_collectives: bool = False) -> str:
+    """NCCL between GPUs, gloo between CPU processes (tests, and CPU-only machines). With
+    ``cpu_collectives`` a GPU run gets gloo beside NCCL for tensors that live on the host:
+    FSDP2's CPU offload keeps the gradient shards there, and the global gradient norm reduces
+    over them (NCCL alone has no CPU backend)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
 
-def init_world(device_type: str) -> World:
+def init_world(device_type: str, cpu_collectives: bool = False) -> World:
     """Join the process group of a multi-process run (idempotent); a world of one does nothing.
 
     On CUDA each process takes the GPU of its local rank before the group starts, so NCCL and
-    every later allocation land on that card.
+    every later allocation land on that card. ``cpu_collectives``: see :func:`backend_for`.
     """
     world = world_from_env()
     if not world.distributed or dist.is_initialized():
         return world
     if device_type == "cuda":
         torch.cuda.set_device(world.local_rank)
-    dist.init_process_group(backend=backend_for(device_type))
+    dist.init_process_group(backend=backend_for(device_type, cpu_collectives))
     return world
 
 

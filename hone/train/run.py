@@ -126,7 +126,7 @@ def run_training(
     device = resolve_device(device)
     world = world_from_env()
     check_launch(cfg, world, device.type)  # more processes than GPUs, strategy none: before anything loads
-    world = init_world(device.type)
+    world = init_world(device.type, cpu_collectives=cfg.distributed.cpu_offload)
     trackers: list = []  # W&B / MLflow, started on rank 0 before the data and the model
     try:
         return _run_training(

@@ -82,7 +82,7 @@ def test_gpt_oss_20b_attention_shapes_in_bf16():
     dense = mod(0, 0, torch.arange(width, device="cuda")[:, None], torch.arange(width, device="cuda")[None, :])
 
     def grads(fn, dtype, mask):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]  # fresh leaves per run
         out = fn(*leaves[:3], mask, leaves[3], dim**-0.5)
         (out.float() * grad_out).sum().backward()
         return [out.float()] + [t.grad.float() for t in leaves]
