@@ -163,6 +163,10 @@ class ModelFacts:
     compute_bytes: int
     autocast: bool
     trainable_elem_bytes: int
+    lora_base_weights: int = 0
+    """Weights of the linears LoRA wraps (``performance.fp8: ... lora_targets`` keeps float8 copies of these)."""
+    frozen_layer_linear_weights: int = 0
+    """Weights of every frozen linear inside the decoder layers (``fp8_base_linears: all``)."""
 
 
 @dataclass(frozen=True)
@@ -342,8 +346,12 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         model = apply_adapter(base, adapter_cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers_name, layer_list = _decoder_layers(model, text.num_hidden_layers)
-    frozen = trainable = outside_trainable = 0
+    frozen = trainable = outside_trainable = lora_base = layer_linears = 0
     for name, param in model.named_parameters():  # tied weights are listed once
+        if not param.requires_grad and param.ndim == 2 and name.startswith(layers_name + "."):
+            layer_linears += param.numel()
+            if name.endswith("base_layer.weight"):
+                lora_base += param.numel()
         if param.requires_grad:
             trainable += param.numel()
             if not name.startswith(layers_name + "."):
@@ -378,6 +386,8 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         compute_bytes=_elem_bytes(precision.compute),
         autocast=precision.autocast_dtype is not None,
         trainable_elem_bytes=tbytes,
+        lora_base_weights=lora_base,
+        frozen_layer_linear_weights=layer_linears,
     )
 
 
@@ -581,6 +591,16 @@ def loss_bytes(m: ModelFacts, tokens: int, kind: LossKind, device: str = "cuda")
     return 2 * c * tokens * h + per_chunk + head_grad
 
 
+def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
+    """The float8 copies a LoRA run on a float8 base keeps beside each converted bf16 weight (the
+    weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8);
+    a full fine-tune's float8 casts are per step and transient."""
+    if cfg.performance.fp8 == "off" or not cfg.adapter.is_lora:
+        return 0
+    converted = m.lora_base_weights if cfg.performance.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_weights
+    return 2 * converted
+
+
 def estimate_memory(
     cfg: HoneConfig,
     *,
@@ -658,7 +678,7 @@ def estimate_memory(
     loss_peak = loss_bytes(m, tokens, loss, device)
     if param_shards < 1:
         raise ValueError(f"param_shards must be >= 1, got {param_shards}")
-    weights = m.frozen_bytes + m.trainable_bytes
+    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m)
     grads = m.trainable_bytes
     optimizer = 2 * m.trainable_bytes
     if param_shards > 1:  # FSDP2: a share of everything, and two layers unsharded at a time
