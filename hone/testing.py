@@ -102,6 +102,19 @@ def with_random_lora(model: PreTrainedModel, seed: int, rank: int = 4):
     return model
 
 
+def sdpa_llama(tokenizer, adapter: str, *, seed: int, layers: int, hidden: int, seq: int) -> PreTrainedModel:
+    """A small sdpa Llama for the GPU checkpointing tests (MLP 2x hidden, heads of 32), with
+    random-B LoRA on every linear (``adapter: lora``, seeds ``seed + 1`` / ``seed + 2``) or none."""
+    model = tiny_model("tiny-llama", tokenizer, seed=seed, num_hidden_layers=layers, hidden_size=hidden,
+                       intermediate_size=2 * hidden, head_dim=32, max_position_embeddings=seq)
+    model.config._attn_implementation = "sdpa"
+    if adapter == "lora":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model = with_random_lora(model, seed=seed + 2)
+    return model
+
+
 # ---------------------------------------------------------------- the training loop's builders
 
 VOCAB = 97

@@ -131,6 +131,20 @@ def environment() -> dict[str, Any]:
     }
 
 
+def record_row(
+    row: dict[str, Any], env: dict[str, Any], rows: list[dict[str, Any]], results: Path,
+    on_row: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Keep ``row`` (with the environment) and append it to ``results`` at once: a bench cut
+    short keeps every row that finished."""
+    row["env"] = env
+    rows.append(row)
+    with results.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    if on_row is not None:
+        on_row(row)
+
+
 def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Run the whole spec; rows are appended to ``out_dir/results.jsonl`` as they finish."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,12 +158,6 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
         spec_file.write_text(spec.model_dump_json(exclude_unset=True))  # re-validated as written
         for condition in spec.conditions:
             for replicate in range(spec.replicates):
-                row = run_one(spec_file, spec, condition.name, replicate, workdir)
-                row["env"] = env
-                rows.append(row)
-                with results.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if on_row is not None:
-                    on_row(row)
+                record_row(run_one(spec_file, spec, condition.name, replicate, workdir), env, rows, results, on_row)
     add_scaling(rows)
     return rows

@@ -12,7 +12,6 @@ tok/s, the peak GPU memory and the peak host memory (resident set, pinned buffer
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -95,12 +94,7 @@ def run_by_length(
     rows: list[dict[str, Any]] = []
 
     def record(row: dict[str, Any]) -> None:
-        row["env"] = env
-        rows.append(row)
-        with results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if on_row is not None:
-            on_row(row)
+        harness.record_row(row, env, rows, results, on_row)
 
     with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
         workdir = Path(tmp)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import sdpa_llama, tiny_tokenizer
 from hone.transforms.checkpointing import apply_activation_checkpointing, memory_budget_context, offload_step_context, offloader_for
 from hone.transforms.compile import compile_regional
 
@@ -28,14 +28,7 @@ def tok():
 
 
 def _model(tok, adapter):
-    model = tiny_model("tiny-llama", tok, seed=31, num_hidden_layers=LAYERS, hidden_size=HIDDEN,
-                       intermediate_size=2 * HIDDEN, head_dim=32, max_position_embeddings=SEQ)
-    model.config._attn_implementation = "sdpa"
-    if adapter == "lora":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(32)
-            model = with_random_lora(model, seed=33)
-    return model.cuda().train()
+    return sdpa_llama(tok, adapter, seed=31, layers=LAYERS, hidden=HIDDEN, seq=SEQ).cuda().train()
 
 
 def _ids(vocab):
