@@ -117,8 +117,22 @@ def _attention_label(details: dict[str, Any]) -> str:
     return f"attention ({details['implementation']}{extra})"
 
 
+def _has_sinks(cfg: HoneConfig) -> bool:
+    """Whether the configured model has attention sinks (gpt-oss); False where its config cannot
+    be read here (the loader then says why)."""
+    from hone.models.attention.sinks import has_attention_sinks
+    from hone.transforms.estimate import _transformers_config
+
+    try:
+        return has_attention_sinks(_transformers_config(cfg.model))
+    except Exception:  # noqa: BLE001 -- a reason line never fails the plan
+        return False
+
+
 def _attention_why(cfg: HoneConfig, facts: RunFacts) -> str:
     why = f"model.attn_implementation: {cfg.model.attn_implementation}"
+    if cfg.model.attn_implementation in ("sdpa", "flex_attention") and _has_sinks(cfg):
+        return why + "; the model has attention sinks: hone's flex sink backend (sdpa would drop them)"
     if cfg.model.attn_implementation == "sdpa" and (cfg.data.sample_packing or cfg.data.packs_eval):
         why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {cfg.model.sdpa_varlen})"
     if cfg.model.attn_implementation == "sdpa":

@@ -190,3 +190,17 @@ def test_the_attention_transform_keeps_the_sink_backend():
     kernel = select_attention_kernel(model, cfg, torch.device("cpu"), torch.float32)
     assert model.config._attn_implementation == SINK_ATTENTION
     assert "sinks" in kernel
+
+
+def test_plan_says_a_model_with_sinks_gets_the_sink_backend(tmp_path):
+    from hone.config import parse_config
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import decisions
+
+    cfg = parse_config({
+        "model": {"preset": "tiny-gpt-oss"},
+        "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+        "training": {"output_dir": str(tmp_path)},
+    })
+    why = {name: reason for name, _, _, reason in decisions(cfg, RunFacts(torch.device("cpu")))}["attention"]
+    assert "attention sinks" in why and "causal rows" not in why
