@@ -236,6 +236,7 @@ def train_loop(
     hooks: RunHooks | None = None,
     world: World | None = None,
     trackers: list | None = None,
+    before_trackers_close: Callable[[], None] | None = None,
 ) -> LoopResult:
     """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set)
     on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on ``eval_data`` if given.
@@ -249,7 +250,8 @@ def train_loop(
 
     ``trackers``: W&B / MLflow trackers already started (``hone train`` starts them before the
     model loads); without them rank 0 starts those of ``logging.trackers`` here. The loop
-    closes them.
+    closes them, after ``before_trackers_close()`` (``hone train`` completes
+    ``optimizations.json`` with the compile counts there, so the trackers get the whole record).
 
     Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
@@ -535,6 +537,8 @@ def train_loop(
         tracker.failed = True  # trackers mark the run failed
         raise
     finally:
+        if before_trackers_close is not None:
+            before_trackers_close()
         plot_path = tracker.close()
 
     if interrupted:

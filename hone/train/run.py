@@ -233,6 +233,19 @@ def _run_training(
         if step_callback is not None:
             step_callback(metrics)
 
+    recorded = False
+
+    def record_plan() -> None:
+        """Stop counting compilations and write the final ``optimizations.json`` (once)."""
+        nonlocal recorded
+        if recorded:
+            return
+        recorded = True
+        if watch is not None:
+            watch.stop()
+        if world.is_main:  # again: what the data-parallel wrap and the compiler recorded
+            write_record(out, plan, watch.summary() if watch is not None else None)
+
     try:
         loop = train_loop(
             loaded.model,
@@ -248,12 +261,10 @@ def _run_training(
             hooks=hooks,
             world=world,
             trackers=trackers,
+            before_trackers_close=record_plan,
         )
     finally:
-        if watch is not None:
-            watch.stop()
-        if world.is_main:  # again: what the data-parallel wrap and the compiler recorded
-            write_record(out, plan, watch.summary() if watch is not None else None)
+        record_plan()  # where the loop failed before it could
     if watch is not None:
         console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 

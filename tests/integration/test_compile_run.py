@@ -116,3 +116,16 @@ def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path, at
     assert {a["name"]: a for a in record["applied"]}["compile"]["details"]["dynamic_shapes"] is False  # bins are sequence_len wide
     stats = record["compile"]
     assert stats["forward_graphs"] == 1 and stats["compiles_after_first_step"] == 0, stats
+
+
+def test_trackers_get_the_record_with_the_compile_counts(tmp_path, monkeypatch):
+    """The trackers are closed inside the loop; the record they are handed must already hold
+    what the compiler did (it is completed before they close, not after)."""
+    import hone.track.tracker as tracker_module
+
+    handed = []
+    read = tracker_module.read_optimizations
+    monkeypatch.setattr(tracker_module, "read_optimizations", lambda out: handed.append(read(out)) or handed[-1])
+    _train(tmp_path, "tracked", REGIONAL)
+    assert handed and handed[-1] is not None
+    assert handed[-1]["compile"]["counted"] and handed[-1]["compile"]["forward_graphs"] >= 1
