@@ -56,16 +56,14 @@ CHATML_TEMPLATE = (
 
 _SECTION_ORDER = ("model", "data", "adapter", "training", "optimizer", "memory", "performance", "logging", "distributed")
 
-_TRACKERS = "hone writes TensorBoard events and metrics.jsonl; set up this experiment tracker in hone's logging section by hand"
+_TRACKERS = "hone's trackers are TensorBoard, W&B and MLflow (logging.trackers); add this one's metrics by hand"
 _HUB = "hone never uploads: push the run directory yourself"
-_NO_QUANT = "hone has no quantized (4/8-bit) base model: the base loads in model.dtype (more memory than Axolotl)"
+_NO_QUANT = "hone's only quantized base is 4-bit NF4 for LoRA (model.quantize: nf4); this base loads in model.dtype"
 
 #: Axolotl keys that hone cannot express, with the reason shown to the user. Keys not here and
 #: not translated get a generic reason.
 REASONS: dict[str, str] = {
-    "load_in_4bit": _NO_QUANT,
     "load_in_8bit": _NO_QUANT,
-    "bnb_config_kwargs": _NO_QUANT,
     "gptq": _NO_QUANT,
     "deepspeed": "hone shards with PyTorch FSDP2, not DeepSpeed; only ZeRO-3 maps (to distributed.strategy: fsdp); "
     "distributed.strategy: auto picks DDP or FSDP2 by memory",
@@ -99,18 +97,9 @@ REASONS: dict[str, str] = {
     "liger_glu_activation": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
     "liger_layer_norm": "hone has no Liger kernels; its own fused kernels come from the plan (hone plan)",
     "plugins": "hone has no plugins; fused loss plugins map to performance.loss",
-    "wandb_project": _TRACKERS,
-    "wandb_entity": _TRACKERS,
-    "wandb_name": _TRACKERS,
-    "wandb_run_id": _TRACKERS,
-    "wandb_watch": _TRACKERS,
-    "wandb_log_model": _TRACKERS,
-    "wandb_mode": _TRACKERS,
-    "use_wandb": _TRACKERS,
-    "mlflow_tracking_uri": _TRACKERS,
-    "mlflow_experiment_name": _TRACKERS,
-    "mlflow_run_name": _TRACKERS,
-    "use_mlflow": _TRACKERS,
+    "wandb_run_id": "hone starts a new W&B run for each training run (resuming a W&B run by id is not supported)",
+    "wandb_watch": "hone logs metrics rows to W&B, not gradient or parameter histograms",
+    "wandb_log_model": "hone does not upload checkpoints to W&B: they are in the run directory",
     "comet_api_key": _TRACKERS,
     "comet_project_name": _TRACKERS,
     "use_comet": _TRACKERS,
@@ -493,7 +482,8 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
 # adapter
 
 
-def _adapter(r: _Reader, adapter: dict[str, Any]) -> None:
+def _adapter(r: _Reader, adapter: dict[str, Any]) -> str | None:
+    """LoRA settings; returns Axolotl's adapter kind (``qlora`` decides the base's quantization later)."""
     kind = r.take("adapter")
     lora_keys = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save", "peft_use_rslora")
     if kind not in ("lora", "qlora"):
@@ -502,10 +492,8 @@ def _adapter(r: _Reader, adapter: dict[str, Any]) -> None:
         adapter["type"] = "none"
         for key in lora_keys:
             r.drop(key, "LoRA settings, but no LoRA adapter is set (a full fine-tune)")
-        return
+        return kind
     adapter["type"] = "lora"
-    if kind == "qlora":
-        r.notes.append("adapter: qlora -> adapter.type: lora on a base in model.dtype (hone has no 4-bit base; more memory)")
     r.number("lora_r", adapter, "lora_r", integer=True)
     r.number("lora_alpha", adapter, "lora_alpha")
     r.number("lora_dropout", adapter, "lora_dropout")
@@ -527,6 +515,63 @@ def _adapter(r: _Reader, adapter: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # training, optimizer
+    return kind
+
+
+def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distributed: dict[str, Any]) -> None:
+    """``adapter: qlora`` / ``load_in_4bit`` -> ``model.quantize: nf4`` (hone's QLoRA: torchao's
+    NF4 with double-quantized scales, compute in model.dtype), except where hone cannot run it:
+    a full fine-tune, or FSDP2 (hone does not shard a 4-bit base)."""
+    four = r.take("load_in_4bit") is True
+    bnb = r.take("bnb_config_kwargs") or {}
+    if four and kind not in ("lora", "qlora"):
+        r.untranslated.append(Untranslated("load_in_4bit", "a 4-bit base trains only under LoRA (QLoRA); this full fine-tune loads in model.dtype"))
+    if not (kind == "qlora" or (four and kind == "lora")):
+        if bnb:
+            r.untranslated.append(Untranslated("bnb_config_kwargs", "no 4-bit base in this config"))
+        return
+    quant_type = str(bnb.get("bnb_4bit_quant_type", "nf4"))
+    others = sorted(k for k in bnb if k not in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"))
+    if quant_type != "nf4" or others or bnb.get("bnb_4bit_use_double_quant") is False:
+        r.untranslated.append(Untranslated(
+            "bnb_config_kwargs", "hone's 4-bit base is NF4 with double-quantized scales, computing in model.dtype; other bitsandbytes settings do not apply"))
+    if distributed.get("strategy") == "fsdp":
+        r.notes.append(
+            "adapter: qlora with FSDP -> adapter.type: lora on a base in model.dtype: hone does not shard a 4-bit "
+            "base (for QLoRA on several GPUs use distributed.strategy: ddp with model.quantize: nf4)")
+        return
+    model["quantize"] = "nf4"
+    r.notes.append("adapter: qlora -> adapter.type: lora with model.quantize: nf4 (torchao's NF4, double-quantized scales; pip install 'hone[quant]')")
+
+
+def _trackers(r: _Reader, logging: dict[str, Any]) -> None:
+    """Axolotl's W&B and MLflow keys -> ``logging.trackers`` and their sections (TensorBoard,
+    hone's default tracker, stays on beside them)."""
+    trackers: list[str] = []
+    wandb: dict[str, Any] = {}
+    for key, field in (("wandb_project", "project"), ("wandb_entity", "entity"), ("wandb_name", "name")):
+        value = r.take(key)
+        if not _asks_nothing(value):
+            wandb[field] = str(value)
+    mode, use_wandb = r.take("wandb_mode"), r.take("use_wandb")
+    if mode in ("online", "offline"):
+        wandb["mode"] = mode
+    if (use_wandb is True or "project" in wandb) and use_wandb is not False and mode != "disabled":
+        trackers.append("wandb")
+        logging["wandb"] = wandb
+    mlflow: dict[str, Any] = {}
+    for key, field in (("mlflow_tracking_uri", "tracking_uri"), ("mlflow_experiment_name", "experiment"), ("mlflow_run_name", "run_name")):
+        value = r.take(key)
+        if not _asks_nothing(value):
+            mlflow[field] = str(value)
+    use_mlflow = r.take("use_mlflow")
+    if (use_mlflow is True or "tracking_uri" in mlflow) and use_mlflow is not False:
+        trackers.append("mlflow")
+        logging["mlflow"] = mlflow
+    if trackers:
+        logging["trackers"] = ["tensorboard", *trackers]
+        extras = " ".join(f"'hone[{t}]'" for t in trackers)
+        r.notes.append(f"{', '.join(trackers)} -> logging.trackers: [tensorboard, {', '.join(trackers)}] (pip install {extras})")
 
 
 def _training(r: _Reader, training: dict[str, Any], has_eval: bool) -> None:
@@ -716,7 +761,7 @@ def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     _model(r, sections["model"])
     _attention(r, sections["model"])
     _data(r, sections["data"], untranslated, notes)
-    _adapter(r, sections["adapter"])
+    kind = _adapter(r, sections["adapter"])
     data = sections["data"]
     has_eval = bool(data.get("val_set_size")) or bool(data.get("test_datasets"))
     _training(r, sections["training"], has_eval)
@@ -724,7 +769,9 @@ def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     _memory(r, sections["memory"])
     _performance(r, sections["performance"], packing=bool(data.get("sample_packing")))
     _distributed(r, sections["distributed"])
+    _quantization(r, sections["model"], kind, sections["distributed"])
     _logging(r, sections["logging"])
+    _trackers(r, sections["logging"])
     r.finish("not an Axolotl key hone knows how to translate")
     untranslated.extend(r.untranslated)
     notes.extend(r.notes)

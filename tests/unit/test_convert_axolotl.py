@@ -414,7 +414,6 @@ CASES: dict[str, tuple[str, set[str]]] = {
         LLAMA_QLORA,
         {
             "datasets[0].path",
-            "load_in_4bit",
             "optimizer",
             "loss_watchdog_threshold",
             "loss_watchdog_patience",
@@ -437,11 +436,11 @@ CASES: dict[str, tuple[str, set[str]]] = {
     ),
     "mistral-lora": (
         MISTRAL_LORA,
-        {"datasets[0].conversation", "pad_to_sequence_len", "xformers_attention", "wandb_project", "wandb_log_model", "deepspeed"},
+        {"datasets[0].conversation", "pad_to_sequence_len", "xformers_attention", "wandb_log_model", "deepspeed"},
     ),
     "mixtral-qlora": (
         MIXTRAL_QLORA,
-        {"load_in_4bit", "optimizer", "eval_steps"},
+        {"optimizer", "eval_steps"},
     ),
     "qwen3-moe": (
         QWEN3_MOE,
@@ -567,7 +566,43 @@ def test_qlora_becomes_lora_and_zero3_becomes_fsdp():
     assert cfg["distributed"] == {"strategy": "fsdp", "cpu_offload": True}
     assert "chat_template" not in cfg["data"]  # tokenizer_default is hone's default
     assert cfg["data"]["datasets"][0]["field_messages"] == "conversations"
-    assert any("qlora" in note for note in conversion.notes)
+    assert "quantize" not in cfg["model"]  # hone does not shard a 4-bit base: FSDP wins, said in a note
+    assert any("qlora" in note and "does not shard a 4-bit" in note for note in conversion.notes)
+
+
+def test_qlora_becomes_an_nf4_base():
+    conversion = converted(LLAMA_QLORA)
+    assert conversion.config["model"]["quantize"] == "nf4"
+    assert conversion.config["adapter"]["type"] == "lora"
+    assert any("model.quantize: nf4" in note for note in conversion.notes)
+    fp4 = converted(LLAMA_QLORA + "bnb_config_kwargs: {bnb_4bit_quant_type: fp4}\n")
+    assert fp4.config["model"]["quantize"] == "nf4"
+    assert any(u.key == "bnb_config_kwargs" for u in fp4.untranslated)
+    full = converted(LLAMA_QLORA.replace("adapter: qlora", "adapter:"))
+    assert "quantize" not in full.config["model"] and any(u.key == "load_in_4bit" for u in full.untranslated)
+
+
+def test_wandb_and_mlflow_keys_become_trackers(tmp_path):
+    conversion = converted(LLAMA_LORA + """
+wandb_project: my-proj
+wandb_entity: me
+wandb_name: run-1
+wandb_mode: offline
+wandb_watch: gradients
+mlflow_tracking_uri: file:./mlruns
+mlflow_experiment_name: exp
+""")
+    logging = conversion.config["logging"]
+    assert logging["trackers"] == ["tensorboard", "wandb", "mlflow"]
+    assert logging["wandb"] == {"project": "my-proj", "entity": "me", "name": "run-1", "mode": "offline"}
+    assert logging["mlflow"] == {"tracking_uri": "file:./mlruns", "experiment": "exp"}
+    assert {u.key for u in conversion.untranslated} >= {"wandb_watch"}
+    from hone.config import parse_config
+
+    cfg = dict(conversion.config, training={**conversion.config.get("training", {}), "output_dir": str(tmp_path)})
+    assert parse_config(cfg).logging.trackers == ["tensorboard", "wandb", "mlflow"]
+    disabled = converted(LLAMA_LORA + "wandb_project: p\nwandb_mode: disabled\n")
+    assert "trackers" not in disabled.config.get("logging", {})
 
 
 def test_full_finetune_float32_completion_fields():
@@ -610,7 +645,7 @@ def test_cli_writes_validates_and_refuses_overwrite(tmp_path, capsys):
     out = tmp_path / "hone.yml"
     assert main(["convert", str(source), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "valid" in printed and "load_in_8bit: hone has no quantized" in printed
+    assert "valid" in printed and "load_in_8bit: hone's only quantized base" in printed
     assert out.read_text().startswith("# hone config converted from the Axolotl config")
     assert load_config(out).data.sequence_len == 4096
     out.write_text("keep me")
