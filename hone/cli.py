@@ -48,6 +48,13 @@ def _prepare_libraries(verbose: bool) -> None:
     # transformers attribute renamed in v5) are not the user's to act on
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    import logging
+
+    # transformers and PEFT import torchao and bitsandbytes whenever they are installed (hone's
+    # `quant` extra); on import those log that their GPU-only kernels do not load on this
+    # machine, and torch logs a deprecation of torchao's. None of it is about the user's run.
+    for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import datasets
         import transformers
