@@ -17,29 +17,15 @@ which is how the CPU tests check it.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-try:  # optional: CUDA wheels of torch bring triton, CPU wheels do not
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
+from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
 
 # Largest vocabulary block one program loads at a time: 32K elements keep a row's pass to a
 # handful of iterations at Qwen's 151,936 (5 blocks) while staying within registers at 32 warps.
 MAX_BLOCK_V = 32768
 
-
-def triton_available(device: torch.device | str) -> bool:
-    """Whether the Triton op can run on ``device``: CUDA with triton installed, or any device
-    under the interpreter (``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

@@ -30,22 +30,19 @@ traces the forward and the backward without looking inside a kernel.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
 from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, rows_bucket, triton
+from hone.kernels.triton_support import triton_available
 
 __all__ = ["moe_experts", "moe_lora_linear", "moe_triton_available", "route"]
 
 
 def moe_triton_available(device: torch.device | str) -> bool:
-    """Whether the grouped kernels can run on ``device``: CUDA with triton, or any device
-    under the interpreter (``TRITON_INTERPRET=1`` before triton is imported)."""
-    if triton is None:
-        return False
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the grouped kernels can run on ``device`` (:func:`~hone.kernels.triton_support.triton_available`)."""
+    return triton_available(device)
 
 
 def _next_pow2(n: int) -> int:

@@ -37,12 +37,7 @@ from __future__ import annotations
 
 import os
 
-try:  # optional: CUDA wheels of torch bring triton, CPU wheels do not
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
+from hone.kernels.triton_support import tl, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -11,29 +11,15 @@ so the result is bit-for-bit the library's.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-try:  # optional: CUDA wheels of torch bring triton, CPU wheels do not
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
+from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
 
 #: Packed bytes per program: 2,048 weights, small enough for many programs on an 8B layer's
 #: 4096 x 12288 matrix (12,288 programs) and large enough to amortise the scale loads.
 BLOCK_BYTES = 1024
 
-
-def triton_available(device: torch.device | str) -> bool:
-    """Whether the kernel can run on ``device``: CUDA with triton installed, or any device under
-    the interpreter (``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
