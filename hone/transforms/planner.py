@@ -121,10 +121,16 @@ def _has_sinks(cfg: HoneConfig) -> bool:
     """Whether the configured model has attention sinks (gpt-oss); False where its config cannot
     be read here (the loader then says why)."""
     from hone.models.attention.sinks import has_attention_sinks
-    from hone.transforms.estimate import _transformers_config
 
     try:
-        return has_attention_sinks(_transformers_config(cfg.model))
+        if cfg.model.preset is not None:  # the preset's config class names its model type
+            from hone.models.presets import get_preset
+
+            return has_attention_sinks(get_preset(cfg.model.preset).config_class)
+        from hone.models.hub import local_model_dir
+        from hone.models.model_dir import read_causal_lm_config
+
+        return has_attention_sinks(read_causal_lm_config(local_model_dir(cfg.model.path), cfg.model.trust_remote_code))
     except Exception:  # noqa: BLE001 -- a reason line never fails the plan
         return False
 
