@@ -102,6 +102,20 @@ def with_random_lora(model: PreTrainedModel, seed: int, rank: int = 4):
     return model
 
 
+def greedy_by_hand(model, tokenizer, text: str, steps: int, add_special_tokens: bool = True) -> str:
+    """The reference for hone's generation: tokenize ``text``, then append the argmax token
+    ``steps`` times (stopping at EOS) with one full forward each, no cache; the new text."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens).input_ids
+    start = ids.shape[1]
+    with torch.no_grad():
+        for _ in range(steps):
+            next_id = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+            if next_id.item() == tokenizer.eos_token_id:
+                break
+    return tokenizer.decode(ids[0, start:], skip_special_tokens=True)
+
+
 def sdpa_llama(tokenizer, adapter: str, *, seed: int, layers: int, hidden: int, seq: int) -> PreTrainedModel:
     """A small sdpa Llama for the GPU checkpointing tests (MLP 2x hidden, heads of 32), with
     random-B LoRA on every linear (``adapter: lora``, seeds ``seed + 1`` / ``seed + 2``) or none."""

@@ -10,7 +10,7 @@ import torch
 
 from hone.errors import HoneError
 from hone.export.chat import Conversation, TextOut, chat_loop, load_chat_model, render
-from hone.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import greedy_by_hand, save_tiny_model, tiny_tokenizer
 
 from tests.unit.test_models_generate import make_run
 
@@ -32,15 +32,7 @@ def chat_run(tmp_path_factory, tokenizer):
 def greedy_reply(model, tokenizer, messages, steps: int) -> str:
     """The reference: render the history with the template, decode argmax by hand."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    start = ids.shape[1]
-    with torch.no_grad():
-        for _ in range(steps):
-            next_id = model(input_ids=ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-            if next_id.item() == tokenizer.eos_token_id:
-                break
-    return tokenizer.decode(ids[0, start:], skip_special_tokens=True)
+    return greedy_by_hand(model, tokenizer, text, steps, add_special_tokens=False)
 
 
 class Recorder(io.StringIO):

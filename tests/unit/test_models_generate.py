@@ -15,7 +15,7 @@ from hone.export.generate import PromptSetup, format_prompt, generate, load_for_
 from hone.export.merge import merge_adapter
 from hone.models.loader import load_model
 from hone.models.save import save_final
-from hone.testing import save_tiny_model, tiny_tokenizer
+from hone.testing import greedy_by_hand, save_tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +40,6 @@ def make_run(run_dir: Path, tokenizer, model: dict, adapter="lora", data_type="c
     (run_dir / "config.yml").write_text(dump_config(cfg))
     save_final(trained, tokenizer, run_dir / "final", cfg.adapter)
     return trained.eval()
-
-
-def greedy_by_hand(model, tokenizer, text: str, steps: int, add_special_tokens: bool = True) -> str:
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens).input_ids
-    start = ids.shape[1]
-    with torch.no_grad():
-        for _ in range(steps):
-            next_id = model(input_ids=ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-            if next_id.item() == tokenizer.eos_token_id:
-                break
-    return tokenizer.decode(ids[0, start:], skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
