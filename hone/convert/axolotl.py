@@ -544,26 +544,28 @@ def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distribut
     r.notes.append("adapter: qlora -> adapter.type: lora with model.quantize: nf4 (torchao's NF4, double-quantized scales; pip install 'hone[quant]')")
 
 
+def _text_fields(r: _Reader, names: dict[str, str]) -> dict[str, Any]:
+    """Axolotl keys -> hone field names, for the keys set (as text)."""
+    fields: dict[str, Any] = {}
+    for key, field in names.items():
+        value = r.take(key)
+        if not _asks_nothing(value):
+            fields[field] = str(value)
+    return fields
+
+
 def _trackers(r: _Reader, logging: dict[str, Any]) -> None:
     """Axolotl's W&B and MLflow keys -> ``logging.trackers`` and their sections (TensorBoard,
     hone's default tracker, stays on beside them)."""
     trackers: list[str] = []
-    wandb: dict[str, Any] = {}
-    for key, field in (("wandb_project", "project"), ("wandb_entity", "entity"), ("wandb_name", "name")):
-        value = r.take(key)
-        if not _asks_nothing(value):
-            wandb[field] = str(value)
+    wandb = _text_fields(r, {"wandb_project": "project", "wandb_entity": "entity", "wandb_name": "name"})
     mode, use_wandb = r.take("wandb_mode"), r.take("use_wandb")
     if mode in ("online", "offline"):
         wandb["mode"] = mode
     if (use_wandb is True or "project" in wandb) and use_wandb is not False and mode != "disabled":
         trackers.append("wandb")
         logging["wandb"] = wandb
-    mlflow: dict[str, Any] = {}
-    for key, field in (("mlflow_tracking_uri", "tracking_uri"), ("mlflow_experiment_name", "experiment"), ("mlflow_run_name", "run_name")):
-        value = r.take(key)
-        if not _asks_nothing(value):
-            mlflow[field] = str(value)
+    mlflow = _text_fields(r, {"mlflow_tracking_uri": "tracking_uri", "mlflow_experiment_name": "experiment", "mlflow_run_name": "run_name"})
     use_mlflow = r.take("use_mlflow")
     if (use_mlflow is True or "tracking_uri" in mlflow) and use_mlflow is not False:
         trackers.append("mlflow")
