@@ -76,14 +76,23 @@ def _options(**extra: Any):
     return StateDictOptions(ignore_frozen_params=True, **extra)
 
 
-def _set_trainable_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, **state: Any) -> None:
+def _set_trainable_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any],
+    full_state_dict: bool = False,
+) -> None:
     """``set_state_dict`` for a state that holds the trainable weights only: loading is not
     strict (the frozen base weights are absent by design, and a strict load refuses a LoRA model
     for them), so the check that every trainable weight was restored, and nothing else, is here."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    full = bool(state.pop("full_state_dict", False))
-    result = set_state_dict(model, optimizer, **state, options=_options(strict=False, full_state_dict=full))
+    result = set_state_dict(
+        model, optimizer, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict,
+        options=_options(strict=False, full_state_dict=full_state_dict),
+    )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(k for k in getattr(result, "missing_keys", []) if k in trainable)
     unexpected = sorted(getattr(result, "unexpected_keys", []))
