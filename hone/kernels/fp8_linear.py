@@ -129,16 +129,22 @@ class _ReferenceLinear(torch.autograd.Function):
 # ---------------------------------------------------------------- the float8 linear
 
 
-def _scaled_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+def _scaled_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """``a @ b.T`` through ``torch._scaled_mm``: ``a`` (any leading dims) quantized now, ``b``
-    already quantized ``[N, K]`` row-major (so ``b.T`` is the column-major operand it wants)."""
+    already quantized ``[N, K]`` row-major (so ``b.T`` is the column-major operand it wants).
+
+    ``fast_accum``: Hopper's float8 tensor cores can skip the periodic promotion of their
+    partial sums to full float32, which makes the matmul ~10% faster at a small accuracy cost.
+    The forward takes it (its output feeds a bf16 residual stream anyway); the input gradient
+    does not (gradients are where accumulated error compounds) -- torchao's recipes split the
+    same way."""
     rowwise = b_scale.numel() > 1
     a2 = a.reshape(-1, a.shape[-1])
     if not a2.is_contiguous():
         a2 = a2.contiguous()
     a_q, a_scale = quantize(a2, "rowwise" if rowwise else "tensorwise")
     scale_b = b_scale.reshape(1, -1) if rowwise else b_scale
-    out = torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=a.dtype)
+    out = torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=a.dtype, use_fast_accum=fast_accum)
     return out.reshape(*a.shape[:-1], b_q.shape[0])
 
 
@@ -149,13 +155,13 @@ class _Fp8FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_q, w_scale, wt_q, wt_scale):
         ctx.save_for_backward(wt_q, wt_scale)
-        return _scaled_mm(x, w_q, w_scale)
+        return _scaled_mm(x, w_q, w_scale, fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad):
         # dX = dY @ W = dY @ (W.T).T: the same matmul on the transposed copy
         wt_q, wt_scale = ctx.saved_tensors
-        return _scaled_mm(grad, wt_q, wt_scale), None, None, None, None
+        return _scaled_mm(grad, wt_q, wt_scale, fast_accum=False), None, None, None, None
 
 
 def fp8_frozen_linear(x: torch.Tensor, weight: FrozenFp8Weight) -> torch.Tensor:
