@@ -1,4 +1,4 @@
-"""A 2-process FSDP2 run (gloo, CPU) killed with SIGKILL mid-run resumes from its newest complete
+"""A 2-process FSDP2 or DDP run (gloo, CPU) killed with SIGKILL mid-run resumes from its newest complete
 checkpoint to the uninterrupted run's losses. The NCCL version is in tests/gpu/test_distributed_gpu.py."""
 
 import json
@@ -13,7 +13,7 @@ from killed_run import kill_and_resume, train_losses
 STEPS = 24
 
 
-def _config(tmp_path, name: str):
+def _config(tmp_path, name: str, strategy: str):
     data = tmp_path / "data.jsonl"
     if not data.exists():
         rng = random.Random(1)
@@ -24,7 +24,7 @@ def _config(tmp_path, name: str):
         "adapter": {"type": "lora", "lora_r": 4},
         "training": {"max_steps": STEPS, "save_steps": 4, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
         "optimizer": {"learning_rate": 5e-3},
-        "distributed": {"strategy": "fsdp"},
+        "distributed": {"strategy": strategy},
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
     }
     path = tmp_path / f"{name}.yml"
@@ -32,8 +32,9 @@ def _config(tmp_path, name: str):
     return path
 
 
-def test_a_killed_two_process_fsdp_run_resumes_to_the_uninterrupted_losses(tmp_path):
-    done = kill_and_resume(_config(tmp_path, "straight"), _config(tmp_path, "killed"), child_env(), kill_after=4, timeout_s=300)
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_losses(tmp_path, strategy):
+    done = kill_and_resume(_config(tmp_path, "straight", strategy), _config(tmp_path, "killed", strategy), child_env(), kill_after=4, timeout_s=300)
     want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
     after = list(range(done + 1, STEPS + 1))
     assert after, "the kill came after the last step"
