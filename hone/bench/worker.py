@@ -247,8 +247,9 @@ def peak_host_gib() -> float | None:
 
 def compile_cache_dir(condition: Condition, spec_file: Path) -> Path:
     """An empty directory (``cold``), or the bench run's shared one (``shared``), for Inductor's
-    caches; set through TORCHINDUCTOR_CACHE_DIR before anything compiles, so no row's cold start
-    is shortened by kernels an earlier row (or an earlier bench) left on the machine."""
+    and Triton's caches; set through TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR before anything
+    compiles, so no row's cold start is shortened by kernels an earlier row (or an earlier bench)
+    left on the machine."""
     if condition.compile_cache == "shared":
         path = spec_file.parent / "inductor-shared"
         path.mkdir(exist_ok=True)
@@ -262,7 +263,10 @@ def main(argv: list[str]) -> int:
     condition = next(c for c in spec.conditions if c.name == condition_name)
     cache = compile_cache_dir(condition, Path(spec_file))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    os.environ.pop("TRITON_CACHE_DIR", None)  # Triton's kernels then live under the same directory
+    # Triton's kernels too, hone's own included: without this, hone's kernels compiled before
+    # Inductor first runs (any eager row) use ~/.triton/cache, warm from earlier rows and runs,
+    # while Inductor points TRITON_CACHE_DIR at its own cache once it loads a compiled graph.
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
     from hone.train.distributed import close_world, init_world, world_from_env
 
     world = world_from_env()  # torchrun's, for an nproc > 1 condition
