@@ -15,7 +15,12 @@ attention and every expert), and prints:
   (with the bypass reasons), recompile reasons;
 - Triton compiles seen by Triton's compilation listener (Inductor's kernels and hone's), grouped
   by kernel, and hone's kernel autotuning (time and configs timed per tuning key);
-- with ``--cprofile FILE``: the first step under cProfile (the top functions by cumulative time).
+- with ``--cprofile FILE``: the model build and the first step under cProfile (the top
+  functions by cumulative time).
+
+Inductor compiles its own Triton kernels in worker processes, which Triton's listener in this
+process does not see (their time is in the frames' "triton compile" column); hone's kernels
+compile in this process, on their first launch.
 
 Caches: ``--cache-dir DIR`` points Inductor's and Triton's on-disk caches at ``DIR`` (created;
 reuse it in a second run to measure warm caches), ``--cold`` at a fresh empty directory (the
@@ -80,6 +85,7 @@ class _TritonWatch:
 
     def __init__(self) -> None:
         self.compiles: dict[str, list[float]] = defaultdict(list)  # kernel -> compile seconds
+        self.variants: dict[str, list[str]] = defaultdict(list)  # kernel -> constexprs of each compile
         self.autotunes: list[dict[str, Any]] = []
         self.active = False
 
@@ -96,21 +102,31 @@ class _TritonWatch:
         if autotuning is not None and hasattr(autotuning, "listener"):
             autotuning.listener = self._on_autotune
 
-    def _on_compile(self, *, src: Any, metadata: dict, metadata_group: dict, times: Any, cache_hit: bool) -> None:
-        name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
-        self.compiles[f"{name}{' (cache hit)' if cache_hit else ''}"].append(times.total / 1e6)
+    def _on_compile(self, *args: Any, **kw: Any) -> None:
+        try:  # a listener must never break the compile it watches
+            src, metadata = kw.get("src"), kw.get("metadata") or {}
+            name = getattr(src, "name", None) or str(metadata.get("name", "?"))
+            label = f"{name}{' (cache hit)' if kw.get('cache_hit') else ''}"
+            seconds = kw["times"].total / 1e6
+            self.compiles[label].append(seconds)
+            self.variants[label].append(str(getattr(src, "constexprs", ""))[:400])
+        except Exception as exc:  # noqa: BLE001
+            self.compiles[f"(listener failed: {type(exc).__name__})"].append(0.0)
 
-    def _on_autotune(self, *, fn: Any, key: tuple, best_config: Any, configs_timings: dict, duration: float | None, cache_hit: bool) -> None:
-        self.autotunes.append(
-            {
-                "kernel": getattr(fn, "__name__", str(fn)),
-                "key": [str(k) for k in key],
-                "configs_timed": len(configs_timings or {}),
-                "seconds": duration,
-                "cache_hit": cache_hit,
-                "best": str(best_config),
-            }
-        )
+    def _on_autotune(self, *args: Any, **kw: Any) -> None:
+        try:
+            self.autotunes.append(
+                {
+                    "kernel": getattr(kw.get("fn"), "__name__", str(kw.get("fn"))),
+                    "key": [str(k) for k in kw.get("key") or ()],
+                    "configs_timed": len(kw.get("configs_timings") or {}),
+                    "seconds": kw.get("duration"),
+                    "cache_hit": kw.get("cache_hit"),
+                    "best": str(kw.get("best_config")),
+                }
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.autotunes.append({"kernel": f"(listener failed: {type(exc).__name__})", "key": [], "configs_timed": 0, "seconds": 0, "cache_hit": None, "best": ""})
 
 
 def _metrics_since(start: int) -> list[Any]:
@@ -297,7 +313,10 @@ def main() -> None:
         out += ["", "## cProfile of model build + first step (cumulative)", "", "```", buf.getvalue(), "```"]
     print("\n".join(out))
     if args.json:
-        args.json.write_text(json.dumps({"step_times_s": step_times, "totals_s": totals, "autotunes": watch.autotunes, "bypass": dict(bypass.reasons)}, indent=1))
+        args.json.write_text(json.dumps(
+                {"step_times_s": step_times, "totals_s": totals, "autotunes": watch.autotunes, "bypass": dict(bypass.reasons), "triton_compiles": {k: {"seconds": v, "constexprs": watch.variants[k]} for k, v in watch.compiles.items()}},
+                indent=1,
+            ))
 
 
 if __name__ == "__main__":
