@@ -123,3 +123,28 @@ def test_autotuning_when_asked_for_times_several_tiles_and_matches_the_reference
     assert len(getattr(grouped_mm_kernel, "configs_timings", None) or {}) > 1
     too_far = {n: (e, plain_bf16[n]) for n, e in errors.items() if e > 1.5 * plain_bf16[n] + 2e-3 or e > 3e-2}
     assert not too_far, f"(kernel, plain bf16) relative errors: {too_far}"
+
+
+@pytest.mark.parametrize("layout_name", ["qwen3_moe", "gpt_oss"])
+def test_the_first_launch_finds_every_kernel_variant_compiled_ahead(layout_name):
+    """precompile_projection compiles, in its thread pool, every variant the forward and the
+    backward then launch: no Triton compile (or cache load) happens on the launching thread.
+    Dimensions not divisible by 16 give specialisations no other test compiled."""
+    import threading
+
+    from triton import knobs
+
+    layout = QWEN3_MOE if layout_name == "qwen3_moe" else GPT_OSS
+    case = make_case(layout, 200, 200, 72, 6, 2, 16, 1, 7, 0.02, layout is GPT_OSS, device="cuda")
+    trainable = {n for n in LORA | FULL if case["tensors"].get(n) is not None}
+    threads: list[str] = []
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: threads.append(threading.current_thread().name)
+    try:
+        got = run(moe_experts, case, trainable, dtype=torch.bfloat16)
+    finally:
+        knobs.compilation.listener = previous
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert threads, "nothing was compiled: the test no longer sees fresh specialisations"
+    on_launch = [t for t in threads if not t.startswith("hone-moe-compile")]
+    assert not on_launch, f"{len(on_launch)} of {len(threads)} compiles happened at launch"

@@ -100,3 +100,17 @@ def test_autotuning_times_the_fitting_configs_and_the_default_one_tile(monkeypat
     monkeypatch.delenv(moe_lora_triton.AUTOTUNE_ENV)
     (only,) = moe_lora_triton._prune("mm", configs, None, 2048, QWEN, 2)
     assert (only.kwargs, only.num_warps, only.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4)
+
+
+def test_nothing_is_compiled_ahead_under_the_interpreter_or_when_switched_off(monkeypatch):
+    import torch
+
+    from hone.kernels import moe_lora
+
+    x = torch.randn(4, 8)
+    args = (x, None, torch.tensor([4], dtype=torch.int32), torch.randn(1, 8, 8), False, None, None, None, 1.0)
+    monkeypatch.setenv(moe_lora.PRECOMPILE_ENV, "0")
+    assert moe_lora.precompile_projection(*args) is False
+    monkeypatch.delenv(moe_lora.PRECOMPILE_ENV)
+    if moe_lora.INTERPRET or moe_lora.triton is None:
+        assert moe_lora.precompile_projection(*args) is False
