@@ -134,6 +134,8 @@ def test_the_first_launch_finds_every_kernel_variant_compiled_ahead(layout_name)
 
     from triton import knobs
 
+    if not hasattr(knobs.compilation, "listener"):
+        pytest.skip("this triton has no compilation listener")
     layout = QWEN3_MOE if layout_name == "qwen3_moe" else GPT_OSS
     case = make_case(layout, 200, 200, 72, 6, 2, 16, 1, 7, 0.02, layout is GPT_OSS, device="cuda")
     trainable = {n for n in LORA | FULL if case["tensors"].get(n) is not None}
