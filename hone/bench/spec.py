@@ -87,7 +87,7 @@ class Condition(Section):
     the spec's one-process hone row."""
 
     compile_cache: Literal["cold", "shared"] = "cold"
-    """Inductor's cache for this row: ``cold`` starts from an empty directory (the first-step
+    """Inductor's and Triton's caches for this row: ``cold`` starts from an empty directory (the first-step
     time is a true cold start); ``shared`` uses one directory for all ``shared`` rows of this
     bench run, so a row repeating an earlier row's config measures a second run's start."""
 

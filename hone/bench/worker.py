@@ -247,8 +247,9 @@ def peak_host_gib() -> float | None:
 
 def compile_cache_dir(condition: Condition, spec_file: Path) -> Path:
     """An empty directory (``cold``), or the bench run's shared one (``shared``), for Inductor's
-    caches; set through TORCHINDUCTOR_CACHE_DIR before anything compiles, so no row's cold start
-    is shortened by kernels an earlier row (or an earlier bench) left on the machine."""
+    and Triton's caches; set through TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR before anything
+    compiles, so no row's cold start is shortened by kernels an earlier row (or an earlier bench)
+    left on the machine."""
     if condition.compile_cache == "shared":
         path = spec_file.parent / "inductor-shared"
         path.mkdir(exist_ok=True)
@@ -256,13 +257,21 @@ def compile_cache_dir(condition: Condition, spec_file: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="hone-inductor-"))
 
 
+def use_compile_cache(cache: Path) -> None:
+    """Point Inductor's caches and Triton's at ``cache`` (before anything compiles). Triton's
+    too, hone's own kernels included: left unset, hone's kernels compiled before Inductor first
+    loads a compiled graph (every eager row) use ~/.triton/cache, warm from earlier rows and
+    runs, while Inductor points TRITON_CACHE_DIR at its own cache as soon as it loads one."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+
+
 def main(argv: list[str]) -> int:
     spec_file, condition_name, replicate, result_file = argv
     spec = BenchSpec.model_validate_json(Path(spec_file).read_text())
     condition = next(c for c in spec.conditions if c.name == condition_name)
     cache = compile_cache_dir(condition, Path(spec_file))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    os.environ.pop("TRITON_CACHE_DIR", None)  # Triton's kernels then live under the same directory
+    use_compile_cache(cache)
     from hone.train.distributed import close_world, init_world, world_from_env
 
     world = world_from_env()  # torchrun's, for an nproc > 1 condition

@@ -30,6 +30,8 @@ traces the forward and the backward without looking inside a kernel.
 
 from __future__ import annotations
 
+import os
+import warnings
 
 import torch
 
@@ -80,17 +82,27 @@ def grouped_mm(
     view costs nothing), ``lora_b`` ``[E, N, r]``, ``xa`` ``[S, r]``; ``rows`` None reads ``x``'s
     rows in order (then ``S = x.shape[0]``). Rows outside ``0:ends[-1]`` are left unwritten."""
     _check_available(x, "moe_grouped_mm")
-    num_experts, k_dim, n_dim = weight.shape
+    num_experts, _, n_dim = weight.shape
     s = rows.shape[0] if rows is not None else x.shape[0]
     y = torch.empty(s, n_dim, dtype=x.dtype, device=x.device)
     if s == 0 or n_dim == 0:
         return y
+    grid, args, kwargs = _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling, y, s)
+    grouped_mm_kernel[grid](*args, **kwargs)
+    return y
+
+
+def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch.Tensor, s: int) -> tuple:
+    """(grid, args, kwargs) of one :func:`grouped_mm` launch writing ``y``, a contiguous
+    ``[s, N]`` (its strides are taken as such, so :func:`precompile_projection` can pass any
+    tensor of its dtype); shared by the launch and the precompile, so both specialise alike."""
+    num_experts, k_dim, n_dim = weight.shape
     has_lora = xa is not None and lora_b is not None
     rank = xa.shape[1] if has_lora else 0
     dummy = ends  # any tensor: the kernel never reads a pointer whose flag is off
     cast_f32, precision = _launch_flags(x.dtype)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) + num_experts, triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
-    grouped_mm_kernel[grid](
+    args = (
         x, x.stride(0), x.stride(1),
         rows if rows is not None else dummy,
         ends, num_experts,
@@ -106,8 +118,10 @@ def grouped_mm(
         lora_b.stride(1) if has_lora else 0,
         lora_b.stride(2) if has_lora else 0,
         float(scaling),
-        y, y.stride(0), y.stride(1),
+        y, n_dim, 1,
         n_dim, k_dim, rank, rows_bucket(s, num_experts),
+    )
+    kwargs = dict(
         GATHER=rows is not None,
         HAS_BIAS=bias is not None,
         HAS_LORA=has_lora,
@@ -116,7 +130,7 @@ def grouped_mm(
         CAST_F32=cast_f32,
         PRECISION=precision,
     )
-    return y
+    return grid, args, kwargs
 
 
 @grouped_mm.register_fake
@@ -141,29 +155,116 @@ def grouped_wgrad(
     accumulated in float32 and rounded once to ``out_dtype``; zeros for an empty expert."""
     _check_available(a, "moe_grouped_wgrad")
     num_experts = ends.shape[0]
-    m_dim, n_dim = a.shape[1], b.shape[1]
-    out = torch.empty(num_experts, m_dim, n_dim, dtype=out_dtype, device=a.device)
+    out = torch.empty(num_experts, a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
+    s = rows.shape[0] if rows is not None else a.shape[0]
+    grid, args, kwargs = _wgrad_launch(a, b, rows, gather_a, gather_b, ends, scale, out, s)
+    grouped_wgrad_kernel[grid](*args, **kwargs)
+    return out
+
+
+def _wgrad_launch(a, b, rows, gather_a: bool, gather_b: bool, ends, scale: float, out: torch.Tensor, s: int) -> tuple:
+    """(grid, args, kwargs) of one :func:`grouped_wgrad` launch writing ``out``, a contiguous
+    ``[E, M, N]`` (strides taken as such), over ``s`` sorted rows (see :func:`_mm_launch`)."""
+    num_experts = ends.shape[0]
+    m_dim, n_dim = a.shape[1], b.shape[1]
     cast_f32, precision = _launch_flags(a.dtype)
     grid = lambda meta: (num_experts, triton.cdiv(m_dim, meta["BLOCK_M"]), triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
-    grouped_wgrad_kernel[grid](
+    args = (
         a, a.stride(0), a.stride(1),
         b, b.stride(0), b.stride(1),
         rows if rows is not None else ends, ends,
-        out, out.stride(0), out.stride(1), out.stride(2),
-        m_dim, n_dim, float(scale), rows_bucket(rows.shape[0] if rows is not None else a.shape[0], num_experts),
-        GATHER_A=gather_a,
-        GATHER_B=gather_b,
-        CAST_F32=cast_f32,
-        PRECISION=precision,
+        out, m_dim * n_dim, n_dim, 1,
+        m_dim, n_dim, float(scale), rows_bucket(s, num_experts),
     )
-    return out
+    return grid, args, dict(GATHER_A=gather_a, GATHER_B=gather_b, CAST_F32=cast_f32, PRECISION=precision)
 
 
 @grouped_wgrad.register_fake
 def _(a, b, rows, gather_a, gather_b, ends, scale, out_dtype):
     return a.new_empty(ends.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling every kernel variant of a projection at once, in parallel.
+
+PRECOMPILE_ENV = "HONE_MOE_PRECOMPILE"
+_precompiled: set[tuple] = set()
+
+
+def _precompile_key(x, rows, ends, weight, transposed, bias, lora_a, lora_b) -> tuple:
+    """What decides which kernel variants a projection launches (shapes, strides, dtypes, flags:
+    Triton specialises on dtypes, on strides equal to 1 or divisible by 16, and on constexprs)."""
+    def t(v):
+        return None if v is None else (v.dtype, tuple(v.shape[1:]), v.stride())
+
+    s = rows.shape[0] if rows is not None else x.shape[0]
+    return (x.device, t(x), rows is None, ends.shape[0], rows_bucket(s, ends.shape[0]), t(weight), transposed,
+            t(bias), t(lora_a), t(lora_b), weight.requires_grad)
+
+
+def precompile_projection(x, rows, ends, weight, transposed: bool, bias, lora_a, lora_b, scaling: float) -> bool:
+    """Compile, in parallel, every grouped-kernel variant one projection's forward and backward
+    launch (``x A^T``, the base GEMM, ``dY B``, ``dX``, ``dA``, ``dB``, and ``dW`` when the weight
+    requires grad) with the tile each launch will take, through Triton's ``AsyncCompileMode``
+    and a thread pool. Without it each variant compiles when first launched, one after the
+    other, in the first step (about a dozen compiles for a LoRA step; Triton's compiler spends
+    most of its time outside Python, so threads overlap). The launch arguments come from the
+    same helpers as the real launches (:func:`_mm_launch`, :func:`_wgrad_launch`), with one-row
+    stand-ins for tensors that do not exist yet (the kernels specialise on strides, dtypes and
+    alignment, not on sizes), so the real launches find their kernels compiled. Returns whether
+    it compiled; a failure here is ignored (the launch compiles, and reports, as before)."""
+    if INTERPRET or not x.is_cuda or os.environ.get(PRECOMPILE_ENV, "1") == "0" or not hasattr(triton, "AsyncCompileMode"):
+        return False
+    key = _precompile_key(x, rows, ends, weight, transposed, bias, lora_a, lora_b)
+    if key in _precompiled:
+        return False
+    _precompiled.add(key)
+    try:
+        _compile_variants(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling)
+    except Exception as exc:  # noqa: BLE001 - only a head start; the launches compile what is missing
+        warnings.warn(f"hone: compiling the MoE kernels ahead failed ({type(exc).__name__}: {exc}); they compile when launched", stacklevel=2)
+    return True
+
+
+def _compile_variants(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = rows.shape[0] if rows is not None else x.shape[0]
+    w_in_out = weight if transposed else weight.transpose(1, 2)
+    n_in, n_out = w_in_out.shape[1], w_in_out.shape[2]
+    has_lora = lora_a is not None and lora_b is not None
+
+    def stand_in(cols: int, dtype: torch.dtype = x.dtype) -> torch.Tensor:
+        return torch.empty(1, cols, dtype=dtype, device=x.device)
+
+    def out(dtype: torch.dtype) -> torch.Tensor:  # a wgrad output: strides come from its shape
+        return torch.empty(1, dtype=dtype, device=x.device)
+
+    mm, wgrad = [], []
+    xa = dxa = None
+    dy = stand_in(n_out)
+    if has_lora:
+        xa, dxa = stand_in(lora_a.shape[1]), stand_in(lora_a.shape[1])
+        mm.append(_mm_launch(x, rows, ends, lora_a.transpose(1, 2), None, None, None, 0.0, xa, s))
+        mm.append(_mm_launch(dy, None, ends, lora_b, None, None, None, 0.0, dxa, s))
+    mm.append(_mm_launch(x, rows, ends, w_in_out, bias, xa, lora_b if has_lora else None, scaling, stand_in(n_out), s))
+    a_t = lora_a.transpose(1, 2) if has_lora else None
+    mm.append(_mm_launch(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0, stand_in(n_in), s))
+    if has_lora:
+        wgrad.append(_wgrad_launch(dxa, x, rows, False, rows is not None, ends, 1.0, out(lora_a.dtype), s))
+        wgrad.append(_wgrad_launch(dy, xa, None, False, False, ends, scaling, out(lora_b.dtype), s))
+    if weight.requires_grad:
+        if transposed:
+            wgrad.append(_wgrad_launch(x, dy, rows, rows is not None, False, ends, 1.0, out(weight.dtype), s))
+        else:
+            wgrad.append(_wgrad_launch(dy, x, rows, False, rows is not None, ends, 1.0, out(weight.dtype), s))
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, thread_name_prefix="hone-moe-compile") as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+        for kernel, launches in ((grouped_mm_kernel, mm), (grouped_wgrad_kernel, wgrad)):
+            for grid, args, kwargs in launches:
+                kernel.warmup(*args, grid=grid, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +285,7 @@ def _moe_lora_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [S, out], xa [S, r] or empty): see :func:`moe_lora_linear`. ``xa`` is returned (not
     differentiable) so the backward reuses it for ``dB`` instead of recomputing ``x A^T``."""
+    precompile_projection(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling)
     w_in_out = weight if transposed else weight.transpose(1, 2)
     if lora_a is None or lora_b is None:
         return grouped_mm(x, rows, ends, w_in_out, bias, None, None, 0.0), x.new_empty(0)

@@ -27,6 +27,11 @@ own launch it costs one more read of ``x`` and about ``r / N`` of the base GEMM'
 (weights, LoRA A and B gradients), one program per (expert, M tile, N tile), its K loop running
 over that expert's rows only; an empty expert's block is written as zeros.
 
+Tiles: by default each launch takes one tile chosen from the problem's shape
+(:func:`heuristic_tile`), so the first step compiles each kernel variant once and times
+nothing; ``HONE_MOE_AUTOTUNE=1`` autotunes instead, over the configs whose tiles fit the problem
+(timings kept in Triton's on-disk cache). ``scripts/moe_tiles.py`` compares the two on a GPU.
+
 Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot products run in float32
 (the interpreter's dot does not take bfloat16) and one autotune config is tried. The
 interpreter also rounds float32 to bfloat16 by truncation (GPUs round to nearest even), twice
@@ -42,12 +47,34 @@ from hone.kernels.triton_support import tl, triton
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+AUTOTUNE_ENV = "HONE_MOE_AUTOTUNE"
+
+
+def autotuning() -> bool:
+    """Whether the kernels autotune (``HONE_MOE_AUTOTUNE=1``) instead of taking the tile
+    :func:`heuristic_tile` picks from the problem's shape. Read when a new problem shape is
+    first seen, so it can be set any time before the first step. Never under the interpreter."""
+    return not INTERPRET and os.environ.get(AUTOTUNE_ENV) == "1"
+
+
 def _configs(small: list[tuple[int, int, int, int, int]]):
     """Autotune configs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); exactly one
     under the interpreter, where every extra config is minutes of CPU."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for m, n, k, w, s in small]
+        return [_INTERPRET_CONFIG]
+    return [_config(tile) for tile in small]
+
+
+_CONFIG_CACHE: dict[tuple[int, int, int, int, int], object] = {}
+
+
+def _config(tile: tuple[int, int, int, int, int]):
+    """One ``triton.Config`` per tile (the same object each time: the autotuner's cache and the
+    launcher compare configs)."""
+    if tile not in _CONFIG_CACHE:
+        m, n, k, w, s = tile
+        _CONFIG_CACHE[tile] = triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    return _CONFIG_CACHE[tile]
 
 
 # Tiles for H100-class GPUs: 128x128 and 64x128 with BLOCK_K 64 cover the MoE shapes (2I and H
@@ -73,30 +100,88 @@ _WGRAD_TILES = [
     (128, 16, 64, 4, 3),  # dB at r <= 16
 ]
 
+#: Average rows per expert from which the grouped GEMMs take 128-row tiles rather than 64. A
+#: row tile never spans two experts, so each expert wastes about half a tile: 64-row tiles
+#: waste 25% at 128 rows per expert (qwen3-30b-a3b at seq 2048: 2048 x 8 / 128) and 12.5% at
+#: 256 (gpt-oss-20b at seq 2048: 2048 x 4 / 32), 128-row ones twice that; from 512 rows the
+#: waste of both is small and the bigger tile's better reuse of the weight tile wins.
+BIG_TILE_ROWS = 512
 
-def _fitting(configs: list, m: int | None, n: int) -> list:
-    """The configs whose tiles overshoot the problem least (a 128-wide tile over a rank-16
-    dimension computes 8x the useful work): all of them for full-size problems, the rank-sized
-    ones for LoRA's rank dimension. Autotuning then times only the plausible ones, which keeps
-    the first step short."""
-    def waste(cfg) -> float:
-        over_m = 1.0 if m is None else max(1.0, cfg.kwargs["BLOCK_M"] / max(16, _pow2(m)))
-        return over_m * max(1.0, cfg.kwargs["BLOCK_N"] / max(16, _pow2(n)))
 
-    least = min(waste(cfg) for cfg in configs)
-    return [cfg for cfg in configs if waste(cfg) == least]
+def _fitting(tiles: list, m: int | None, n: int) -> list:
+    """The tiles (``(BLOCK_M, BLOCK_N, ...)`` tuples or configs) that overshoot the problem
+    least (a 128-wide tile over a rank-16 dimension computes 8x the useful work): all of them
+    for full-size problems, the rank-sized ones for LoRA's rank dimension."""
+    def dims(tile) -> tuple[int, int]:
+        if isinstance(tile, tuple):
+            return tile[0], tile[1]
+        return tile.kwargs["BLOCK_M"], tile.kwargs["BLOCK_N"]
+
+    def waste(tile) -> float:
+        block_m, block_n = dims(tile)
+        over_m = 1.0 if m is None else max(1.0, block_m / max(16, _pow2(m)))
+        return over_m * max(1.0, block_n / max(16, _pow2(n)))
+
+    least = min(waste(tile) for tile in tiles)
+    return [tile for tile in tiles if waste(tile) == least]
+
+
+def heuristic_tile(kernel: str, m: int | None, n: int, rows_per_expert: int, element_size: int) -> tuple[int, int, int, int, int]:
+    """The one tile a kernel launches with when not autotuning, from the problem's shape.
+
+    ``kernel`` is ``"mm"`` (forward and input-gradient GEMMs: ``m`` None, ``n`` the output
+    width) or ``"wgrad"`` (``m``, ``n`` the gradient's dimensions). Rank-sized problems get the
+    rank-sized tile (what pruning left autotuning anyway: there is only one); full-size grouped
+    GEMMs get a 128-wide N tile with 64 rows, or 128 from :data:`BIG_TILE_ROWS` rows per expert
+    (``rows_per_expert``: the autotune key's power-of-two bucket); full-size weight gradients
+    (full fine-tune) 128x128. Four-byte inputs (float32, IEEE dots) halve ``BLOCK_K``: the same
+    tile's operands take twice the shared memory."""
+    tiles = _MM_TILES if kernel == "mm" else _WGRAD_TILES
+    fitting = _fitting(tiles, m, n)
+    tile = fitting[0]
+    if kernel == "mm" and len(fitting) > 1:
+        want_m = 128 if rows_per_expert >= BIG_TILE_ROWS else 64
+        tile = next((t for t in fitting if t[0] == want_m and t[1] == 128), tile)
+    if element_size >= 4 and tile[2] > 32:
+        tile = (tile[0], tile[1], 32, tile[3], tile[4])
+    return tile
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _prune(kernel: str, configs: list, m: int | None, n: int, rows_per_expert: int, element_size: int) -> list:
+    """What the autotuner times for a new key: the one heuristic tile (nothing is timed, one
+    compile), the least-overshooting configs under ``HONE_MOE_AUTOTUNE=1``, the interpreter's
+    single config under ``TRITON_INTERPRET=1``."""
+    if INTERPRET:
+        return configs
+    if autotuning():
+        return _fitting(configs, m, n)
+    return [_config(heuristic_tile(kernel, m, n, rows_per_expert, element_size))]
+
+
 def _prune_mm(configs: list, named_args: dict, **kwargs) -> list:
-    return _fitting(configs, None, named_args["N"])
+    return _prune("mm", configs, None, named_args["N"], named_args["ROWS_BUCKET"], named_args["x_ptr"].element_size())
 
 
 def _prune_wgrad(configs: list, named_args: dict, **kwargs) -> list:
-    return _fitting(configs, named_args["M"], named_args["N"])
+    return _prune("wgrad", configs, named_args["M"], named_args["N"], named_args["ROWS_BUCKET"], named_args["a_ptr"].element_size())
+
+
+def _bench(kernel_call, quantiles):
+    """Autotuning's timing (``HONE_MOE_AUTOTUNE=1``): a shorter budget than Triton's default
+    (25 ms warm-up, 100 ms of repeats per config), still dozens of runs of a ~1 ms kernel."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotune_options() -> dict:
+    """``cache_results``: autotuned timings kept in Triton's on-disk cache, so a second run with
+    warm caches does not time again (where this triton has the option)."""
+    import inspect
+
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
 def rows_bucket(rows: int, experts: int) -> int:
@@ -110,6 +195,9 @@ grouped_wgrad_kernel = None
 
 
 if triton is not None:
+    import triton.testing  # noqa: F401 - _bench
+
+    _INTERPRET_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)
 
     @triton.jit
     def _expert_of_tile(pid_m, ends_ptr, num_experts, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -129,9 +217,9 @@ if triton is not None:
 
     @triton.autotune(
         configs=_configs(_MM_TILES), key=["N", "K", "ROWS_BUCKET", "HAS_LORA"],
-        prune_configs_by={"early_config_prune": _prune_mm},
+        prune_configs_by={"early_config_prune": _prune_mm}, do_bench=_bench, **_autotune_options(),
     )
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS_BUCKET"])
     def grouped_mm_kernel(
         x_ptr, stride_xm, stride_xk,
         rows_ptr,
@@ -196,9 +284,9 @@ if triton is not None:
 
     @triton.autotune(
         configs=_configs(_WGRAD_TILES), key=["M", "N", "ROWS_BUCKET"],
-        prune_configs_by={"early_config_prune": _prune_wgrad},
+        prune_configs_by={"early_config_prune": _prune_wgrad}, do_bench=_bench, **_autotune_options(),
     )
-    @triton.jit
+    @triton.jit(do_not_specialize=["ROWS_BUCKET"])
     def grouped_wgrad_kernel(
         a_ptr, stride_as, stride_am,
         b_ptr, stride_bs, stride_bn,

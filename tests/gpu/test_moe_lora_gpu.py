@@ -4,6 +4,10 @@ same per-expert loop run in plain bf16 PyTorch, plus 2e-3, and <= 3e-2) and in f
 (<= 1e-4: IEEE float32 dots, no TF32), both layouts, and under Inductor with
 ``torch.compile(fullgraph=True)``. Skipped without a GPU.
 
+The kernels launch with one tile per problem chosen from its shape (no autotuning: each kernel
+variant compiles once), float32 included, which keeps this file to well under two minutes;
+``HONE_MOE_AUTOTUNE=1`` (autotuning over every fitting config) is checked at a small shape.
+
 Shapes: one layer of qwen3-30b-a3b (hidden 2048, expert intermediate 768, 128 experts, top-8,
 4096 tokens: seq 2048 x 2) and of gpt-oss-20b (hidden 2880, intermediate 2880, 32 experts,
 top-4, 2048 tokens), LoRA r16; routing skewed so some experts get many rows and some none."""
@@ -103,3 +107,46 @@ def test_empty_experts_get_zero_weight_gradient():
     for name in ("gate_up", "down", "gu_A", "gu_B"):
         assert got[name][empty].abs().max().item() == 0.0
         assert got[name][: 128 - 3].abs().max().item() > 0.0
+
+
+def test_autotuning_when_asked_for_times_several_tiles_and_matches_the_reference(monkeypatch):
+    """HONE_MOE_AUTOTUNE=1 at a shape no other test uses (new autotune keys): several configs
+    are timed, and the picked tiles compute what the float32 reference does (bf16 bounds as above)."""
+    from hone.kernels.moe_lora_triton import AUTOTUNE_ENV, grouped_mm_kernel
+
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    case = make_case(QWEN3_MOE, 384, 256, 128, 8, 2, 16, 1, 5, 0.02, False, device="cuda", skew=0.9)
+    trainable = {n for n in LORA if case["tensors"].get(n) is not None}
+    expected = _reference(case, trainable, torch.bfloat16)
+    plain_bf16 = _rel_norm(_reference(case, trainable, torch.bfloat16, compute_dtype=torch.bfloat16), expected)
+    errors = _rel_norm(run(moe_experts, case, trainable, dtype=torch.bfloat16), expected)
+    assert len(getattr(grouped_mm_kernel, "configs_timings", None) or {}) > 1
+    too_far = {n: (e, plain_bf16[n]) for n, e in errors.items() if e > 1.5 * plain_bf16[n] + 2e-3 or e > 3e-2}
+    assert not too_far, f"(kernel, plain bf16) relative errors: {too_far}"
+
+
+@pytest.mark.parametrize("layout_name", ["qwen3_moe", "gpt_oss"])
+def test_the_first_launch_finds_every_kernel_variant_compiled_ahead(layout_name):
+    """precompile_projection compiles, in its thread pool, every variant the forward and the
+    backward then launch: no Triton compile (or cache load) happens on the launching thread.
+    Dimensions not divisible by 16 give specialisations no other test compiled."""
+    import threading
+
+    from triton import knobs
+
+    if not hasattr(knobs.compilation, "listener"):
+        pytest.skip("this triton has no compilation listener")
+    layout = QWEN3_MOE if layout_name == "qwen3_moe" else GPT_OSS
+    case = make_case(layout, 200, 200, 72, 6, 2, 16, 1, 7, 0.02, layout is GPT_OSS, device="cuda")
+    trainable = {n for n in LORA | FULL if case["tensors"].get(n) is not None}
+    threads: list[str] = []
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = lambda **kw: threads.append(threading.current_thread().name)
+    try:
+        got = run(moe_experts, case, trainable, dtype=torch.bfloat16)
+    finally:
+        knobs.compilation.listener = previous
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert threads, "nothing was compiled: the test no longer sees fresh specialisations"
+    on_launch = [t for t in threads if not t.startswith("hone-moe-compile")]
+    assert not on_launch, f"{len(on_launch)} of {len(threads)} compiles happened at launch"

@@ -118,3 +118,13 @@ def test_bench_rows_get_a_cold_or_a_shared_inductor_cache(tmp_path):
     assert cold_a != cold_b and not any(cold_a.iterdir())
     shared = [compile_cache_dir(Condition(name=n, compile_cache="shared"), spec_file) for n in "cd"]
     assert shared[0] == shared[1] == tmp_path / "inductor-shared" and shared[0].is_dir()
+
+
+def test_bench_rows_keep_triton_kernels_in_their_compile_cache(monkeypatch, tmp_path):
+    from hone.bench.worker import use_compile_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    monkeypatch.setenv(CACHE_ENV, "/somewhere/else")
+    use_compile_cache(tmp_path)
+    assert os.environ[CACHE_ENV] == str(tmp_path)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
