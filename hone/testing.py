@@ -249,3 +249,31 @@ def run_hooks(model: torch.nn.Module, loss: str = "standard", device: str = "cpu
     cfg = tiny_config(Path("unused"), performance={"loss": loss})
     facts = RunFacts(torch.device(device))
     return plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+
+
+def offload_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and trainable gradients of one micro-batch (``labels = ids``), through the offload
+    seam as the loop calls it, so every checkpointing policy (offload's side streams included)
+    is compared on the same path. On CUDA the host waits for the device before the gradients
+    are copied."""
+    from hone.transforms.checkpointing import offload_step_context
+
+    model.zero_grad(set_to_none=True)
+    with offload_step_context(model):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class OneProjection(torch.nn.Module):
+    """A model of one linear layer named ``proj``, for PEFT to wrap (``target_modules=["proj"]``)
+    when a test needs a single LoRA layer around a given base layer."""
+
+    def __init__(self, proj: torch.nn.Module) -> None:
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)

@@ -9,16 +9,9 @@ from torch import nn
 
 from fsdp_harness import full, save, spawn
 
+from hone.testing import OneProjection
+
 WORLD = 2
-
-
-class _One(nn.Module):
-    def __init__(self, proj: nn.Module) -> None:
-        super().__init__()
-        self.proj = proj
-
-    def forward(self, x):
-        return self.proj(x)
 
 
 def _lora_layer():
@@ -28,7 +21,7 @@ def _lora_layer():
 
     torch.manual_seed(0)
     base = nn.Linear(64, 32)
-    layer = get_peft_model(_One(base), LoraConfig(r=4, lora_alpha=8, target_modules=["proj"])).base_model.model.proj
+    layer = get_peft_model(OneProjection(base), LoraConfig(r=4, lora_alpha=8, target_modules=["proj"])).base_model.model.proj
     nn.init.normal_(layer.lora_B["default"].weight, std=0.1)
     layer.base_layer = Fp8FrozenLinear(base, "rowwise")
     return layer

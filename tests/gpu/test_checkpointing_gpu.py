@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.testing import sdpa_llama, tiny_tokenizer
+from hone.testing import offload_step, sdpa_llama, tiny_tokenizer
 from hone.transforms.checkpointing import apply_activation_checkpointing, memory_budget_context, offload_step_context, offloader_for
 from hone.transforms.compile import compile_regional
 
@@ -35,14 +35,6 @@ def _ids(vocab):
     return torch.randint(7, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(34)).cuda()
 
 
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    with offload_step_context(model):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    torch.cuda.synchronize()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _assert_same(got, want, tol=1e-5):
     for name, ref in want.items():
         err = (got[name] - ref).abs().max() / ref.abs().max()
@@ -59,7 +51,7 @@ def test_policy_gives_the_gradients_of_none_on_cuda(policy, adapter, compiled, t
     reference = _model(tok, adapter)
     if compiled:
         compile_regional(reference, PerformanceConfig(torch_compile=True), dynamic=False)
-    want = _grads(reference, ids)
+    want = offload_step(reference, ids)[1]
     model = _model(tok, adapter)
     budgeted = policy == "selective" and compiled  # under Inductor: the compiler's memory budget (planner)
     if not budgeted:
@@ -68,7 +60,7 @@ def test_policy_gives_the_gradients_of_none_on_cuda(policy, adapter, compiled, t
         compile_regional(model, PerformanceConfig(torch_compile=True), dynamic=False)
     for _ in range(2):  # the second step reuses the pinned host cache and the compiled graphs
         with memory_budget_context(0.3) if budgeted else contextlib.nullcontext():
-            grads = _grads(model, ids)
+            grads = offload_step(model, ids)[1]
         _assert_same(grads, want, tol=1e-4 if compiled else 1e-5)
     if policy == "offload":
         stats = offloader_for(model).stats
@@ -109,8 +101,8 @@ def test_offload_holds_pinned_host_copies_and_frees_device_memory(tok):
 
 def test_offload_without_side_streams_gives_the_same_gradients(tok):
     ids = _ids(len(tok))
-    want = _grads(_model(tok, "full"), ids)
+    want = offload_step(_model(tok, "full"), ids)[1]
     model = _model(tok, "full")
     apply_activation_checkpointing(model, "offload", use_streams=False)
-    _assert_same(_grads(model, ids), want)
+    _assert_same(offload_step(model, ids)[1], want)
     assert offloader_for(model).stats.packed == LAYERS

@@ -20,11 +20,11 @@ import socket
 
 import pytest
 import torch
-from torch import nn
 from rich.console import Console
 
 from hone.config import parse_config
 from hone.kernels.fp8_linear import fp8_linear_reference, quantize_frozen_weight
+from hone.testing import OneProjection
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,17 +44,6 @@ def _rel(a, b):
 # ---------------------------------------------------------------- the frozen-base LoRA layer
 
 
-class _One(nn.Module):
-    """A model of one linear layer, for PEFT to wrap."""
-
-    def __init__(self, proj: nn.Module) -> None:
-        super().__init__()
-        self.proj = proj
-
-    def forward(self, x):
-        return self.proj(x)
-
-
 @pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
 def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mode):
     from peft import LoraConfig, get_peft_model
@@ -65,7 +54,7 @@ def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mo
     tokens, k, n, r = 4096, 4096, 14_336, 16  # llama3-8b's up_proj, seq 4096
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     base.weight.data.normal_(0, 0.02)
-    lora = get_peft_model(_One(base), LoraConfig(r=r, lora_alpha=32, target_modules=["proj"])).base_model.model.proj.to("cuda")
+    lora = get_peft_model(OneProjection(base), LoraConfig(r=r, lora_alpha=32, target_modules=["proj"])).base_model.model.proj.to("cuda")
     for p in (lora.lora_A["default"].weight, lora.lora_B["default"].weight):
         p.data.normal_(0, 0.02)  # B random: zero B makes A's gradient zero
     x = torch.randn(2, tokens // 2, k, device="cuda", dtype=torch.bfloat16)

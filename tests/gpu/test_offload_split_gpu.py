@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.testing import sdpa_llama, tiny_tokenizer
+from hone.testing import offload_step, sdpa_llama, tiny_tokenizer
 from hone.transforms.checkpointing import apply_activation_checkpointing, offload_step_context, offloader_for
 from hone.transforms.compile import compile_regional
 
@@ -29,14 +29,6 @@ def _model(tok, adapter):
     return sdpa_llama(tok, adapter, seed=41, layers=LAYERS, hidden=HIDDEN, seq=SEQ).cuda().train()
 
 
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    with offload_step_context(model):
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    torch.cuda.synchronize()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("adapter", ["lora", "full"])
 @pytest.mark.parametrize("offloaded", [2, 4])
@@ -45,13 +37,13 @@ def test_a_partial_offload_gives_the_gradients_of_none_on_cuda(offloaded, adapte
     reference = _model(tok, adapter)
     if compiled:
         compile_regional(reference, PerformanceConfig(torch_compile=True), dynamic=False)
-    want = _grads(reference, ids)
+    want = offload_step(reference, ids)[1]
     model = _model(tok, adapter)
     apply_activation_checkpointing(model, "offload", offload_layers=offloaded)
     if compiled:
         compile_regional(model, PerformanceConfig(torch_compile=True), dynamic=False)
     for _ in range(2):
-        grads = _grads(model, ids)
+        grads = offload_step(model, ids)[1]
         for name, ref in want.items():
             err = (grads[name] - ref).abs().max() / ref.abs().max()
             assert err <= (1e-4 if compiled else 1e-5), f"{name}: relative difference {err:.2e}"

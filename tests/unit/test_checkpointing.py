@@ -16,7 +16,7 @@ from hone.config.loader import dump_config
 from hone.config.memory import choose_auto_policy
 from hone.config.performance import PerformanceConfig
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
-from hone.testing import packed_document_logits, random_documents, tiny_model, with_random_lora
+from hone.testing import offload_step, packed_document_logits, random_documents, tiny_model, with_random_lora
 from hone.transforms.checkpointing import (
     SAVED_OPS,
     CheckpointingError,
@@ -120,15 +120,6 @@ def _ids(seed, batch=2, length=24):
     return torch.randint(7, 300, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _step(model, ids):
-    """Loss and gradients of one micro-batch, through the offload seam as the loop will call it."""
-    model.zero_grad(set_to_none=True)
-    with offload_step_context(model):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _assert_same_grads(got, want, tol=1e-5):
     assert got.keys() == want.keys() and want
     for name, ref in want.items():
@@ -141,12 +132,12 @@ def _assert_same_grads(got, want, tol=1e-5):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3-moe"])
 def test_every_policy_gives_the_gradients_of_none(preset, adapter, tokenizer):
     ids = _ids(seed=21)
-    loss_ref, ref = _step(_model(preset, tokenizer, adapter), ids)
+    loss_ref, ref = offload_step(_model(preset, tokenizer, adapter), ids)
     for policy in POLICIES:
         model = _model(preset, tokenizer, adapter)
         record = apply_activation_checkpointing(model, policy, offload_min_bytes=1)
         assert record["policy"] == policy and record["layers"] == len(decoder_layers(model)) == 2
-        loss, grads = _step(model, ids)
+        loss, grads = offload_step(model, ids)
         torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
         _assert_same_grads(grads, ref)
         if adapter == "lora":
@@ -160,13 +151,13 @@ def test_every_policy_composes_with_regional_compile(policy, adapter, tokenizer)
     """Checkpointing first, then compile (the planner's order): the checkpoint and a selective
     policy are traced into each compiled layer; offload still sees exactly the layer inputs."""
     ids = _ids(seed=22)
-    _, ref = _step(_model("tiny-llama", tokenizer, adapter), ids)
+    _, ref = offload_step(_model("tiny-llama", tokenizer, adapter), ids)
     model = _model("tiny-llama", tokenizer, adapter)
     apply_activation_checkpointing(model, policy, offload_min_bytes=1)
     torch._dynamo.reset()
     compile_regional(model, PerformanceConfig(torch_compile=True, torch_compile_backend="aot_eager"), dynamic=False)
     for _ in range(2):  # the second step runs the cached graphs
-        _, grads = _step(model, ids)
+        _, grads = offload_step(model, ids)
         _assert_same_grads(grads, ref)
     if policy == "offload":  # with LoRA, layer 0's input is a leaf that autograd holds anyway
         stats = offloader_for(model).stats

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hone.config.memory import MemoryConfig
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.transforms.checkpointing import apply_activation_checkpointing, offload_step_context, offloader_for
+from hone.testing import offload_step, tiny_model, tiny_tokenizer, with_random_lora
+from hone.transforms.checkpointing import apply_activation_checkpointing, offloader_for
 from hone.transforms.offload import OffloadActivations
 
 LAYERS = 3
@@ -28,23 +28,15 @@ def _model(tokenizer, adapter):
     return model.train()
 
 
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
-    with offload_step_context(model):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 @pytest.mark.parametrize("adapter", ["lora", "full"])
 @pytest.mark.parametrize("kept_on_host", [0, 1, 2])
 def test_a_partial_offload_gives_the_gradients_of_no_checkpointing(adapter, kept_on_host, tokenizer):
     ids = torch.randint(7, 300, (2, 20), generator=torch.Generator().manual_seed(34))
-    loss_ref, ref = _step(_model(tokenizer, adapter), ids)
+    loss_ref, ref = offload_step(_model(tokenizer, adapter), ids)
     model = _model(tokenizer, adapter)
     record = apply_activation_checkpointing(model, "offload", offload_min_bytes=1, offload_layers=kept_on_host)
     assert record["offload"]["layers_offloaded"] == kept_on_host
-    loss, grads = _step(model, ids)
+    loss, grads = offload_step(model, ids)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
     assert grads.keys() == ref.keys() and ref
     for name, want in ref.items():
