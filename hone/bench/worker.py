@@ -149,6 +149,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
 
         run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
+        from hone.train.allocator import configure_allocator
         from hone.train.run import run_training
 
         with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
@@ -163,6 +164,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
             else:
                 _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu))  # every rank reads its own part
             cfg = _hone_config(spec, condition, workdir, data_file)
+            configure_allocator(cfg, device.type)  # as hone train does, before CUDA starts
             estimated_gib = _estimated_peak_gib(cfg, device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()

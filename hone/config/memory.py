@@ -49,6 +49,14 @@ class MemoryConfig(Section):
     36 of them do not fit a 128 GiB host). An integer: at most that many (0: none, which is
     ``full``). ``hone plan`` prints the split and the host memory it takes."""
 
+    expandable_segments: Literal["auto"] | bool = "auto"
+    """CUDA only: let torch's caching allocator grow one virtual segment instead of reserving
+    separate ones (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), so freed memory is
+    reusable whatever the size of the next tensor. At long context, GiB-sized activations of
+    changing sizes otherwise fragment the reserved memory (qwen3-8b at 256K ran out with 31 GiB
+    reserved but unusable). ``auto``: on from 32,768 tokens a micro-batch. A setting already in
+    the environment (``PYTORCH_CUDA_ALLOC_CONF``) is left as it is."""
+
     gradient_checkpointing: bool | None = None
     """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is
     ``none``. Set one of the two keys, not both with different meanings."""

@@ -35,6 +35,7 @@ from hone.track.report import format_report
 from hone.track.tracker import TENSORBOARD_DIR
 from hone.track.trackers import abandon_trackers, start_trackers
 from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
+from hone.train.allocator import configure_allocator
 from hone.train.device import resolve_device
 from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
 from hone.train.loop import LoopResult, StepMetrics, train_loop
@@ -123,6 +124,8 @@ def run_training(
 
     Launched by ``torchrun`` (``WORLD_SIZE`` set), this process is one rank of a data-parallel
     run: ``device`` is then its local GPU (or the CPU, with ``device="cpu"``)."""
+    # the allocator's settings are read when CUDA initialises: before anything touches the GPU
+    configure_allocator(cfg, torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     device = resolve_device(device)
     world = world_from_env()
     check_launch(cfg, world, device.type)  # more processes than GPUs, strategy none: before anything loads

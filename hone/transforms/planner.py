@@ -88,6 +88,27 @@ class Applied:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------- the CUDA allocator
+
+
+def _allocator_choice(cfg: HoneConfig, facts: RunFacts):
+    from hone.train.allocator import allocator_choice
+
+    return allocator_choice(cfg, facts.device.type)
+
+
+ALLOCATOR = Transform(
+    name="allocator",
+    switch="memory.expandable_segments",
+    # configured by run_training before CUDA starts (hone.train.allocator); recorded here
+    wanted=lambda cfg, facts: _allocator_choice(cfg, facts).expandable,
+    why=lambda cfg, facts: _allocator_choice(cfg, facts).why,
+    stage="base",
+    model=lambda model, cfg, facts: _allocator_choice(cfg, facts).record(),
+    label=lambda details: "allocator (expandable segments)",
+)
+
+
 # ---------------------------------------------------------------- 1. attention kernel
 
 
@@ -442,6 +463,7 @@ def _fsdp_module():
 
 #: Every transform, in the order they are applied (see the module docstring for why).
 TRANSFORMS: tuple[Transform, ...] = (
+    ALLOCATOR,
     ATTENTION,
     QUANTIZE,
     EXPERTS,
