@@ -492,11 +492,27 @@ def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: 
         if layer.experts_trainable:
             per_token += c * k * (h + im)
     else:
-        intermediate = max((lf.out_features for lf in layer.linears if lf.site == "mlp_in"), default=m.intermediate)
-        if any(lf.name == "gate_up_proj" for lf in layer.linears):
-            intermediate //= 2
-        per_token += (2 if compiled else 3) * c * intermediate  # gate, up (+ activation)
+        per_token += (2 if compiled else 3) * c * _dense_intermediate(layer, m)  # gate, up (+ activation)
     return LayerBytes(per_token, per_key, fixed)
+
+
+def _dense_intermediate(layer: LayerFacts, m: ModelFacts) -> int:
+    """The dense MLP's intermediate width (the gate/up projection's output, halved for a fused
+    gate_up projection); 0 for an MoE block."""
+    if layer.moe:
+        return 0
+    intermediate = max((lf.out_features for lf in layer.linears if lf.site == "mlp_in"), default=m.intermediate)
+    if any(lf.name == "gate_up_proj" for lf in layer.linears):
+        intermediate //= 2
+    return intermediate
+
+
+def mlp_backward_bytes_per_token(layer: LayerFacts, m: ModelFacts) -> int:
+    """Bytes per token an untiled dense MLP's backward holds beyond its saved activations: the
+    gradient of its ``[tokens x intermediate]`` activation, alive beside the saved gate and up
+    until their own gradients are formed (calibrated on qwen3-8b rows at 64K and 256K tokens,
+    whose measured peaks were 1.7 and 7.7 GiB above the estimate without it)."""
+    return m.compute_bytes * _dense_intermediate(layer, m)
 
 
 def mlp_bytes_per_token(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str) -> int:
@@ -641,8 +657,12 @@ def estimate_memory(
     tiled = shards >= 2
 
     full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
-    # while the tiled MLP differentiates one shard (inside a layer's backward)
-    transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers) if tiled else 0
+    # while the tiled MLP differentiates one shard (inside a layer's backward); untiled, the
+    # gradient of the MLP's intermediate activation beside what the layer saved
+    if tiled:
+        transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers)
+    else:
+        transient = max(mlp_backward_bytes_per_token(layer, m) for layer in m.layers) * tokens
     late_extra: int | None = None  # GPU bytes beside the stored ones late in the step (default gpu_extra)
     if checkpointing == "none":
         stored_each, recompute, gpu_extra = full, 0, 0
