@@ -23,12 +23,12 @@ from hone.transforms.card import device_memory, host_memory
 from hone.transforms.estimate import AUTO_MARGIN as MARGIN
 from hone.transforms.estimate import (
     GIB,
-    HOST_BASE_BYTES,
     HOST_MARGIN,
     POLICIES,
     auto_tiled_shards,
     decide_tiled_mlp,
     estimate_memory,
+    host_process_bytes,
     loss_of,
     model_facts,
     offload_split,
@@ -179,7 +179,7 @@ def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None 
     layers -= 0 if facts.embedding_trainable else 1
     count = offload_split(layers, input_bytes, "auto", host_budget)
     block = pinned_block(input_bytes)
-    need = f"{layers} x {block / GIB:.2f} GiB pinned + {HOST_BASE_BYTES / GIB:.0f} GiB for the process"
+    need = f"{layers} x {block / GIB:.2f} GiB pinned + {host_process_bytes(input_bytes) / GIB:.1f} GiB for the process"
     if count >= layers:
         return None, f"offload_layers: auto: all {layers} layers' inputs on the host ({need} fits {source} less a {HOST_MARGIN:.0%} margin)"
     return count, (

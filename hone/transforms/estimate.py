@@ -28,7 +28,7 @@ How each part is counted
   (reported as ``host``, in power-of-two blocks as torch's pinned allocator rounds them), all of
   them or, when the host cannot hold them (``memory.offload_layers``, :func:`offload_split`),
   the first ones, keeping the others on the GPU; two are on the GPU while the backward walks the
-  offloaded ones. ``host_total`` adds the process's own resident memory (:data:`HOST_BASE_BYTES`).
+  offloaded ones. ``host_total`` adds the process's own resident memory (:func:`host_process_bytes`).
 * **FSDP** (``param_shards``): weights, gradients and optimizer state divided over the
   processes, plus two layers' weights gathered whole.
 * **Tiled MLP** (``memory.tiled_mlp``): the MLP keeps only its input; while the backward
@@ -68,8 +68,19 @@ WORKSPACE_FRACTION = 0.005
 
 #: Host memory of a training process that offloads nothing (resident set): the torch/CUDA
 #: libraries and the CUDA context's host side, Python, the tokenizer and the data. Set from
-#: ``hone bench`` rows' peak RSS at short lengths on an H100 machine (docs/long-context.md).
-HOST_BASE_BYTES = 6 * GIB
+#: ``hone bench`` rows' peak RSS at short lengths on an H100 machine (1.9 GiB at 2K tokens).
+HOST_BASE_BYTES = 2 * GIB
+
+#: Beyond that and the pinned blocks, an ``offload`` run's resident memory grows by about this
+#: many layer inputs (``tokens x hidden`` in the compute dtype): calibrated on qwen3-8b
+#: ``offload`` rows on an H100 machine (peak RSS 4.2, 21.3 and 79.9 GiB at 8K, 64K and 256K
+#: tokens, of which 2.2, 17.5 and 70 GiB pinned blocks).
+HOST_INPUTS_BEYOND_PINNED = 4
+
+
+def host_process_bytes(input_bytes: int) -> int:
+    """The process's host memory besides its pinned blocks, for layer inputs of ``input_bytes``."""
+    return HOST_BASE_BYTES + HOST_INPUTS_BEYOND_PINNED * input_bytes
 
 #: The share of the host's memory an offload split may not use (the page cache, other
 #: processes, and the allocator's rounding beyond what :func:`pinned_block` counts).
@@ -87,13 +98,13 @@ def offload_split(layers: int, input_bytes: int, asked: int | Literal["auto"], h
     """How many layers' inputs the ``offload`` policy moves to the host: ``asked`` when it is a
     count (at most ``layers``); for ``auto`` every layer's when ``host_budget`` (bytes of host
     memory; None: unlimited) holds them, else as many pinned blocks as fit it less
-    :data:`HOST_MARGIN` and :data:`HOST_BASE_BYTES`. The others stay on the GPU."""
+    :data:`HOST_MARGIN` and the process's own (:func:`host_process_bytes`). The others stay on the GPU."""
     if asked != "auto":
         return max(0, min(int(asked), layers))
     block = pinned_block(input_bytes)
     if host_budget is None or block == 0:
         return layers
-    room = int(host_budget * (1 - HOST_MARGIN)) - HOST_BASE_BYTES
+    room = int(host_budget * (1 - HOST_MARGIN)) - host_process_bytes(input_bytes)
     return max(0, min(layers, room // block))
 
 
@@ -208,11 +219,13 @@ class MemoryEstimate:
     offloaded_layers: int = 0
     """``offload``: layers whose saved input is in pinned host memory (the rest on the GPU)."""
     host_total: int = 0
-    """The process's host memory (resident, pinned included): :data:`HOST_BASE_BYTES` + ``host``."""
+    """The process's host memory (resident, pinned included): :func:`host_process_bytes` + ``host``."""
     param_shards: int = 1
     """Processes the weights, gradients and optimizer state are sharded over (FSDP)."""
     layers: int = 0
     """Decoder layers of the model."""
+    tiled_layers: int = 0
+    """Chunks each decoder layer is computed in (0: whole; :mod:`hone.transforms.tiled_layers`)."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -515,6 +528,29 @@ def mlp_backward_bytes_per_token(layer: LayerFacts, m: ModelFacts) -> int:
     return m.compute_bytes * _dense_intermediate(layer, m)
 
 
+#: ``memory.tiled_layers: auto``'s chunk: about this many tokens per chunk of a tiled layer
+#: (large enough that each chunk's matmuls and attention run at full speed, small enough that one
+#: chunk's activations are a few GiB for an 8B model).
+TILED_LAYER_CHUNK_TOKENS = 32_768
+
+
+def auto_layer_chunks(sequence_len: int) -> int:
+    """``memory.tiled_layers: auto``'s chunk count: about :data:`TILED_LAYER_CHUNK_TOKENS` tokens
+    of each row per chunk; at least 2."""
+    return max(2, -(-sequence_len // TILED_LAYER_CHUNK_TOKENS))
+
+
+def tiled_layer_state_bytes(m: ModelFacts, tokens: int) -> int:
+    """What a tiled layer (:mod:`hone.transforms.tiled_layers`) holds for the whole sequence while
+    its backward walks the chunks: the keys and values of every position ([tokens x kv width],
+    compute dtype), their gradient sums (float32), the prefix of keys and values each chunk
+    attends to (copied together with the chunk's own) and its gradient. The layer's input
+    gradient it fills chunk by chunk is the one any layer's backward produces (counted with the
+    residual stream's gradient)."""
+    c, kv = m.compute_bytes, m.kv_heads * m.head_dim
+    return tokens * 2 * kv * (c + 4 + c + c)
+
+
 def mlp_bytes_per_token(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str) -> int:
     """Bytes per token the untiled MLP keeps for its backward beyond what the tiled one keeps
     (its ``[tokens x intermediate]`` activations, LoRA intermediates, routed tokens)."""
@@ -630,6 +666,7 @@ def estimate_memory(
     offload_layers: int | Literal["auto"] | None = None,
     host_budget: int | None = None,
     param_shards: int = 1,
+    tiled_layers: int | Literal["auto"] = 0,
 ) -> MemoryEstimate:
     """Peak memory of one training step of ``cfg`` under ``checkpointing``
     (``none``/``full``/``selective``/``offload``) and ``loss``, without loading weights.
@@ -641,6 +678,9 @@ def estimate_memory(
     ``memory.offload_layers``, ``auto`` decided on ``host_budget`` bytes of host memory
     (:func:`offload_split`). ``param_shards``: processes FSDP shards the weights, gradients and
     optimizer state over (each holds a ``1/param_shards`` share, plus two layers gathered whole).
+    ``tiled_layers`` (``full``/``offload``): each layer computed and rebuilt in that many chunks of
+    the sequence (``auto``: :func:`auto_layer_chunks`; 0: whole), so the layer rebuilt in the
+    backward holds one chunk's activations plus :func:`tiled_layer_state_bytes`.
     """
     if checkpointing not in POLICIES:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
@@ -653,16 +693,21 @@ def estimate_memory(
     attention = cfg.model.attn_implementation
     c, h = m.compute_bytes, m.hidden
     input_bytes = c * tokens * h  # one layer's saved input (checkpointing)
-    shards = auto_tiled_shards(tokens, h) if tiled_mlp == "auto" else int(tiled_mlp)
+    chunks = auto_layer_chunks(seq) if tiled_layers == "auto" else int(tiled_layers)
+    if chunks < 2 or checkpointing not in ("full", "offload"):
+        chunks = 0
+    # what one rebuilt layer processes at a time: a chunk of every row, or the whole micro-batch
+    piece = mbs * -(-seq // chunks) if chunks else tokens
+    shards = auto_tiled_shards(piece, h) if tiled_mlp == "auto" else int(tiled_mlp)
     tiled = shards >= 2
 
     full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
     # while the tiled MLP differentiates one shard (inside a layer's backward); untiled, the
     # gradient of the MLP's intermediate activation beside what the layer saved
     if tiled:
-        transient = max(tiled_mlp_transient(layer, m, tokens, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers)
+        transient = max(tiled_mlp_transient(layer, m, piece, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers)
     else:
-        transient = max(mlp_backward_bytes_per_token(layer, m) for layer in m.layers) * tokens
+        transient = max(mlp_backward_bytes_per_token(layer, m) for layer in m.layers) * piece
     late_extra: int | None = None  # GPU bytes beside the stored ones late in the step (default gpu_extra)
     if checkpointing == "none":
         stored_each, recompute, gpu_extra = full, 0, 0
@@ -689,6 +734,9 @@ def estimate_memory(
         recompute, gpu_extra = max(full), (2 * input_bytes if offloaded else 0)
         if kept_after:  # the copies back start once the kept layers are done and freed
             late_extra = 0
+    if chunks:  # the rebuilt layer: one chunk's activations, the whole sequence's K/V state
+        chunk_bytes = max(layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(piece, seq) for layer in m.layers)
+        recompute = chunk_bytes + tiled_layer_state_bytes(m, tokens)
     stored = sum(stored_each) + (gpu_extra if late_extra is None else late_extra)
     offloaded = offloaded if checkpointing == "offload" else 0
     host = offloaded * pinned_block(input_bytes)
@@ -746,9 +794,10 @@ def estimate_memory(
         trainable_params=m.trainable_params,
         notes=tuple(notes),
         tiled_mlp=shards if tiled else 0,
-        tiled_transient=transient,
+        tiled_transient=transient if tiled else 0,
+        tiled_layers=chunks,
         offloaded_layers=offloaded,
-        host_total=HOST_BASE_BYTES + host,
+        host_total=host_process_bytes(input_bytes if checkpointing == "offload" else 0) + host,
         param_shards=param_shards,
         layers=len(full),
         **parts,
@@ -770,6 +819,7 @@ def longest_sequence(
     offload_layers: int | Literal["auto"] | None = None,
     host_budget: int | None = None,
     param_shards: int = 1,
+    tiled_layers: int | Literal["auto"] = 0,
 ) -> int:
     """The longest ``sequence_len`` (a multiple of ``multiple``) whose estimated peak fits
     ``budget_bytes`` on the GPU and, when ``host_budget`` is given, whose host memory
@@ -791,6 +841,7 @@ def longest_sequence(
             offload_layers=offload_layers,
             host_budget=host_budget,
             param_shards=param_shards,
+            tiled_layers=tiled_layers,
         )
         return est.total <= budget_bytes and (host_budget is None or est.host_total <= host_budget)
 

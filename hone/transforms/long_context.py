@@ -30,6 +30,8 @@ class LongestRow:
     longest: int
     at_longest: MemoryEstimate | None
     """The estimate at ``longest`` (GPU peak, host memory, the offload split)."""
+    layers_tiled: bool = False
+    """``memory.tiled_layers: auto``: each layer in sequence chunks (full and offload only)."""
 
 
 def longest_table(
@@ -42,41 +44,29 @@ def longest_table(
     param_shards: int = 1,
 ) -> list[LongestRow]:
     """For every checkpointing policy x tiled MLP (off, ``auto``'s shard count at each length) x
-    loss in ``losses``: the longest sequence whose estimated GPU peak fits ``budget`` bytes and
+    loss in ``losses``, and for ``full`` and ``offload`` with tiled layers too (``auto``'s chunk
+    count, tiled MLP, the last loss of ``losses``): the longest sequence whose estimated GPU peak fits ``budget`` bytes and
     whose host memory fits ``host_budget`` (None: unlimited), with ``offload_layers`` as the
     config sets it (``auto``: the split that fits the host). Offload only on CUDA."""
-    rows = []
+    combos: list[tuple[str, bool, LossKind, bool]] = []
     for policy in POLICIES:
         if policy == "offload" and device != "cuda":
             continue
-        for tiled in (False, True):
-            for loss in losses:
-                shards: int | str = "auto" if tiled else 0
-                longest = longest_sequence(
-                    cfg,
-                    policy,
-                    loss,
-                    budget,
-                    device=device,
-                    multiple=MULTIPLE,
-                    limit=LIMIT,
-                    tiled_mlp=shards,  # type: ignore[arg-type]
-                    host_budget=host_budget,
-                    param_shards=param_shards,
-                )
-                at = None
-                if longest:
-                    at = estimate_memory(
-                        cfg,
-                        checkpointing=policy,
-                        loss=loss,
-                        sequence_len=longest,
-                        device=device,
-                        tiled_mlp=shards,  # type: ignore[arg-type]
-                        host_budget=host_budget,
-                        param_shards=param_shards,
-                    )
-                rows.append(LongestRow(policy, tiled, loss, longest, at))
+        combos += [(policy, tiled, loss, False) for tiled in (False, True) for loss in losses]
+        if policy in ("full", "offload"):  # tiled layers: the furthest combination only
+            combos.append((policy, True, losses[-1], True))
+    rows = []
+    for policy, tiled, loss, layers_tiled in combos:
+        extra = {
+            "device": device,
+            "tiled_mlp": "auto" if tiled else 0,
+            "host_budget": host_budget,
+            "param_shards": param_shards,
+            "tiled_layers": "auto" if layers_tiled else 0,
+        }
+        longest = longest_sequence(cfg, policy, loss, budget, multiple=MULTIPLE, limit=LIMIT, **extra)  # type: ignore[arg-type]
+        at = estimate_memory(cfg, checkpointing=policy, loss=loss, sequence_len=longest, **extra) if longest else None  # type: ignore[arg-type]
+        rows.append(LongestRow(policy, tiled, loss, longest, at, layers_tiled))
     return rows
 
 
@@ -90,7 +80,7 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
     """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory)."""
     host = f"{host_budget / GIB:.0f} GiB host ({host_source})" if host_budget else "unlimited host memory"
     out = [f"Longest sequence that fits {budget / GIB:.1f} GiB of GPU and {host} (estimate, micro-batch as configured):"]
-    header = ["checkpointing", "tiled MLP", "loss", "longest", "GPU peak", "host", "layers offloaded"]
+    header = ["checkpointing", "tiled MLP", "tiled layers", "loss", "longest", "GPU peak", "host", "layers offloaded"]
     table = []
     for r in rows:
         est = r.at_longest
@@ -98,6 +88,7 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
             [
                 r.checkpointing,
                 f"auto ({est.tiled_mlp})" if r.tiled and est is not None else ("auto" if r.tiled else "off"),
+                f"auto ({est.tiled_layers})" if r.layers_tiled and est is not None else ("auto" if r.layers_tiled else "off"),
                 r.loss,
                 f"{r.longest:,}" if r.longest else "none",
                 f"{est.total / GIB:.1f}" if est else "-",
@@ -106,13 +97,13 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
             ]
         )
     widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
-    line = lambda cells: "  " + "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
+    line = lambda cells: "  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
     out += [line(header), "  " + "  ".join("-" * w for w in widths), *(line(x) for x in table)]
     best = best_row(rows)
     if best is not None:
         out.append(
             f"  furthest: {best.longest:,} tokens with checkpointing {best.checkpointing}, tiled MLP "
-            f"{'auto' if best.tiled else 'off'}, {best.loss} loss"
+            f"{'auto' if best.tiled else 'off'}, tiled layers {'auto' if best.layers_tiled else 'off'}, {best.loss} loss"
         )
     return out
 

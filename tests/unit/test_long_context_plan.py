@@ -10,10 +10,14 @@ from hone.transforms.estimate import (
     GIB,
     HOST_BASE_BYTES,
     HOST_MARGIN,
+    host_process_bytes,
+    auto_layer_chunks,
     estimate_memory,
     longest_sequence,
+    model_facts,
     offload_split,
     pinned_block,
+    tiled_layer_state_bytes,
 )
 from hone.transforms.long_context import best_row, longest_table, render_longest
 
@@ -42,7 +46,7 @@ def test_offload_split_keeps_what_the_host_cannot_hold():
     block = 4 * GIB  # qwen3-8b's layer input at 512K tokens
     assert offload_split(36, block, "auto", None) == 36
     assert offload_split(36, block, "auto", 1024 * GIB) == 36
-    room = int(128 * GIB * (1 - HOST_MARGIN)) - HOST_BASE_BYTES
+    room = int(128 * GIB * (1 - HOST_MARGIN)) - host_process_bytes(block)
     assert offload_split(36, block, "auto", 128 * GIB) == room // block < 36
     assert offload_split(36, block, 5, 128 * GIB) == 5  # a count is taken as written
     assert offload_split(36, block, 99, None) == 36
@@ -56,7 +60,7 @@ def test_a_split_moves_memory_from_the_host_to_the_gpu():
     one_input = 2 * 8192 * 64  # bf16 x tokens x hidden of tiny-llama
     assert [e.offloaded_layers for e in est.values()] == [0, 3, 5]
     assert [e.host for e in est.values()] == [0, 3 * pinned_block(one_input), 5 * pinned_block(one_input)]
-    assert all(e.host_total == HOST_BASE_BYTES + e.host for e in est.values())
+    assert all(e.host_total == host_process_bytes(one_input) + e.host for e in est.values())
     # the kept layers' inputs are on the GPU (two more while the offloaded ones come back)
     assert est[0].activations > est[3].activations >= est[6].activations
     full = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
@@ -68,7 +72,7 @@ def test_a_split_moves_memory_from_the_host_to_the_gpu():
 def test_auto_split_follows_the_host_budget():
     cfg = _cfg(seq=8192)
     block = pinned_block(2 * 8192 * 64)
-    host = HOST_BASE_BYTES + 3 * block
+    host = host_process_bytes(2 * 8192 * 64) + 3 * block
     want = offload_split(3, block, "auto", host)  # layer 0's input stays (LoRA)
     est = estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", host_budget=host)
     assert est.offloaded_layers == want < 3
@@ -116,15 +120,19 @@ def test_longest_sequence_respects_the_host():
 
 def test_longest_table_orders_the_switches():
     rows = longest_table(_cfg("qwen3-8b"), 80 * GIB, 128 * GIB)
-    assert len(rows) == 4 * 2 * 2
-    by = {(r.checkpointing, r.tiled, r.loss): r.longest for r in rows}
+    assert len(rows) == 4 * 2 * 2 + 2  # and full / offload with tiled layers
+    by = {(r.checkpointing, r.tiled, r.loss): r.longest for r in rows if not r.layers_tiled}
+    layered = {r.checkpointing: r for r in rows if r.layers_tiled}
+    assert set(layered) == {"full", "offload"}
+    for policy, row in layered.items():  # chunked layers rebuild less: they reach further
+        assert row.longest > by[(policy, True, "fused_linear_ce")] and row.at_longest.tiled_layers >= 2
     for tiled in (False, True):
         for loss in ("standard", "fused_linear_ce"):
             assert by[("none", tiled, loss)] <= by[("full", tiled, loss)] <= by[("offload", tiled, loss)]
     assert by[("full", False, "standard")] < by[("full", False, "fused_linear_ce")]
     assert by[("offload", False, "fused_linear_ce")] < by[("offload", True, "fused_linear_ce")]
     best = best_row(rows)
-    assert (best.checkpointing, best.tiled, best.loss) == ("offload", True, "fused_linear_ce")
+    assert (best.checkpointing, best.tiled, best.loss, best.layers_tiled) == ("offload", True, "fused_linear_ce", True)
     assert best.at_longest.total <= 80 * GIB and best.at_longest.host_total <= 128 * GIB
     text = "\n".join(render_longest(rows, 80 * GIB, 128 * GIB, "--host-memory"))
     assert "furthest" in text and "layers offloaded" in text and f"{best.longest:,}" in text
@@ -148,3 +156,17 @@ def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
     assert "--host-memory: 'lots' is not a memory size" in capsys.readouterr().err
     assert main([*args, "--seq-len", "2"]) != 0
     assert "--seq-len 2" in capsys.readouterr().err
+
+
+def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
+    cfg = _cfg("qwen3-8b", seq=524288)
+    est = {k: estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", tiled_mlp="auto", tiled_layers=k, host_budget=128 * GIB) for k in (0, 4, 16, "auto")}
+    assert est[0].tiled_layers == 0 and est[4].tiled_layers == 4 and est["auto"].tiled_layers == auto_layer_chunks(524288) == 16
+    assert est[0].recompute > est[4].recompute > est[16].recompute > tiled_layer_state_bytes(model_facts(cfg), 524288)
+    assert est[16].total < est[4].total < est[0].total
+    # the state: keys and values (bf16), their float32 gradient sums, the prefix copy and its gradient
+    kv = 8 * 128
+    assert tiled_layer_state_bytes(model_facts(cfg), 1000) == 1000 * 2 * kv * (2 + 4 + 2 + 2)
+    # a tiled layer is a checkpoint: other policies are estimated whole
+    for policy in ("none", "selective"):
+        assert estimate_memory(cfg, checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096).tiled_layers == 0
