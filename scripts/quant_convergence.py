@@ -35,14 +35,20 @@ from hone.config.loader import apply_overrides
 from hone.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "head_dim": 64}
+def small_model(hidden: int = 512, layers: int = 8) -> dict[str, int]:
+    """A small Qwen3 of width ``hidden`` (heads of 64, intermediate 3x): with ``hidden`` a multiple
+    of 512 every linear layer is a multiple of NF4's 16,384-weight groups."""
+    return {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 128), "head_dim": 64}
+
+
+SMALL = small_model()
 BUILTIN_MODES = {"bf16": [], "nf4": ["model.quantize=nf4"]}
 
 
-def _raw(out_dir: Path, steps: int, seed: int) -> dict[str, Any]:
+def _raw(out_dir: Path, steps: int, seed: int, shape: dict[str, int] = SMALL) -> dict[str, Any]:
     return {
-        "model": {"preset": "tiny-qwen3", "preset_overrides": SMALL, "dtype": "bfloat16"},
+        "model": {"preset": "tiny-qwen3", "preset_overrides": shape, "dtype": "bfloat16"},
         "data": {"datasets": [{"path": str(ROOT / "examples/data/chat_sample.jsonl"), "type": "chat"}],
                  "sequence_len": 256, "val_set_size": 0.05, "dataset_prepared_path": str(out_dir / "prepared")},
         "adapter": {"type": "lora", "lora_r": 32, "lora_alpha": 32, "lora_target_modules": "all-linear"},
@@ -83,17 +89,22 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these modes (bf16 always runs: it is the reference)")
     parser.add_argument("--out", type=Path, default=Path("runs/quant-convergence"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=512, help="width of the small Qwen3 (a multiple of 512)")
+    parser.add_argument("--layers", type=int, default=8, help="its decoder layers")
     args = parser.parse_args()
+    if args.hidden % 512:
+        raise SystemExit(f"--hidden {args.hidden}: must be a multiple of 512 (NF4 groups of 16,384 weights)")
+    shape = small_model(args.hidden, args.layers)
 
     modes = dict(BUILTIN_MODES)
     modes.update(_parse_mode(m) for m in args.mode)
     if args.only:
         modes = {k: v for k, v in modes.items() if k == "bf16" or k in args.only}
     args.out.mkdir(parents=True, exist_ok=True)
-    raw = _raw(args.out, args.steps, args.seed)
+    raw = _raw(args.out, args.steps, args.seed, shape)
     base_note = "random preset, head trained in full"
     if args.pretrain_steps > 0:
-        pre_raw = _raw(args.out, args.pretrain_steps, args.seed)
+        pre_raw = _raw(args.out, args.pretrain_steps, args.seed, shape)
         pre_raw["adapter"] = {"type": "none"}
         pre_raw["optimizer"]["learning_rate"] = 2e-3
         print(f"pretraining the base: {args.pretrain_steps} full bf16 steps ...", flush=True)
@@ -102,7 +113,7 @@ def main() -> None:
         base_note = f"base: {args.pretrain_steps} full bf16 steps from random (eval loss {pre['eval']:.4f})"
     else:
         raw["adapter"]["lora_modules_to_save"] = ["lm_head"]
-        raw["model"]["preset_overrides"] = {**SMALL, "tie_word_embeddings": False}
+        raw["model"]["preset_overrides"] = {**shape, "tie_word_embeddings": False}
 
     results = {}
     for name, overrides in modes.items():
@@ -114,7 +125,7 @@ def main() -> None:
 
     ref = results.get("bf16", {}).get("eval")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{device}; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n")
+    print(f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n")
     print("| mode | overrides | final eval loss | rel. diff vs bf16 | tok/s | peak GiB |")
     print("|---|---|---:|---:|---:|---:|")
     for name, r in results.items():

@@ -911,6 +911,57 @@ def decide_tiled_mlp(
     )
 
 
+def configured_layer_chunks(cfg: HoneConfig) -> int | None:
+    """``memory.tiled_layers`` as a chunk count: None for ``auto`` (decided on the estimate), 0 for
+    ``off``."""
+    value = getattr(cfg.memory, "tiled_layers", "off")
+    if value == "auto":
+        return None
+    return 0 if value in ("off", False, None) else int(value)
+
+
+def decide_tiled_layers(
+    cfg: HoneConfig,
+    policy: str,
+    loss: LossKind,
+    device: str,
+    budget: int,
+    source: str,
+    *,
+    tiled_mlp: int = 0,
+    host_budget: int | None = None,
+    param_shards: int = 1,
+) -> TiledDecision:
+    """``memory.tiled_layers`` under ``policy`` on a card of ``budget`` bytes: a count or ``off`` as
+    written; ``auto`` chunks the layers (:func:`auto_layer_chunks`) only under ``full`` or
+    ``offload`` and only when the run does not fit whole (with ``tiled_mlp`` shards, the MLP
+    decision) and does fit chunked: the layer rebuilt in the backward is then what does not fit."""
+    configured = configured_layer_chunks(cfg)
+    if configured is not None:
+        return TiledDecision(configured, f"memory.tiled_layers: {getattr(cfg.memory, 'tiled_layers', 'off')}")
+    if policy not in ("full", "offload"):
+        return TiledDecision(0, f"tiled_layers: auto: off, checkpointing {policy} (tiled layers are a form of full checkpointing)")
+    usable = int(budget * (1 - AUTO_MARGIN))
+    limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+    extra = {"host_budget": host_budget, "param_shards": param_shards, "device": device}
+    whole = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp=tiled_mlp, **extra).total
+    if whole <= usable:
+        return TiledDecision(0, f"tiled_layers: auto: off, the run fits with whole layers ({whole / GIB:.1f} GiB <= {limit})")
+    chunked = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp="auto", tiled_layers="auto", **extra)
+    if chunked.total <= usable:
+        return TiledDecision(
+            chunked.tiled_layers,
+            f"tiled_layers: auto: {chunked.tiled_layers} chunks, the layer rebuilt in the backward is what does not fit: "
+            f"whole {whole / GIB:.1f} GiB, chunked {chunked.total / GIB:.1f} GiB <= {limit}",
+        )
+    return TiledDecision(
+        0,
+        f"tiled_layers: auto: off, the run does not fit chunked either ({whole / GIB:.1f} GiB whole, {chunked.total / GIB:.1f} GiB "
+        f"in {chunked.tiled_layers} chunks, > {limit})",
+        does_not_fit=True,
+    )
+
+
 def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int | None = None) -> MemoryEstimate | None:
     """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
     tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory, an
@@ -924,11 +975,17 @@ def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int 
         from hone.transforms.card import host_memory
 
         host_budget = host_memory(None)[0]
-    shards = cfg.memory.tiled_mlp_shards
-    if shards is None:  # auto: decided on this device's card, as the planner decides it
+    shards, chunks = cfg.memory.tiled_mlp_shards, configured_layer_chunks(cfg)
+    if shards is None or chunks is None:  # auto: decided on this device's card, as the planner decides it
         from hone.transforms.card import device_memory
 
         budget, source = device_memory(device, None)
-        shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source, host_budget=host_budget).shards
-    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards, host_budget=host_budget)
+        if shards is None:
+            shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source, host_budget=host_budget).shards
+        if chunks is None:
+            chunks = decide_tiled_layers(cfg, policy, loss, device, budget, source, tiled_mlp=shards, host_budget=host_budget).shards
+    mlp: int | Literal["auto"] = shards
+    if chunks and cfg.memory.tiled_mlp == "auto":  # chunked: the MLP tiled per chunk, as decided
+        mlp = "auto"
+    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=mlp, host_budget=host_budget, tiled_layers=chunks)
 
