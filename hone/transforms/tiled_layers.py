@@ -184,8 +184,31 @@ class _Replay:
         return stack
 
 
+def _own(value: Any) -> Any:
+    """A chunk's tensor in storage of its own (offset 0, row-major strides): a compiled layer
+    guards on storage offsets (0 and 1 are specialised) and on strides, so views at each chunk's
+    offset into the whole sequence would compile more graphs. Chunk-sized copies; tuples (RoPE's
+    cos, sin) element by element."""
+    if isinstance(value, torch.Tensor):
+        if value.storage_offset() == 0 and value.stride() == _row_major(value.shape):
+            return value
+        return value.clone(memory_format=torch.contiguous_format)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_own(v) for v in value)
+    return value
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _run_chunk(layer: nn.Module, x: torch.Tensor, kwargs: dict[str, Any], state: ChunkAttention) -> torch.Tensor:
     """The layer on one chunk, its attention served by ``state``; checks that it went through it."""
+    kwargs = {k: _own(v) if k in _PER_TOKEN else v for k, v in kwargs.items()}
     with computing_chunk(state):
         out = layer(x, **kwargs)
     if isinstance(out, (tuple, list)) and len(out) >= 1 and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
@@ -222,7 +245,7 @@ class _TiledLayerFunction(torch.autograd.Function):
         with torch.no_grad():
             for (s, e), kwargs in zip(bounds, chunk_kwargs):
                 ctx.replay.capture()
-                out[:, s:e].copy_(_run_chunk(layer, x[:, s:e].contiguous(), kwargs, state.at(s, e)))
+                out[:, s:e].copy_(_run_chunk(layer, _own(x[:, s:e]), kwargs, state.at(s, e)))
         ctx.save_for_backward(x)
         return out
 
@@ -244,7 +267,7 @@ class _TiledLayerFunction(torch.autograd.Function):
         for i, (s, e) in enumerate(bounds[:-1]):
             with replay.context(i, grad=False):
                 try:
-                    _run_chunk(layer, x[:, s:e].contiguous(), ctx.chunk_kwargs[i], state.at(s, e))
+                    _run_chunk(layer, _own(x[:, s:e]), ctx.chunk_kwargs[i], state.at(s, e))
                 except KeysCollected:
                     continue
             raise TiledLayersError(f"memory.tiled_layers: {type(layer).__name__} ran without calling its attention")
@@ -256,7 +279,7 @@ class _TiledLayerFunction(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(params)
         for i in reversed(range(len(bounds))):
             s, e = bounds[i]
-            chunk = x[:, s:e].detach().contiguous().requires_grad_(wants_x)
+            chunk = _own(x[:, s:e].detach()).requires_grad_(wants_x)
             with replay.context(i, grad=True):
                 out = _run_chunk(layer, chunk, ctx.chunk_kwargs[i], state.at(s, e, "backward"))
             outputs, grad_outputs = [out], [grad[:, s:e]]
