@@ -27,10 +27,10 @@ only, so transformers prepares no mask for it: tiled rows are causal rows, never
 
 The state travels through a module-level variable set by the tiled layer around each call of the
 inner layer (never through the layer's keyword arguments: a Python object passed into compiled
-code would be guarded on by identity too). GQA is kept as it is (``enable_gqa``; keys are never
-repeated to the query heads): on CUDA in bf16/fp16 the lower-right causal mask runs in torch's
-flash kernel, which takes fewer key heads natively; elsewhere (CPU, float32) torch materialises
-the ``[chunk x prefix]`` mask, which is fine for tests and small shapes.
+code would be guarded on by identity too). Grouped keys (GQA) are never repeated to the query
+heads (:func:`causal_chunk_attention` says how they are attended). On CUDA in bf16/fp16 the
+lower-right causal mask runs in torch's flash kernel; elsewhere (CPU, float32) torch
+materialises the ``[chunk x keys]`` mask, which is fine for tests and small shapes.
 """
 
 from __future__ import annotations
@@ -134,14 +134,28 @@ def causal_chunk_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0, scaling: float | None = None
 ) -> torch.Tensor:
     """sdpa of ``query [B, Hq, Lq, D]`` against ``key``/``value [B, Hk, Lk, D]`` (``Lk >= Lq``),
-    the queries being the last ``Lq`` positions: causal, aligned to the lower right. Hk may
-    divide Hq (GQA, kept as it is)."""
+    the queries being the last ``Lq`` positions: causal, aligned to the lower right.
+
+    With grouped keys (``Hk`` divides ``Hq``, query head ``i`` reading key head ``i // (Hq/Hk)``)
+    the query heads are taken one per group at a time: ``Hq/Hk`` calls of ``Hk`` heads each against
+    the keys as they are, never repeated. Why not one sdpa call with ``enable_gqa``: its flash
+    backward allocates the key and value gradients expanded to ``Hq`` heads over all ``Lk`` keys
+    before summing them (8 GiB for qwen3-8b's last chunk at 512K tokens); per group they are
+    ``Hk`` heads. The same FLOPs and the same key reads per query head."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return _lower_right_causal(query, key, value, dropout, scaling)
+    per_group = query.unflatten(1, (key.shape[1], groups)).unbind(2)
+    outs = [_lower_right_causal(q, key, value, dropout, scaling) for q in per_group]
+    return torch.stack(outs, dim=2).flatten(1, 2)
+
+
+def _lower_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None) -> torch.Tensor:
     lq, lk = query.shape[2], key.shape[2]
-    gqa = query.shape[1] != key.shape[1]
     if lq == lk:
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-    mask = causal_lower_right(lq, lk)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
+    mask = causal_lower_right(lq, lk)  # flash on CUDA (bf16/fp16); elsewhere the [Lq x Lk] mask
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
 
 
 _CURRENT: ChunkAttention | None = None
