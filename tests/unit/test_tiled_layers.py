@@ -315,6 +315,17 @@ def test_a_mask_reaching_a_tiled_layer_is_refused(tokenizer):
         layer(x, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool), position_embeddings=rope)
 
 
+def test_a_sequence_shaped_argument_it_cannot_cut_is_refused(tokenizer):
+    model = _tiled(_model("tiny-qwen3", "full", tokenizer), 2)
+    layer = decoder_layers(model)[0]
+    x = torch.randn(1, 6, 64, requires_grad=True)
+    rope = model.model.rotary_emb(x, torch.arange(6)[None])
+    with pytest.raises(TiledLayersError, match="got token_weights of shape \\(1, 6\\).*cannot be cut into chunks"):
+        layer(x, position_embeddings=rope, token_weights=torch.ones(1, 6))
+    with pytest.raises(TiledLayersError, match="position_ids has shape \\(1, 5\\), not 6 positions"):
+        layer(x, position_embeddings=rope, position_ids=torch.arange(5)[None])
+
+
 def test_models_it_cannot_tile_are_refused(tokenizer):
     eager = tiny_model("tiny-qwen3", tokenizer)
     eager.set_attn_implementation("eager")
