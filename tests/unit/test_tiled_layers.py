@@ -52,7 +52,9 @@ def _model(preset: str, adapter: str, tokenizer, **overrides) -> nn.Module:
     model = tiny_model(preset, tokenizer, seed=1, **overrides)
     model.set_attn_implementation(register_causal_sdpa())
     if adapter == "lora":  # q, k, v, o and the MLP's gate, up and down projections
-        model = with_random_lora(model, seed=2)
+        with torch.random.fork_rng(devices=[]):  # PEFT draws the A matrices from the global RNG
+            torch.manual_seed(3)
+            model = with_random_lora(model, seed=2)
     return model
 
 
