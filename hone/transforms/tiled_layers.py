@@ -38,9 +38,10 @@ It is exact: the same attention, the same everything, only the rounding differs.
 
 Cost: beside the recompute checkpointing already does, each chunk's attention covers exactly its
 causal share (no extra attention FLOPs); the backward's key pass reruns the layer up to the key
-and value projections for every chunk but the last (the norm, q/k/v projections and RoPE: about a
-tenth of a qwen3-8b layer's matmul FLOPs); the prefix of keys and values is copied once per chunk
-(``cat``), and the matmuls are ``chunks`` times smaller.
+and value projections for every chunk but the last (the norm, q/k/v projections and RoPE: 13% of
+a qwen3-8b layer's weight matmuls, none of its attention, which dominates at long context); the
+prefix of keys and values is copied once per chunk (``cat``), and the matmuls are ``chunks`` times
+smaller.
 
 Composition: it *is* the layer's checkpoint, so it needs ``memory.activation_checkpointing``
 ``full`` or ``offload``, and it is applied after checkpointing (transformers' checkpointing flag
