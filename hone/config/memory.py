@@ -41,6 +41,17 @@ class MemoryConfig(Section):
     says the run does not fit the device untiled and does fit tiled, in about ``hidden_size``
     tokens per shard (``hone plan`` prints the choice and why)."""
 
+    tiled_layers: Literal["auto", "off"] | int = "off"
+    """Compute each whole decoder layer in this many chunks of the sequence, in the forward and in
+    the backward's recompute, so the one layer rebuilt in the backward holds one chunk's
+    activations (plus the full-length keys and values) instead of the whole sequence's: what does
+    not fit at 512K tokens once every layer's input is offloaded. Exact (only rounding differs);
+    costs a second pass over each chunk's key projections in the backward and smaller matmuls.
+    Needs ``activation_checkpointing: full`` or ``offload`` (the tiled layer is the layer's
+    checkpoint), ``model.attn_implementation: sdpa``, unpacked rows and no FSDP. ``off``: never.
+    An integer (2 or more): always, in that many chunks. ``auto``: not decided by the memory
+    estimate yet, so untiled (docs/long-context.md)."""
+
     offload_layers: Literal["auto"] | int = "auto"
     """``activation_checkpointing: offload``: how many decoder layers' saved inputs go to pinned
     host memory (the first ones, in forward order; the others stay on the GPU, where the backward
@@ -85,6 +96,30 @@ class MemoryConfig(Section):
             raise ValueError(f"{value} is not a shard count that tiles (1 shard is the untiled MLP); {allowed}")
         return value
 
+    @field_validator("tiled_layers", mode="before")
+    @classmethod
+    def _tiled_layers_value(cls, value: Any) -> Any:
+        """As ``tiled_mlp``: ``off`` arrives as false from YAML, a digit string from a
+        command-line override is a chunk count; anything else is refused in words."""
+        allowed = "allowed: off, auto, or a number of chunks (an integer, 2 or more)"
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(f"true is ambiguous here; {allowed}")
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if isinstance(value, str):
+            if value in ("auto", "off"):
+                return value
+            raise ValueError(f"{value!r} is not a tiling; {allowed}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
+            raise ValueError(f"{value!r} is not a tiling; {allowed}")
+        if value < 2:
+            raise ValueError(f"{value} is not a chunk count that tiles (1 chunk is the untiled layer); {allowed}")
+        return value
+
     @field_validator("offload_layers", mode="before")
     @classmethod
     def _offload_layers_value(cls, value: Any) -> Any:
@@ -107,6 +142,25 @@ class MemoryConfig(Section):
         if self.tiled_mlp == "auto":
             return None
         return 0 if self.tiled_mlp == "off" else int(self.tiled_mlp)
+
+    @property
+    def tiled_layers_chunks(self) -> int | None:
+        """The configured chunk count; None for ``auto`` (the planner decides), 0 for ``off``."""
+        if self.tiled_layers == "auto":
+            return None
+        return 0 if self.tiled_layers == "off" else int(self.tiled_layers)
+
+    @model_validator(mode="after")
+    def _tiled_layers_are_a_checkpoint(self) -> "MemoryConfig":
+        """A tiled layer is the layer's checkpoint (it keeps only its input): without
+        checkpointing, or with selective checkpointing, the other layers would keep everything."""
+        if self.tiled_layers_chunks and self.checkpointing in ("none", "selective"):
+            raise ValueError(
+                f"memory.tiled_layers: {self.tiled_layers} needs memory.activation_checkpointing: full or offload "
+                f"(a tiled layer is the layer's checkpoint), got {self.checkpointing}; allowed: full, offload, "
+                "or tiled_layers: off"
+            )
+        return self
 
     @model_validator(mode="after")
     def _alias_agrees(self) -> "MemoryConfig":

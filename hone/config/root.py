@@ -97,6 +97,31 @@ class HoneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _tiled_layers_need_causal_rows(self) -> "HoneConfig":
+        """Tiled layers' chunks attend through hone's causal sdpa, to every earlier position of
+        the row: no document mask (packing), no other backend. FSDP2 around them is untested."""
+        chunks = self.memory.tiled_layers_chunks
+        if not chunks:
+            return self
+        key = f"memory.tiled_layers: {chunks}"
+        if self.data.sample_packing or self.data.packs_eval:
+            raise ValueError(
+                f"{key} computes causal rows without a mask, but data.sample_packing (or eval_sample_packing) is on: "
+                "packed rows carry a document mask. Set data.sample_packing: false, or memory.tiled_layers: off"
+            )
+        if self.model.attn_implementation != "sdpa":
+            raise ValueError(
+                f"{key} attends through hone's tiled sdpa, but model.attn_implementation is "
+                f"'{self.model.attn_implementation}': allowed: sdpa, or memory.tiled_layers: off"
+            )
+        if self.distributed.strategy == "fsdp":
+            raise ValueError(
+                f"{key} is untested under distributed.strategy: fsdp (FSDP2 around a layer computed in chunks): use "
+                "distributed.strategy: ddp, or memory.tiled_layers: off"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _quantized_base_needs_lora(self) -> "HoneConfig":
         """A 4-bit base cannot be trained: its weights are codes, not parameters. FSDP2 would have
         to shard and all-gather the packed codes and scales, which hone does not do yet."""

@@ -46,14 +46,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a transformers causal LM, looked up through a PEFT wrapper.
 
     A layer is a module of one of the classes the model names in ``_no_split_modules`` (the
-    unit transformers itself shards and offloads by), outermost first; nested matches are skipped.
+    unit transformers itself shards and offloads by), or a module that stands in for one (a
+    tiled decoder layer, :mod:`hone.transforms.tiled_layers`), outermost first; nested matches
+    are skipped.
     """
     base = _base_model(model)
     names = set(getattr(base, "_no_split_modules", None) or ())
     layers: list[nn.Module] = []
     inside: list[str] = []
     for path, module in base.named_modules():
-        if type(module).__name__ in names and not any(path.startswith(p + ".") for p in inside):
+        if (type(module).__name__ in names or _stands_in_for_layer(module)) and not any(path.startswith(p + ".") for p in inside):
             layers.append(module)
             inside.append(path)
     return layers
@@ -71,7 +73,8 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -
     input_grads = _embedding_output_needs_grad(base)
     kwargs = _compile_kwargs(perf, dynamic)
     for layer in layers:
-        layer.compile(**kwargs)
+        # a stand-in (tiled layer) runs its inner layer chunk by chunk: that is what compiles
+        (layer.inner if _stands_in_for_layer(layer) else layer).compile(**kwargs)
     classes = sorted({type(layer).__name__ for layer in layers})
     return {
         "scope": "regional",
@@ -82,6 +85,10 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -
         "dynamic_shapes": dynamic,
         "first_layer_input_requires_grad": input_grads,
     }
+
+
+def _stands_in_for_layer(module: nn.Module) -> bool:
+    return getattr(module, "stands_in_for_decoder_layer", False) is True
 
 
 def compile_model(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:

@@ -39,6 +39,11 @@ model: one list, read top to bottom):
    activations. transformers' checkpointing layer wraps each layer's call, so the layer compiled
    next runs inside the checkpoint; ``selective`` under Inductor is the compiler's activation
    memory budget instead (set around each micro-batch by its step context).
+5b. ``tiled_layers`` (adapted model) -- each decoder layer replaced by one that computes it in
+   chunks of the sequence, forward and backward (:mod:`hone.transforms.tiled_layers`). It is the
+   layer's checkpoint, so it comes after checkpointing (whose flag it switches off on the inner
+   layer, and whose offloader then moves the tiled layers' saved inputs) and before compile,
+   which compiles each tiled layer's inner layer, the code the chunks run.
 6. ``compile`` -- ``torch.compile`` of each decoder layer or of the whole decoder. Compilation
    traces whatever modules it finds, so everything that swaps modules or kernels goes before.
 7. (later: context parallelism.)
@@ -343,6 +348,55 @@ CHECKPOINTING = Transform(
 )
 
 
+# ---------------------------------------------------------------- 5b. tiled decoder layers
+
+
+def _tiled_layers_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    """What the config validators cannot see: ``auto`` decisions and the device."""
+    key = f"memory.tiled_layers: {cfg.memory.tiled_layers}"
+    problems = []
+    policy = _checkpointing_policy(cfg, facts)[0] if _checkpointing_wanted(cfg, facts) else "none"
+    if policy not in ("full", "offload"):
+        problems.append(
+            f"{key} needs memory.activation_checkpointing full or offload (a tiled layer is the layer's checkpoint), "
+            f"but it resolves to {policy}: set activation_checkpointing: full or offload"
+        )
+    if _fsdp_module().fsdp_wanted(cfg, facts):
+        problems.append(f"{key} is untested under FSDP2 (distributed.strategy resolves to fsdp): use distributed.strategy: ddp")
+    if cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
+        problems.append(
+            f"{key} needs torch_compile_scope: regional (each tiled layer compiles the layer its chunks run; a "
+            "whole-model graph would stop at every tiled layer)"
+        )
+    return problems
+
+
+def _tiled_layers_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
+    if cfg.memory.tiled_layers == "auto":
+        return "memory.tiled_layers: auto is not decided by the memory estimate yet: the layers stay untiled (set a number of chunks to tile them)"
+    return None
+
+
+def _tiled_layers_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
+    from hone.transforms.tiled_layers import apply_tiled_layers
+
+    details = apply_tiled_layers(model, int(cfg.memory.tiled_layers))
+    details["why"] = f"memory.tiled_layers: {cfg.memory.tiled_layers}"
+    return details
+
+
+TILED_LAYERS = Transform(
+    name="tiled_layers",
+    switch="memory.tiled_layers",
+    wanted=lambda cfg, facts: bool(cfg.memory.tiled_layers_chunks),
+    why=lambda cfg, facts: _tiled_layers_skipped(cfg, facts) or f"memory.tiled_layers: {cfg.memory.tiled_layers}",
+    check=_tiled_layers_check,
+    skipped_because=_tiled_layers_skipped,
+    model=_tiled_layers_apply,
+    label=lambda d: f"tiled layers ({d['chunks']} chunks)",
+)
+
+
 # ---------------------------------------------------------------- 6. torch.compile
 
 
@@ -471,6 +525,7 @@ TRANSFORMS: tuple[Transform, ...] = (
     TILED_MLP,
     LOSS,
     CHECKPOINTING,
+    TILED_LAYERS,
     COMPILE,
     # data parallelism, last: it wraps the final modules. At most one of the two is on.
     DDP,

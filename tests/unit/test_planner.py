@@ -55,9 +55,10 @@ def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
     assert "skipped compile: torch_compile: auto compiles on CUDA only" in plan.describe()
 
 
-def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_compile_then_data_parallel():
+def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled_layers_compile_then_data_parallel():
     assert [t.name for t in TRANSFORMS] == [
-        "allocator", "attention", "quantize", "experts", "fp8", "tiled_mlp", "loss", "activation_checkpointing", "compile", "ddp", "fsdp"
+        "allocator", "attention", "quantize", "experts", "fp8", "tiled_mlp", "loss", "activation_checkpointing", "tiled_layers", "compile",
+        "ddp", "fsdp",
     ]
 
 
