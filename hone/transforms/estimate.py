@@ -934,8 +934,9 @@ def decide_tiled_layers(
 ) -> TiledDecision:
     """``memory.tiled_layers`` under ``policy`` on a card of ``budget`` bytes: a count or ``off`` as
     written; ``auto`` chunks the layers (:func:`auto_layer_chunks`) only under ``full`` or
-    ``offload`` and only when the run does not fit whole (with ``tiled_mlp`` shards, the MLP
-    decision) and does fit chunked: the layer rebuilt in the backward is then what does not fit."""
+    ``offload`` and only when the run does not fit whole and does fit chunked (both with
+    ``tiled_mlp`` shards, the MLP decision): the layer rebuilt in the backward is then what does
+    not fit."""
     configured = configured_layer_chunks(cfg)
     if configured is not None:
         return TiledDecision(configured, f"memory.tiled_layers: {getattr(cfg.memory, 'tiled_layers', 'off')}")
@@ -947,7 +948,7 @@ def decide_tiled_layers(
     whole = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp=tiled_mlp, **extra).total
     if whole <= usable:
         return TiledDecision(0, f"tiled_layers: auto: off, the run fits with whole layers ({whole / GIB:.1f} GiB <= {limit})")
-    chunked = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp="auto", tiled_layers="auto", **extra)
+    chunked = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp=tiled_mlp, tiled_layers="auto", **extra)
     if chunked.total <= usable:
         return TiledDecision(
             chunked.tiled_layers,
@@ -984,8 +985,5 @@ def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int 
             shards = decide_tiled_mlp(cfg, policy, loss, device, budget, source, host_budget=host_budget).shards
         if chunks is None:
             chunks = decide_tiled_layers(cfg, policy, loss, device, budget, source, tiled_mlp=shards, host_budget=host_budget).shards
-    mlp: int | Literal["auto"] = shards
-    if chunks and cfg.memory.tiled_mlp == "auto":  # chunked: the MLP tiled per chunk, as decided
-        mlp = "auto"
-    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=mlp, host_budget=host_budget, tiled_layers=chunks)
+    return estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, tiled_mlp=shards, host_budget=host_budget, tiled_layers=chunks)
 
