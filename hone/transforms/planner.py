@@ -371,25 +371,81 @@ def _tiled_layers_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
     return problems
 
 
+def _tiled_layers_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[int, str, bool]:
+    """(chunks, why, does_not_fit): the configured count, or what ``auto`` decides from the
+    memory estimate (:func:`hone.transforms.estimate.decide_tiled_layers`). ``auto`` never fails
+    a run: where tiled layers cannot apply, or the estimate fails, the layers stay whole."""
+    chunks = cfg.memory.tiled_layers_chunks
+    if chunks is not None:
+        return chunks, f"memory.tiled_layers: {cfg.memory.tiled_layers}", False
+    policy = _checkpointing_policy(cfg, facts)[0] if _checkpointing_wanted(cfg, facts) else "none"
+    blocker = None
+    if cfg.data.sample_packing or cfg.data.packs_eval:
+        blocker = "packed rows carry a document mask"
+    elif cfg.model.attn_implementation != "sdpa":
+        blocker = f"model.attn_implementation is {cfg.model.attn_implementation} (tiled layers attend through sdpa)"
+    elif _fsdp_module().fsdp_wanted(cfg, facts):
+        blocker = "untested under FSDP2"
+    elif cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
+        blocker = "torch_compile_scope: model"
+    if blocker is not None:
+        return 0, f"tiled_layers: auto: off, {blocker}", False
+    try:
+        from hone.transforms.card import device_memory
+        from hone.transforms.estimate import decide_tiled_layers, loss_of
+
+        budget, source = (facts.memory_bytes, "the configured card") if facts.memory_bytes else device_memory(facts.device.type, None)
+        decision = decide_tiled_layers(
+            cfg, policy, loss_of(cfg), facts.device.type, budget, source,
+            tiled_mlp=_tiled_mlp(cfg, facts).shards, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts),
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
+        return 0, f"tiled_layers: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", False
+    blocker = _layers_attend_otherwise(cfg) if decision.shards else None
+    if blocker is not None:
+        return 0, f"tiled_layers: auto: off, {blocker} (tiled layers attend causally to the whole row)", True
+    return decision.shards, decision.why, decision.does_not_fit
+
+
+def _layers_attend_otherwise(cfg: HoneConfig) -> str | None:
+    """Why the model's layers cannot be chunked (sliding windows, sinks, router logits from
+    hooks), read from its config; None when they can or the config cannot be read here (the
+    transform then says why when it applies)."""
+    from hone.models.attention.setup import causal_blockers
+    from hone.transforms.estimate import _transformers_config
+
+    try:
+        config = _transformers_config(cfg.model)
+    except Exception:  # noqa: BLE001 -- a reason line never fails the plan
+        return None
+    blockers = list(causal_blockers(config))
+    if getattr(config, "output_router_logits", False):
+        blockers.append("router logits recorded from hooks")
+    return f"the model has {', '.join(blockers)}" if blockers else None
+
+
 def _tiled_layers_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
-    if cfg.memory.tiled_layers == "auto":
-        return "memory.tiled_layers: auto is not decided by the memory estimate yet: the layers stay untiled (set a number of chunks to tile them)"
-    return None
+    """Recorded only when ``auto`` left the layers whole on a run that does not fit."""
+    if cfg.memory.tiled_layers != "auto":
+        return None
+    chunks, why, does_not_fit = _tiled_layers_choice(cfg, facts)
+    return why if does_not_fit and not chunks else None
 
 
 def _tiled_layers_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
     from hone.transforms.tiled_layers import apply_tiled_layers
 
-    details = apply_tiled_layers(model, int(cfg.memory.tiled_layers))
-    details["why"] = f"memory.tiled_layers: {cfg.memory.tiled_layers}"
+    chunks, why, _ = _tiled_layers_choice(cfg, facts)
+    details = apply_tiled_layers(model, chunks)
+    details["why"] = why
     return details
 
 
 TILED_LAYERS = Transform(
     name="tiled_layers",
     switch="memory.tiled_layers",
-    wanted=lambda cfg, facts: bool(cfg.memory.tiled_layers_chunks),
-    why=lambda cfg, facts: _tiled_layers_skipped(cfg, facts) or f"memory.tiled_layers: {cfg.memory.tiled_layers}",
+    wanted=lambda cfg, facts: _tiled_layers_choice(cfg, facts)[0] >= 2,
+    why=lambda cfg, facts: _tiled_layers_choice(cfg, facts)[1],
     check=_tiled_layers_check,
     skipped_because=_tiled_layers_skipped,
     model=_tiled_layers_apply,

@@ -62,7 +62,7 @@ def test_policy_and_alias(memory, policy):
 def test_resolved_config_writes_the_policy_and_loads_back(memory):
     cfg = _cfg(memory)
     dumped = yaml.safe_load(dump_config(cfg))
-    expected = {"activation_checkpointing": cfg.memory.checkpointing, "selective_memory_budget": 0.5, "tiled_mlp": "auto", "tiled_layers": "off", "offload_layers": "auto"}
+    expected = {"activation_checkpointing": cfg.memory.checkpointing, "selective_memory_budget": 0.5, "tiled_mlp": "auto", "tiled_layers": "auto", "offload_layers": "auto"}
     assert {k: dumped["memory"][k] for k in expected} == expected
     assert "gradient_checkpointing" not in dumped["memory"]  # the alias is written resolved
     assert parse_config(dumped).memory.checkpointing == cfg.memory.checkpointing

@@ -164,9 +164,43 @@ def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
     assert est[0].tiled_layers == 0 and est[4].tiled_layers == 4 and est["auto"].tiled_layers == auto_layer_chunks(524288) == 16
     assert est[0].recompute > est[4].recompute > est[16].recompute > tiled_layer_state_bytes(model_facts(cfg), 524288)
     assert est[16].total < est[4].total < est[0].total
-    # the state: keys and values (bf16), their float32 gradient sums, the prefix copy and its gradient
+    # the state: keys and values (bf16), their float32 gradient sums, the prefix copy and its
+    # gradient per group of 4 query heads sharing a key head, plus their running sum
     kv = 8 * 128
-    assert tiled_layer_state_bytes(model_facts(cfg), 1000) == 1000 * 2 * kv * (2 + 4 + 2 + 2)
+    assert tiled_layer_state_bytes(model_facts(cfg), 1000) == 1000 * 2 * kv * (2 + 4 + 2 + 5 * 2)
     # a tiled layer is a checkpoint: other policies are estimated whole
     for policy in ("none", "selective"):
         assert estimate_memory(cfg, checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096).tiled_layers == 0
+
+
+def _tiled_layers_decision(cfg, card_gib: float):
+    import torch
+
+    from hone.transforms.planner import RunFacts, decisions
+
+    facts = RunFacts(torch.device("cuda"), memory_bytes=int(card_gib * GIB), host_memory_bytes=125 * GIB)
+    return next((on, why) for name, _, on, why in decisions(cfg, facts) if name == "tiled_layers")
+
+
+def test_tiled_layers_auto_chunks_only_what_does_not_fit_whole():
+    def long_cfg(**memory):
+        return parse_config(
+            {
+                "model": {"preset": "qwen3-8b", "dtype": "bfloat16"},
+                "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 262144, "allow_longer_than_model": True},
+                "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
+                "memory": {"activation_checkpointing": "offload", "tiled_mlp": "off", **memory},
+            }
+        )
+
+    # 256K of qwen3-8b, eager layers: ~76 GiB whole, ~41 GiB chunked (offload, fused loss)
+    on, why = _tiled_layers_decision(long_cfg(tiled_layers="auto"), 50)
+    assert on and "8 chunks" in why and "does not fit" in why
+    on, why = _tiled_layers_decision(long_cfg(tiled_layers="auto"), 100)
+    assert not on and "fits with whole layers" in why
+    on, why = _tiled_layers_decision(long_cfg(tiled_layers="auto"), 30)  # not even chunked
+    assert not on and "does not fit chunked either" in why
+    on, why = _tiled_layers_decision(long_cfg(tiled_layers="auto", activation_checkpointing="none"), 50)
+    assert not on and "checkpointing none" in why
+    on, why = _tiled_layers_decision(long_cfg(tiled_layers=4), 80)  # a count is taken as written
+    assert on and why == "memory.tiled_layers: 4"

@@ -368,7 +368,7 @@ def test_bad_tiled_layers_values_are_refused_with_what_is_allowed(value, message
 def test_good_tiled_layers_values(value, want, chunks):
     memory = _cfg({"tiled_layers": value, "activation_checkpointing": "full"}).memory
     assert memory.tiled_layers == want and memory.tiled_layers_chunks == chunks
-    assert parse_config(_RAW).memory.tiled_layers == "off"  # the default
+    assert parse_config(_RAW).memory.tiled_layers == "auto"  # the default: chunked only where whole layers do not fit
 
 
 @pytest.mark.parametrize(
@@ -387,7 +387,7 @@ def test_combinations_it_cannot_run_are_refused_by_the_config(memory, sections, 
     assert "memory.tiled_layers: 3" in str(caught.value) and message in str(caught.value)
 
 
-def test_the_plan_refuses_what_auto_resolves_to_and_records_auto_as_untiled():
+def test_the_plan_refuses_what_auto_resolves_to_and_auto_stays_whole_where_the_run_fits():
     from hone.transforms.planner import PlanError, decisions, plan_optimizations
 
     cpu = torch.device("cpu")
@@ -397,8 +397,9 @@ def test_the_plan_refuses_what_auto_resolves_to_and_records_auto_as_untiled():
     plan = plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)
     assert plan.names.index("activation_checkpointing") < plan.names.index("tiled_layers")
     auto = plan_optimizations(_cfg({"tiled_layers": "auto", "activation_checkpointing": "full"}), roomy)
-    assert "tiled_layers" not in auto.names and [s["name"] for s in auto.skipped] == ["tiled_layers"]
-    assert "not decided by the memory estimate yet" in auto.skipped[0]["reason"]
+    assert "tiled_layers" not in auto.names and auto.skipped == []  # fitting whole is no news
+    why = {name: w for name, _, on, w in decisions(_cfg({"tiled_layers": "auto", "activation_checkpointing": "full"}), roomy)}
+    assert why["tiled_layers"].startswith("tiled_layers: auto: off, the run fits with whole layers")
     lines = {name: (on, why) for name, _, on, why in decisions(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)}
     assert lines["tiled_layers"] == (True, "memory.tiled_layers: 3")
 
