@@ -277,3 +277,19 @@ class OneProjection(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward of ``ids`` as its own labels: the loss and every trainable
+    parameter's gradient, in float32 (for comparing runs of different dtypes or layouts)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms): how far a gradient is from its reference."""
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()

@@ -16,6 +16,30 @@ CheckpointingPolicy = Literal["none", "full", "selective", "offload", "auto"]
 POLICIES_BY_SPEED: tuple[str, ...] = ("none", "selective", "full", "offload")
 
 
+def _tiling(value: Any, unit: str, whole: str) -> Any:
+    """A ``tiled_*`` value: ``auto``, ``off`` or a count of pieces (2 or more). ``off`` arrives as
+    false from YAML (1.1 reads a bare off as a boolean); a digit string from a command-line
+    override is a count. Anything else is refused in words naming what is allowed."""
+    allowed = f"allowed: auto, off, or a number of {unit}s (an integer, 2 or more)"
+    if value is False:
+        return "off"
+    if value is True:
+        raise ValueError(f"true is ambiguous here; {allowed}")
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, str):
+        if value in ("auto", "off"):
+            return value
+        raise ValueError(f"{value!r} is not a tiling; {allowed}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a tiling; {allowed}")
+    if value < 2:
+        raise ValueError(f"{value} is not a {unit} count that tiles (1 {unit} is {whole}); {allowed}")
+    return value
+
+
 class MemoryConfig(Section):
     """Activation checkpointing and tiled MLP: what each decoder layer keeps for the backward (docs/memory.md)."""
 
@@ -77,50 +101,12 @@ class MemoryConfig(Section):
     @field_validator("tiled_mlp", mode="before")
     @classmethod
     def _tiled_mlp_value(cls, value: Any) -> Any:
-        """``off`` arrives as false from YAML (1.1 reads a bare off as a boolean); a digit string
-        from a command-line override is a shard count. Anything else is refused in words."""
-        allowed = "allowed: auto, off, or a number of shards (an integer, 2 or more)"
-        if value is False:
-            return "off"
-        if value is True:
-            raise ValueError(f"true is ambiguous here; {allowed}")
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value.strip())
-        if isinstance(value, str):
-            if value in ("auto", "off"):
-                return value
-            raise ValueError(f"{value!r} is not a tiling; {allowed}")
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int):
-            raise ValueError(f"{value!r} is not a tiling; {allowed}")
-        if value < 2:
-            raise ValueError(f"{value} is not a shard count that tiles (1 shard is the untiled MLP); {allowed}")
-        return value
+        return _tiling(value, "shard", "the untiled MLP")
 
     @field_validator("tiled_layers", mode="before")
     @classmethod
     def _tiled_layers_value(cls, value: Any) -> Any:
-        """As ``tiled_mlp``: ``off`` arrives as false from YAML, a digit string from a
-        command-line override is a chunk count; anything else is refused in words."""
-        allowed = "allowed: off, auto, or a number of chunks (an integer, 2 or more)"
-        if value is False:
-            return "off"
-        if value is True:
-            raise ValueError(f"true is ambiguous here; {allowed}")
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value.strip())
-        if isinstance(value, str):
-            if value in ("auto", "off"):
-                return value
-            raise ValueError(f"{value!r} is not a tiling; {allowed}")
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int):
-            raise ValueError(f"{value!r} is not a tiling; {allowed}")
-        if value < 2:
-            raise ValueError(f"{value} is not a chunk count that tiles (1 chunk is the untiled layer); {allowed}")
-        return value
+        return _tiling(value, "chunk", "the untiled layer")
 
     @field_validator("offload_layers", mode="before")
     @classmethod

@@ -880,6 +880,12 @@ class TiledDecision:
     """``auto`` left tiling off on a run that does not fit even tiled (worth recording)."""
 
 
+def _auto_limit(budget: int, source: str) -> tuple[int, str]:
+    """What an ``auto`` memory decision may use of a ``budget``-byte card, and how to say it."""
+    usable = int(budget * (1 - AUTO_MARGIN))
+    return usable, f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+
+
 def decide_tiled_mlp(
     cfg: HoneConfig, policy: str, loss: LossKind, device: str, budget: int, source: str, *, host_budget: int | None = None, param_shards: int = 1
 ) -> TiledDecision:
@@ -893,8 +899,7 @@ def decide_tiled_mlp(
     configured = cfg.memory.tiled_mlp_shards
     if configured is not None:
         return TiledDecision(configured, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
-    usable = int(budget * (1 - AUTO_MARGIN))
-    limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+    usable, limit = _auto_limit(budget, source)
     extra = {"host_budget": host_budget, "param_shards": param_shards}
     untiled = estimate_memory(cfg, checkpointing=policy, loss=loss, device=device, **extra).total
     if untiled <= usable:
@@ -914,15 +919,6 @@ def decide_tiled_mlp(
     )
 
 
-def configured_layer_chunks(cfg: HoneConfig) -> int | None:
-    """``memory.tiled_layers`` as a chunk count: None for ``auto`` (decided on the estimate), 0 for
-    ``off``."""
-    value = getattr(cfg.memory, "tiled_layers", "off")
-    if value == "auto":
-        return None
-    return 0 if value in ("off", False, None) else int(value)
-
-
 def decide_tiled_layers(
     cfg: HoneConfig,
     policy: str,
@@ -940,13 +936,12 @@ def decide_tiled_layers(
     ``offload`` and only when the run does not fit whole and does fit chunked (both with
     ``tiled_mlp`` shards, the MLP decision): the layer rebuilt in the backward is then what does
     not fit."""
-    configured = configured_layer_chunks(cfg)
+    configured = cfg.memory.tiled_layers_chunks
     if configured is not None:
-        return TiledDecision(configured, f"memory.tiled_layers: {getattr(cfg.memory, 'tiled_layers', 'off')}")
+        return TiledDecision(configured, f"memory.tiled_layers: {cfg.memory.tiled_layers}")
     if policy not in ("full", "offload"):
         return TiledDecision(0, f"tiled_layers: auto: off, checkpointing {policy} (tiled layers are a form of full checkpointing)")
-    usable = int(budget * (1 - AUTO_MARGIN))
-    limit = f"{usable / GIB:.1f} GiB ({source} less a {AUTO_MARGIN:.0%} margin)"
+    usable, limit = _auto_limit(budget, source)
     extra = {"host_budget": host_budget, "param_shards": param_shards, "device": device}
     whole = estimate_memory(cfg, checkpointing=policy, loss=loss, tiled_mlp=tiled_mlp, **extra).total
     if whole <= usable:
@@ -979,7 +974,7 @@ def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int 
         from hone.transforms.card import host_memory
 
         host_budget = host_memory(None)[0]
-    shards, chunks = cfg.memory.tiled_mlp_shards, configured_layer_chunks(cfg)
+    shards, chunks = cfg.memory.tiled_mlp_shards, cfg.memory.tiled_layers_chunks
     if shards is None or chunks is None:  # auto: decided on this device's card, as the planner decides it
         from hone.transforms.card import device_memory
 

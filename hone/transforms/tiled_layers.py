@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from hone.errors import HoneError
+from hone.transforms.stand_in import StandIn
 from hone.models.attention.tiled import TILED_SDPA, ChunkAttention, KeysCollected, computing_chunk, register_tiled_sdpa
 from hone.transforms.tiled_mlp import _shard_sizes
 
@@ -345,7 +346,7 @@ def _tiled_boundary(layer: nn.Module, hidden_states: torch.Tensor, chunks: int, 
 # ---------------------------------------------------------------------------------- the module
 
 
-class TiledDecoderLayer(nn.Module):
+class TiledDecoderLayer(StandIn):
     """Stands in for a decoder layer and computes it with :func:`tiled_layer_forward` when
     something is differentiated; otherwise (no grad: eval, generation) it is the layer's own call.
 
@@ -359,16 +360,8 @@ class TiledDecoderLayer(nn.Module):
     stands_in_for_decoder_layer = True
 
     def __init__(self, layer: nn.Module, chunks: int) -> None:
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
-            raise ValueError(f"chunks must be an integer >= 2, got {chunks!r}")
-        super().__init__()
-        self.__dict__["inner"] = layer  # not a child: its children are this module's own
-        self._parameters = layer._parameters
-        self._buffers = layer._buffers
-        self._non_persistent_buffers_set = layer._non_persistent_buffers_set
-        self._modules = layer._modules
+        super().__init__(layer, chunks, "chunks")
         self.chunks = chunks
-        self.training = layer.training
         # this wrapper is the layer's checkpoint: a chunk's recompute must not be checkpointed again
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
@@ -385,21 +378,6 @@ class TiledDecoderLayer(nn.Module):
                 "memory.tiled_layers: off for this model"
             )
         return _tiled_boundary(self.inner, hidden_states, self.chunks, kwargs)
-
-    def train(self, mode: bool = True) -> "TiledDecoderLayer":
-        super().train(mode)
-        self.inner.training = mode
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        """Attributes of the original layer (``attention_type``, ``layer_idx``) read through the wrapper."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("inner")
-            if inner is None:
-                raise
-            return getattr(inner, name)
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, layer={type(self.inner).__name__}"

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from hone.errors import HoneError
+from hone.transforms.stand_in import StandIn
 
 __all__ = ["TiledMLP", "TiledMLPError", "apply_tiled_mlp", "tiled_mlp_forward"]
 
@@ -262,7 +263,7 @@ def tiled_mlp_forward(module: nn.Module, x: torch.Tensor, shards: int) -> Any:
 # ---------------------------------------------------------------------------------- the module
 
 
-class TiledMLP(nn.Module):
+class TiledMLP(StandIn):
     """Stands in for a decoder layer's MLP and computes it with :func:`tiled_mlp_forward`.
 
     It shares the original module's children, parameters and buffers (the same dicts), so the
@@ -272,16 +273,8 @@ class TiledMLP(nn.Module):
     """
 
     def __init__(self, mlp: nn.Module, shards: int) -> None:
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 2:
-            raise ValueError(f"shards must be an integer >= 2, got {shards!r}")
-        super().__init__()
-        self.__dict__["inner"] = mlp  # not a child: its children are this module's own
-        self._parameters = mlp._parameters
-        self._buffers = mlp._buffers
-        self._non_persistent_buffers_set = mlp._non_persistent_buffers_set
-        self._modules = mlp._modules
+        super().__init__(mlp, shards, "shards")
         self.shards = shards
-        self.training = mlp.training
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or hidden_states.dim() < 2:
@@ -290,21 +283,6 @@ class TiledMLP(nn.Module):
                 "an MLP called as mlp(hidden_states). Set memory.tiled_mlp: off for this model"
             )
         return _tiled_boundary(self.inner, hidden_states, self.shards)
-
-    def train(self, mode: bool = True) -> "TiledMLP":
-        super().train(mode)
-        self.inner.training = mode
-        return self
-
-    def __getattr__(self, name: str) -> Any:
-        """Attributes of the original module (``config``, sizes) read through the wrapper."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("inner")
-            if inner is None:
-                raise
-            return getattr(inner, name)
 
     def extra_repr(self) -> str:
         return f"shards={self.shards}, module={type(self.inner).__name__}"

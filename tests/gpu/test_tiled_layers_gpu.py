@@ -9,14 +9,13 @@ GQA. Skipped without a GPU.
 Run: ``pytest -q -m gpu tests/gpu/test_tiled_layers_gpu.py``
 """
 
-import copy
 
 import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
 from hone.models.attention.causal import register_causal_sdpa
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import tiny_model, tiny_tokenizer, with_random_lora, loss_and_grads, norm_error
 from hone.transforms.checkpointing import apply_activation_checkpointing
 from hone.transforms.compile import compile_regional
 from hone.transforms.tiled_layers import apply_tiled_layers
@@ -55,16 +54,6 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(7, vocab, (1, SEQ), generator=torch.Generator().manual_seed(54)).cuda()
 
 
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    torch.cuda.synchronize()
-    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
 def _assert_close(got, untiled, float32):
@@ -76,7 +65,7 @@ def _assert_close(got, untiled, float32):
     assert grads.keys() == ref_grads.keys() and any("k_proj" in n for n in ref_grads)
     for name, ref in ref_grads.items():
         assert torch.isfinite(grads[name]).all(), name
-        err, rounding = _norm_error(grads[name], ref), _norm_error(base_grads[name], ref)
+        err, rounding = norm_error(grads[name], ref), norm_error(base_grads[name], ref)
         assert err <= 2 * rounding + 1e-2, f"{name}: {err:.2e} off float32 (untiled bf16: {rounding:.2e})"
 
 
@@ -85,15 +74,15 @@ def _assert_close(got, untiled, float32):
 )
 def test_tiled_gradients_match_untiled_at_8k_in_bf16(tok, adapter, compiled):
     ids = _ids(len(tok))
-    float32 = _grads(_model(tok, adapter, torch.float32), ids)
+    float32 = loss_and_grads(_model(tok, adapter, torch.float32), ids)
     torch.cuda.empty_cache()
     model = _model(tok, adapter)
-    untiled = _grads(model, ids)
+    untiled = loss_and_grads(model, ids)
     apply_tiled_layers(model, CHUNKS)
     if compiled:
         compile_regional(model, PerformanceConfig(torch_compile=True, torch_compile_backend="inductor"), dynamic=False)
     for _ in range(2 if compiled else 1):
-        _assert_close(_grads(model, ids), untiled, float32)
+        _assert_close(loss_and_grads(model, ids), untiled, float32)
 
 
 def test_the_tiled_backward_peaks_lower_than_the_untiled_checkpointed_one(tok):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import tiny_model, tiny_tokenizer, with_random_lora, loss_and_grads, norm_error
 from hone.transforms.checkpointing import apply_activation_checkpointing
 from hone.transforms.compile import compile_regional
 from hone.transforms.tiled_mlp import apply_tiled_mlp
@@ -51,16 +51,6 @@ def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(7, vocab, (1, SEQ), generator=torch.Generator().manual_seed(44)).cuda()
 
 
-def _grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    torch.cuda.synchronize()
-    return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _norm_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
 def _assert_close(got, untiled, float32):
@@ -71,7 +61,7 @@ def _assert_close(got, untiled, float32):
     assert grads.keys() == ref_grads.keys() and any(".mlp." in n for n in ref_grads)
     for name, ref in ref_grads.items():
         assert torch.isfinite(grads[name]).all(), name
-        err, rounding = _norm_error(grads[name], ref), _norm_error(base_grads[name], ref)
+        err, rounding = norm_error(grads[name], ref), norm_error(base_grads[name], ref)
         assert err <= 2 * rounding + 1e-2, f"{name}: {err:.2e} off float32 (untiled bf16: {rounding:.2e})"
 
 
@@ -85,10 +75,10 @@ def test_tiled_gradients_match_untiled_at_8k_in_bf16(tok, adapter, compiled):
         apply_activation_checkpointing(tiled, "full")
         compile_regional(tiled, PerformanceConfig(torch_compile=True, torch_compile_backend="inductor"), dynamic=False)
     ids = _ids(len(tok))
-    untiled = _grads(model, ids)
-    float32 = _grads(_model(tok, adapter, torch.float32), ids)
+    untiled = loss_and_grads(model, ids)
+    float32 = loss_and_grads(_model(tok, adapter, torch.float32), ids)
     for _ in range(2 if compiled else 1):
-        _assert_close(_grads(tiled, ids), untiled, float32)
+        _assert_close(loss_and_grads(tiled, ids), untiled, float32)
 
 
 def test_tiling_lowers_the_peak_by_the_mlp_activations(tok):

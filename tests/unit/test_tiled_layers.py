@@ -361,7 +361,7 @@ def test_bad_tiled_layers_values_are_refused_with_what_is_allowed(value, message
     with pytest.raises(ConfigError) as caught:
         _cfg({"tiled_layers": value, "activation_checkpointing": "full"})
     text = str(caught.value)
-    assert "memory.tiled_layers" in text and message in text and "off, auto, or a number of chunks" in text
+    assert "memory.tiled_layers" in text and message in text and "auto, off, or a number of chunks" in text
 
 
 @pytest.mark.parametrize(("value", "want", "chunks"), [("off", "off", 0), (False, "off", 0), ("auto", "auto", None), (4, 4, 4), ("8", 8, 8)])
