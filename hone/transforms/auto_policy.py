@@ -26,6 +26,8 @@ from hone.transforms.estimate import (
     HOST_MARGIN,
     POLICIES,
     auto_tiled_shards,
+    TiledDecision,
+    decide_tiled_layers,
     decide_tiled_mlp,
     estimate_memory,
     host_process_bytes,
@@ -158,6 +160,19 @@ def tiled_mlp_choice(
         return decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
         return MemoryChoice(cfg.memory.checkpointing, "", 0, f"tiled_mlp: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", True)
+
+
+def tiled_layers_choice(
+    cfg: HoneConfig, device: Any, policy: str, tiled_mlp: int, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
+) -> TiledDecision:
+    """``memory.tiled_layers`` of ``cfg`` under ``policy`` (the checkpointing in force) with the MLP
+    in ``tiled_mlp`` shards (the MLP decision), on ``device``: the card and the host default to
+    this machine's, as for the other ``auto`` memory settings
+    (:func:`hone.transforms.estimate.decide_tiled_layers`)."""
+    kind, budget, source = _budget(device, budget)
+    if host_budget is None:
+        host_budget = host_memory(None)[0]
+    return decide_tiled_layers(cfg, policy, loss_of(cfg), kind, budget, source, tiled_mlp=tiled_mlp, host_budget=host_budget, param_shards=param_shards)
 
 
 def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None) -> tuple[int | None, str]:

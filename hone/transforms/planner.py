@@ -351,53 +351,58 @@ CHECKPOINTING = Transform(
 # ---------------------------------------------------------------- 5b. tiled decoder layers
 
 
+def _tiled_layers_policy(cfg: HoneConfig, facts: RunFacts) -> str:
+    return _checkpointing_policy(cfg, facts)[0] if _checkpointing_wanted(cfg, facts) else "none"
+
+
+def _tiled_layers_blockers(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+    """What rules tiled layers out for this run beyond the config's own validators (which refuse
+    packing and other backends for an explicit count): the problems of an explicit count, the
+    reason ``auto`` leaves the layers whole."""
+    blockers = []
+    if cfg.data.sample_packing or cfg.data.packs_eval:
+        blockers.append("packed rows carry a document mask, tiled layers compute causal rows without one")
+    if cfg.model.attn_implementation != "sdpa":
+        blockers.append(f"model.attn_implementation is {cfg.model.attn_implementation}; tiled layers attend through sdpa")
+    if _fsdp_module().fsdp_wanted(cfg, facts):
+        blockers.append("tiled layers are untested under FSDP2 (distributed.strategy resolves to fsdp): use distributed.strategy: ddp")
+    if cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
+        blockers.append(
+            "tiled layers need torch_compile_scope: regional (each tiled layer compiles the layer its chunks run; a "
+            "whole-model graph would stop at every tiled layer)"
+        )
+    return blockers
+
+
 def _tiled_layers_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
     """What the config validators cannot see: ``auto`` decisions and the device."""
     key = f"memory.tiled_layers: {cfg.memory.tiled_layers}"
     problems = []
-    policy = _checkpointing_policy(cfg, facts)[0] if _checkpointing_wanted(cfg, facts) else "none"
+    policy = _tiled_layers_policy(cfg, facts)
     if policy not in ("full", "offload"):
         problems.append(
             f"{key} needs memory.activation_checkpointing full or offload (a tiled layer is the layer's checkpoint), "
             f"but it resolves to {policy}: set activation_checkpointing: full or offload"
         )
-    if _fsdp_module().fsdp_wanted(cfg, facts):
-        problems.append(f"{key} is untested under FSDP2 (distributed.strategy resolves to fsdp): use distributed.strategy: ddp")
-    if cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
-        problems.append(
-            f"{key} needs torch_compile_scope: regional (each tiled layer compiles the layer its chunks run; a "
-            "whole-model graph would stop at every tiled layer)"
-        )
-    return problems
+    return problems + [f"{key}: {b}" for b in _tiled_layers_blockers(cfg, facts)]
 
 
 def _tiled_layers_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[int, str, bool]:
     """(chunks, why, does_not_fit): the configured count, or what ``auto`` decides from the
-    memory estimate (:func:`hone.transforms.estimate.decide_tiled_layers`). ``auto`` never fails
-    a run: where tiled layers cannot apply, or the estimate fails, the layers stay whole."""
+    memory estimate (:func:`hone.transforms.auto_policy.tiled_layers_choice`). ``auto`` never
+    fails a run: where tiled layers cannot apply, or the estimate fails, the layers stay whole."""
     chunks = cfg.memory.tiled_layers_chunks
     if chunks is not None:
         return chunks, f"memory.tiled_layers: {cfg.memory.tiled_layers}", False
-    policy = _checkpointing_policy(cfg, facts)[0] if _checkpointing_wanted(cfg, facts) else "none"
-    blocker = None
-    if cfg.data.sample_packing or cfg.data.packs_eval:
-        blocker = "packed rows carry a document mask"
-    elif cfg.model.attn_implementation != "sdpa":
-        blocker = f"model.attn_implementation is {cfg.model.attn_implementation} (tiled layers attend through sdpa)"
-    elif _fsdp_module().fsdp_wanted(cfg, facts):
-        blocker = "untested under FSDP2"
-    elif cfg.performance.compiles_on(facts.device.type) and cfg.performance.torch_compile_scope == "model":
-        blocker = "torch_compile_scope: model"
-    if blocker is not None:
-        return 0, f"tiled_layers: auto: off, {blocker}", False
+    blockers = _tiled_layers_blockers(cfg, facts)
+    if blockers:
+        return 0, f"tiled_layers: auto: off, {blockers[0]}", False
     try:
-        from hone.transforms.card import device_memory
-        from hone.transforms.estimate import decide_tiled_layers, loss_of
+        from hone.transforms.auto_policy import tiled_layers_choice
 
-        budget, source = (facts.memory_bytes, "the configured card") if facts.memory_bytes else device_memory(facts.device.type, None)
-        decision = decide_tiled_layers(
-            cfg, policy, loss_of(cfg), facts.device.type, budget, source,
-            tiled_mlp=_tiled_mlp(cfg, facts).shards, host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts),
+        decision = tiled_layers_choice(
+            cfg, facts.device, _tiled_layers_policy(cfg, facts), _tiled_mlp(cfg, facts).shards, facts.memory_bytes,
+            host_budget=facts.host_memory_bytes, param_shards=param_shards(cfg, facts),
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
         return 0, f"tiled_layers: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", False
