@@ -54,15 +54,21 @@ MoE models that record router logits from hooks.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
 from hone.errors import HoneError
+from hone.models.attention.tiled import (
+    TILED_SDPA,
+    ChunkAttention,
+    KeysCollected,
+    computing_chunk,
+    register_tiled_sdpa,
+)
+from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
-from hone.models.attention.tiled import TILED_SDPA, ChunkAttention, KeysCollected, computing_chunk, register_tiled_sdpa
 from hone.transforms.tiled_mlp import _shard_sizes
 
 __all__ = ["TiledDecoderLayer", "TiledLayersError", "apply_tiled_layers", "chunk_bounds", "tiled_layer_forward"]
@@ -138,54 +144,6 @@ def _chunk_kwargs(kwargs: dict[str, Any], length: int, bounds: list[tuple[int, i
 # ---------------------------------------------------------------------------------- autograd
 
 
-def _has_dropout(layer: nn.Module) -> bool:
-    """Whether the layer draws random numbers in training: a dropout module (LoRA's) or an
-    attention dropout probability (transformers' attention modules keep it as a float)."""
-    for m in layer.modules():
-        if not m.training:
-            continue
-        if isinstance(m, nn.Dropout) and m.p > 0:
-            return True
-        if isinstance(getattr(m, "attention_dropout", None), float) and m.attention_dropout > 0:
-            return True
-    return False
-
-
-class _Replay:
-    """The state a chunk's recompute must reproduce: autocast, and with dropout the RNG state the
-    chunk started from in the forward (one per chunk)."""
-
-    def __init__(self, x: torch.Tensor, dropout: bool) -> None:
-        self.device_type = x.device.type
-        self.device = x.device
-        self.autocast = torch.is_autocast_enabled(self.device_type)
-        self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
-        self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.dropout = dropout
-        self.rng: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    def capture(self) -> None:
-        """Record the RNG state of the chunk about to run (with dropout only)."""
-        if self.dropout:
-            cuda = torch.cuda.get_rng_state(self.device) if self.device_type == "cuda" else None
-            self.rng.append((torch.get_rng_state(), cuda))
-
-    def context(self, chunk: int, grad: bool) -> ExitStack:
-        stack = ExitStack()
-        stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
-        stack.enter_context(
-            torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast, cache_enabled=self.autocast_cache)
-        )
-        if self.dropout:
-            cpu, cuda = self.rng[chunk]
-            devices = [self.device] if cuda is not None else []
-            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=self.device_type))
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
-        return stack
-
-
 def _own(value: Any) -> Any:
     """A chunk's tensor in storage of its own (offset 0, row-major strides): a compiled layer
     guards on storage offsets (0 and 1 are specialised) and on strides, so views at each chunk's
@@ -241,7 +199,7 @@ class _TiledLayerFunction(torch.autograd.Function):
     def forward(ctx: Any, layer: nn.Module, bounds: list[tuple[int, int]], chunk_kwargs: list[dict[str, Any]], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         ctx.layer, ctx.bounds, ctx.chunk_kwargs, ctx.n_params = layer, bounds, chunk_kwargs, len(params)
-        ctx.replay = _Replay(x, _has_dropout(layer))
+        ctx.replay = Replay(x, has_dropout(layer))
         out = torch.empty_like(x)
         state = ChunkAttention("forward", total=x.shape[1])
         with torch.no_grad():
@@ -278,7 +236,7 @@ class _TiledLayerFunction(torch.autograd.Function):
         key_grads: torch.Tensor | None = None
         value_grads: torch.Tensor | None = None
         x_grad = torch.empty_like(x) if wants_x else None
-        sums: list[torch.Tensor | None] = [None] * len(params)
+        sums = GradSums(len(params))
         for i in reversed(range(len(bounds))):
             s, e = bounds[i]
             chunk = _own(x[:, s:e].detach()).requires_grad_(wants_x)
@@ -302,13 +260,7 @@ class _TiledLayerFunction(torch.autograd.Function):
                 else:
                     x_grad[:, s:e].copy_(chunk_grad)
             for k in (k for k, w in enumerate(wanted) if w):
-                g = got.pop(0)
-                if g is None:
-                    continue
-                if sums[k] is None:  # summed in float32, whatever the parameter's dtype
-                    sums[k] = g if g.dtype == torch.float32 else g.float()
-                else:
-                    sums[k].add_(g)
+                sums.add(k, got.pop(0))
             for leaf, g in zip(prefix, got):
                 if g is None:
                     continue
@@ -322,8 +274,7 @@ class _TiledLayerFunction(torch.autograd.Function):
                     value_grads[:, :, :s].add_(g)
             del out, outputs, grad_outputs, got, prefix
             state.at(s, e)  # drops the chunk's live tensors and prefix leaves
-        param_grads = [None if t is None else t.to(p.dtype) for t, p in zip(sums, params)]
-        return (None, None, None, x_grad, *param_grads)
+        return (None, None, None, x_grad, *sums.result(params))
 
 
 def tiled_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, chunks: int, **kwargs: Any) -> torch.Tensor:

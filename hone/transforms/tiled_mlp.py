@@ -40,13 +40,13 @@ on top of a checkpointed layer's own recompute.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
 from hone.errors import HoneError
+from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
 
 __all__ = ["TiledMLP", "TiledMLPError", "apply_tiled_mlp", "tiled_mlp_forward"]
@@ -109,34 +109,6 @@ def _token_rows(out: torch.Tensor, n: int, ndim: int, index: int) -> torch.Tenso
 # ---------------------------------------------------------------------------------- autograd
 
 
-class _Recompute:
-    """The state a shard's recompute must reproduce: autocast and, with dropout, the RNG."""
-
-    def __init__(self, x: torch.Tensor, module: nn.Module) -> None:
-        self.device_type = x.device.type
-        self.autocast = torch.is_autocast_enabled(self.device_type)
-        self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
-        self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.rng: tuple[torch.Tensor, torch.Tensor | None, torch.device] | None = None
-        if any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in module.modules()):
-            cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
-            self.rng = (torch.get_rng_state(), cuda, x.device)
-
-    def context(self) -> ExitStack:
-        stack = ExitStack()
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(
-            torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast, cache_enabled=self.autocast_cache)
-        )
-        if self.rng is not None:
-            cpu, cuda, device = self.rng
-            stack.enter_context(torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type=device.type))
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, device)
-        return stack
-
-
 class _Spec:
     """What the forward found out about the module's output, for the caller to rebuild it:
     whether it was a tuple, and where it held None (the Function returns only tensors)."""
@@ -159,7 +131,8 @@ class _TiledMLPFunction(torch.autograd.Function):
     def forward(ctx: Any, module: nn.Module, shards: int, spec: _Spec, x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.module, ctx.ndim, ctx.n_params = module, x.dim(), len(params)
-        ctx.recompute = _Recompute(x, module)
+        ctx.recompute = Replay(x, has_dropout(module))
+        ctx.recompute.capture()  # the shards run in order from one RNG state, and are replayed so
         flat = _flat_tokens(x)
         ctx.sizes = _shard_sizes(flat.shape[0], shards)
         buffers: list[torch.Tensor] = []
@@ -201,9 +174,9 @@ class _TiledMLPFunction(torch.autograd.Function):
         ]
         flat_x = _flat_tokens(x)
         x_grad = torch.empty_like(flat_x) if wants_x else None
-        sums: list[torch.Tensor | None] = [None] * len(params)
+        sums = GradSums(len(params))
         at = 0
-        with ctx.recompute.context():
+        with ctx.recompute.context(0, grad=True):
             for piece in flat_x.split(ctx.sizes):
                 n = piece.shape[0]
                 shard = _shard_input(piece.detach(), ctx.ndim).requires_grad_(wants_x)
@@ -224,17 +197,10 @@ class _TiledMLPFunction(torch.autograd.Function):
                     else:
                         x_grad[at : at + n].copy_(shard_grad.reshape(n, -1))
                 for i in (i for i, w in enumerate(wanted) if w):
-                    g = got.pop(0)
-                    if g is None:
-                        continue
-                    if sums[i] is None:  # summed in float32, whatever the parameter's dtype
-                        sums[i] = g if g.dtype == torch.float32 else g.float()
-                    else:
-                        sums[i].add_(g)
+                    sums.add(i, got.pop(0))
                 del outs, pairs, got
                 at += n
-        param_grads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
-        return (None, None, None, None if x_grad is None else x_grad.view_as(x), *param_grads)
+        return (None, None, None, None if x_grad is None else x_grad.view_as(x), *sums.result(params))
 
 
 def _input_shaped(out: torch.Tensor, n: int, ndim: int) -> bool:
