@@ -49,10 +49,15 @@ class AllocatorChoice:
         return {"expandable_segments": self.expandable, "why": self.why, "environment": self.user_setting}
 
 
+#: The value this process's own :func:`configure_allocator` put in the environment (the bench
+#: worker configures before it touches CUDA, then ``run_training`` again): not the user's.
+_SET_HERE: str | None = None
+
+
 def _user_setting() -> str | None:
     for name in ALLOC_ENV:
         value = os.environ.get(name)
-        if value:
+        if value and not (name == ALLOC_ENV[0] and value == _SET_HERE):
             return f"{name}={value}"
     return None
 
@@ -88,7 +93,8 @@ def configure_allocator(cfg: "HoneConfig", device_type: str) -> AllocatorChoice:
     import torch
 
     if not torch.cuda.is_initialized():
-        os.environ[ALLOC_ENV[0]] = SETTING
+        global _SET_HERE
+        os.environ[ALLOC_ENV[0]] = _SET_HERE = SETTING
         return choice
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None:

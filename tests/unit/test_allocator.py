@@ -55,6 +55,8 @@ def test_configure_sets_the_environment_before_cuda_starts(clean_env):
     try:
         choice = configure_allocator(_cfg(seq=65536), "cuda")
         assert choice.expandable and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == SETTING
+        again = configure_allocator(_cfg(seq=65536), "cuda")  # hone's own setting is not the user's
+        assert again == choice and again.user_setting is None
     finally:  # set by hone, not through monkeypatch: taken out here
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     assert not configure_allocator(_cfg(seq=1024), "cuda").expandable
