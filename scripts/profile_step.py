@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers (a slice of a big model)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--full", action="store_true", help="a full fine-tune (no adapter; --targets is unused)")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--active", type=int, default=2)
@@ -60,7 +61,7 @@ def main() -> None:
                 "sequence_len": args.seq,
                 "micro_batch_size": args.mbs,
                 "gradient_accumulation_steps": args.accum,
-                "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
+                "adapter": {"type": "none"} if args.full else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
             },
             "conditions": [{"name": "hone", "set": {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}}],
             "warmup_steps": args.warmup,

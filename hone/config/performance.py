@@ -43,6 +43,8 @@ OptionValue = StrictBool | StrictInt | StrictFloat | StrictStr
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _COMPILE_KEYS = ("torch_compile_scope", "torch_compile_mode", "torch_compile_backend", "torch_compile_options")
+#: Keys that only mean something with ``fp8`` on.
+_FP8_KEYS = ("fp8_base_linears", "fp8_small_linears")
 
 
 class PerformanceConfig(Section):
@@ -87,6 +89,12 @@ class PerformanceConfig(Section):
     """With LoRA and ``fp8`` on: which frozen linears compute in float8. ``lora_targets``: the
     projections LoRA wraps; ``all``: every frozen linear but the output head."""
 
+    fp8_small_linears: Literal["bf16", "fp8"] = "bf16"
+    """With ``fp8`` on: linears too narrow for a float8 matmul to repay the scaling of its input
+    and output gradient per call stay in bf16 (``bf16``), or convert anyway (``fp8``). Narrow is
+    input width <= 4096 and output <= 1024 for tensorwise (a key or value projection of a 3B or
+    8B model); output <= 2048, input <= 1024, or output <= 4096 with input <= 2048 for rowwise."""
+
     @field_validator("torch_compile_options", mode="before")
     @classmethod
     def _allowlisted(cls, options: Any) -> Any:
@@ -122,11 +130,13 @@ class PerformanceConfig(Section):
                     f"{', '.join(stray)} only apply when compiling but performance.torch_compile is false: "
                     "set torch_compile: true (or auto), or remove them"
                 )
-        if self.fp8 == "off" and self.fp8_base_linears != "lora_targets":
-            raise ValueError(
-                f"fp8_base_linears: {self.fp8_base_linears} only applies with fp8 on but performance.fp8 is off: "
-                "set fp8: rowwise or tensorwise, or remove it"
-            )
+        if self.fp8 == "off":
+            stray = [f"{k}: {getattr(self, k)}" for k in _FP8_KEYS if getattr(self, k) != type(self).model_fields[k].get_default()]
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} only applies with fp8 on but performance.fp8 is off: "
+                    "set fp8: rowwise or tensorwise, or remove it"
+                )
         if self.torch_compile_backend != "inductor":
             inductor_only = [k for k in ("torch_compile_mode", "torch_compile_options") if getattr(self, k)]
             if inductor_only:

@@ -174,10 +174,10 @@ class ModelFacts:
     compute_bytes: int
     autocast: bool
     trainable_elem_bytes: int
-    lora_base_weights: int = 0
-    """Weights of the linears LoRA wraps (``performance.fp8: ... lora_targets`` keeps float8 copies of these)."""
-    frozen_layer_linear_weights: int = 0
-    """Weights of every frozen linear inside the decoder layers (``fp8_base_linears: all``)."""
+    lora_base_shapes: tuple[tuple[int, int], ...] = ()
+    """``(in, out)`` of each linear LoRA wraps (``performance.fp8: ... lora_targets`` keeps float8 copies of these)."""
+    frozen_layer_linear_shapes: tuple[tuple[int, int], ...] = ()
+    """``(in, out)`` of every frozen linear inside the decoder layers (``fp8_base_linears: all``)."""
 
 
 @dataclass(frozen=True)
@@ -359,12 +359,15 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         model = apply_adapter(base, adapter_cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers_name, layer_list = _decoder_layers(model, text.num_hidden_layers)
-    frozen = trainable = outside_trainable = lora_base = layer_linears = 0
+    frozen = trainable = outside_trainable = 0
+    lora_base: list[tuple[int, int]] = []
+    layer_linears: list[tuple[int, int]] = []
     for name, param in model.named_parameters():  # tied weights are listed once
         if not param.requires_grad and param.ndim == 2 and name.startswith(layers_name + "."):
-            layer_linears += param.numel()
+            shape = (param.shape[1], param.shape[0])
+            layer_linears.append(shape)
             if name.endswith("base_layer.weight"):
-                lora_base += param.numel()
+                lora_base.append(shape)
         if param.requires_grad:
             trainable += param.numel()
             if not name.startswith(layers_name + "."):
@@ -399,8 +402,8 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         compute_bytes=_elem_bytes(precision.compute),
         autocast=precision.autocast_dtype is not None,
         trainable_elem_bytes=tbytes,
-        lora_base_weights=lora_base,
-        frozen_layer_linear_weights=layer_linears,
+        lora_base_shapes=tuple(lora_base),
+        frozen_layer_linear_shapes=tuple(layer_linears),
     )
 
 
@@ -649,11 +652,15 @@ def loss_bytes(m: ModelFacts, tokens: int, kind: LossKind, device: str = "cuda")
 def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
     """The float8 copies a LoRA run on a float8 base keeps beside each converted bf16 weight (the
     weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8);
-    a full fine-tune's float8 casts are per step and transient."""
-    if cfg.performance.fp8 == "off" or not cfg.adapter.is_lora:
+    a full fine-tune's float8 casts are per step and transient. Layers the shape rule keeps in bf16
+    (hone.transforms.fp8_sizes) have no copies."""
+    from hone.transforms.fp8_sizes import converts_to_fp8
+
+    perf = cfg.performance
+    if perf.fp8 == "off" or not cfg.adapter.is_lora:
         return 0
-    converted = m.lora_base_weights if cfg.performance.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_weights
-    return 2 * converted
+    shapes = m.lora_base_shapes if perf.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_shapes
+    return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, perf.fp8, perf.fp8_small_linears))
 
 
 def estimate_memory(

@@ -42,8 +42,10 @@ import torch
 from torch import nn
 
 from hone.kernels.fp8_linear import FP8 as FLOAT8
-from hone.kernels.fp8_linear import ALIGN, FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
+from hone.kernels.fp8_linear import FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
 from hone.transforms.base import RunFacts, Transform
+from hone.transforms.fp8_sizes import SmallLinears, converts_to_fp8, too_small_for_fp8
+from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
 
 if TYPE_CHECKING:
     from hone.config.root import HoneConfig
@@ -103,7 +105,12 @@ class Fp8FrozenLinear(nn.Linear):
 
 def fits_fp8(linear: nn.Linear) -> bool:
     """``_scaled_mm`` needs both dimensions of the weight to be multiples of 16."""
-    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
+    return fits_fp8_shape(linear.in_features, linear.out_features)
+
+
+def too_small(linear: nn.Linear, mode: Mode) -> bool:
+    """:func:`hone.transforms.fp8_sizes.too_small_for_fp8` of ``linear``'s shape."""
+    return too_small_for_fp8(linear.in_features, linear.out_features, mode)
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -111,16 +118,26 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return get() if callable(get) else None
 
 
-def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets") -> dict[str, Any]:
+def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets", small: SmallLinears = "fp8") -> dict[str, Any]:
     """Swap frozen base linears for :class:`Fp8FrozenLinear` in place; returns what it did.
 
     ``scope``: ``lora_targets`` -- the base layer of every LoRA-wrapped linear;
     ``all`` -- also every other frozen ``nn.Linear`` but the output head. Layers with a
-    dimension that is not a multiple of 16 stay as they are (counted as skipped)."""
+    dimension that is not a multiple of 16 stay as they are (counted as skipped), and so, with
+    ``small="bf16"``, do those :func:`too_small` (counted as kept small)."""
     from peft.tuners.lora import LoraLayer
 
     head = _output_head(model)
-    converted, skipped = 0, []
+    converted, skipped, kept_small = 0, [], []
+
+    def eligible(name: str, linear: nn.Linear) -> bool:
+        if not fits_fp8(linear):
+            skipped.append(name)
+            return False
+        if small == "bf16" and too_small(linear, mode):
+            kept_small.append(name)
+            return False
+        return True
     lora_bases: set[int] = set()
     for name, module in list(model.named_modules()):
         if not isinstance(module, LoraLayer):
@@ -129,8 +146,7 @@ def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets
         if type(base) is not nn.Linear:  # already converted, or not a plain linear (embedding, conv, experts)
             continue
         lora_bases.add(id(base))
-        if not fits_fp8(base):
-            skipped.append(name)
+        if not eligible(name, base):
             continue
         _replace_base_layer(module, Fp8FrozenLinear(base, mode))
         converted += 1
@@ -138,12 +154,18 @@ def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets
         for name, parent, child_name, child in _linear_children(model):
             if id(child) in lora_bases or child is head or child.weight.requires_grad:
                 continue
-            if not fits_fp8(child):
-                skipped.append(name)
+            if not eligible(name, child):
                 continue
             setattr(parent, child_name, Fp8FrozenLinear(child, mode))
             converted += 1
-    return {"mode": mode, "case": "frozen base (LoRA)", "scope": scope, "converted": converted, "skipped": skipped}
+    return {
+        "mode": mode,
+        "case": "frozen base (LoRA)",
+        "scope": scope,
+        "converted": converted,
+        "skipped": skipped,
+        "kept_bf16_small": kept_small,
+    }
 
 
 def _replace_base_layer(lora_layer: nn.Module, new: nn.Module) -> None:
@@ -175,35 +197,41 @@ def float8_training_config(mode: Mode, fsdp_float8_all_gather: bool = False, emu
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather and mode == "tensorwise", emulate=emulate)
 
 
-def full_finetune_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+def full_finetune_filter(model: nn.Module, mode: Mode, small: SmallLinears = "fp8") -> Callable[[nn.Module, str], bool]:
     """torchao's ``module_filter_fn``: every linear but the output head (its vocabulary-wide
-    logits feed the loss; float8 there costs accuracy for little time) and those with a
-    dimension that is not a multiple of 16. Embeddings are not linears and stay as they are."""
+    logits feed the loss; float8 there costs accuracy for little time), those with a dimension
+    that is not a multiple of 16 and, with ``small="bf16"``, those :func:`too_small`.
+    Embeddings are not linears and stay as they are."""
     head = _output_head(model)
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if module is head or fqn.split(".")[-1] == "lm_head":
             return False
-        return isinstance(module, nn.Linear) and fits_fp8(module)
+        return isinstance(module, nn.Linear) and converts_to_fp8(module.in_features, module.out_features, mode, small)
 
     return keep
 
 
-def convert_full_finetune(model: nn.Module, mode: Mode, fsdp_float8_all_gather: bool = False, emulate: bool = False) -> dict[str, Any]:
-    """torchao's float8 training on every eligible linear, in place; returns what it did.
-    ``emulate`` computes the float8 matmuls in high precision (CPU tests)."""
+def convert_full_finetune(
+    model: nn.Module, mode: Mode, fsdp_float8_all_gather: bool = False, emulate: bool = False, small: SmallLinears = "fp8"
+) -> dict[str, Any]:
+    """torchao's float8 training on every eligible linear (:func:`full_finetune_filter`), in
+    place; returns what it did. ``emulate`` computes the float8 matmuls in high precision (CPU tests)."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config = float8_training_config(mode, fsdp_float8_all_gather, emulate)
     linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
-    convert_to_float8_training(model, config=config, module_filter_fn=full_finetune_filter(model))
+    convert_to_float8_training(model, config=config, module_filter_fn=full_finetune_filter(model, mode, small))
     converted = sum(1 for m in model.modules() if isinstance(m, Float8Linear))
+    head = _output_head(model)
+    small_kept = sum(1 for m in model.modules() if type(m) is nn.Linear and m is not head and fits_fp8(m) and too_small(m, mode))
     return {
         "mode": mode,
         "case": "full fine-tune (torchao float8 training)",
         "converted": converted,
         "kept_high_precision": linears - converted,
+        "kept_bf16_small": small_kept if small == "bf16" else 0,
         "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
     }
 
@@ -273,8 +301,8 @@ def _apply(model: nn.Module, cfg: "HoneConfig", facts: RunFacts) -> dict[str, An
     perf = cfg.performance
     mode: Mode = perf.fp8  # type: ignore[assignment]
     if cfg.adapter.is_lora:
-        return convert_frozen_base(model, mode, perf.fp8_base_linears)
-    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts))
+        return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
+    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts), small=perf.fp8_small_linears)
     if details["fsdp_float8_all_gather"]:
         _PRECOMPUTE.add(model)
     return details

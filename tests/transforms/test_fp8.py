@@ -58,6 +58,35 @@ def test_fp8_needs_bf16_and_base_linears_need_lora_and_fp8():
     with pytest.raises(ConfigError, match="adapter.type is not lora"):
         cfg(adapter="none", fp8="rowwise", fp8_base_linears="all")
     assert cfg(fp8="rowwise", fp8_base_linears="all").performance.fp8_base_linears == "all"
+    with pytest.raises(ConfigError, match="fp8_small_linears: fp8 only applies with fp8 on"):
+        cfg(fp8_small_linears="fp8")
+    with pytest.raises(ConfigError, match="fp8_small_linears"):
+        cfg(fp8="rowwise", fp8_small_linears="fp16")
+    assert cfg(fp8="rowwise").performance.fp8_small_linears == "bf16"
+
+
+@pytest.mark.parametrize(
+    "in_features, out_features, mode, small",
+    [
+        (3072, 1024, "tensorwise", True),  # a 3B model's key projection
+        (4096, 1024, "tensorwise", True),  # an 8B model's
+        (4096, 4096, "tensorwise", False),
+        (4096, 2048, "tensorwise", False),
+        (8192, 1024, "tensorwise", False),
+        (3072, 1024, "rowwise", True),
+        (3072, 3072, "rowwise", False),
+        (2048, 4096, "rowwise", True),
+        (4096, 14336, "rowwise", False),
+        (1024, 8192, "rowwise", True),
+    ],
+)
+def test_narrow_linears_are_too_small_for_fp8(in_features, out_features, mode, small):
+    from hone.transforms.fp8_sizes import converts_to_fp8, too_small_for_fp8
+
+    assert too_small_for_fp8(in_features, out_features, mode) is small
+    assert converts_to_fp8(in_features, out_features, mode, "bf16") is not small
+    assert converts_to_fp8(in_features, out_features, mode, "fp8")
+    assert not converts_to_fp8(in_features + 8, out_features, mode, "fp8")  # not a multiple of 16
 
 
 def test_device_check_refuses_cpu_and_gpus_older_than_ada_naming_key_device_and_what_is_allowed():
@@ -106,6 +135,20 @@ def test_frozen_base_converts_the_base_layers_of_the_lora_targets_only(tokenizer
     assert len(fp8) == 6 and details["converted"] == 6 and details["skipped"] == []
     assert all(n.endswith(("q_proj.base_layer", "v_proj.base_layer", "down_proj.base_layer")) for n in fp8)
     assert all(k == "Linear" for n, k in kinds.items() if "lora_" in n or n.endswith(("k_proj", "o_proj", "lm_head")))
+
+
+def test_small_linears_stay_bf16_in_both_cases_when_asked(tokenizer):
+    """A model whose key/value projections are narrow (64 -> 16) and the rest wide enough."""
+    from hone.transforms.fp8_sizes import too_small_for_fp8
+
+    model = _lora_model(tokenizer, ["q_proj", "k_proj", "v_proj", "up_proj"])
+    small = {n for n, m in model.named_modules() if type(m) is nn.Linear and "lora_" not in n and too_small_for_fp8(m.in_features, m.out_features, "tensorwise")}
+    assert small  # the tiny model's linears are all narrow
+    details = convert_frozen_base(model, "tensorwise", small="bf16")
+    assert details["converted"] == 0 and len(details["kept_bf16_small"]) == 2 * 4
+    full = tiny_model("tiny-llama", tokenizer, seed=3)
+    details = convert_full_finetune(full, "tensorwise", emulate=True, small="bf16")
+    assert details["converted"] == 0 and details["kept_bf16_small"] == 2 * 7
 
 
 def test_frozen_base_all_converts_every_frozen_linear_but_the_head(tokenizer):

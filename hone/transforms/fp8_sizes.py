@@ -1,0 +1,35 @@
+"""Which linear layers compute in float8, decided from their shapes alone (no torch here: the
+memory estimate asks the same question on a config, before anything is loaded)."""
+
+from typing import Literal
+
+#: ``torch._scaled_mm`` needs both dimensions of the weight to be multiples of 16.
+ALIGN = 16
+
+SmallLinears = Literal["bf16", "fp8"]
+
+
+def fits_fp8(in_features: int, out_features: int) -> bool:
+    """Whether a ``[out_features, in_features]`` weight can be a float8 matmul operand at all."""
+    return in_features % ALIGN == 0 and out_features % ALIGN == 0
+
+
+def too_small_for_fp8(in_features: int, out_features: int, mode: str) -> bool:
+    """Whether a linear layer's matmuls are too narrow for float8 to beat the per-call scaling it
+    adds (``performance.fp8_small_linears: bf16`` keeps these in bf16).
+
+    A float8 matmul saves time in proportion to its FLOPs, while quantizing its input and output
+    gradient costs time in proportion to their sizes, so narrow layers lose. The thresholds are the
+    break-even points of torchao's published H100 microbenchmarks of its two recipes (rowwise
+    scaling costs more per call, so its threshold is higher); ``K`` is the input width, ``N`` the
+    output width. A key or value projection of a 3B or 8B model (K 3072 or 4096, N 1024) is small
+    for both."""
+    k, n = in_features, out_features
+    if mode == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+def converts_to_fp8(in_features: int, out_features: int, mode: str, small: SmallLinears) -> bool:
+    """The shape rule of ``performance.fp8``: aligned, and not too small unless asked."""
+    return fits_fp8(in_features, out_features) and not (small == "bf16" and too_small_for_fp8(in_features, out_features, mode))
