@@ -9,7 +9,7 @@ Not a test. By default, on the bundled chat sample (examples/data/chat_sample.js
    compares little);
 2. for each mode, ``--steps`` of LoRA (r 32 on all linear layers) from that base, with the
    mode's config overrides: ``bf16`` (none) and ``nf4`` (``model.quantize=nf4``), plus any
-   ``--mode NAME=key=value[,key=value...]`` (e.g. ``--mode fp8-rowwise=performance.fp8=rowwise,performance.fp8_small_linears=fp8``);
+   ``--mode NAME=key=value[,key=value...]`` (e.g. ``--mode fp8-rowwise=performance.fp8=rowwise``);
 3. prints a markdown table: final eval loss, its relative difference from bf16, tok/s, peak GiB.
 
 ``--set key=value`` overrides apply to every LoRA run (e.g. ``--set performance.torch_compile=true``).
@@ -17,7 +17,7 @@ Each mode runs in this process one after the other; ``--pretrain-steps 0`` skips
 trains LoRA on the random preset with its head trained in full (``lora_modules_to_save``).
 
     PYTHONPATH=$PWD python scripts/quant_convergence.py                       # ~5 min on an H100 (hidden 1024)
-    PYTHONPATH=$PWD python scripts/quant_convergence.py --steps 300 --mode fp8-rowwise=performance.fp8=rowwise,performance.fp8_small_linears=fp8
+    PYTHONPATH=$PWD python scripts/quant_convergence.py --steps 300 --mode fp8-rowwise=performance.fp8=rowwise
 """
 
 from __future__ import annotations

@@ -89,11 +89,12 @@ class PerformanceConfig(Section):
     """With LoRA and ``fp8`` on: which frozen linears compute in float8. ``lora_targets``: the
     projections LoRA wraps; ``all``: every frozen linear but the output head."""
 
-    fp8_small_linears: Literal["bf16", "fp8"] = "bf16"
-    """With ``fp8`` on: linears too narrow for a float8 matmul to repay the scaling of its input
-    and output gradient per call stay in bf16 (``bf16``), or convert anyway (``fp8``). Narrow is
-    input width <= 4096 and output <= 1024 for tensorwise (a key or value projection of a 3B or
-    8B model); output <= 2048, input <= 1024, or output <= 4096 with input <= 2048 for rowwise."""
+    fp8_small_linears: Literal["fp8", "bf16"] = "fp8"
+    """With ``fp8`` on: whether linears too narrow for a float8 matmul to repay the scaling of its
+    input and output gradient per call convert anyway (``fp8``) or stay in bf16 (``bf16``). Narrow
+    is input width <= 4096 and output <= 1024 for tensorwise; output <= 2048, input <= 1024, or
+    output <= 4096 with input <= 2048 for rowwise (torchao's H100 break-even shapes). At 3B-8B
+    the two are within 1% (docs/quantization.md); on models of hidden size <= 2048, ``bf16``."""
 
     @field_validator("torch_compile_options", mode="before")
     @classmethod

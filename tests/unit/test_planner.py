@@ -177,8 +177,19 @@ def test_shape_note_tells_fixed_from_varying_lengths():
 
 
 def test_compile_event_tells_recompiles_from_new_frames():
-    assert CompileEvent("0/1", "forward", 2, True).recompile
-    assert not CompileEvent("3/0", "forward", 2, True).recompile
+    assert CompileEvent("0/1", "forward", 2, True).compiled_before
+    assert not CompileEvent("3/0", "forward", 2, True).compiled_before
+    assert CompileEvent("!1/0/2", "forward", 2, True).frame == "!1/0"
+
+
+def test_a_frame_an_earlier_run_compiled_is_not_a_recompile_of_this_run():
+    """Two runs in one process: the second run's first compile of a frame is ``0/1`` (Dynamo's
+    cache outlives the first run) but only a second compile of it in this run is a recompile."""
+    watch = CompileWatch(lambda message: None)
+    watch.events += [CompileEvent("0/1", "forward", 1, False), CompileEvent("5/0", "forward", 1, False)]
+    assert watch.summary()["recompiles"] == 0
+    watch.events.append(CompileEvent("0/2", "forward", 3, True))
+    assert watch.summary()["recompiles"] == 1
 
 
 def test_watch_warns_about_late_compiles_only_and_caps_its_warnings(monkeypatch):
