@@ -6,6 +6,7 @@ A failing row (exception, out of memory, timeout) is recorded as such and the re
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,12 +21,19 @@ from hone.errors import HoneError
 _TAIL = 1500
 
 
+#: The start of a raised exception's line in a traceback (``ValueError: ...``, ``torch._inductor.exc.InductorError: ...``).
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
-    """(status, one-line reason) from a failed worker's exit code and stderr."""
+    """(status, one-line reason) from a failed worker's exit code and stderr: the last raised
+    exception's line, not whatever was printed after it (torch appends a hint about
+    TORCHDYNAMO_VERBOSE to every compile error, which names no cause)."""
     if "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr:
         return "oom", "out of memory"
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else f"exit code {returncode}"
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    last = raised[-1] if raised else lines[-1] if lines else f"exit code {returncode}"
     return "error", last[:300]
 
 

@@ -65,5 +65,12 @@ def test_spec_rules():
 
 def test_failure_classification():
     assert classify_failure(1, "...\ntorch.OutOfMemoryError: CUDA out of memory. Tried")[0] == "oom"
+    inductor = (
+        'Traceback\n  File "select_algorithm.py", line 3335\n    raise NoValidChoicesError\n'
+        "torch._inductor.exc.InductorError: NoValidChoicesError: \n\n"
+        'Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace. For even more developer context, set TORCH_LOGS="+dynamo"\n'
+    )
+    assert classify_failure(1, inductor) == ("error", "torch._inductor.exc.InductorError: NoValidChoicesError:")
+    assert classify_failure(3, "no traceback here\n") == ("error", "no traceback here")
     status, reason = classify_failure(1, "Traceback\nValueError: boom\n")
     assert status == "error" and reason == "ValueError: boom"
