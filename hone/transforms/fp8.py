@@ -319,10 +319,11 @@ def _why(cfg: "HoneConfig", facts: RunFacts) -> str:
     perf = cfg.performance
     if perf.fp8 == "off":
         return "performance.fp8: off"
+    narrow = "; narrow linears stay bf16 (fp8_small_linears: bf16)" if perf.fp8_small_linears == "bf16" else ""
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
-        return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16"
-    return f"performance.fp8: {perf.fp8}; full fine-tune through torchao's float8 training (all linears but the head)"
+        return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
+    return f"performance.fp8: {perf.fp8}; full fine-tune through torchao's float8 training (all linears but the head){narrow}"
 
 
 def _label(d: dict[str, Any]) -> str:

@@ -104,7 +104,9 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
     lines = {name: (on, why) for name, _, on, why in decisions(cfg(fp8="rowwise"), RunFacts(torch.device("cpu")))}
     assert lines["fp8"][0] and lines["fp8"][1].startswith("REFUSED")
     on, why = {n: (o, w) for n, _, o, w in decisions(cfg(fp8="tensorwise"), RunFacts(CUDA))}["fp8"]
-    assert on and "frozen base in float8" in why
+    assert on and "frozen base in float8" in why and "narrow" not in why
+    _, why = {n: (o, w) for n, _, o, w in decisions(cfg(fp8="tensorwise", fp8_small_linears="bf16"), RunFacts(CUDA))}["fp8"]
+    assert "narrow linears stay bf16 (fp8_small_linears: bf16)" in why
     assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
 
 
