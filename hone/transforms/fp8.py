@@ -284,12 +284,32 @@ def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
             "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
             "installed: pip install torchao, or fp8: off"
         )
+    autotuned = _max_autotune_gemm_source(cfg)
+    if autotuned:
+        problems.append(
+            f"performance.fp8 with Inductor's max-autotune matmul templates ({autotuned}) does not compile on an H100 "
+            "with torch 2.11: for the frozen base Inductor finds no valid choice for the float8 matmul "
+            "(NoValidChoicesError), and a float8 full fine-tune did not finish compiling in 500 s "
+            "(docs/quantization.md); remove it, or use fp8: off"
+        )
     if cfg.adapter.is_lora and _fsdp_on(cfg, facts):
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
             "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
         )
     return problems
+
+
+def _max_autotune_gemm_source(cfg: "HoneConfig") -> str | None:
+    """The key that turns on Inductor's autotuned matmul templates, if any does."""
+    perf = cfg.performance
+    if not perf.may_compile:
+        return None
+    if perf.torch_compile_options.get("max_autotune_gemm") is True:
+        return "performance.torch_compile_options.max_autotune_gemm: true"
+    if perf.torch_compile_mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        return f"performance.torch_compile_mode: {perf.torch_compile_mode}"
+    return None
 
 
 #: Models whose weights FSDP2 all-gathers in float8: their scales are computed after each

@@ -110,6 +110,28 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
     assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
 
 
+@pytest.mark.parametrize(
+    "performance, key",
+    [
+        ({"torch_compile_options": {"max_autotune_gemm": True}}, "performance.torch_compile_options.max_autotune_gemm: true"),
+        ({"torch_compile_mode": "max-autotune"}, "performance.torch_compile_mode: max-autotune"),
+        ({"torch_compile_mode": "max-autotune-no-cudagraphs"}, "performance.torch_compile_mode: max-autotune-no-cudagraphs"),
+    ],
+)
+@pytest.mark.parametrize("adapter", ["lora", "none"])
+def test_fp8_refuses_inductors_autotuned_matmul_templates_naming_the_key(performance, key, adapter):
+    config = cfg(adapter=adapter, fp8="tensorwise", torch_compile=True, **performance)
+    with pytest.raises(PlanError, match=r"performance.fp8 with Inductor's max-autotune matmul templates \(" + key.replace(".", r"\.") + r"\)"):
+        plan_optimizations(config, RunFacts(CUDA))
+    assert not [p for p in _fp8_problems(cfg(adapter=adapter, fp8="tensorwise", torch_compile=True, torch_compile_mode="reduce-overhead")) if "autotune" in p]
+
+
+def _fp8_problems(config):
+    from hone.transforms.fp8 import FP8
+
+    return FP8.check(config, RunFacts(CUDA))
+
+
 def test_plan_puts_fp8_before_checkpointing_and_compile():
     if torch.cuda.is_available():
         pytest.skip("the CPU-machine plan of a CUDA run")
