@@ -94,7 +94,8 @@ class PerformanceConfig(Section):
     input and output gradient per call convert anyway (``fp8``) or stay in bf16 (``bf16``). Narrow
     is input width <= 4096 and output <= 1024 for tensorwise; output <= 2048, input <= 1024, or
     output <= 4096 with input <= 2048 for rowwise (torchao's H100 break-even shapes). At 3B-8B
-    the two are within 1% (docs/quantization.md); on models of hidden size <= 2048, ``bf16``."""
+    the two are within 1% on an H100 (docs/quantization.md); models of hidden size <= 2048, where
+    most layers are narrow, are where ``bf16`` may pay off (not measured)."""
 
     @field_validator("torch_compile_options", mode="before")
     @classmethod
