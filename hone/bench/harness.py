@@ -23,18 +23,23 @@ _TAIL = 1500
 
 #: The start of a raised exception's line in a traceback (``ValueError: ...``, ``torch._inductor.exc.InductorError: ...``).
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+#: What torch prints after every compile error: it names no cause.
+_TORCH_HINTS = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context")
 
 
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
     """(status, one-line reason) from a failed worker's exit code and stderr: the last raised
-    exception's line, not whatever was printed after it (torch appends a hint about
-    TORCHDYNAMO_VERBOSE to every compile error, which names no cause)."""
+    exception with its continuation lines (a config error lists its problems below its first
+    line), without the hint torch appends to every compile error."""
     if "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr:
         return "oom", "out of memory"
-    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
-    last = raised[-1] if raised else lines[-1] if lines else f"exit code {returncode}"
-    return "error", last[:300]
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip() and not line.strip().startswith(_TORCH_HINTS)]
+    raised = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+    if raised:
+        reason = " ".join(lines[raised[-1] :])
+    else:
+        reason = lines[-1] if lines else f"exit code {returncode}"
+    return "error", reason[:300]
 
 
 class BenchNprocError(HoneError):

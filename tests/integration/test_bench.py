@@ -72,5 +72,7 @@ def test_failure_classification():
     )
     assert classify_failure(1, inductor) == ("error", "torch._inductor.exc.InductorError: NoValidChoicesError:")
     assert classify_failure(3, "no traceback here\n") == ("error", "no traceback here")
+    config = "Traceback\nhone.config.errors.ConfigError: condition 'broken': 1 problem\n  - training.micro_batch_size: must be >= 1, got 0\n"
+    assert classify_failure(1, config)[1] == "hone.config.errors.ConfigError: condition 'broken': 1 problem - training.micro_batch_size: must be >= 1, got 0"
     status, reason = classify_failure(1, "Traceback\nValueError: boom\n")
     assert status == "error" and reason == "ValueError: boom"
