@@ -138,6 +138,7 @@ def convert_frozen_base(model: nn.Module, mode: Mode, scope: str = "lora_targets
             kept_small.append(name)
             return False
         return True
+
     lora_bases: set[int] = set()
     for name, module in list(model.named_modules()):
         if not isinstance(module, LoraLayer):
@@ -225,13 +226,15 @@ def convert_full_finetune(
     convert_to_float8_training(model, config=config, module_filter_fn=full_finetune_filter(model, mode, small))
     converted = sum(1 for m in model.modules() if isinstance(m, Float8Linear))
     head = _output_head(model)
-    small_kept = sum(1 for m in model.modules() if type(m) is nn.Linear and m is not head and fits_fp8(m) and too_small(m, mode))
+    small_kept = 0
+    if small == "bf16":
+        small_kept = sum(1 for m in model.modules() if type(m) is nn.Linear and m is not head and fits_fp8(m) and too_small(m, mode))
     return {
         "mode": mode,
         "case": "full fine-tune (torchao float8 training)",
         "converted": converted,
         "kept_high_precision": linears - converted,
-        "kept_bf16_small": small_kept if small == "bf16" else 0,
+        "kept_bf16_small": small_kept,
         "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
     }
 

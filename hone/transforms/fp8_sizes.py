@@ -1,10 +1,9 @@
-"""Which linear layers compute in float8, decided from their shapes alone (no torch here: the
-memory estimate asks the same question on a config, before anything is loaded)."""
+"""Which linear layers compute in float8, decided from their shapes alone: the fp8 transform
+asks it of each module, the memory estimate of each weight shape of a model it never builds."""
 
 from typing import Literal
 
-#: ``torch._scaled_mm`` needs both dimensions of the weight to be multiples of 16.
-ALIGN = 16
+from hone.kernels.fp8_linear import ALIGN
 
 SmallLinears = Literal["bf16", "fp8"]
 
