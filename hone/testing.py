@@ -6,7 +6,8 @@ under a second, all drawn from seeds. One module in the package (not a conftest)
 integration and GPU tests, and benchmarks' smoke tests, share them.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -238,6 +239,58 @@ def tiny_config(output_dir: Path, **sections: dict[str, Any]) -> HoneConfig:
         if section == "training" and "num_epochs" in values:
             raw["training"].pop("max_steps", None)
     return HoneConfig.model_validate(raw)
+
+
+def tiny_lora_run(data: Path, output_dir: Path, **sections: dict[str, Any]) -> tuple[list[tuple[float, float]], dict[str, Any]]:
+    """Train a tiny fp32 Qwen3 with LoRA on every linear (sdpa, 2 steps of 2 rows of 32 tokens,
+    full checkpointing) through ``run_training`` on the CPU, as ``hone train`` would; returns
+    each step's ``(loss, grad_norm)`` and the run's ``optimizations.json``. ``sections`` add keys
+    per section (e.g. ``memory={"tiled_mlp": 3}``): two runs that differ in one optimization
+    must train alike."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from hone.train.run import run_training
+
+    raw: dict[str, Any] = {
+        "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": "sdpa"},
+        "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32, "dataset_prepared_path": str(output_dir.parent / "cache")},
+        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"},
+        "training": {"max_steps": 2, "micro_batch_size": 2, "seed": 3, "output_dir": str(output_dir)},
+        "optimizer": {"learning_rate": 2e-2, "adam_epsilon": 1e-3, "lr_scheduler": "constant"},
+        "memory": {"activation_checkpointing": "full"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    steps: list[tuple[float, float]] = []
+    run_training(HoneConfig.model_validate(raw), device="cpu", console=Console(file=io.StringIO(), width=300), step_callback=lambda m: steps.append((m.loss, m.grad_norm)))
+    return steps, json.loads((output_dir / "optimizations.json").read_text())
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    """Forward, forward-pre and backward hooks on every module of ``model``: a transform that
+    wraps layers must leave as many behind as it found."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules())
+
+
+@contextmanager
+def counting_grad_accumulations(model: torch.nn.Module) -> Iterator[dict[str, int]]:
+    """Within the block, how many times each trainable parameter of ``model`` has its gradient
+    accumulated (by name): once per backward, whatever a transform splits the work into."""
+    counts: dict[str, int] = {}
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: counts.__setitem__(n, counts.get(n, 0) + 1))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def run_hooks(model: torch.nn.Module, loss: str = "standard", device: str = "cpu"):

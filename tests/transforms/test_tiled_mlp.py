@@ -9,17 +9,13 @@ the same forward and loss. Rows of 13 tokens, two per micro-batch: shards of the
 """
 
 import copy
-import io
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 from torch import nn
 
 from hone.config import ConfigError, parse_config
-from hone.testing import tiny_model, with_random_lora
+from hone.testing import counting_grad_accumulations, hook_count, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
 from hone.transforms.tiled_mlp import TiledMLP, TiledMLPError, _shard_sizes, apply_tiled_mlp, tiled_mlp_forward
 
@@ -105,25 +101,14 @@ def test_each_parameter_gets_its_gradient_once_per_backward_and_no_hook_stays(to
     model = _model("tiny-qwen3", "lora", tokenizer)
     tiled = copy.deepcopy(model)
     apply_tiled_mlp(tiled, 3)
-
-    def hooks(m: nn.Module) -> int:
-        return sum(len(x._forward_hooks) + len(x._forward_pre_hooks) + len(x._backward_hooks) for x in m.modules())
-
-    before = hooks(tiled)
-    counts: dict[str, int] = {}
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda p, n=n: counts.__setitem__(n, counts.get(n, 0) + 1))
-        for n, p in tiled.named_parameters()
-        if p.requires_grad
-    ]
+    before = hook_count(tiled)
     ids = _ids()
     tiled.zero_grad(set_to_none=True)
-    for _ in range(2):  # two micro-batches, accumulated
-        tiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    for h in handles:
-        h.remove()
+    with counting_grad_accumulations(tiled) as counts:
+        for _ in range(2):  # two micro-batches, accumulated
+            tiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert counts and set(counts.values()) == {2}, counts
-    assert hooks(tiled) == before
+    assert hook_count(tiled) == before
     _, want = _loss_and_grads(model, ids)
     for name, ref in want.items():
         torch.testing.assert_close(dict(tiled.named_parameters())[name].grad, 2 * ref, rtol=0, atol=RTOL * 2 * ref.abs().max().item())
@@ -394,29 +379,11 @@ def test_plan_report_shows_the_tiled_estimates():
 def test_run_records_the_tiled_mlp_in_the_plan_and_optimizations_json(tmp_path, write_jsonl):
     """``hone train``'s path: the planner applies tiled_mlp before checkpointing, the record
     says so, and the run trains like the untiled one."""
-    from hone.train.run import run_training
-
     rows = [{"input_ids": list(range(5 + i, 25 + i)), "labels": [-100] * 4 + list(range(9 + i, 25 + i))} for i in range(8)]
     data = write_jsonl(tmp_path, rows)
 
-    def train(tiled, name: str):
-        cfg = parse_config(
-            {
-                "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": "sdpa"},
-                "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32, "dataset_prepared_path": str(tmp_path / "cache")},
-                "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"},
-                "training": {"max_steps": 2, "micro_batch_size": 2, "seed": 3, "output_dir": str(tmp_path / name)},
-                "optimizer": {"learning_rate": 2e-2, "adam_epsilon": 1e-3, "lr_scheduler": "constant"},
-                "memory": {"activation_checkpointing": "full", "tiled_mlp": tiled},
-                "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-            }
-        )
-        steps: list = []
-        run_training(cfg, device="cpu", console=Console(file=io.StringIO(), width=300), step_callback=lambda m: steps.append((m.loss, m.grad_norm)))
-        return steps, json.loads((Path(cfg.training.output_dir) / "optimizations.json").read_text())
-
-    plain, plain_record = train("off", "plain")
-    steps, record = train(3, "tiled")
+    plain, plain_record = tiny_lora_run(data, tmp_path / "plain", memory={"tiled_mlp": "off"})
+    steps, record = tiny_lora_run(data, tmp_path / "tiled", memory={"tiled_mlp": 3})
     names = [a["name"] for a in record["applied"]]
     assert "tiled_mlp" not in [a["name"] for a in plain_record["applied"]]
     assert names.index("tiled_mlp") < names.index("activation_checkpointing")

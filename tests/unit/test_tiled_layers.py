@@ -11,13 +11,9 @@ the same weights), through the same forward and loss. Rows of 29 tokens, two per
 """
 
 import copy
-import io
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 from torch import nn
 
 from hone.config import ConfigError, parse_config
@@ -25,7 +21,7 @@ from hone.config.adapter import AdapterConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.causal import register_causal_sdpa
 from hone.models.attention.tiled import TILED_SDPA, causal_chunk_attention
-from hone.testing import offload_step, tiny_model, with_random_lora
+from hone.testing import counting_grad_accumulations, hook_count, offload_step, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
 from hone.transforms.checkpointing import apply_activation_checkpointing, offloader_for
 from hone.transforms.compile import decoder_layers
@@ -160,27 +156,16 @@ def test_each_parameter_gets_its_gradient_once_per_backward_and_no_hook_stays(to
     accumulate once per chunk), and tiling leaves no hook behind."""
     model = _model("tiny-qwen3", "lora", tokenizer)
     tiled = _tiled(model, 3)
-
-    def hooks(m: nn.Module) -> int:
-        return sum(len(x._forward_hooks) + len(x._forward_pre_hooks) + len(x._backward_hooks) for x in m.modules())
-
-    before = hooks(tiled)
-    counts: dict[str, int] = {}
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda p, n=n: counts.__setitem__(n, counts.get(n, 0) + 1))
-        for n, p in tiled.named_parameters()
-        if p.requires_grad
-    ]
+    before = hook_count(tiled)
     reference = _checkpointed(model)
     ids = _ids()
-    for m in (tiled, reference):
-        m.zero_grad(set_to_none=True)
-        for _ in range(2):  # two micro-batches, accumulated
-            m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    for h in handles:
-        h.remove()
+    with counting_grad_accumulations(tiled) as counts:
+        for m in (tiled, reference):
+            m.zero_grad(set_to_none=True)
+            for _ in range(2):  # two micro-batches, accumulated
+                m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert counts and set(counts.values()) == {2}, counts
-    assert hooks(tiled) == before
+    assert hook_count(tiled) == before
     want = dict(reference.named_parameters())
     for name, param in tiled.named_parameters():
         if param.requires_grad:
@@ -440,8 +425,6 @@ def test_regional_compile_compiles_the_inner_layer_with_equal_gradients_and_no_r
 def test_a_training_run_through_the_planner_records_and_matches_the_untiled_run(tmp_path, write_jsonl):
     """``hone train``'s path: the attention transform picks hone's causal sdpa, checkpointing
     wraps the layers, tiled_layers replaces them, and the run trains like the untiled one."""
-    from hone.train.run import run_training
-
     gen = torch.Generator().manual_seed(5)
     rows = []
     for i in range(8):
@@ -449,25 +432,8 @@ def test_a_training_run_through_the_planner_records_and_matches_the_untiled_run(
         rows.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
     data = write_jsonl(tmp_path, rows)
 
-    def train(tiled, name: str):
-        cfg = parse_config(
-            {
-                "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": "sdpa"},
-                "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32, "dataset_prepared_path": str(tmp_path / "cache")},
-                "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"},
-                "training": {"max_steps": 2, "micro_batch_size": 2, "seed": 3, "output_dir": str(tmp_path / name)},
-                "optimizer": {"learning_rate": 2e-2, "adam_epsilon": 1e-3, "lr_scheduler": "constant"},
-                "memory": {"activation_checkpointing": "full", "tiled_layers": tiled},
-                "performance": {"loss": "standard"},
-                "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-            }
-        )
-        steps: list = []
-        run_training(cfg, device="cpu", console=Console(file=io.StringIO(), width=300), step_callback=lambda m: steps.append((m.loss, m.grad_norm)))
-        return steps, json.loads((Path(cfg.training.output_dir) / "optimizations.json").read_text())
-
-    plain, plain_record = train("off", "plain")
-    steps, record = train(3, "tiled")
+    plain, plain_record = tiny_lora_run(data, tmp_path / "plain", memory={"tiled_layers": "off"}, performance={"loss": "standard"})
+    steps, record = tiny_lora_run(data, tmp_path / "tiled", memory={"tiled_layers": 3}, performance={"loss": "standard"})
     names = [a["name"] for a in record["applied"]]
     assert "tiled_layers" not in [a["name"] for a in plain_record["applied"]]
     assert names.index("activation_checkpointing") < names.index("tiled_layers")
