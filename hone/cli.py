@@ -139,7 +139,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise HoneError(f"--nproc-per-node {args.nproc_per_node}: give a number of processes of at least 1")
     if args.nproc_per_node is not None and args.nproc_per_node > 1:
         return launch_torchrun(args)
-    from hone.train.distributed import world_from_env
+    from hone.runtime.world import world_from_env
     from hone.train.start_guard import StartGuard
 
     world = world_from_env()
@@ -173,7 +173,8 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     process count against the GPUs), then become ``torchrun`` running ``hone train`` N times."""
     import os
 
-    from hone.train.distributed import DistributedSetupError, World, check_launch, world_from_env
+    from hone.train.distributed import DistributedSetupError, check_launch
+    from hone.runtime.world import World, world_from_env
 
     if world_from_env().distributed:
         raise DistributedSetupError(
@@ -333,7 +334,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import decisions
 
-    from hone.train.distributed import World
+    from hone.runtime.world import World
 
     processes = args.nproc_per_node or 1
     facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)

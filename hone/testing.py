@@ -20,8 +20,8 @@ from hone.config.model import PresetName
 from hone.config.root import HoneConfig
 from hone.models.adapters import apply_adapter
 from hone.models.presets import build_preset_config
-from hone.train.collate import collate_packed
-from hone.train.loss import forward_logits
+from hone.data.collate import collate_packed
+from hone.runtime.loss import forward_logits
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -149,7 +149,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
 
         run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
-        from hone.train.allocator import configure_allocator
+        from hone.transforms.allocator import configure_allocator
         from hone.train.run import run_training
 
         with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
@@ -274,7 +274,8 @@ def main(argv: list[str]) -> int:
     condition = next(c for c in spec.conditions if c.name == condition_name)
     cache = compile_cache_dir(condition, Path(spec_file))
     use_compile_cache(cache)
-    from hone.train.distributed import close_world, init_world, world_from_env
+    from hone.train.distributed import close_world, init_world
+    from hone.runtime.world import world_from_env
 
     world = world_from_env()  # torchrun's, for an nproc > 1 condition
     if world.distributed:

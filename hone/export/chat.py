@@ -15,7 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from hone.export.generate import check_sampling, complete, format_prompt
 from hone.export.load import PromptSetup, load_for_inference, setup_of
-from hone.export.run_dir import CONFIG_FILE
+from hone.run_files import CONFIG_FILE
 from hone.models.errors import ModelError
 
 RESET = "/reset"

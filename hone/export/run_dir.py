@@ -7,9 +7,8 @@ import yaml
 
 from hone.config import HoneConfig, parse_config
 from hone.models.errors import ModelError
+from hone.run_files import CONFIG_FILE, FINAL_DIR
 
-CONFIG_FILE = "config.yml"
-FINAL_DIR = "final"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ its memory (239 / 287 / 576 MiB vs 610 / 2,438 / 7,314 MiB), while the eager tor
 1.8x slower and the Inductor-compiled one 10% slower (benchmarks/2026-11-26-h100-fused-ce.md).
 
 The value is the loss **sum** in float32; hone divides by the accumulation window's trained
-tokens itself (:mod:`hone.train.loss`).
+tokens itself (:mod:`hone.runtime.loss`).
 """
 
 from __future__ import annotations

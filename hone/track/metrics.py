@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hone.atomic import atomic_write_text
-
-METRICS_FILE = "metrics.jsonl"
+from hone.run_files import METRICS_FILE
 
 
 def clean_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -16,14 +16,12 @@ from typing import Any
 from rich.console import Console
 
 from hone.config.logging import LoggingConfig
-from hone.track.metrics import METRICS_FILE, MetricsLog, RowsInMemory
-from hone.track.plot import PLOT_FILE, plot_losses
+from hone.run_files import METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hone.track.metrics import MetricsLog, RowsInMemory
+from hone.track.plot import plot_losses
 from hone.track.progress import ProgressDisplay
 from hone.track.tensorboard import TensorBoardLog
 from hone.track.trackers import ExternalTracker, read_optimizations
-
-TENSORBOARD_DIR = "tensorboard"
-
 
 class Tracker:
     def __init__(

@@ -157,7 +157,7 @@ def start_trackers(
 
 def read_optimizations(output_dir: Path) -> dict[str, Any] | None:
     """``optimizations.json`` of the run, if written."""
-    from hone.transforms.planner import OPTIMIZATIONS_FILE
+    from hone.run_files import OPTIMIZATIONS_FILE
 
     path = Path(output_dir) / OPTIMIZATIONS_FILE
     try:

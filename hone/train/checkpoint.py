@@ -47,7 +47,6 @@ from safetensors.torch import load_file, save_file
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
 from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layout is part of this module's API)
-    CHECKPOINTS_DIR,
     COMPLETE,
     OPTIMIZER_FILE,
     RNG_FILE,
@@ -70,10 +69,11 @@ from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layo
 )
 from hone.atomic import fsync_path
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
-from hone.track.metrics import METRICS_FILE, is_eval_row, read_metrics
+from hone.run_files import CHECKPOINTS_DIR, METRICS_FILE
+from hone.track.metrics import is_eval_row, read_metrics
 
 if TYPE_CHECKING:
-    from hone.transforms.base import StateDictHooks
+    from hone.runtime.checkpoints import StateDictHooks
 
 
 # ---------------------------------------------------------------- which checkpoint to resume

@@ -1,8 +1,9 @@
 """Who writes and reads checkpoints and the final outputs when a run has several processes.
 
-The loop talks to a :class:`CheckpointIO`; the plan may supply one (``Transform.checkpoint_io``:
-FSDP2's sharded weights go through Distributed Checkpoint), else :class:`RankZeroCheckpoints`
-does what replicas need: every rank holds the same weights and optimizer state (DDP), so rank 0
+The loop talks to a :class:`CheckpointIO`, chosen by :func:`checkpoint_io_for` from the plan:
+when a transform shards the weights (FSDP2), :class:`ShardedCheckpoints` has every rank write its
+shards through Distributed Checkpoint; otherwise :class:`RankZeroCheckpoints` does what replicas
+need: every rank holds the same weights and optimizer state (DDP), so rank 0
 writes the ordinary checkpoint (:mod:`hone.train.checkpoint`) while the others wait at the
 agreement after it (none runs ahead into the next step, a failed save stops all of them with its
 message), and on resume every rank reads the same files.
@@ -18,11 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hone.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
-from hone.train.distributed import SINGLE, World, together
+from hone.train.distributed import together
+from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
     from hone.config.adapter import AdapterConfig
-    from hone.transforms.base import StateDictHooks
+    from hone.runtime.checkpoints import StateDictHooks
+    from hone.transforms.base import RunHooks
 
 
 class CheckpointIO(Protocol):
@@ -99,3 +102,33 @@ class RankZeroCheckpoints:
             if self.world.is_main:
                 save_final(model, tokenizer, final_dir, adapter)
         return Path(final_dir)
+
+
+class ShardedCheckpoints:
+    """Checkpoint writer for sharded weights: every rank writes its shards (Distributed
+    Checkpoint, :mod:`hone.train.sharded_checkpoint`; :func:`hone.train.checkpoint.save_checkpoint`
+    picks the format from the model) and every rank takes part in gathering the final outputs,
+    which rank 0 writes."""
+
+    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep, state_dict_hooks) -> Path:
+        return save_checkpoint(
+            output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state,
+            keep=keep, state_dict_hooks=state_dict_hooks,
+        )  # fmt: skip
+
+    def load(self, path, *, model, optimizer, scheduler, scaler, state_dict_hooks) -> dict[str, Any]:
+        return load_checkpoint(
+            path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=state_dict_hooks
+        )
+
+    def save_final(self, model, tokenizer, final_dir, adapter) -> Path:
+        from hone.models.save import save_final
+
+        save_final(model, tokenizer, final_dir, adapter)
+        return Path(final_dir)
+
+
+def checkpoint_io_for(hooks: "RunHooks", world: World) -> CheckpointIO:
+    """Who writes this run's checkpoints and final outputs: every rank its shards when the plan
+    shards the weights, else rank 0 the ordinary files."""
+    return ShardedCheckpoints() if hooks.sharded_checkpoints else RankZeroCheckpoints(world)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from hone.errors import HoneError, WriteError
+from hone.run_files import CHECKPOINTS_DIR
 
-CHECKPOINTS_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
 WEIGHTS_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

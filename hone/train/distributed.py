@@ -1,21 +1,20 @@
-"""The processes of one run: who this one is, and the process group they share.
+"""The process group of one run: checking the launch, joining and leaving the group, and
+agreeing across ranks at each start-up phase (:func:`together`).
 
-``torchrun`` (or ``hone train --nproc-per-node N``, which starts it) gives every process its
-``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; a plain ``hone train`` is a world of one and never
-touches ``torch.distributed``. Everything that differs between ranks asks the :class:`World`
-(which data rows, whether to log and write), so the single-process path stays the same code.
+Who this process is among the run's (:class:`~hone.runtime.world.World`) is a contract the
+transforms need too, so it lives in :mod:`hone.runtime.world`.
 """
 
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hone.errors import HoneError
+from hone.runtime.world import World, world_from_env
 
 if TYPE_CHECKING:
     from hone.config.root import HoneConfig
@@ -35,45 +34,6 @@ class PeerFailed(HoneError):
         super().__init__(message)
         self.exit_code = exit_code
         self.quiet = quiet
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place among the run's processes (a world of one when not launched by torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 logs, plots, writes metrics and the final outputs."""
-        return self.rank == 0
-
-
-SINGLE = World()
-
-
-def world_from_env() -> World:
-    """The world ``torchrun`` describes in the environment; a world of one without it."""
-    if "WORLD_SIZE" not in os.environ:
-        return SINGLE
-    return World(
-        rank=int(os.environ.get("RANK", "0")),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-    )
-
-
-def current_world() -> World:
-    """The world of a process group already joined (by :func:`init_world`); a world of one if none."""
-    if dist.is_available() and dist.is_initialized():
-        return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=world_from_env().local_rank)
-    return SINGLE
 
 
 def local_world_size() -> int:

@@ -20,8 +20,8 @@ from torch import nn
 
 from hone.data.packing import Packing
 from hone.train.batches import micro_batches
-from hone.train.distributed import SINGLE, World
-from hone.train.loss import micro_batch_loss
+from hone.runtime.world import SINGLE, World
+from hone.runtime.step import micro_batch_loss
 
 if TYPE_CHECKING:
     from hone.transforms.base import RunHooks
@@ -63,7 +63,7 @@ def evaluate(
     loss, the layout of the model as it stands)."""
     if hooks is None:
         from hone.models.attention.layout import layout_for
-        from hone.train.loss import logit_postprocess, standard_loss
+        from hone.runtime.loss import logit_postprocess, standard_loss
 
         loss_fn, layout = standard_loss(logit_postprocess(getattr(model, "config", None))), layout_for(model)
     else:

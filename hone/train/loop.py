@@ -57,10 +57,11 @@ from hone.errors import HoneError
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, DataPosition, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint import checkpoint_eval_rows, remove_checkpoints_after, resume_history
-from hone.train.checkpoint_io import RankZeroCheckpoints
-from hone.train.collate import MicroBatch
-from hone.train.distributed import World, current_world
-from hone.transforms.base import RunFacts, RunHooks, StepModule
+from hone.train.checkpoint_io import checkpoint_io_for
+from hone.data.collate import MicroBatch
+from hone.runtime.world import World, current_world
+from hone.transforms.base import RunFacts, RunHooks
+from hone.runtime.step import StepModule
 from hone.train.device import peak_memory_gib
 from hone.train.evaluate import evaluate
 from hone.train.grad_norm import global_grad_norm
@@ -270,7 +271,7 @@ def train_loop(
 
         facts = RunFacts(device, world=world)
         hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
-    checkpoints = hooks.checkpoint_io or RankZeroCheckpoints(world)
+    checkpoints = checkpoint_io_for(hooks, world)
     scaler = _check_precision(cfg, device)
     batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)  # bins: packed once, in hone.data
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None

@@ -29,20 +29,17 @@ from hone.transforms.planner import plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 from hone.atomic import atomic_write_text
 from hone.paths import ensure_writable_dir
-from hone.track.metrics import METRICS_FILE
-from hone.track.plot import PLOT_FILE
 from hone.track.report import format_report
-from hone.track.tracker import TENSORBOARD_DIR
 from hone.track.trackers import abandon_trackers, start_trackers
-from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
-from hone.train.allocator import configure_allocator
+from hone.run_files import CHECKPOINTS_DIR, CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hone.train.checkpoint import resolve_resume
+from hone.transforms.allocator import configure_allocator
 from hone.train.device import resolve_device
-from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
+from hone.train.distributed import check_launch, close_world, device_of, init_world, together
+from hone.runtime.world import World, world_from_env
 from hone.train.loop import LoopResult, StepMetrics, train_loop
 from hone.train.seed import seed_everything
 
-CONFIG_FILE = "config.yml"
-FINAL_DIR = "final"
 #: What a started run leaves behind (config.yml alone is not enough: a run that failed while
 #: loading its data or model wrote it and left nothing else worth protecting).
 RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)
@@ -154,7 +151,7 @@ def _run_training(
     from hone.models.hub import download_missing
     from hone.models.loader import load_model
     from hone.models.tokenizer import load_tokenizer
-    from hone.train.checkpoint_io import RankZeroCheckpoints
+    from hone.train.checkpoint_io import checkpoint_io_for
 
     console = console or Console()
     if not world.is_main:
@@ -273,7 +270,7 @@ def _run_training(
 
     final_dir = None
     if not loop.interrupted:
-        writer = hooks.checkpoint_io or RankZeroCheckpoints(world)
+        writer = checkpoint_io_for(hooks, world)
         final_dir = Path(writer.save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
     result = _result(loop, out, final_dir)
     console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)

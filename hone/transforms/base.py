@@ -19,38 +19,30 @@ and then acts through any of these hooks (all optional):
 - ``wrap_step`` -- data parallelism (DDP; FSDP2's root): wrap the module the loop calls once per
   micro-batch (:class:`StepModule`), whose ``forward`` is the micro-batch's loss sum, and say how
   gradient accumulation skips the reduction for all but a window's last micro-batch.
-- ``checkpoint_io`` -- how checkpoints and the final outputs are written and read when the
-  parameters are spread over processes (default: rank 0 writes the ordinary files, every rank
-  reads them; a sharded engine supplies Distributed Checkpoint instead).
+- ``shards_parameters`` -- its ``model`` hook spreads the parameters over the ranks (FSDP2):
+  the model may then be built on the meta device and loaded sharded, and every rank writes its
+  shards of each checkpoint (Distributed Checkpoint) instead of rank 0 writing the ordinary files.
 
 The planner (:mod:`hone.transforms.planner`) is the one place that orders and applies them;
 code elsewhere reaches a transform only through the plan's :class:`RunHooks`, never by name.
 """
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-
-from hone.train.distributed import SINGLE, World
 from torch import nn
 
 from hone.config.root import HoneConfig
+from hone.data.collate import MicroBatch
+from hone.runtime.checkpoints import StateDictHooks
+from hone.runtime.step import LossFn, MicroBatchLoss, StepContext, StepModule
+from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
     from hone.models.attention.layout import AttentionLayout
-    from hone.train.checkpoint_io import CheckpointIO
-    from hone.train.collate import MicroBatch
-
-#: ``loss_fn(hidden [B, T, H], head, targets [B, T]) -> (sum of token losses, float32 scalar;
-#: trained tokens, a scalar tensor)``. ``head`` is the model's output projection module; targets
-#: are already shifted, -100 where there is no loss.
-LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-#: ``step_context(batch)`` returns the context manager one micro-batch's forward+backward runs in.
-StepContext = Callable[["MicroBatch"], AbstractContextManager]
 
 Stage = Literal["base", "adapted"]
 
@@ -72,31 +64,6 @@ class RunFacts:
     this machine's RAM."""
     world: World = SINGLE
     """The run's processes (a world of one unless launched by torchrun)."""
-
-
-@dataclass(frozen=True)
-class StateDictHooks:
-    """How a transform's parameters leave and enter a checkpoint: ``save`` maps the state dict
-    about to be written, ``load`` the one read back (e.g. quantized or sharded weights)."""
-
-    save: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    load: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-
-
-@dataclass(frozen=True)
-class StepModule:
-    """What the loop calls once per micro-batch: ``module(batch) -> sum of its token losses``.
-
-    Without data parallelism ``module`` is :class:`hone.train.step.MicroBatchLoss` (the model and
-    the run's loss). A ``wrap_step`` transform returns a new one around it (e.g. DDP), whose
-    gradients after the window's last backward are the **sum** over all ranks (each rank's loss
-    is already divided by the global token count, so the sum is the global mean's gradient).
-    """
-
-    module: nn.Module
-    no_sync: Callable[[], AbstractContextManager] = nullcontext
-    """Entered around the forward and backward of every micro-batch of a window but the last:
-    gradients accumulate on each rank and are reduced once per optimizer step."""
 
 
 def _no_problems(cfg: HoneConfig, facts: RunFacts) -> list[str]:
@@ -131,8 +98,6 @@ class Transform:
     after_optimizer_step: Callable[[nn.Module], None] | None = None
     wrap_step: Callable[[StepModule, HoneConfig, RunFacts], tuple[StepModule, dict[str, Any]]] | None = None
     """Data parallelism: wrap the per-micro-batch module; returns it and what to record."""
-    checkpoint_io: Callable[[HoneConfig, RunFacts], "CheckpointIO"] | None = None
-    """How checkpoints and final outputs are saved and loaded (at most one transform supplies it)."""
     why: Callable[[HoneConfig, RunFacts], str] | None = None
     """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
@@ -157,22 +122,21 @@ class RunHooks:
     state_dict: list[StateDictHooks] = field(default_factory=list)
     step_wrappers: list[Callable[[StepModule], StepModule]] = field(default_factory=list)
     """The plan's ``wrap_step`` hooks, in plan order (applied by :meth:`step_module`)."""
-    checkpoint_io: "CheckpointIO | None" = None
-    """Where a transform says how checkpoints are written (sharded); None: the ordinary files,
-    written by rank 0 (:class:`hone.train.checkpoint_io.RankZeroCheckpoints`)."""
+    sharded_checkpoints: bool = False
+    """A transform shards the weights (FSDP2): every rank writes its shards of each checkpoint
+    (Distributed Checkpoint); otherwise rank 0 writes the ordinary files
+    (:func:`hone.train.checkpoint_io.checkpoint_io_for`)."""
 
     def step_module(self, model: nn.Module, autocast_dtype: torch.dtype | None = None) -> StepModule:
         """The module the loop calls per micro-batch: the model with this plan's loss, wrapped
         by the data-parallel transforms in plan order. Build it once per run (wrapping DDP
         broadcasts the weights from rank 0)."""
-        from hone.train.step import MicroBatchLoss
-
         step = StepModule(MicroBatchLoss(model, self.loss_fn, autocast_dtype))
         for wrap in self.step_wrappers:
             step = wrap(step)
         return step
 
-    def step_context(self, batch: "MicroBatch") -> ExitStack:
+    def step_context(self, batch: MicroBatch) -> ExitStack:
         """Every transform's context for one micro-batch's forward and backward, entered in plan order."""
         stack = ExitStack()
         for make in self.step_contexts:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hone.errors import HoneError
-from hone.transforms.compile import decoder_layers
+from hone.models.structure import decoder_layers, unwrap_peft
 from hone.transforms.offload import DEFAULT_MIN_BYTES, OffloadActivations
 
 Policy = Literal["full", "selective", "offload"]
@@ -117,7 +117,7 @@ def apply_activation_checkpointing(
     stay on the device (None: every layer's)."""
     if policy not in ("full", "selective", "offload"):
         raise ValueError(f"policy must be full, selective or offload (decide auto first), got {policy!r}")
-    base = _base_model(model)
+    base = unwrap_peft(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise CheckpointingError(
             f"memory.activation_checkpointing: {policy}: {type(base).__name__} does not support activation "
@@ -194,12 +194,6 @@ _RECOMPUTES = {
     "selective": "norms, activations, RoPE and other elementwise ops",
     "offload": "the whole layer",
 }
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    from peft import PeftModel
-
-    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 def _after_last_layer(base: nn.Module) -> tuple[nn.Module, str]:

@@ -35,30 +35,12 @@ from torch import nn
 
 from hone.config.performance import PerformanceConfig
 from hone.errors import HoneError
+from hone.models.structure import causal_lm_parts, decoder_layers, stands_in_for_layer, unwrap_peft
 from hone.transforms.inductor import compile_options
 
 
 class CompileError(HoneError):
     """The model cannot be compiled the way the config asks."""
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a transformers causal LM, looked up through a PEFT wrapper.
-
-    A layer is a module of one of the classes the model names in ``_no_split_modules`` (the
-    unit transformers itself shards and offloads by), or a module that stands in for one (a
-    tiled decoder layer, :mod:`hone.transforms.tiled_layers`), outermost first; nested matches
-    are skipped.
-    """
-    base = _base_model(model)
-    names = set(getattr(base, "_no_split_modules", None) or ())
-    layers: list[nn.Module] = []
-    inside: list[str] = []
-    for path, module in base.named_modules():
-        if (type(module).__name__ in names or _stands_in_for_layer(module)) and not any(path.startswith(p + ".") for p in inside):
-            layers.append(module)
-            inside.append(path)
-    return layers
 
 
 def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
@@ -69,12 +51,12 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -
             f"performance.torch_compile_scope: regional found no decoder layers in {type(model).__name__} "
             "(no module of a class listed in its _no_split_modules); use torch_compile_scope: model"
         )
-    base = _base_model(model)
+    base = unwrap_peft(model)
     input_grads = _embedding_output_needs_grad(base)
     kwargs = _compile_kwargs(perf, dynamic)
     for layer in layers:
         # a stand-in (tiled layer) runs its inner layer chunk by chunk: that is what compiles
-        (layer.inner if _stands_in_for_layer(layer) else layer).compile(**kwargs)
+        (layer.inner if stands_in_for_layer(layer) else layer).compile(**kwargs)
     classes = sorted({type(layer).__name__ for layer in layers})
     return {
         "scope": "regional",
@@ -87,26 +69,13 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -
     }
 
 
-def _stands_in_for_layer(module: nn.Module) -> bool:
-    return getattr(module, "stands_in_for_decoder_layer", False) is True
-
-
 def compile_model(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
     """Compile the whole decoder's forward in place: the loop runs the decoder and hands its
     hidden states to the loss (which the loss transform compiles, or a fused op computes)."""
-    from hone.train.loss import causal_lm_parts
-
     kwargs = _compile_kwargs(perf, dynamic)
     decoder, _ = causal_lm_parts(model)
     decoder.compile(**kwargs)
     return {"scope": "model", "backend": perf.torch_compile_backend, "options": kwargs.get("options") or {}, "dynamic_shapes": dynamic}
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    from peft import PeftModel
-
-    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 def _compile_kwargs(perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:

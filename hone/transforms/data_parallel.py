@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hone.config.root import HoneConfig
-from hone.transforms.base import RunFacts, StepModule, Transform
+from hone.transforms.base import RunFacts, Transform
+from hone.runtime.step import StepModule
 
 #: The margin a training state must leave on the device for activations, the loss and the
 #: allocator before ``auto`` keeps whole replicas (DDP) rather than sharding (FSDP2).

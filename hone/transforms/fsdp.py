@@ -52,8 +52,9 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 
 if TYPE_CHECKING:
-    from hone.train.collate import MicroBatch
-    from hone.transforms.base import LossFn, RunFacts
+    from hone.data.collate import MicroBatch
+    from hone.transforms.base import RunFacts
+    from hone.runtime.step import LossFn
 
 
 class FsdpError(HoneError):
@@ -93,7 +94,7 @@ def fsdp_problems(cfg: HoneConfig, facts: "RunFacts") -> list[str]:
 
 class ShardedLM(nn.Module):
     """The FSDP2 root: decoder and output head of a causal LM, whose forward is one micro-batch's
-    summed token loss (what :func:`hone.train.loss.micro_batch_loss` computes unsharded)."""
+    summed token loss (what :func:`hone.runtime.step.micro_batch_loss` computes unsharded)."""
 
     def __init__(self, decoder: nn.Module, head: nn.Module) -> None:
         super().__init__()
@@ -101,7 +102,7 @@ class ShardedLM(nn.Module):
         self.head = head
 
     def forward(self, batch: "MicroBatch", loss_fn: "LossFn", autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-        from hone.train.loss import forward_hidden
+        from hone.runtime.step import forward_hidden
 
         hidden = forward_hidden(self.decoder, batch, autocast_dtype)
         if autocast_dtype is None:
@@ -156,8 +157,7 @@ def shard_model(
     them afterwards with ``to_empty``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from hone.train.loss import causal_lm_parts
-    from hone.transforms.compile import decoder_layers
+    from hone.models.structure import causal_lm_parts, decoder_layers
 
     layers = decoder_layers(model)
     if not layers:
@@ -242,7 +242,7 @@ def _why(cfg: HoneConfig, facts: "RunFacts") -> str:
 
 class RootStep(nn.Module):
     """The loop's per-micro-batch module for a sharded model: the loss through the root unit
-    (the unsharded run's :class:`hone.train.step.MicroBatchLoss`, driven through FSDP2's hooks)."""
+    (the unsharded run's :class:`hone.runtime.step.MicroBatchLoss`, driven through FSDP2's hooks)."""
 
     def __init__(self, root: ShardedLM, loss_fn: "LossFn", autocast_dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -257,41 +257,13 @@ class RootStep(nn.Module):
 def wrap_fsdp_step(step, cfg: HoneConfig, facts: "RunFacts"):
     """The transform's ``wrap_step``: the loop's micro-batch module becomes the root unit's
     forward. No ``no_sync``: FSDP2 reduce-scatters after every micro-batch (module docstring)."""
-    from hone.transforms.base import StepModule
+    from hone.runtime.step import StepModule
 
     inner = step.module
     root = sharded_root(inner.model)
     if root is None:
         raise FsdpError("the model was not sharded by the FSDP2 transform")
     return StepModule(RootStep(root, inner.loss_fn, inner.autocast_dtype)), {}
-
-
-class ShardedCheckpoints:
-    """Checkpoint writer for sharded weights: every rank writes its shards (Distributed
-    Checkpoint, :mod:`hone.train.sharded_checkpoint`; :func:`hone.train.checkpoint.save_checkpoint`
-    picks the format from the model) and every rank takes part in gathering the final outputs,
-    which rank 0 writes."""
-
-    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep, state_dict_hooks):
-        from hone.train.checkpoint import save_checkpoint
-
-        return save_checkpoint(
-            output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state,
-            keep=keep, state_dict_hooks=state_dict_hooks,
-        )
-
-    def load(self, path, *, model, optimizer, scheduler, scaler, state_dict_hooks):
-        from hone.train.checkpoint import load_checkpoint
-
-        return load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=state_dict_hooks)
-
-    def save_final(self, model, tokenizer, final_dir, adapter):
-        from pathlib import Path
-
-        from hone.models.save import save_final
-
-        save_final(model, tokenizer, final_dir, adapter)
-        return Path(final_dir)
 
 
 def is_sharded(model: nn.Module) -> bool:

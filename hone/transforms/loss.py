@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from hone.config.root import HoneConfig
-from hone.train.collate import IGNORE_INDEX
+from hone.data.collate import IGNORE_INDEX
 from hone.errors import HoneError
-from hone.train.loss import causal_lm_parts, logit_postprocess, standard_loss
-from hone.transforms.base import LossFn, RunFacts
+from hone.models.structure import causal_lm_parts
+from hone.runtime.loss import logit_postprocess, standard_loss
+from hone.transforms.base import RunFacts
+from hone.runtime.step import LossFn
 
 
 def fused_linear_ce_loss() -> LossFn:

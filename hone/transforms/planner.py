@@ -69,17 +69,18 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.run_files import OPTIMIZATIONS_FILE
 from hone.transforms import compile as compile_transform
-from hone.transforms.base import RunFacts, RunHooks, Stage, StepModule, Transform
+from hone.transforms.base import RunFacts, RunHooks, Stage, Transform
+from hone.runtime.step import StepModule
 from hone.transforms.data_parallel import DDP, resolve_strategy
 from hone.transforms.experts import EXPERTS
 from hone.transforms.fp8 import FP8
 from hone.transforms.inductor import configure_cache_dir
 from hone.transforms.quantize import QUANTIZE
 
-__all__ = ["OPTIMIZATIONS_FILE", "TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
+__all__ = ["TRANSFORMS", "Applied", "Plan", "PlanError", "RunFacts", "Transform", "plan_optimizations", "write_record"]
 
-OPTIMIZATIONS_FILE = "optimizations.json"
 
 
 class PlanError(HoneError):
@@ -97,7 +98,7 @@ class Applied:
 
 
 def _allocator_choice(cfg: HoneConfig, facts: RunFacts):
-    from hone.train.allocator import allocator_choice
+    from hone.transforms.allocator import allocator_choice
 
     return allocator_choice(cfg, facts.device.type)
 
@@ -105,7 +106,7 @@ def _allocator_choice(cfg: HoneConfig, facts: RunFacts):
 ALLOCATOR = Transform(
     name="allocator",
     switch="memory.expandable_segments",
-    # configured by run_training before CUDA starts (hone.train.allocator); recorded here
+    # configured by run_training before CUDA starts (hone.transforms.allocator); recorded here
     wanted=lambda cfg, facts: _allocator_choice(cfg, facts).expandable,
     why=lambda cfg, facts: _allocator_choice(cfg, facts).why,
     stage="base",
@@ -311,7 +312,7 @@ def _checkpointing_apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> 
         }
     elif policy == "offload":
         from hone.transforms.auto_policy import offload_layers_choice
-        from hone.transforms.compile import decoder_layers
+        from hone.models.structure import decoder_layers
 
         layers, split_why = offload_layers_choice(cfg, len(decoder_layers(model)), facts.host_memory_bytes)
         details = apply_activation_checkpointing(model, policy, use_streams=facts.device.type == "cuda", offload_layers=layers)
@@ -537,12 +538,6 @@ def _fsdp_wrap_step(step: StepModule, cfg: HoneConfig, facts: RunFacts):
     return wrap_fsdp_step(step, cfg, facts)
 
 
-def _fsdp_checkpoint_io(cfg: HoneConfig, facts: RunFacts):
-    from hone.transforms.fsdp import ShardedCheckpoints
-
-    return ShardedCheckpoints()
-
-
 def _fsdp_label(details: dict[str, Any]) -> str:
     from hone.transforms.fsdp import fsdp_label
 
@@ -564,7 +559,6 @@ FSDP = Transform(
     why=_fsdp_why,
     model=_fsdp_apply,
     wrap_step=_fsdp_wrap_step,
-    checkpoint_io=_fsdp_checkpoint_io,
     shards_parameters=True,
     label=_fsdp_label,
 )
@@ -626,7 +620,7 @@ class Plan:
 
     def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""
-        loss_fn = layout = checkpoint_io = None
+        loss_fn = layout = None
         step_contexts, after_step, state_dict, step_wrappers = [], [], [], []
         for transform in self.transforms:
             if transform.loss is not None:
@@ -647,10 +641,6 @@ class Plan:
             if transform.wrap_step is not None:  # applied in the loop; what is known now goes on record
                 self._record(transform, _world_details(facts))
                 step_wrappers.append(lambda step, t=transform: self._wrap(t, step, cfg, facts))
-            if transform.checkpoint_io is not None:
-                if checkpoint_io is not None:
-                    raise PlanError(f"two transforms write the checkpoints ({transform.name} and an earlier one)")
-                checkpoint_io = transform.checkpoint_io(cfg, facts)
         if loss_fn is None or layout is None:
             raise PlanError("the plan has no loss or no attention transform; hone's own TRANSFORMS always do")
         return RunHooks(
@@ -660,7 +650,7 @@ class Plan:
             after_step=after_step,
             state_dict=state_dict,
             step_wrappers=step_wrappers,
-            checkpoint_io=checkpoint_io,
+            sharded_checkpoints=self.shards_parameters,
         )
 
     def _wrap(self, transform: Transform, step: StepModule, cfg: HoneConfig, facts: RunFacts) -> StepModule:

@@ -303,7 +303,7 @@ class TiledDecoderLayer(StandIn):
 
     It shares the original layer's children, parameters and buffers (the same dicts), so the
     model's parameter names and state-dict keys are exactly those of the untiled model. The
-    original is kept (unregistered) as ``inner``; :func:`hone.transforms.compile.decoder_layers`
+    original is kept (unregistered) as ``inner``; :func:`hone.models.structure.decoder_layers`
     finds this wrapper in its place (``stands_in_for_decoder_layer``) and regional compile
     compiles ``inner``.
     """
@@ -340,9 +340,9 @@ def apply_tiled_layers(model: nn.Module, chunks: int) -> dict[str, Any]:
     :data:`~hone.models.attention.tiled.TILED_SDPA`; returns what was done, for
     optimizations.json. Apply after activation checkpointing and before compile. Idempotent."""
     from hone.models.attention.setup import causal_blockers
-    from hone.transforms.compile import _base_model, decoder_layers
+    from hone.models.structure import decoder_layers, unwrap_peft
 
-    base = _base_model(model)
+    base = unwrap_peft(model)
     config = getattr(base, "config", None)
     if getattr(config, "output_router_logits", False):
         raise TiledLayersError(

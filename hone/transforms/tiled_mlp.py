@@ -269,7 +269,7 @@ def apply_tiled_mlp(model: nn.Module, shards: int) -> dict[str, Any]:
     """Replace the MLP of every decoder layer of ``model`` (a transformers model or a PEFT
     wrapper) by a :class:`TiledMLP` of ``shards`` shards; returns what was done, for
     optimizations.json. Idempotent: an already tiled MLP is left as it is."""
-    from hone.transforms.compile import decoder_layers
+    from hone.models.structure import decoder_layers
 
     layers = decoder_layers(model)
     if not layers:

@@ -33,7 +33,8 @@ def _inputs(rank: int) -> torch.Tensor:
 
 def _ddp(rank: int, out) -> None:
     from hone.config import parse_config
-    from hone.transforms.base import RunFacts, StepModule
+    from hone.transforms.base import RunFacts
+    from hone.runtime.step import StepModule
     from hone.transforms.data_parallel import wrap_ddp
 
     layer = _lora_layer()

@@ -18,7 +18,7 @@ PRESET, ADAPTER, STEPS, SAVE_AT = "tiny-qwen3", "none", 4, 2
 def _train(rank: int, tmp, run_dir, resume, out, fmt: str = "auto") -> None:
     from hone.testing import run_hooks
     from hone.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from hone.train.distributed import world_from_env
+    from hone.runtime.world import world_from_env
     from hone.train.grad_norm import global_grad_norm
     from hone.train.optim import build_optimizer, build_scheduler
     from hone.train.sharded_checkpoint import save_sharded_checkpoint
@@ -129,7 +129,7 @@ def test_resume_one_rank_on_two(tmp_path, fmt):
 def _save_final(rank: int, tmp, preset: str, adapter: str, out_dir, out) -> None:
     from hone.config.adapter import AdapterConfig
     from hone.models.save import save_final
-    from hone.train.distributed import world_from_env
+    from hone.runtime.world import world_from_env
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import plan_optimizations
 

@@ -51,14 +51,14 @@ def _model(preset: str, adapter: str):
 def _window(step: int):
     """Two micro-batches of unequal trained-token counts (fresh random tokens each step)."""
     from hone.testing import random_rows
-    from hone.train.collate import collate
+    from hone.data.collate import collate
 
     rows = random_rows(4, seed=100 + step, vocab=300, as_list=True)
     return [collate(rows[0:2], pad_id=0), collate(rows[2:4], pad_id=0)]
 
 
 def _sharded(rank: int, tmp, preset: str, adapter: str, extra: dict, steps: int, out) -> None:
-    from hone.train.distributed import world_from_env
+    from hone.runtime.world import world_from_env
     from hone.train.grad_norm import global_grad_norm
     from hone.train.optim import build_optimizer
     from hone.transforms.base import RunFacts
@@ -95,7 +95,7 @@ def _sharded(rank: int, tmp, preset: str, adapter: str, extra: dict, steps: int,
 
 def _reference(tmp, preset: str, adapter: str, extra: dict, steps: int):
     from hone.train.grad_norm import global_grad_norm
-    from hone.train.loss import micro_batch_loss
+    from hone.runtime.step import micro_batch_loss
     from hone.train.optim import build_optimizer
 
     from hone.testing import run_hooks

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hone.train.distributed import World
+from hone.runtime.world import World
 from hone.transforms.base import RunFacts
 from hone.transforms.planner import PlanError, decisions, plan_optimizations
 

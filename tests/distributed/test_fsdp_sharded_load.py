@@ -21,7 +21,7 @@ def _cfg(tmp, model_dir, adapter: str):
 
 def _batch():
     from hone.testing import random_rows
-    from hone.train.collate import collate
+    from hone.data.collate import collate
 
     return collate(random_rows(2, seed=9, vocab=300, as_list=True), pad_id=0)
 
@@ -29,7 +29,7 @@ def _batch():
 def _sharded(rank: int, tmp, model_dir, adapter: str, out) -> None:
     from hone.models.sharded_load import load_model_sharded
     from hone.models.tokenizer import load_tokenizer
-    from hone.train.distributed import world_from_env
+    from hone.runtime.world import world_from_env
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import plan_optimizations
 

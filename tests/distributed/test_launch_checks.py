@@ -10,7 +10,8 @@ from hone.cli import torchrun_command
 from hone.config.training import TrainingConfig
 from hone.testing import tiny_config
 from hone.train.batches import BatchStream, plan_steps
-from hone.train.distributed import DistributedSetupError, World, check_launch
+from hone.train.distributed import DistributedSetupError, check_launch
+from hone.runtime.world import World
 from hone.transforms.base import RunFacts
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.planner import PlanError, decisions, plan_optimizations

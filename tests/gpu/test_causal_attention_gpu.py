@@ -10,7 +10,7 @@ from hone.config import parse_config
 from hone.models.attention.causal import CAUSAL_SDPA
 from hone.models.attention.setup import select_attention_kernel
 from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.train.collate import collate
+from hone.data.collate import collate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
-from hone.transforms.planner import OPTIMIZATIONS_FILE
+from hone.run_files import OPTIMIZATIONS_FILE
 from hone.train.run import run_training
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -15,10 +15,10 @@ from hone.data.packing import pack, row_lengths
 from hone.models.attention.varlen import register_varlen_sdpa
 from hone.track.metrics import read_metrics
 from hone.train.batches import micro_batches
-from hone.train.collate import collate
+from hone.data.collate import collate
 from hone.train.evaluate import evaluate
 from hone.train.loop import train_loop
-from hone.train.loss import forward_logits, token_loss_sum
+from hone.runtime.loss import forward_logits, token_loss_sum
 from hone.testing import random_rows, tiny_config, tiny_llama
 
 BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU

@@ -20,7 +20,7 @@ pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (tor
 from hone.config import parse_config  # noqa: E402
 from hone.track.metrics import read_metrics  # noqa: E402
 from hone.train.run import run_training  # noqa: E402
-from hone.transforms.planner import OPTIMIZATIONS_FILE  # noqa: E402
+from hone.run_files import OPTIMIZATIONS_FILE  # noqa: E402
 
 OVERRIDES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 2}
 STEPS = 6

@@ -37,7 +37,8 @@ from safetensors.torch import load_file
 from hone.config import parse_config
 from hone.transforms import checkpointing
 from hone.transforms.base import RunFacts
-from hone.transforms.planner import OPTIMIZATIONS_FILE, plan_optimizations
+from hone.run_files import OPTIMIZATIONS_FILE
+from hone.transforms.planner import plan_optimizations
 from hone.train.run import run_training
 
 POLICIES = ["none", "full", "selective", "offload"]

@@ -25,7 +25,8 @@ from hone.transforms.checkpointing import (
     offloader_for,
     selective_policy,
 )
-from hone.transforms.compile import compile_regional, decoder_layers
+from hone.transforms.compile import compile_regional
+from hone.models.structure import decoder_layers
 from hone.transforms.offload import OffloadActivations
 
 POLICIES = ["full", "selective", "offload"]

@@ -1,9 +1,11 @@
-"""The import graph of hone's own modules has no cycles, and the config imports nothing above it.
+"""The import graph of hone's own modules has no cycles, and every package imports only from
+the layers below it (kernels and config at the bottom, the CLI at the top).
 
 Every module under ``hone/`` is parsed (never imported) and each ``import hone...`` /
 ``from hone... import`` becomes an edge to the module it names. Imports inside functions
 count too: a lazy import only hides a circle from the interpreter, the two modules still
-depend on each other. Imports under ``if TYPE_CHECKING:`` do not count (they never run).
+depend on each other. So do imports under ``if TYPE_CHECKING:``: they never run, but a module
+that names another's types is built around it.
 """
 
 import ast
@@ -40,13 +42,14 @@ def _type_checking_only(node: ast.If) -> bool:
     )
 
 
-def hone_imports(module: str, path: Path) -> set[str]:
-    """The hone modules ``module`` imports, anywhere in its body except ``if TYPE_CHECKING:``."""
+def hone_imports(module: str, path: Path, type_only: bool = True) -> set[str]:
+    """The hone modules ``module`` imports, anywhere in its body; those under ``if TYPE_CHECKING:``
+    only when ``type_only`` (a type-only import still ties the two modules' designs together)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if not type_only and isinstance(node, ast.If) and _type_checking_only(node):
             for child in node.orelse:
                 visit(child)
             return
@@ -127,3 +130,64 @@ def test_no_import_cycles_between_hone_modules():
 def test_the_config_imports_nothing_above_it(module):
     upward = sorted(m for m in GRAPH[module] if any(m == layer or m.startswith(layer + ".") for layer in ABOVE_CONFIG))
     assert upward == [], f"{module} imports {upward}; the config is the bottom layer: move the shared piece into hone.config"
+
+
+#: hone's packages from the bottom up: a module imports from its own package or from a lower
+#: layer, never from a higher one or a sibling of its layer. The contracts the transforms and
+#: the trainer share (hone.runtime) sit below both; run-directory names (hone.run_files) below all.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hone", "hone.errors"),
+    ("hone.atomic", "hone.paths", "hone.run_files", "hone.units"),
+    ("hone.kernels", "hone.config"),
+    ("hone.models", "hone.track", "hone.convert"),
+    ("hone.data",),
+    ("hone.runtime",),
+    ("hone.transforms",),
+    ("hone.train",),
+    ("hone.bench", "hone.export", "hone.preflight", "hone.testing"),
+    ("hone.cli",),
+    ("hone.__main__",),
+)
+
+
+def package_of(module: str) -> str:
+    """The entry of :data:`LAYERS` that ``module`` belongs to (its longest matching prefix)."""
+    names = [name for layer in LAYERS for name in layer if module == name or (name != "hone" and module.startswith(name + "."))]
+    assert names, f"{module} belongs to no layer of LAYERS: place its package there"
+    return max(names, key=len)
+
+
+LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from another package of the same or a higher layer."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = package_of(module)
+        for other in sorted(imported):
+            there = package_of(other)
+            if there != here and LAYER_OF[there] >= LAYER_OF[here]:
+                found.append(f"{module} -> {other}")
+    return found
+
+
+def test_type_only_imports_are_counted():
+    assert "hone.models.attention.layout" in GRAPH["hone.transforms.base"]  # under TYPE_CHECKING
+    assert "hone.models.attention.layout" not in hone_imports(
+        "hone.transforms.base", MODULES["hone.transforms.base"], type_only=False
+    )
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"hone.transforms.x": {"hone.train.y"}, "hone.train.y": {"hone.transforms.x"}, "hone.track.z": {"hone.models.w"}}
+    assert upward_imports(graph) == ["hone.track.z -> hone.models.w", "hone.transforms.x -> hone.train.y"]
+
+
+def test_every_module_belongs_to_a_layer():
+    for module in GRAPH:
+        package_of(module)
+
+
+def test_no_package_imports_from_a_higher_layer():
+    assert upward_imports(GRAPH) == []

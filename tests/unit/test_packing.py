@@ -11,7 +11,7 @@ from hone.config.training import TrainingConfig
 from hone.data.packing import pack, row_lengths
 from hone.errors import HoneError
 from hone.train.batches import BatchStream, DataPosition, micro_batches, plan_steps
-from hone.train.collate import IGNORE_INDEX, collate, collate_packed
+from hone.data.collate import IGNORE_INDEX, collate, collate_packed
 from hone.testing import random_rows
 
 

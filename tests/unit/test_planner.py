@@ -12,9 +12,10 @@ from hone.config.adapter import AdapterConfig
 from hone.config.performance import PerformanceConfig
 from hone.models.adapters import apply_adapter
 from hone.testing import tiny_model
-from hone.transforms.compile import compile_regional, decoder_layers
+from hone.transforms.compile import compile_regional
+from hone.models.structure import decoder_layers
+from hone.run_files import OPTIMIZATIONS_FILE
 from hone.transforms.planner import (
-    OPTIMIZATIONS_FILE,
     TRANSFORMS,
     PlanError,
     RunFacts,

@@ -24,7 +24,7 @@ from hone.models.attention.tiled import TILED_SDPA, causal_chunk_attention
 from hone.testing import counting_grad_accumulations, hook_count, offload_step, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
 from hone.transforms.checkpointing import apply_activation_checkpointing, offloader_for
-from hone.transforms.compile import decoder_layers
+from hone.models.structure import decoder_layers
 from hone.transforms.tiled_layers import TiledDecoderLayer, TiledLayersError, apply_tiled_layers, chunk_bounds
 from hone.transforms.tiled_mlp import TiledMLP, apply_tiled_mlp
 

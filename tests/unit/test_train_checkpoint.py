@@ -158,7 +158,7 @@ def test_the_plans_state_dict_hooks_map_weights_on_save_and_back_on_load(tmp_pat
     from safetensors.torch import load_file
 
     from hone.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
-    from hone.transforms.base import StateDictHooks
+    from hone.runtime.checkpoints import StateDictHooks
 
     model = tiny_llama(random.randrange(1000))
     hooks = [

@@ -5,7 +5,7 @@ import random
 import torch
 from datasets import Dataset
 
-from hone.train.collate import IGNORE_INDEX, collate, rows_at
+from hone.data.collate import IGNORE_INDEX, collate, rows_at
 
 
 def _random_rows(n: int, rng: random.Random) -> list[dict[str, list[int]]]:

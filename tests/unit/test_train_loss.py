@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 
-from hone.train.collate import collate, rows_at
+from hone.data.collate import collate, rows_at
 from hone.train.loop import _window_loss_backward, train_loop
-from hone.train.loss import token_loss_sum
+from hone.runtime.loss import token_loss_sum
 from hone.testing import random_rows, run_hooks, tiny_config, tiny_llama
 
 

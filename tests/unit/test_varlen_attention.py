@@ -20,8 +20,8 @@ from hone.models.attention.varlen import (
     register_varlen_sdpa,
 )
 from hone.testing import tiny_model, tiny_tokenizer
-from hone.train.collate import collate
-from hone.train.loss import forward_logits
+from hone.data.collate import collate
+from hone.runtime.loss import forward_logits
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ the ``position_ids`` on the host to find out whether the batch is packed (``.all
 tensor: the host waits for the embedding kernel before it can launch the first layer), and with
 a padding mask it checks on the host whether the mask may be dropped. For hone's micro-batches
 the answer is known before the forward: an unpacked row's tokens attend to every earlier token
-of the row, and padding only ever follows a row's real tokens (``hone.train.collate`` pads on the
+of the row, and padding only ever follows a row's real tokens (``hone.data.collate`` pads on the
 right), so causal attention alone gives every real token the attention it would get under the
 padding mask; padded positions carry no loss. Packed rows reach this backend with hone's own 4D
 document mask, which transformers passes through unchanged.

@@ -4,13 +4,14 @@ Models average their loss over the tokens of *one* forward call; with gradient a
 that weights a short micro-batch's tokens more than a long one's, so ``4 x 1`` and ``1 x 4``
 would give different updates. hone takes the **sum** of per-token losses of each micro-batch
 and divides it by the trained tokens of the whole accumulation window, counted before the
-first backward pass.
+first backward pass (the training loop, :mod:`hone.train`).
 
-The forward stops at the decoder's last hidden states (:func:`forward_hidden`); the run's loss
-function (:data:`~hone.transforms.base.LossFn`, supplied by the loss transform) takes them with
-the output head. The standard one here computes the logits and upcasts them to float32 (bf16
-log-softmax over a large vocabulary loses digits that matter at the end of training); a fused
-one (:mod:`hone.kernels.cross_entropy`) gives the same numbers without ever holding them.
+The forward stops at the decoder's last hidden states (:func:`hone.runtime.step.forward_hidden`);
+the run's loss function (:data:`~hone.runtime.step.LossFn`, supplied by the loss transform)
+takes them with the output head. The standard one here computes the logits and upcasts them to
+float32 (bf16 log-softmax over a large vocabulary loses digits that matter at the end of
+training); a fused one (:mod:`hone.kernels.cross_entropy`) gives the same numbers without ever
+holding them.
 """
 
 from collections.abc import Callable
@@ -20,14 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hone.train.collate import IGNORE_INDEX, MicroBatch
+from hone.data.collate import IGNORE_INDEX, MicroBatch
+from hone.models.structure import causal_lm_parts
+from hone.runtime.step import forward_hidden
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross entropies over positions whose target is not -100.
 
     ``logits`` [B, T, V] and ``targets`` [B, T] are aligned (targets already shifted, see
-    :mod:`hone.train.collate`).
+    :mod:`hone.data.collate`).
     """
     vocab = logits.shape[-1]
     return F.cross_entropy(
@@ -72,47 +75,10 @@ def standard_loss(post: Callable[[torch.Tensor], torch.Tensor] | None = None):
     return loss_fn
 
 
-def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(decoder, output head) of a transformers causal LM, through a PEFT wrapper.
-
-    The decoder is the model without its head (``get_decoder``); LoRA layers live inside it
-    in place, so calling it trains the adapter as the wrapper's forward would.
-    """
-    from peft import PeftModel
-
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    return base.get_decoder(), base.get_output_embeddings()
-
-
-def forward_hidden(decoder: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The decoder's last hidden states [B, T, H] for ``batch`` (its attention inputs attached),
-    under ``torch.autocast`` when the precision needs it (float32 trainable weights beside
-    bf16/fp16 compute, see :mod:`hone.models.precision`)."""
-    inputs = batch.model_inputs()
-    if autocast_dtype is None:
-        return decoder(**inputs, use_cache=False).last_hidden_state
-    with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-        return decoder(**inputs, use_cache=False).last_hidden_state
-
-
-def micro_batch_loss(
-    model: nn.Module, batch: MicroBatch, loss_fn, autocast_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """Sum of the token losses of ``batch`` (float32 scalar on the device; no host sync)."""
-    decoder, head = causal_lm_parts(model)
-    hidden = forward_hidden(decoder, batch, autocast_dtype)
-    if autocast_dtype is None:
-        loss_sum, _ = loss_fn(hidden, head, batch.targets)
-    else:  # the head's matmul in the compute dtype, as the model's own forward does
-        with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-            loss_sum, _ = loss_fn(hidden, head, batch.targets)
-    return loss_sum
-
-
 def forward_logits(model: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The model's logits for ``batch`` (tests and tools that need them whole; training and
-    eval go through :func:`micro_batch_loss`). A packed batch without attention inputs gets
-    those of the model's current kernel."""
+    eval go through :func:`hone.runtime.step.micro_batch_loss`). A packed batch without
+    attention inputs gets those of the model's current kernel."""
     if batch.packed and not batch.attention_inputs:
         from hone.models.attention.layout import layout_for
 
