@@ -2,7 +2,7 @@
 VENV ?= .venv
 HONE := $(VENV)/bin/hone
 
-.PHONY: install install-dev quickstart test test-gpu clean
+.PHONY: install install-dev quickstart test test-gpu lint format clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -19,6 +19,15 @@ quickstart: install
 ## The test suite (CPU; GPU tests are skipped without CUDA). pytest's exit 5 (no tests) fails too.
 test: install-dev
 	$(VENV)/bin/python -m pytest -q
+
+## Lint and check the formatting (ruff; settings in pyproject.toml). `make format` fixes what it can.
+lint: install-dev
+	$(VENV)/bin/ruff check hone tests scripts
+	$(VENV)/bin/ruff format --check hone tests scripts
+
+format: install-dev
+	$(VENV)/bin/ruff check --fix hone tests scripts
+	$(VENV)/bin/ruff format hone tests scripts
 
 ## On a CUDA machine: only the GPU tests.
 test-gpu:

@@ -9,11 +9,19 @@ from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, fi
 
 from hone.config.base import Section
 
+#: A concrete activation-checkpointing policy: what each decoder layer keeps for the backward.
+#: This module is the one place the vocabulary is defined; the planner, the memory estimate and
+#: the checkpointing transform read it from here.
+Policy = Literal["none", "selective", "full", "offload"]
 CheckpointingPolicy = Literal["none", "full", "selective", "offload", "auto"]
 
 #: The concrete policies, fastest first (and so, roughly, most memory first). ``auto`` picks the
 #: first of these whose estimated peak fits the device.
-POLICIES_BY_SPEED: tuple[str, ...] = ("none", "selective", "full", "offload")
+POLICIES_BY_SPEED: tuple[Policy, ...] = ("none", "selective", "full", "offload")
+
+#: The policies that keep only each layer's input and rebuild the layer in the backward: what a
+#: tiled decoder layer (itself the layer's checkpoint) builds on.
+INPUT_ONLY_POLICIES: tuple[Policy, ...] = ("full", "offload")
 
 
 def _tiling(value: Any, unit: str, whole: str) -> Any:
@@ -142,7 +150,7 @@ class MemoryConfig(Section):
     def _tiled_layers_are_a_checkpoint(self) -> "MemoryConfig":
         """A tiled layer is the layer's checkpoint (it keeps only its input): without
         checkpointing, or with selective checkpointing, the other layers would keep everything."""
-        if self.tiled_layers_chunks and self.checkpointing in ("none", "selective"):
+        if self.tiled_layers_chunks and self.checkpointing not in (*INPUT_ONLY_POLICIES, "auto"):
             raise ValueError(
                 f"memory.tiled_layers: {self.tiled_layers} needs memory.activation_checkpointing: full or offload "
                 f"(a tiled layer is the layer's checkpoint), got {self.checkpointing}; allowed: full, offload, "
