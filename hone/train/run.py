@@ -38,7 +38,8 @@ from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
 from hone.train.allocator import configure_allocator
 from hone.train.device import resolve_device
 from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
-from hone.train.loop import LoopResult, StepMetrics, train_loop
+from hone.train.loop import LoopResult, train_loop
+from hone.train.step_log import StepMetrics
 from hone.train.seed import seed_everything
 
 CONFIG_FILE = "config.yml"
