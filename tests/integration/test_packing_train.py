@@ -65,8 +65,8 @@ def test_one_packed_loop_step_matches_one_unpacked_step(tmp_path):
         model = tiny_llama(seed)
         model.set_attn_implementation("sdpa")
         metrics = []
-        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), step_callback=metrics.append,
-                   hooks=plan_hooks(model, cfg))
+        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+                   step_callback=metrics.append, hooks=plan_hooks(model, cfg))
         seen[name] = metrics[0]
     packed, padded = seen["packed"], seen["padded"]
     assert packed.trained_tokens == padded.trained_tokens and packed.tokens == padded.tokens

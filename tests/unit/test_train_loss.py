@@ -76,7 +76,8 @@ def test_training_runs_with_different_splits_give_the_same_weights(tmp_path):
         )
         model = tiny_llama(seed)
         out = train_loop(
-            model, data, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), hooks=plan_hooks(model, cfg)
+            model, data, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+            hooks=plan_hooks(model, cfg),
         )
         assert out.steps == 3
         losses = [r["loss"] for r in _rows(cfg)]
