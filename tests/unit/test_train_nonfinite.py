@@ -105,3 +105,15 @@ def test_float16_training_is_refused_on_cpu(tmp_path):
     hooks = plan_hooks(model, cfg)
     with pytest.raises(UnsupportedPrecision, match="float16.*CUDA"):
         train_loop(model, random_rows(8, seed=7), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), hooks=hooks)
+
+
+def test_after_step_actions_run_only_after_steps_that_update(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 4, "micro_batch_size": 2})
+    model = poisoned(tiny_llama(random.randrange(1000)), bad_calls={2, 3})
+    hooks = plan_hooks(model, cfg)
+    ran, steps = [], []
+    hooks.after_step.append(lambda: ran.append(len(steps)))  # registered on the optimizer by the loop
+    result = train_loop(model, random_rows(12, seed=8), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True),
+                        step_callback=lambda m: steps.append(m.skipped), hooks=hooks)
+    assert result.skipped_steps == 2 and steps == [False, True, True, False]
+    assert ran == [0, 3]  # during steps 1 and 4 (before their callbacks), never during the skipped ones
