@@ -26,6 +26,9 @@ from hone.runtime.loss import forward_logits
 if TYPE_CHECKING:
     from datasets import Dataset
 
+    from hone.runtime.world import World
+    from hone.transforms.base import RunHooks
+
 
 def _seeded_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     """A float32 model of ``config`` whose random weights depend on ``seed`` only."""
@@ -301,6 +304,20 @@ def run_hooks(model: torch.nn.Module, loss: str = "standard", device: str = "cpu
 
     cfg = tiny_config(Path("unused"), performance={"loss": loss})
     facts = RunFacts(torch.device(device))
+    return plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+
+
+def plan_hooks(
+    model: torch.nn.Module, cfg: HoneConfig, device: str | torch.device = "cpu", world: "World | None" = None
+) -> "RunHooks":
+    """The hooks the plan of ``cfg`` gives ``train_loop`` for ``model`` (taken as it is: no
+    ``model`` hook of the plan is applied), drawn up for ``device`` and ``world`` (default: the
+    process group joined, if any) as a run would."""
+    from hone.runtime.world import current_world
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    facts = RunFacts(torch.device(device), world=world or current_world())
     return plan_optimizations(cfg, facts).hooks(model, cfg, facts)
 
 

@@ -8,6 +8,10 @@ With several processes the split's batches are dealt round-robin (batch ``i`` to
 rank the mean one process would compute. Every rank runs the same number of forwards (a rank
 with one batch fewer repeats its first one and discards it), so an engine that communicates in
 the forward (FSDP2 gathers each layer's weights) never waits for a rank that has finished.
+
+During training, the :class:`Evaluator` decides when: a fresh run with eval data evaluates once
+before the first step (step 0), so the report can compare the final eval loss with the
+untrained model's; then every ``training.eval_steps`` and after the last step.
 """
 
 import math
@@ -18,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hone.config.training import TrainingConfig
 from hone.data.packing import Packing
-from hone.train.batches import micro_batches
+from hone.track.tracker import Tracker
+from hone.train.batches import StepPlan, micro_batches
 from hone.runtime.world import SINGLE, World
 from hone.runtime.step import micro_batch_loss
 
@@ -96,3 +102,69 @@ def evaluate(
         total, tokens = both[0], int(both[1].item())
     loss = total.item() / tokens if tokens else math.nan
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=tokens)
+
+
+class Evaluator:
+    """Evaluates the training model on its own cadence and logs each result as an eval row."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dataset,
+        training: TrainingConfig,
+        plan: StepPlan,
+        tracker: Tracker,
+        *,
+        pad_id: int,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        packing: Packing | None,
+        hooks: "RunHooks",
+        world: World,
+        step: nn.Module,
+    ):
+        self.model = model
+        self.dataset = dataset
+        self.enabled = dataset is not None and len(dataset) > 0
+        self.eval_steps = training.eval_steps
+        self.batch_size = training.micro_batch_size
+        self.plan = plan
+        self.tracker = tracker
+        self.pad_id = pad_id
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.packing = packing
+        self.hooks = hooks
+        self.world = world
+        self.step = step
+
+    def baseline_due(self, step: int) -> bool:
+        """Before the first step of a fresh run: the baseline the final eval is compared with."""
+        return self.enabled and step == 0
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.enabled and (bool(self.eval_steps and step % self.eval_steps == 0) or last)
+
+    def run(self, step: int) -> None:
+        """Evaluate now (every rank) and log the result as the eval row of ``step``."""
+        result = evaluate(
+            self.model,
+            self.dataset,
+            batch_size=self.batch_size,
+            pad_id=self.pad_id,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+            packing=self.packing,
+            hooks=self.hooks,
+            world=self.world,
+            step=self.step,
+        )
+        self.tracker.log_eval(
+            {
+                "step": step,
+                "epoch": round(self.plan.epoch_at(step), 4),
+                "eval_loss": result.loss,
+                "eval_ppl": result.perplexity,
+                "eval_tokens": result.tokens,
+            }
+        )

@@ -18,14 +18,15 @@ the others then read it from the cache.
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
-from hone.transforms.base import RunFacts
-from hone.transforms.planner import plan_optimizations, write_record
+from hone.transforms.base import RunFacts, RunHooks
+from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 from hone.atomic import atomic_write_text
 from hone.paths import ensure_writable_dir
@@ -37,7 +38,8 @@ from hone.transforms.allocator import configure_allocator
 from hone.train.device import resolve_device
 from hone.train.distributed import check_launch, close_world, device_of, init_world, together
 from hone.runtime.world import World, world_from_env
-from hone.train.loop import LoopResult, StepMetrics, train_loop
+from hone.train.loop import LoopResult, train_loop
+from hone.train.step_log import StepMetrics
 from hone.train.seed import seed_everything
 
 #: What a started run leaves behind (config.yml alone is not enough: a run that failed while
@@ -147,21 +149,71 @@ def _run_training(
     step_callback: Callable[[StepMetrics], None] | None,
     trackers: list,
 ) -> TrainResult:
-    from hone.data.prepare import prepare_data
-    from hone.models.hub import download_missing
-    from hone.models.loader import load_model
-    from hone.models.tokenizer import load_tokenizer
     from hone.train.checkpoint_io import checkpoint_io_for
 
     console = console or Console()
     if not world.is_main:
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(cfg.training.output_dir)
+    warn = _Warn(console)
+    resume_from, tokenizer, data, facts, plan = _data_and_plan(cfg, world, device, console, warn, trackers)
+    loaded, hooks = _model(cfg, world, device, tokenizer, plan, facts, console)
+    console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
+    if world.is_main:
+        write_record(out, plan)
+    watch = CompileWatch(warn).start() if cfg.performance.compiles_on(device.type) else None
+    record = _PlanRecord(out, plan, watch, world)
+    try:
+        loop = train_loop(
+            loaded.model,
+            data.train,
+            data.eval,
+            cfg,
+            device=device,
+            pad_id=pad_token_id(tokenizer),
+            console=console,
+            step_callback=_OnStep(console, watch, step_callback),
+            resume_from=resume_from,
+            autocast_dtype=getattr(loaded, "autocast_dtype", None),
+            hooks=hooks,
+            world=world,
+            trackers=trackers,
+            before_trackers_close=record.write,
+        )
+    finally:
+        record.write()  # where the loop failed before it could
+    if watch is not None:
+        console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 
-    def warn(message: str) -> None:
-        console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)
+    final_dir = None
+    if not loop.interrupted:
+        writer = checkpoint_io_for(hooks, world)
+        final_dir = Path(writer.save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
+    result = _result(loop, out, final_dir)
+    console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
+    return result
 
-    # start-up, phase 1: the run directory and the data (rank 0 first: it fills the data cache)
+
+class _Warn:
+    """``warn(message)``: a warning on the run's console."""
+
+    def __init__(self, console: Console):
+        self.console = console
+
+    def __call__(self, message: str) -> None:
+        self.console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _data_and_plan(
+    cfg: HoneConfig, world: World, device: torch.device, console: Console, warn: Callable[[str], None], trackers: list
+) -> tuple[Path | None, Any, Any, RunFacts, Plan]:
+    """Start-up, phase 1: the run directory, the data and the plan (rank 0 first: it fills the
+    data cache). Returns the checkpoint to resume from, the tokenizer, the data, the run's facts
+    and its plan (which refuses what this run cannot do before the model loads)."""
+    from hone.data.prepare import prepare_data
+    from hone.models.hub import download_missing
+    from hone.models.tokenizer import load_tokenizer
+
     resume_from = None
     with together(world):
         if world.is_main:
@@ -186,8 +238,16 @@ def _run_training(
             check_split(cfg, data, world)
     if cfg.memory.alias_note:
         console.print(f"note: {cfg.memory.alias_note}", highlight=False, markup=False, soft_wrap=True)
+    return resume_from, tokenizer, data, facts, plan
 
-    # phase 2: the model, through the plan (the data-parallel wrap happens in the loop)
+
+def _model(
+    cfg: HoneConfig, world: World, device: torch.device, tokenizer: Any, plan: Plan, facts: RunFacts, console: Console
+) -> tuple[Any, RunHooks]:
+    """Start-up, phase 2: the model, through the plan (the data-parallel wrap happens in the
+    loop); returns it loaded, and the plan's hooks for the loop."""
+    from hone.models.loader import load_model
+
     sharded_load = plan.shards_parameters and cfg.model.path is not None
     with together(world):
         seed_everything(cfg.training.seed)  # new modules (LoRA) draw their initial weights from it
@@ -211,70 +271,53 @@ def _run_training(
         markup=False,
         soft_wrap=True,
     )
-
     with together(world):
         if not sharded_load:  # the sharded loader applied the adapted stage before any weight existed
             plan.apply(loaded.model, "adapted", cfg, facts)
         hooks = plan.hooks(loaded.model, cfg, facts)
-    console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
-    if world.is_main:
-        write_record(out, plan)
-    watch = CompileWatch(warn).start() if cfg.performance.compiles_on(device.type) else None
+    return loaded, hooks
 
-    first_step = [True]
 
-    def on_step(metrics: StepMetrics) -> None:
-        if first_step[0]:  # the cold start: compilation, autotuning, allocator growth
-            first_step[0] = False
-            note = " (compilation included)" if watch is not None else ""
-            console.print(f"first step: {metrics.step_time_s:.1f} s{note}", highlight=False, markup=False)
-        if watch is not None:
-            watch.on_step(metrics.step, metrics.step_time_s)
-        if step_callback is not None:
-            step_callback(metrics)
+class _OnStep:
+    """The loop's step callback in ``hone train``: the cold start's time said once (compilation,
+    autotuning, allocator growth), the compile watch told of every step, then the caller's."""
 
-    recorded = False
+    def __init__(self, console: Console, watch: CompileWatch | None, step_callback: Callable[[StepMetrics], None] | None):
+        self.console = console
+        self.watch = watch
+        self.step_callback = step_callback
+        self.first = True
 
-    def record_plan() -> None:
-        """Stop counting compilations and write the final ``optimizations.json`` (once)."""
-        nonlocal recorded
-        if recorded:
+    def __call__(self, metrics: StepMetrics) -> None:
+        if self.first:
+            self.first = False
+            note = " (compilation included)" if self.watch is not None else ""
+            self.console.print(f"first step: {metrics.step_time_s:.1f} s{note}", highlight=False, markup=False)
+        if self.watch is not None:
+            self.watch.on_step(metrics.step, metrics.step_time_s)
+        if self.step_callback is not None:
+            self.step_callback(metrics)
+
+
+class _PlanRecord:
+    """Stops counting compilations and writes the final ``optimizations.json``, once: before the
+    loop closes the trackers (so they get the whole record), or after a loop that failed first."""
+
+    def __init__(self, out: Path, plan: Plan, watch: CompileWatch | None, world: World):
+        self.out = out
+        self.plan = plan
+        self.watch = watch
+        self.world = world
+        self.written = False
+
+    def write(self) -> None:
+        if self.written:
             return
-        recorded = True
-        if watch is not None:
-            watch.stop()
-        if world.is_main:  # again: what the data-parallel wrap and the compiler recorded
-            write_record(out, plan, watch.summary() if watch is not None else None)
-
-    try:
-        loop = train_loop(
-            loaded.model,
-            data.train,
-            data.eval,
-            cfg,
-            device=device,
-            pad_id=pad_token_id(tokenizer),
-            console=console,
-            step_callback=on_step,
-            resume_from=resume_from,
-            autocast_dtype=getattr(loaded, "autocast_dtype", None),
-            hooks=hooks,
-            world=world,
-            trackers=trackers,
-            before_trackers_close=record_plan,
-        )
-    finally:
-        record_plan()  # where the loop failed before it could
-    if watch is not None:
-        console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
-
-    final_dir = None
-    if not loop.interrupted:
-        writer = checkpoint_io_for(hooks, world)
-        final_dir = Path(writer.save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
-    result = _result(loop, out, final_dir)
-    console.print(_report(loop, result), highlight=False, markup=False, soft_wrap=True)
-    return result
+        self.written = True
+        if self.watch is not None:
+            self.watch.stop()
+        if self.world.is_main:  # again: what the data-parallel wrap and the compiler recorded
+            write_record(self.out, self.plan, self.watch.summary() if self.watch is not None else None)
 
 
 def check_split(cfg: HoneConfig, data, world: World) -> None:

@@ -146,3 +146,9 @@ class RunHooks:
     def after_optimizer_step(self) -> None:
         for hook in self.after_step:
             hook()
+
+    def register_after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run :meth:`after_optimizer_step` after every ``optimizer.step()``, so the loop never
+        calls it: only a step that updates the weights runs it (a skipped step never calls
+        ``optimizer.step()``; float16's ``GradScaler.step`` calls it only for finite gradients)."""
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_optimizer_step())

@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 
 from hone.errors import HoneError
-from hone.testing import random_rows, tiny_config, tiny_llama, with_random_lora
-from hone.runtime.world import SINGLE, World  # noqa: F401 -- SINGLE is re-exported to the tests
-from hone.train.distributed import close_world, init_world, together
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama, with_random_lora
+from hone.train.distributed import close_world, init_world, together  # noqa: F401 -- SINGLE is re-exported to the tests
+from hone.runtime.world import SINGLE, World
 from hone.train.loop import train_loop
 
 CPU = torch.device("cpu")
@@ -77,7 +77,8 @@ def run_case(adapter: str, packed: bool, out: Path, seed: int, world: World, acc
     model = make_model(adapter, seed)
     train, evaluation = make_data(seed)
     cfg = make_config(out, packed, accumulation)
-    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world)
+    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world,
+               hooks=plan_hooks(model, cfg, CPU, world))
     return model
 
 
@@ -119,9 +120,10 @@ def run_resume_case(out: Path, seed: int, world: World, accumulation: int, *, re
         if crash_at is not None and metrics.step == crash_at:
             raise Crash
 
+    cfg = resume_config(out, accumulation)
     train_loop(
-        model, train, evaluation, resume_config(out, accumulation), device=CPU, pad_id=0, console=Console(quiet=True),
-        world=world, resume_from=resume_from, step_callback=crash,
+        model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True),
+        world=world, resume_from=resume_from, step_callback=crash, hooks=plan_hooks(model, cfg, CPU, world),
     )
     return model
 
@@ -173,7 +175,9 @@ def _midrun_failure(world: World, out: Path, seed: int) -> None:
 
     cfg = make_config(out, False, ACCUMULATION, max_steps=50)
     train, evaluation = make_data(seed)
-    train_loop(make_model("lora", seed), train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, step_callback=die)
+    model = make_model("lora", seed)
+    train_loop(model, train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, step_callback=die,
+               hooks=plan_hooks(model, cfg, CPU, world))
 
 
 def _nonfinite(world: World, out: Path, seed: int) -> None:

@@ -19,7 +19,7 @@ from hone.data.collate import collate
 from hone.train.evaluate import evaluate
 from hone.train.loop import train_loop
 from hone.runtime.loss import forward_logits, token_loss_sum
-from hone.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU
 
@@ -65,7 +65,8 @@ def test_one_packed_loop_step_matches_one_unpacked_step(tmp_path):
         model = tiny_llama(seed)
         model.set_attn_implementation("sdpa")
         metrics = []
-        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), step_callback=metrics.append)
+        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+                   step_callback=metrics.append, hooks=plan_hooks(model, cfg))
         seen[name] = metrics[0]
     packed, padded = seen["packed"], seen["padded"]
     assert packed.trained_tokens == padded.trained_tokens and packed.tokens == padded.tokens

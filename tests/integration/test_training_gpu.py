@@ -9,7 +9,7 @@ from rich.console import Console
 
 from hone.train.checkpoint import SCALER_FILE
 from hone.train.loop import train_loop
-from hone.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,7 +27,7 @@ def _model(seed: int, *, dtype: torch.dtype = torch.float32, fp32_head: bool = F
 
 
 def _run(model, cfg, train, eval_rows=None, **kw):
-    return train_loop(model, train, eval_rows, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), **kw)
+    return train_loop(model, train, eval_rows, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), hooks=plan_hooks(model, cfg, CUDA), **kw)
 
 
 def test_exact_resume_on_cuda_with_dropout_and_fused_adamw(tmp_path):

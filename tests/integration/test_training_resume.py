@@ -13,7 +13,7 @@ from rich.console import Console
 from hone.track.metrics import read_metrics
 from hone.train.checkpoint import list_checkpoints, resolve_resume
 from hone.train.loop import train_loop
-from hone.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -37,7 +37,7 @@ def _run(cfg, seed, data, *, resume_from=None, callback=None, console=None):
     model = tiny_llama(seed, dropout=0.2)
     result = train_loop(
         model, data[0], data[1], cfg, device=CPU, pad_id=0, console=console or Console(quiet=True),
-        step_callback=callback, resume_from=resume_from,
+        step_callback=callback, resume_from=resume_from, hooks=plan_hooks(model, cfg),
     )
     return model, result
 

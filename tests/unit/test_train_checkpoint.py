@@ -19,14 +19,16 @@ from hone.train.checkpoint import (
     restore_rng,
 )
 from hone.train.loop import train_loop
-from hone.testing import random_rows, tiny_config, tiny_llama
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 
 
 def _train(cfg, data, *, seed=0, resume_from=None, **kw):
+    model = tiny_llama(seed)
     return train_loop(
-        tiny_llama(seed), data, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), resume_from=resume_from, **kw
+        model, data, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), resume_from=resume_from,
+        hooks=plan_hooks(model, cfg), **kw
     )
 
 
@@ -107,7 +109,7 @@ def test_resuming_into_another_model_is_a_clear_error(tmp_path):
     cfg2 = tiny_config(tmp_path / "b", training={"max_steps": 2})
     with pytest.raises(CheckpointError, match="not match"):
         train_loop(other, random_rows(4, seed=3), None, cfg2, device=CPU, pad_id=0,
-                   console=Console(quiet=True), resume_from=result.last_checkpoint)
+                   console=Console(quiet=True), resume_from=result.last_checkpoint, hooks=plan_hooks(other, cfg2))
 
 
 def test_rng_states_round_trip_through_a_weights_only_file():

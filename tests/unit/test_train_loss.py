@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from hone.data.collate import collate, rows_at
-from hone.train.loop import _window_loss_backward, train_loop
+from hone.train.loop import train_loop
+from hone.train.train_step import forward_backward
 from hone.runtime.loss import token_loss_sum
-from hone.testing import random_rows, run_hooks, tiny_config, tiny_llama
+from hone.testing import plan_hooks, random_rows, run_hooks, tiny_config, tiny_llama
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -22,7 +23,8 @@ def _window_grads(seed: int, rows, split: int) -> tuple[float, dict[str, torch.T
     model = tiny_llama(seed)
     window = [collate(rows[i : i + split], pad_id=0) for i in range(0, len(rows), split)]
     tokens = sum(b.trained_tokens for b in window)
-    loss = _window_loss_backward(model, window, tokens, run_hooks(model), scaler=None, autocast_dtype=None)
+    hooks = run_hooks(model)
+    loss = forward_backward(hooks.step_module(model), window, tokens, hooks, scaler=None)
     return loss.item(), _grads(model)
 
 
@@ -73,7 +75,10 @@ def test_training_runs_with_different_splits_give_the_same_weights(tmp_path):
             optimizer={"learning_rate": 1e-2, "weight_decay": 0.01},
         )
         model = tiny_llama(seed)
-        out = train_loop(model, data, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True))
+        out = train_loop(
+            model, data, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+            hooks=plan_hooks(model, cfg),
+        )
         assert out.steps == 3
         losses = [r["loss"] for r in _rows(cfg)]
         results[(mbs, accum)] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})

@@ -10,8 +10,9 @@ from torch import nn
 
 from hone.errors import HoneError
 from hone.track.metrics import read_metrics
-from hone.train.loop import NonFiniteLossError, UnsupportedPrecision, train_loop
-from hone.testing import random_rows, tiny_config, tiny_llama
+from hone.train.loop import NonFiniteLossError, train_loop
+from hone.train.train_step import UnsupportedPrecision
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -50,7 +51,8 @@ def test_one_nan_loss_is_skipped_counted_and_training_goes_on(tmp_path):
 
     out = io.StringIO()
     result = train_loop(
-        model, random_rows(12, seed=4), None, cfg, device=CPU, pad_id=0, console=Console(file=out), step_callback=observe
+        model, random_rows(12, seed=4), None, cfg, device=CPU, pad_id=0, console=Console(file=out), step_callback=observe,
+        hooks=plan_hooks(model, cfg),
     )
     assert (result.steps, result.skipped_steps) == (5, 1)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
@@ -78,7 +80,7 @@ def test_a_nan_gradient_is_skipped_too(tmp_path):
         poison["on"] = metrics.step == 1  # poison step 2's backward
 
     result = train_loop(model, random_rows(8, seed=5), None, cfg, device=CPU, pad_id=0,
-                        console=Console(quiet=True), step_callback=observe)
+                        console=Console(quiet=True), step_callback=observe, hooks=plan_hooks(model, cfg))
     assert result.skipped_steps == 1
     assert seen[1][0] and seen[1][1] != seen[1][1]  # skipped with a NaN norm
     assert not seen[0][0] and not seen[2][0]
@@ -90,7 +92,7 @@ def test_nan_on_every_step_stops_after_the_configured_streak(tmp_path):
     steps = []
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*learning_rate") as info:
         train_loop(model, random_rows(8, seed=6), None, cfg, device=CPU, pad_id=0,
-                   console=Console(quiet=True), step_callback=lambda m: steps.append(m.step))
+                   console=Console(quiet=True), step_callback=lambda m: steps.append(m.step), hooks=plan_hooks(model, cfg))
     assert isinstance(info.value, HoneError)
     assert steps == [1, 2, 3]  # the third skipped step is reported, then the run stops
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -99,5 +101,19 @@ def test_nan_on_every_step_stops_after_the_configured_streak(tmp_path):
 
 def test_float16_training_is_refused_on_cpu(tmp_path):
     cfg = tiny_config(tmp_path, model={"dtype": "float16"})
+    model = tiny_llama(0)
+    hooks = plan_hooks(model, cfg)
     with pytest.raises(UnsupportedPrecision, match="float16.*CUDA"):
-        train_loop(tiny_llama(0), random_rows(8, seed=7), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True))
+        train_loop(model, random_rows(8, seed=7), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), hooks=hooks)
+
+
+def test_after_step_actions_run_only_after_steps_that_update(tmp_path):
+    cfg = tiny_config(tmp_path, training={"max_steps": 4, "micro_batch_size": 2})
+    model = poisoned(tiny_llama(random.randrange(1000)), bad_calls={2, 3})
+    hooks = plan_hooks(model, cfg)
+    ran, steps = [], []
+    hooks.after_step.append(lambda: ran.append(len(steps)))  # registered on the optimizer by the loop
+    result = train_loop(model, random_rows(12, seed=8), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True),
+                        step_callback=lambda m: steps.append(m.skipped), hooks=hooks)
+    assert result.skipped_steps == 2 and steps == [False, True, True, False]
+    assert ran == [0, 3]  # during steps 1 and 4 (before their callbacks), never during the skipped ones

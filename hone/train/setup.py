@@ -1,0 +1,163 @@
+"""The set-up of a training run: from a ready model, its data and the plan's hooks to every
+object the loop works with (:class:`Trainer`).
+
+In order: the output directory, the loss scaler (float16 is refused on the CPU here), the
+micro-batches (bins packed once, in :mod:`hone.data`), the step plan, the seed, the optimizer and
+its schedule with the plan's after-step actions registered on it, the restored checkpoint when
+resuming (its RNG state restored last, before anything draws from it), the data stream from the
+restored position, the per-micro-batch module (DDP: the weights broadcast from rank 0), the
+trackers, then the components that decide their own cadence: the step log, the evaluator and
+the checkpointer.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from hone.config.loader import dump_config
+from hone.config.root import HoneConfig
+from hone.data.packing import packing_for
+from hone.track.tracker import Tracker
+from hone.train.batches import BatchStream, PackedBatches, PaddedBatches, StepPlan, micro_batches, plan_steps
+from hone.train.checkpoint_io import checkpoint_io_for
+from hone.train.checkpointer import Checkpointer
+from hone.runtime.world import World
+from hone.train.evaluate import Evaluator
+from hone.train.optim import build_optimizer, build_scheduler
+from hone.train.resume import Resumed, resume
+from hone.train.seed import seed_everything
+from hone.train.state import TrainState
+from hone.train.step_log import StepLog
+from hone.train.train_step import StepParts, loss_scaler
+from hone.transforms.base import RunHooks
+
+
+@dataclass
+class Trainer:
+    """Everything the loop works with, built once by :func:`set_up`."""
+
+    plan: StepPlan
+    state: TrainState
+    start_step: int  # 0, or the step resumed from
+    resumed_from: Path | None
+    batches: PaddedBatches | PackedBatches
+    stream: BatchStream
+    parts: StepParts
+    device: torch.device
+    world: World
+    tracker: Tracker
+    log: StepLog
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    max_consecutive_nonfinite: int
+
+
+def set_up(
+    model: nn.Module,
+    train_data,
+    eval_data,
+    cfg: HoneConfig,
+    *,
+    device: torch.device,
+    pad_id: int,
+    hooks: RunHooks,
+    world: World,
+    console: Console,
+    resume_from: Path | None,
+    autocast_dtype: torch.dtype | None,
+    trackers: list | None,
+) -> Trainer:
+    """Build the run's objects (see the module's docstring for the order, which matters)."""
+    t = cfg.training
+    output_dir = Path(t.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    has_eval = eval_data is not None and len(eval_data) > 0
+    scaler = loss_scaler(cfg, device)
+    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)
+    eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
+    plan = plan_steps(batches.units, t, world.world_size)
+    seed_everything(t.seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(model, cfg.optimizer, device)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, plan.total_steps)
+    hooks.register_after_step(optimizer)  # they run when (and only when) the optimizer updates
+    checkpointer = Checkpointer(
+        checkpoint_io_for(hooks, world),
+        output_dir,
+        t,
+        plan,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        state_dict_hooks=hooks.state_dict,
+    )
+    resumed = resume(checkpointer, resume_from, plan, cfg, scheduler, world) if resume_from is not None else None
+    state = resumed.state if resumed is not None else TrainState()
+    stream = BatchStream(plan, t.seed, state.position, rank=world.rank)
+    step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
+    tracker = _tracker(cfg, world, console, plan, resumed, trackers)
+    evaluator = Evaluator(
+        model,
+        eval_data,
+        t,
+        plan,
+        tracker,
+        pad_id=pad_id,
+        device=device,
+        autocast_dtype=autocast_dtype,
+        packing=eval_packing,
+        hooks=hooks,
+        world=world,
+        step=step_module.module,
+    )
+    if batches.packing is not None:
+        tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
+    tracker.print(f"training: {plan.describe()}")
+    if resumed is not None:
+        tracker.print(f"resumed from {resume_from} at step {state.step} (epoch {plan.epoch_at(state.step):.2f})")
+        for note in resumed.notes:
+            tracker.print(f"note: {note}")
+    return Trainer(
+        plan=plan,
+        state=state,
+        start_step=state.step,
+        resumed_from=resume_from,
+        batches=batches,
+        stream=stream,
+        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm),
+        device=device,
+        world=world,
+        tracker=tracker,
+        log=StepLog(tracker, cfg.logging.logging_steps),
+        evaluator=evaluator,
+        checkpointer=checkpointer,
+        max_consecutive_nonfinite=t.max_consecutive_nonfinite,
+    )
+
+
+def _tracker(
+    cfg: HoneConfig, world: World, console: Console, plan: StepPlan, resumed: Resumed | None, trackers: list | None
+) -> Tracker:
+    """The run's tracker (rank 0 writes; the others only count). ``trackers``: W&B / MLflow
+    already started (``hone train`` starts them before the model loads); without them rank 0
+    starts those of ``logging.trackers`` here."""
+    if trackers is None and world.is_main:
+        from hone.track.trackers import start_trackers
+
+        trackers = start_trackers(cfg, lambda m: console.print(f"warning: {m}", highlight=False, markup=False))
+    return Tracker(
+        cfg.logging,
+        Path(cfg.training.output_dir),
+        console,
+        total_steps=plan.total_steps,
+        resume_step=resumed.state.step if resumed is not None else None,
+        history=resumed.history if resumed is not None else None,
+        enabled=world.is_main,
+        external=trackers,
+        run_config=dump_config(cfg) if world.is_main else None,
+    )
