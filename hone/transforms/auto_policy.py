@@ -20,22 +20,14 @@ from typing import Any
 from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
 from hone.transforms.card import device_memory, host_memory
-from hone.transforms.estimate import AUTO_MARGIN as MARGIN
-from hone.transforms.estimate import (
-    GIB,
-    HOST_MARGIN,
-    POLICIES,
-    auto_tiled_shards,
-    TiledDecision,
-    decide_tiled_layers,
-    decide_tiled_mlp,
-    estimate_memory,
-    host_process_bytes,
-    loss_of,
-    model_facts,
-    offload_split,
-    pinned_block,
-)
+from hone.transforms.memory.decide import AUTO_MARGIN as MARGIN
+from hone.transforms.memory.decide import TiledDecision, decide_tiled_layers, decide_tiled_mlp, loss_of
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import POLICIES
+from hone.transforms.memory.terms.offload import HOST_MARGIN, host_process_bytes, offload_split, pinned_block
+from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards
+from hone.units import GIB
 
 
 @dataclass(frozen=True)
@@ -168,7 +160,7 @@ def tiled_layers_choice(
     """``memory.tiled_layers`` of ``cfg`` under ``policy`` (the checkpointing in force) with the MLP
     in ``tiled_mlp`` shards (the MLP decision), on ``device``: the card and the host default to
     this machine's, as for the other ``auto`` memory settings
-    (:func:`hone.transforms.estimate.decide_tiled_layers`)."""
+    (:func:`hone.transforms.memory.decide.decide_tiled_layers`)."""
     kind, budget, source = _budget(device, budget)
     if host_budget is None:
         host_budget = host_memory(None)[0]
@@ -179,7 +171,7 @@ def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None 
     """``memory.offload_layers`` for a run of ``layers`` decoder layers: (how many layers' inputs
     go to the host, None for all of them; why). ``auto``: all when the host (``host_budget``,
     default this machine's RAM) holds their pinned blocks, else as many as fit it
-    (:func:`hone.transforms.estimate.offload_split`). With a frozen embedding (LoRA) layer 0's
+    (:func:`hone.transforms.memory.terms.offload.offload_split`). With a frozen embedding (LoRA) layer 0's
     input is never offloaded (autograd holds it as a leaf): ``layers - 1`` can be."""
     asked = cfg.memory.offload_layers
     if asked != "auto":

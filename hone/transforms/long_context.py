@@ -4,14 +4,17 @@ Why: at long context the question is not "does this config fit" but "how far doe
 take me": checkpointing (none/selective/full/offload), the tiled MLP and the fused loss each
 remove a different term that grows with the sequence, and offloading moves the layers' inputs
 to host memory, which is finite too. :func:`longest_table` answers it for every combination
-from the estimate alone (:mod:`hone.transforms.estimate`), so ``hone plan`` prints it without a
+from the estimate alone (:mod:`hone.transforms.memory`), so ``hone plan`` prints it without a
 GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
 """
 
 from dataclasses import dataclass
 
 from hone.config.root import HoneConfig
-from hone.transforms.estimate import GIB, POLICIES, LossKind, MemoryEstimate, estimate_memory, longest_sequence
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
+from hone.transforms.memory.knobs import POLICIES, LossKind
+from hone.transforms.memory.longest import longest_sequence
+from hone.units import GIB
 
 #: Granularity of the search: sequences are multiples of this.
 MULTIPLE = 1024

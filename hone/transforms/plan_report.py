@@ -1,7 +1,7 @@
 """What ``hone plan`` prints: the optimizations a config asks for, the estimated memory by
 component under every checkpointing policy against the card, and the longest sequence that fits.
 
-Kept apart from the estimate (:mod:`hone.transforms.estimate`, pure arithmetic) so the planner
+Kept apart from the estimate (:mod:`hone.transforms.memory`, pure arithmetic) so the planner
 can add its transform list (name, switch, on/off, why) to the same report through
 :func:`render_plan` without touching the numbers.
 """
@@ -12,17 +12,12 @@ from dataclasses import dataclass
 from hone.config.root import HoneConfig
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.long_context import LongestRow, longest_table, render_longest
-from hone.transforms.estimate import (
-    GIB,
-    POLICIES,
-    LossKind,
-    MemoryEstimate,
-    checkpointing_of,
-    estimate_memory,
-    longest_sequence,
-    loss_of,
-    model_facts,
-)
+from hone.transforms.memory.decide import checkpointing_of, loss_decision, loss_of
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import POLICIES, LossKind
+from hone.transforms.memory.longest import longest_sequence
+from hone.units import GIB
 
 __all__ = ["DEFAULT_GPU_MEMORY", "PlanInputError", "PlanView", "device_memory", "parse_size", "plan_view", "render_plan"]
 
@@ -99,7 +94,6 @@ def plan_view(
 
     from hone.transforms.auto_policy import auto_shards, decide_memory
     from hone.transforms.card import host_memory
-    from hone.transforms.estimate import loss_decision
 
     if host_budget is None:
         host_budget, host_source = host_memory(None)

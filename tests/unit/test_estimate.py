@@ -9,14 +9,12 @@ import torch
 from hone.config import parse_config
 from hone.models.loader import load_model
 from hone.models.tokenizer import load_tokenizer
-from hone.transforms.estimate import (
-    GIB,
-    estimate_memory,
-    fused_chunk_tokens,
-    layer_bytes,
-    longest_sequence,
-    model_facts,
-)
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.layers import layer_bytes
+from hone.transforms.memory.longest import longest_sequence
+from hone.transforms.memory.terms.loss import fused_chunk_tokens
+from hone.units import GIB
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL7 = [*QKVO, "gate_proj", "up_proj", "down_proj"]
@@ -198,7 +196,7 @@ def test_fused_loss_holds_one_chunk():
     for tokens, vocab in ((16384, 151_936), (100, 151_936), (1 << 20, 1 << 20)):
         assert fused_chunk_tokens(tokens, vocab) == default_chunk_tokens(tokens, vocab)  # the kernel's own chunk
     chunk = fused_chunk_tokens(16384, 151_936)
-    from hone.transforms.estimate import loss_bytes
+    from hone.transforms.memory.terms.loss import loss_bytes
 
     facts = model_facts(cfg)
     on_cuda, on_cpu = (loss_bytes(facts, 16384, "fused_linear_ce", device) for device in ("cuda", "cpu"))
@@ -236,7 +234,7 @@ def test_model_directory_config_needs_no_weights(tmp_path):
 
 def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
 
-    from hone.transforms.estimate import checkpointing_of, estimate_for_config, loss_of
+    from hone.transforms.memory.decide import checkpointing_of, estimate_for_config, loss_of
 
     cfg = _cfg("tiny-llama", memory__gradient_checkpointing=True)
     assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "fused_linear_ce"  # auto: a plain head
@@ -278,7 +276,7 @@ def test_fp8_lora_base_counts_two_float8_copies_of_each_wrapped_weight(small):
     """Against the built model: the float8 copies the fp8 transform keeps (two uint8 buffers a
     converted weight) are what the estimate adds to the weights; with small linears kept in bf16
     (every layer of this tiny model is small) there are none."""
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
     from hone.transforms.fp8 import convert_frozen_base
 
     cfg = _cfg("tiny-llama", performance__fp8="rowwise", performance__fp8_small_linears=small)

@@ -6,19 +6,12 @@ import pytest
 
 from hone.config import parse_config
 from hone.transforms.auto_policy import decide_memory, offload_layers_choice
-from hone.transforms.estimate import (
-    GIB,
-    HOST_BASE_BYTES,
-    HOST_MARGIN,
-    host_process_bytes,
-    auto_layer_chunks,
-    estimate_memory,
-    longest_sequence,
-    model_facts,
-    offload_split,
-    pinned_block,
-    tiled_layer_state_bytes,
-)
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.longest import longest_sequence
+from hone.transforms.memory.terms.offload import HOST_BASE_BYTES, HOST_MARGIN, host_process_bytes, offload_split, pinned_block
+from hone.transforms.memory.terms.tiled_layers import auto_layer_chunks, tiled_layer_state_bytes
+from hone.units import GIB
 from hone.transforms.long_context import best_row, longest_table, render_longest
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]

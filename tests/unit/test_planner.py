@@ -227,7 +227,7 @@ def test_watch_registers_with_dynamo_and_unregisters():
 
 
 def test_checkpointing_auto_picks_the_fastest_policy_that_fits_the_card_and_says_why():
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
 
     config = parse_config(
         {"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}, "data": {**_RAW["data"], "sequence_len": 8192}, "memory": {"activation_checkpointing": "auto"}}
