@@ -24,7 +24,7 @@ from hone.transforms.memory.decide import AUTO_MARGIN as MARGIN
 from hone.transforms.memory.decide import TiledDecision, decide_tiled_layers, decide_tiled_mlp, loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.facts import model_facts
-from hone.transforms.memory.knobs import POLICIES
+from hone.transforms.memory.knobs import POLICIES, Knobs
 from hone.transforms.memory.terms.offload import HOST_MARGIN, host_process_bytes, offload_split, pinned_block
 from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards
 from hone.units import GIB
@@ -89,7 +89,7 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
         source = f"{source}, weights sharded over {param_shards} processes"
 
     def peak(p: str, shards: int) -> int:
-        est = estimate_memory(cfg, checkpointing=p, loss=loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards)
+        est = estimate_memory(cfg, Knobs(p, loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards))
         return est.total
 
     fixed_shards = configured if configured is not None else 0
@@ -107,9 +107,8 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
                 return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    tiled = decide_tiled_mlp(
-        cfg, policy if policy in POLICIES else "none", loss, kind, budget, source, host_budget=host_budget, param_shards=param_shards
-    )
+    knobs = Knobs(policy if policy in POLICIES else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
+    tiled = decide_tiled_mlp(cfg, knobs, budget, source)
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
 
@@ -164,7 +163,8 @@ def tiled_layers_choice(
     kind, budget, source = _budget(device, budget)
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    return decide_tiled_layers(cfg, policy, loss_of(cfg), kind, budget, source, tiled_mlp=tiled_mlp, host_budget=host_budget, param_shards=param_shards)
+    knobs = Knobs(policy, loss_of(cfg), device=kind, tiled_mlp=tiled_mlp, host_budget=host_budget, param_shards=param_shards)
+    return decide_tiled_layers(cfg, knobs, budget, source)
 
 
 def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None) -> tuple[int | None, str]:

@@ -77,8 +77,9 @@ def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
     try:
         from hone.transforms.memory.decide import loss_of
         from hone.transforms.memory.estimate import estimate_memory
+        from hone.transforms.memory.knobs import Knobs
 
-        est = estimate_memory(cfg, checkpointing="full", loss=loss_of(cfg), device=device_type)
+        est = estimate_memory(cfg, Knobs("full", loss_of(cfg), device=device_type))
     except Exception:  # noqa: BLE001 -- any failure to estimate means "unknown", never a refusal
         return None
     return est.weights + est.trainable_state + est.optimizer

@@ -8,11 +8,11 @@ from the estimate alone (:mod:`hone.transforms.memory`), so ``hone plan`` prints
 GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
-from hone.transforms.memory.knobs import POLICIES, LossKind
+from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
 from hone.units import GIB
 
@@ -60,15 +60,17 @@ def longest_table(
             combos.append((policy, True, losses[-1], True))
     rows = []
     for policy, tiled, loss, layers_tiled in combos:
-        extra = {
-            "device": device,
-            "tiled_mlp": "auto" if tiled else 0,
-            "host_budget": host_budget,
-            "param_shards": param_shards,
-            "tiled_layers": "auto" if layers_tiled else 0,
-        }
-        longest = longest_sequence(cfg, policy, loss, budget, multiple=MULTIPLE, limit=LIMIT, **extra)  # type: ignore[arg-type]
-        at = estimate_memory(cfg, checkpointing=policy, loss=loss, sequence_len=longest, **extra) if longest else None  # type: ignore[arg-type]
+        knobs = Knobs(
+            policy,
+            loss,
+            device=device,
+            tiled_mlp="auto" if tiled else 0,
+            host_budget=host_budget,
+            param_shards=param_shards,
+            tiled_layers="auto" if layers_tiled else 0,
+        )
+        longest = longest_sequence(cfg, knobs, budget, multiple=MULTIPLE, limit=LIMIT)
+        at = estimate_memory(cfg, replace(knobs, sequence_len=longest)) if longest else None
         rows.append(LongestRow(policy, tiled, loss, longest, at, layers_tiled))
     return rows
 

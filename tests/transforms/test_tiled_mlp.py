@@ -324,11 +324,12 @@ def _plan_cfg(tiled, seq: int = 2048, policy: str = "none", intermediate: int | 
 
 def test_auto_tiles_only_when_the_mlp_is_what_does_not_fit():
     from hone.transforms.memory.estimate import estimate_memory
+    from hone.transforms.memory.knobs import Knobs
     from hone.transforms.planner import decisions, plan_optimizations
 
     cfg = _plan_cfg("auto")
-    untiled = estimate_memory(cfg, checkpointing="none", loss="fused_linear_ce", device="cpu").total
-    tiled = estimate_memory(cfg, checkpointing="none", loss="fused_linear_ce", device="cpu", tiled_mlp="auto").total
+    untiled = estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", device="cpu")).total
+    tiled = estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total
     assert tiled < untiled
     cpu = torch.device("cpu")
 
@@ -353,10 +354,11 @@ def test_checkpointing_auto_tiles_when_no_policy_fits_untiled():
     plan is that policy with the MLP tiled."""
     from hone.transforms.auto_policy import decide_memory
     from hone.transforms.memory.estimate import estimate_memory
+    from hone.transforms.memory.knobs import Knobs
 
     cfg = _plan_cfg("auto", seq=4096, policy="auto", intermediate=8192)
-    untiled = {p: estimate_memory(cfg, checkpointing=p, loss="fused_linear_ce", device="cpu").total for p in ("none", "selective", "full")}
-    tiled = {p: estimate_memory(cfg, checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto").total for p in untiled}
+    untiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
+    tiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total for p in untiled}
     budget = int((min(untiled.values()) + tiled["none"]) / 2 / 0.9)
     assert tiled["none"] < 0.9 * budget < min(untiled.values())
     choice = decide_memory(cfg, "cpu", budget)

@@ -16,17 +16,30 @@ transform's term (:mod:`hone.transforms.memory.terms`), over the phases of the s
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import model_facts
-from hone.transforms.memory.knobs import POLICIES, LossKind
-from hone.transforms.memory.layers import layer_bytes, mlp_backward_bytes_per_token, selective_bytes
+from hone.transforms.memory.knobs import POLICIES, Knobs
+from hone.transforms.memory.layers import (
+    layer_bytes,
+    mlp_backward_bytes_per_token,
+    selective_bytes,
+)
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.loss import loss_bytes
-from hone.transforms.memory.terms.offload import host_process_bytes, offload_split, pinned_block
-from hone.transforms.memory.terms.tiled_layers import auto_layer_chunks, tiled_layer_state_bytes
-from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards, tiled_mlp_transient
+from hone.transforms.memory.terms.offload import (
+    host_process_bytes,
+    offload_split,
+    pinned_block,
+)
+from hone.transforms.memory.terms.tiled_layers import (
+    auto_layer_chunks,
+    tiled_layer_state_bytes,
+)
+from hone.transforms.memory.terms.tiled_mlp import (
+    auto_tiled_shards,
+    tiled_mlp_transient,
+)
 from hone.units import GIB, MIB
 
 #: Workspace allowance: cuBLAS/cuBLASLt workspaces and small buffers the step allocates
@@ -100,35 +113,17 @@ class MemoryEstimate:
         return self.total / GIB
 
 
-def estimate_memory(
-    cfg: HoneConfig,
-    *,
-    checkpointing: str,
-    loss: LossKind,
-    sequence_len: int | None = None,
-    micro_batch: int | None = None,
-    compiled: bool | None = None,
-    device: str = "cuda",
-    tiled_mlp: int | Literal["auto"] = 0,
-    offload_layers: int | Literal["auto"] | None = None,
-    host_budget: int | None = None,
-    param_shards: int = 1,
-    tiled_layers: int | Literal["auto"] = 0,
-) -> MemoryEstimate:
-    """Peak memory of one training step of ``cfg`` under ``checkpointing``
-    (``none``/``full``/``selective``/``offload``) and ``loss``, without loading weights.
-
-    ``sequence_len``/``micro_batch`` default to the config's; ``compiled`` to whether the config
-    compiles on ``device`` (``torch_compile: auto`` compiles on CUDA). ``tiled_mlp``: the MLP in
-    that many shards (0: untiled; ``auto``: :func:`auto_tiled_shards` of the tokens).
-    ``offload_layers`` (``offload``): the host/GPU split, default the config's
-    ``memory.offload_layers``, ``auto`` decided on ``host_budget`` bytes of host memory
-    (:func:`offload_split`). ``param_shards``: processes FSDP shards the weights, gradients and
-    optimizer state over (each holds a ``1/param_shards`` share, plus two layers gathered whole).
-    ``tiled_layers`` (``full``/``offload``): each layer computed and rebuilt in that many chunks of
-    the sequence (``auto``: :func:`auto_layer_chunks`; 0: whole), so the layer rebuilt in the
-    backward holds one chunk's activations plus :func:`tiled_layer_state_bytes`.
+def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
+    """Peak memory of one training step of ``cfg`` under ``knobs`` (the checkpointing policy, the
+    loss, the step's shape and memory switches: :class:`~hone.transforms.memory.knobs.Knobs`),
+    without loading weights. With ``param_shards`` each process holds a ``1/param_shards`` share
+    of the weights, gradients and optimizer state, plus two layers gathered whole; with
+    ``tiled_layers`` the layer rebuilt in the backward holds one chunk's activations plus
+    :func:`tiled_layer_state_bytes`.
     """
+    checkpointing, loss, sequence_len, micro_batch = knobs.checkpointing, knobs.loss, knobs.sequence_len, knobs.micro_batch
+    compiled, device, tiled_mlp, offload_layers = knobs.compiled, knobs.device, knobs.tiled_mlp, knobs.offload_layers
+    host_budget, param_shards, tiled_layers = knobs.host_budget, knobs.param_shards, knobs.tiled_layers
     if checkpointing not in POLICIES:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
     m = model_facts(cfg)

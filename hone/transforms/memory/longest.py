@@ -1,52 +1,23 @@
 """The longest sequence a step fits, by bisection on the estimate."""
 
-from typing import Literal
+from dataclasses import replace
 
 from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import estimate_memory
-from hone.transforms.memory.knobs import LossKind
+from hone.transforms.memory.knobs import Knobs
 
 
-def longest_sequence(
-    cfg: HoneConfig,
-    checkpointing: str,
-    loss: LossKind,
-    budget_bytes: int,
-    *,
-    micro_batch: int | None = None,
-    compiled: bool | None = None,
-    device: str = "cuda",
-    multiple: int = 256,
-    limit: int = 1 << 24,
-    tiled_mlp: int | Literal["auto"] = 0,
-    offload_layers: int | Literal["auto"] | None = None,
-    host_budget: int | None = None,
-    param_shards: int = 1,
-    tiled_layers: int | Literal["auto"] = 0,
-) -> int:
-    """The longest ``sequence_len`` (a multiple of ``multiple``) whose estimated peak fits
-    ``budget_bytes`` on the GPU and, when ``host_budget`` is given, whose host memory
-    (``host_total``) fits that; 0 when not even ``multiple`` tokens fit. Bisection on the
+def longest_sequence(cfg: HoneConfig, knobs: Knobs, budget_bytes: int, *, multiple: int = 256, limit: int = 1 << 24) -> int:
+    """The longest ``sequence_len`` (a multiple of ``multiple``) of the step ``knobs`` describes
+    (their ``sequence_len`` aside) whose estimated peak fits ``budget_bytes`` on the GPU and,
+    when ``knobs.host_budget`` is given, whose host memory (``host_total``) fits that; 0 when not even ``multiple`` tokens fit. Bisection on the
     estimate, which grows with the sequence (linearly, or quadratically with eager attention;
     an ``auto`` offload split keeps fewer layers on the host as they grow, so the GPU share
     grows faster than linearly once the host is full)."""
 
     def fits(seq: int) -> bool:
-        est = estimate_memory(
-            cfg,
-            checkpointing=checkpointing,
-            loss=loss,
-            sequence_len=seq,
-            micro_batch=micro_batch,
-            compiled=compiled,
-            device=device,
-            tiled_mlp=tiled_mlp,
-            offload_layers=offload_layers,
-            host_budget=host_budget,
-            param_shards=param_shards,
-            tiled_layers=tiled_layers,
-        )
-        return est.total <= budget_bytes and (host_budget is None or est.host_total <= host_budget)
+        est = estimate_memory(cfg, replace(knobs, sequence_len=seq))
+        return est.total <= budget_bytes and (knobs.host_budget is None or est.host_total <= knobs.host_budget)
 
     lo, hi = 0, 1
     if not fits(multiple):
