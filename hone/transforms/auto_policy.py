@@ -21,13 +21,13 @@ from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
 from hone.transforms.card import device_memory, host_memory
 from hone.transforms.memory.decide import AUTO_MARGIN as MARGIN
-from hone.transforms.memory.decide import TiledDecision, decide_tiled_layers, decide_tiled_mlp, loss_of
+from hone.transforms.memory.decide import TiledDecision, auto_limit, decide_tiled_layers, decide_tiled_mlp, loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import POLICIES, Knobs
 from hone.transforms.memory.terms.offload import HOST_MARGIN, host_process_bytes, offload_split, pinned_block
 from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards
-from hone.units import GIB
+from hone.units import GIB, gib
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _budget(device: Any, budget: int | None) -> tuple[str, int, str]:
     if budget is None:
         budget, source = device_memory(kind, None)
     else:
-        source = f"a {budget / 2**30:.1f} GiB card"
+        source = f"a {gib(budget)} card"
     return kind, budget, source
 
 
@@ -104,7 +104,7 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
             if any(t <= usable for t in tiled.values()):
                 policy, why = choose_auto_policy(tiled, budget, MARGIN)
                 policy_why = f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards (nothing fits untiled): {why}"
-                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
+                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
     knobs = Knobs(policy if policy in POLICIES else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
@@ -112,19 +112,11 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
 
-def _tiled_on(untiled: int, tiled: int, shards: int, usable: int, budget: int, source: str) -> str:
+def _tiled_on(untiled: int, tiled: int, shards: int, budget: int, source: str) -> str:
     return (
         f"tiled_mlp: auto: {shards} shards, the MLP's [tokens x intermediate] activations are what does not fit: "
-        f"untiled {_gib(untiled)}, tiled {_gib(tiled)} <= {_limit(usable, budget, source)}"
+        f"untiled {gib(untiled)}, tiled {gib(tiled)} <= {auto_limit(budget, source)[1]}"
     )
-
-
-def _limit(usable: int, budget: int, source: str) -> str:
-    return f"{_gib(usable)} ({source} less a {MARGIN:.0%} margin)"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def auto_checkpointing(

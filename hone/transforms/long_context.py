@@ -14,7 +14,7 @@ from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
-from hone.units import GIB
+from hone.units import GIB, gib
 
 #: Granularity of the search: sequences are multiples of this.
 MULTIPLE = 1024
@@ -84,7 +84,7 @@ def best_row(rows: list[LongestRow]) -> LongestRow | None:
 def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None, host_source: str) -> list[str]:
     """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory)."""
     host = f"{host_budget / GIB:.0f} GiB host ({host_source})" if host_budget else "unlimited host memory"
-    out = [f"Longest sequence that fits {budget / GIB:.1f} GiB of GPU and {host} (estimate, micro-batch as configured):"]
+    out = [f"Longest sequence that fits {gib(budget)} of GPU and {host} (estimate, micro-batch as configured):"]
     header = ["checkpointing", "tiled MLP", "tiled layers", "loss", "longest", "GPU peak", "host", "layers offloaded"]
     table = []
     for r in rows:
@@ -102,7 +102,10 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
             ]
         )
     widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
-    line = lambda cells: "  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return ("  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
+
     out += [line(header), "  " + "  ".join("-" * w for w in widths), *(line(x) for x in table)]
     best = best_row(rows)
     if best is not None:

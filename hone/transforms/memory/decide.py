@@ -94,7 +94,8 @@ def decide_tiled_layers(cfg: HoneConfig, knobs: Knobs, budget: int, source: str)
         return TiledDecision(configured, f"memory.tiled_layers: {cfg.memory.tiled_layers}")
     policy = knobs.checkpointing
     if policy not in ("full", "offload"):
-        return TiledDecision(0, f"tiled_layers: auto: off, checkpointing {policy} (tiled layers are a form of full checkpointing)")
+        why = f"tiled_layers: auto: off, checkpointing {policy} (tiled layers are a form of full checkpointing)"
+        return TiledDecision(0, why)
     usable, limit = auto_limit(budget, source)
     whole = estimate_memory(cfg, replace(knobs, tiled_layers=0)).total
     if whole <= usable:

@@ -1,45 +1,32 @@
-"""The peak of one training step: the layers' bytes under the checkpointing policy and every
-transform's term (:mod:`hone.transforms.memory.terms`), over the phases of the step.
+"""The peak of one training step: the bytes each decoder layer keeps and every transform's term
+(:mod:`hone.transforms.memory.terms`), over the phases of the step.
 
 * **Trainable state**: AdamW keeps two moments per trainable weight in the weight's dtype
-  (``torch.optim.AdamW``); gradients have the weight's dtype.
-* **Checkpointing policies**: ``none`` keeps every layer's activations; ``full`` keeps each
-  layer's input and recomputes one layer at a time in the backward; ``selective`` keeps the
-  input and the matmul outputs; ``offload`` moves the layers' inputs to the host
-  (:mod:`hone.transforms.memory.terms.offload`); two are on the GPU while the backward walks the
-  offloaded ones.
-* **FSDP** (``param_shards``): weights, gradients and optimizer state divided over the
-  processes, plus two layers' weights gathered whole.
+  (``torch.optim.AdamW``); gradients have the weight's dtype (master copies: none, see
+  :mod:`hone.models.precision`).
 * **Peak**: the maximum over the phases of a step (the loss's backward with every saved
   activation alive; the first and last layer's backward with the recompute of one layer; the
   optimizer step), plus a workspace allowance (cuBLAS workspaces, allocator rounding).
+
+A transform that changes what the step holds adds its term in :mod:`hone.transforms.memory.terms`
+and calls it in :func:`estimate_memory` (the layers' activations, the training state or the
+phases), where every other term is called.
 """
 
 from dataclasses import dataclass, field
 
 from hone.config.root import HoneConfig
-from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import POLICIES, Knobs
-from hone.transforms.memory.layers import (
-    layer_bytes,
-    mlp_backward_bytes_per_token,
-    selective_bytes,
-)
+from hone.transforms.memory.layers import outside_layers_bytes, step_layer_bytes
+from hone.transforms.memory.step import Step
+from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
+from hone.transforms.memory.terms.fsdp import sharded_state
 from hone.transforms.memory.terms.loss import loss_bytes
-from hone.transforms.memory.terms.offload import (
-    host_process_bytes,
-    offload_split,
-    pinned_block,
-)
-from hone.transforms.memory.terms.tiled_layers import (
-    auto_layer_chunks,
-    tiled_layer_state_bytes,
-)
-from hone.transforms.memory.terms.tiled_mlp import (
-    auto_tiled_shards,
-    tiled_mlp_transient,
-)
+from hone.transforms.memory.terms.offload import host_bytes
+from hone.transforms.memory.terms.tiled_layers import layer_chunks, rebuilt_chunk_bytes
+from hone.transforms.memory.terms.tiled_mlp import mlp_backward_transient, mlp_shards
 from hone.units import GIB, MIB
 
 #: Workspace allowance: cuBLAS/cuBLASLt workspaces and small buffers the step allocates
@@ -88,7 +75,7 @@ class MemoryEstimate:
     offloaded_layers: int = 0
     """``offload``: layers whose saved input is in pinned host memory (the rest on the GPU)."""
     host_total: int = 0
-    """The process's host memory (resident, pinned included): :func:`host_process_bytes` + ``host``."""
+    """The process's host memory (resident, pinned included): :func:`~.terms.offload.host_process_bytes` + ``host``."""
     param_shards: int = 1
     """Processes the weights, gradients and optimizer state are sharded over (FSDP)."""
     layers: int = 0
@@ -116,106 +103,26 @@ class MemoryEstimate:
 def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     """Peak memory of one training step of ``cfg`` under ``knobs`` (the checkpointing policy, the
     loss, the step's shape and memory switches: :class:`~hone.transforms.memory.knobs.Knobs`),
-    without loading weights. With ``param_shards`` each process holds a ``1/param_shards`` share
-    of the weights, gradients and optimizer state, plus two layers gathered whole; with
-    ``tiled_layers`` the layer rebuilt in the backward holds one chunk's activations plus
-    :func:`tiled_layer_state_bytes`.
-    """
-    checkpointing, loss, sequence_len, micro_batch = knobs.checkpointing, knobs.loss, knobs.sequence_len, knobs.micro_batch
-    compiled, device, tiled_mlp, offload_layers = knobs.compiled, knobs.device, knobs.tiled_mlp, knobs.offload_layers
-    host_budget, param_shards, tiled_layers = knobs.host_budget, knobs.param_shards, knobs.tiled_layers
-    if checkpointing not in POLICIES:
-        raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {checkpointing!r}")
+    without loading weights."""
+    if knobs.checkpointing not in POLICIES:
+        raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {knobs.checkpointing!r}")
     m = model_facts(cfg)
-    seq = sequence_len or cfg.data.sequence_len
-    mbs = micro_batch or cfg.training.micro_batch_size
-    tokens = seq * mbs
-    if compiled is None:
-        compiled = cfg.performance.compiles_on(device)
-    attention = cfg.model.attn_implementation
-    c, h = m.compute_bytes, m.hidden
-    input_bytes = c * tokens * h  # one layer's saved input (checkpointing)
-    chunks = auto_layer_chunks(seq) if tiled_layers == "auto" else int(tiled_layers)
-    if chunks < 2 or checkpointing not in ("full", "offload"):
-        chunks = 0
-    # what one rebuilt layer processes at a time: a chunk of every row, or the whole micro-batch
-    piece = mbs * -(-seq // chunks) if chunks else tokens
-    shards = auto_tiled_shards(piece, h) if tiled_mlp == "auto" else int(tiled_mlp)
-    tiled = shards >= 2
-
-    full = [layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(tokens, seq) for layer in m.layers]
-    # while the tiled MLP differentiates one shard (inside a layer's backward); untiled, the
-    # gradient of the MLP's intermediate activation beside what the layer saved
-    if tiled:
-        transient = max(tiled_mlp_transient(layer, m, piece, shards, compiled=compiled, attention=attention, device=device) for layer in m.layers)
-    else:
-        transient = max(mlp_backward_bytes_per_token(layer, m) for layer in m.layers) * piece
-    late_extra: int | None = None  # GPU bytes beside the stored ones late in the step (default gpu_extra)
-    if checkpointing == "none":
-        stored_each, recompute, gpu_extra = full, 0, 0
-    elif checkpointing == "full":
-        stored_each, recompute, gpu_extra = [input_bytes] * len(full), max(full), 0
-    elif checkpointing == "selective" and compiled and cfg.performance.torch_compile_backend == "inductor":
-        # the compiler's activation memory budget: each layer keeps about that fraction of what
-        # it keeps unbudgeted (above its input, which it always holds), recomputing the rest
-        # inside its own backward (calibrated on H100 rows: qwen3-8b at 0.2 and 0.5, llama3-8b
-        # at 0.15 to 0.4)
-        budget = cfg.memory.selective_memory_budget
-        stored_each = [input_bytes + int(budget * max(f - input_bytes, 0)) for f in full]
-        recompute, gpu_extra = int((1 - budget) * max(full)), 0
-    elif checkpointing == "selective":
-        stored_each = [selective_bytes(layer, m, tiled).at(tokens, seq) for layer in m.layers]
-        recompute, gpu_extra = max(full), 0
-    else:  # offload: the first k layers' inputs go to pinned host memory, the rest stay here;
-        # while the backward walks the offloaded ones, two are on the GPU (one in use, one coming)
-        asked = cfg.memory.offload_layers if offload_layers is None else offload_layers
-        leaf = 0 if m.embedding_trainable else 1  # layer 0's input stays (a leaf under LoRA)
-        offloaded = offload_split(len(full) - leaf, input_bytes, asked, host_budget)
-        kept_after = len(full) - leaf - offloaded
-        stored_each = [input_bytes] * leaf + [0] * offloaded + [input_bytes] * kept_after
-        recompute, gpu_extra = max(full), (2 * input_bytes if offloaded else 0)
-        if kept_after:  # the copies back start once the kept layers are done and freed
-            late_extra = 0
-    if chunks:  # the rebuilt layer: one chunk's activations, the whole sequence's K/V state
-        chunk_bytes = max(layer_bytes(layer, m, compiled=compiled, attention=attention, device=device, tiled=tiled).at(piece, seq) for layer in m.layers)
-        recompute = chunk_bytes + tiled_layer_state_bytes(m, tokens)
-    stored = sum(stored_each) + (gpu_extra if late_extra is None else late_extra)
-    offloaded = offloaded if checkpointing == "offload" else 0
-    host = offloaded * pinned_block(input_bytes)
-
-    # final norm (float32 copy + inverse RMS), the RoPE cos/sin tables every layer reads
-    outside = tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)
-    loss_peak = loss_bytes(m, tokens, loss, device)
-    if param_shards < 1:
-        raise ValueError(f"param_shards must be >= 1, got {param_shards}")
-    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m)
-    grads = m.trainable_bytes
-    optimizer = 2 * m.trainable_bytes
-    if param_shards > 1:  # FSDP2: a share of everything, and two layers unsharded at a time
-        per_layer = (m.frozen_bytes + m.trainable_bytes) // max(len(m.layers), 1)
-        weights = -(-weights // param_shards) + 2 * per_layer
-        grads, optimizer = -(-grads // param_shards), -(-optimizer // param_shards)
-    grad_stream = 2 * c * tokens * h  # the residual stream's gradient and one temporary
-    accumulating = cfg.training.gradient_accumulation_steps > 1  # earlier micro-batches' grads
-
-    phases = {
-        "loss backward": dict(trainable_state=grads if accumulating else 0, activations=stored, outside_layers=outside, loss=loss_peak),
-        "backward, last layer": dict(
-            trainable_state=grads if accumulating else m.outside_trainable_bytes,
-            activations=stored + recompute + grad_stream + transient,
-            outside_layers=0,
-            loss=0,
-        ),
-        "backward, first layer": dict(
-            trainable_state=grads, activations=stored_each[0] + gpu_extra + recompute + grad_stream + transient, outside_layers=0, loss=0
-        ),
-        "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0),
-    }
+    step = resolve_step(cfg, knobs, m)
+    # the layers: what each keeps without checkpointing, then under the policy
+    full = [step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) for layer in m.layers]
+    kept = kept_by_policy(m, step, full)
+    # tiled layers: the layer rebuilt in the backward is one chunk of it
+    recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
+    # the MLP's backward (tiled: one shard at a time)
+    transient = mlp_backward_transient(m, step)
+    host, host_total = host_bytes(step, kept.offloaded)
+    weights, grads, optimizer = training_state(cfg, m, step.param_shards)
+    phases = step_phases(m, step, kept, recompute + transient, grads)
     phase, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
     subtotal = weights + optimizer + sum(parts.values())
     workspace = WORKSPACE_BYTES + int(WORKSPACE_FRACTION * subtotal)
     notes = []
-    if attention == "eager":
+    if step.attention == "eager":
         notes.append("eager attention keeps the T x T probabilities of every head: use sdpa")
     return MemoryEstimate(
         weights=weights,
@@ -224,23 +131,86 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
         total=subtotal + workspace,
         host=host,
         phase=phase,
-        checkpointing=checkpointing,
-        loss_kind=loss,
-        compiled=bool(compiled),
-        tokens=tokens,
-        sequence_len=seq,
-        micro_batch=mbs,
-        activations_per_layer=max(stored_each),
+        checkpointing=step.policy,
+        loss_kind=step.loss,
+        compiled=step.compiled,
+        tokens=step.tokens,
+        sequence_len=step.sequence_len,
+        micro_batch=step.micro_batch,
+        activations_per_layer=max(kept.each),
         recompute=recompute,
         frozen_params=m.frozen_params,
         trainable_params=m.trainable_params,
         notes=tuple(notes),
-        tiled_mlp=shards if tiled else 0,
-        tiled_transient=transient if tiled else 0,
-        tiled_layers=chunks,
-        offloaded_layers=offloaded,
-        host_total=host_process_bytes(input_bytes if checkpointing == "offload" else 0) + host,
-        param_shards=param_shards,
+        tiled_mlp=step.shards,
+        tiled_transient=transient if step.tiled else 0,
+        tiled_layers=step.chunks,
+        offloaded_layers=kept.offloaded,
+        host_total=host_total,
+        param_shards=step.param_shards,
         layers=len(full),
         **parts,
     )
+
+
+def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
+    """``knobs`` with the config's defaults filled in: the sequence and micro-batch, whether the
+    step compiles on the device (``torch_compile: auto`` compiles on CUDA), the attention, the
+    offload split asked for (``memory.offload_layers``), the tiled layers' chunks and the tiled
+    MLP's shards (the MLP of a tiled layer processes one chunk at a time)."""
+    perf = cfg.performance
+    seq = knobs.sequence_len or cfg.data.sequence_len
+    mbs = knobs.micro_batch or cfg.training.micro_batch_size
+    compiled = perf.compiles_on(knobs.device) if knobs.compiled is None else knobs.compiled
+    chunks = layer_chunks(knobs.tiled_layers, knobs.checkpointing, seq)
+    piece = mbs * -(-seq // chunks) if chunks else seq * mbs
+    return Step(
+        policy=knobs.checkpointing,
+        loss=knobs.loss,
+        device=knobs.device,
+        sequence_len=seq,
+        micro_batch=mbs,
+        compiled=bool(compiled),
+        attention=cfg.model.attn_implementation,
+        input_bytes=m.compute_bytes * seq * mbs * m.hidden,
+        chunks=chunks,
+        piece=piece,
+        shards=mlp_shards(knobs.tiled_mlp, piece, m.hidden),
+        offload_layers=cfg.memory.offload_layers if knobs.offload_layers is None else knobs.offload_layers,
+        host_budget=knobs.host_budget,
+        param_shards=knobs.param_shards,
+        selective_budget=cfg.memory.selective_memory_budget if compiled and perf.torch_compile_backend == "inductor" else None,
+        accumulating=cfg.training.gradient_accumulation_steps > 1,
+    )
+
+
+def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW moments) on one device: the weights with their float8 copies,
+    sharded over ``param_shards`` processes by FSDP."""
+    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m)
+    return sharded_state(m, weights, m.trainable_bytes, 2 * m.trainable_bytes, param_shards)
+
+
+def step_phases(m: ModelFacts, step: Step, kept: Kept, rebuilt: int, grads: int) -> dict[str, dict[str, int]]:
+    """The parts alive at each phase of the step (beside the weights and the optimizer state), in
+    the order a tie goes to. ``rebuilt``: what one layer's backward adds to what the layers keep
+    (its recompute and the MLP's backward)."""
+    tokens = step.tokens
+    grad_stream = 2 * m.compute_bytes * tokens * m.hidden  # the residual stream's gradient and one temporary
+    accumulating = step.accumulating  # earlier micro-batches' gradients are alive
+    outside, loss = outside_layers_bytes(m, tokens), loss_bytes(m, tokens, step.loss, step.device)
+    return {
+        "loss backward": dict(
+            trainable_state=grads if accumulating else 0, activations=kept.stored, outside_layers=outside, loss=loss
+        ),
+        "backward, last layer": dict(
+            trainable_state=grads if accumulating else m.outside_trainable_bytes,
+            activations=kept.stored + rebuilt + grad_stream,
+            outside_layers=0,
+            loss=0,
+        ),
+        "backward, first layer": dict(
+            trainable_state=grads, activations=kept.each[0] + kept.in_flight + rebuilt + grad_stream, outside_layers=0, loss=0
+        ),
+        "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0),
+    }

@@ -148,7 +148,8 @@ def _layer_facts(layer: Any) -> LayerFacts:
             short = parts[-1] if parts else name
             if not module.weight.requires_grad and any(lf.name == short for lf in linears):
                 continue  # the frozen original beside a modules_to_save copy
-            linears.append(LinearFacts(short, _SITES.get(short, name), module.in_features, module.out_features, module.weight.requires_grad))
+            site = _SITES.get(short, name)
+            linears.append(LinearFacts(short, site, module.in_features, module.out_features, module.weight.requires_grad))
     params = list(layer.named_parameters())
     norm_names = {name.rsplit(".", 2)[-2] for name, p in params if p.ndim == 1 and "norm" in name}
     experts = [p for _, p in params if p.ndim == 3]
@@ -244,5 +245,5 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
 
 def model_facts(cfg: HoneConfig) -> ModelFacts:
     """Parameter counts and layer structure of ``cfg``'s model with its adapter (meta device,
-    cached per model/adapter config: the bisection in :func:`longest_sequence` reuses it)."""
+    cached per model/adapter config: the bisection in :func:`~hone.transforms.memory.longest.longest_sequence` reuses it)."""
     return _facts_cached(cfg.model.model_dump_json(), cfg.adapter.model_dump_json())

@@ -15,6 +15,7 @@ separately, checked against ``aot_eager_decomp_partition``.
 from dataclasses import dataclass
 
 from hone.transforms.memory.facts import LayerFacts, LinearFacts, ModelFacts
+from hone.transforms.memory.step import Step
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,9 @@ class LayerBytes:
         return self.per_token * tokens + self.per_token_key * tokens * sequence_len + self.fixed
 
 
-def _site_bytes(linears: list[LinearFacts], width: int, site: str, m: ModelFacts, compiled: bool, mask_bytes: int) -> tuple[int, int]:
+def _site_bytes(
+    linears: list[LinearFacts], width: int, site: str, m: ModelFacts, compiled: bool, mask_bytes: int
+) -> tuple[int, int]:
     """(per-token, fixed) bytes the projections reading one input keep for their backward."""
     c = m.compute_bytes
     lora = [lf for lf in linears if lf.lora_rank]
@@ -56,11 +59,13 @@ def _site_bytes(linears: list[LinearFacts], width: int, site: str, m: ModelFacts
 MLP_SITES = ("mlp_in", "down_in")
 
 
-def layer_bytes(layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str, tiled: bool = False) -> LayerBytes:
+def layer_bytes(
+    layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str, tiled: bool = False
+) -> LayerBytes:
     """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc).
 
     ``tiled``: the MLP is tiled (:mod:`hone.transforms.tiled_mlp`) and keeps only its input; what
-    it holds while one shard is differentiated is :func:`tiled_mlp_transient`."""
+    it holds while one shard is differentiated is :func:`~hone.transforms.memory.terms.tiled_mlp.tiled_mlp_transient`."""
     c = m.compute_bytes
     h, q_width, kv_width = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     # CUDA's fused dropout keeps a bool mask; elsewhere a mask in the dropout input's dtype
@@ -147,3 +152,16 @@ def selective_bytes(layer: LayerFacts, m: ModelFacts, tiled: bool = False) -> La
     elif layer.moe:
         per_token += c * m.top_k * (2 * m.expert_intermediate + m.hidden) + 4 * m.experts
     return LayerBytes(per_token)
+
+
+def step_layer_bytes(step: Step, layer: LayerFacts, m: ModelFacts) -> LayerBytes:
+    """:func:`layer_bytes` of ``layer`` in ``step`` (its compilation, attention, device and MLP tiling)."""
+    return layer_bytes(layer, m, compiled=step.compiled, attention=step.attention, device=step.device, tiled=step.tiled)
+
+
+def outside_layers_bytes(m: ModelFacts, tokens: int) -> int:
+    """What the step keeps outside the decoder layers for the backward: the final norm's float32
+    copy and inverse RMS, the RoPE cos/sin tables every layer reads, and the final norm's input
+    when the norm is trained."""
+    c, h = m.compute_bytes, m.hidden
+    return tokens * (4 * h + 4) + 2 * c * tokens * m.head_dim + (c * tokens * h if m.final_norm_trainable else 0)

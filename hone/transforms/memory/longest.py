@@ -10,10 +10,11 @@ from hone.transforms.memory.knobs import Knobs
 def longest_sequence(cfg: HoneConfig, knobs: Knobs, budget_bytes: int, *, multiple: int = 256, limit: int = 1 << 24) -> int:
     """The longest ``sequence_len`` (a multiple of ``multiple``) of the step ``knobs`` describes
     (their ``sequence_len`` aside) whose estimated peak fits ``budget_bytes`` on the GPU and,
-    when ``knobs.host_budget`` is given, whose host memory (``host_total``) fits that; 0 when not even ``multiple`` tokens fit. Bisection on the
-    estimate, which grows with the sequence (linearly, or quadratically with eager attention;
-    an ``auto`` offload split keeps fewer layers on the host as they grow, so the GPU share
-    grows faster than linearly once the host is full)."""
+    when ``knobs.host_budget`` is given, whose host memory (``host_total``) fits that; 0 when not
+    even ``multiple`` tokens fit. Bisection on the estimate, which grows with the sequence
+    (linearly, or quadratically with eager attention; an ``auto`` offload split keeps fewer
+    layers on the host as they grow, so the GPU share grows faster than linearly once the host is
+    full)."""
 
     def fits(seq: int) -> bool:
         est = estimate_memory(cfg, replace(knobs, sequence_len=seq))

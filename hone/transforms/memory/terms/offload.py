@@ -9,6 +9,7 @@ GPU. ``host_total`` adds the process's own resident memory (:func:`host_process_
 
 from typing import Literal
 
+from hone.transforms.memory.step import Step
 from hone.units import GIB
 
 #: Host memory of a training process that offloads nothing (resident set): the torch/CUDA
@@ -43,7 +44,8 @@ def offload_split(layers: int, input_bytes: int, asked: int | Literal["auto"], h
     """How many layers' inputs the ``offload`` policy moves to the host: ``asked`` when it is a
     count (at most ``layers``); for ``auto`` every layer's when ``host_budget`` (bytes of host
     memory; None: unlimited) holds them, else as many pinned blocks as fit it less
-    :data:`HOST_MARGIN` and the process's own (:func:`host_process_bytes`). The others stay on the GPU."""
+    :data:`HOST_MARGIN` and the process's own (:func:`host_process_bytes`). The others stay on
+    the GPU."""
     if asked != "auto":
         return max(0, min(int(asked), layers))
     block = pinned_block(input_bytes)
@@ -51,3 +53,10 @@ def offload_split(layers: int, input_bytes: int, asked: int | Literal["auto"], h
         return layers
     room = int(host_budget * (1 - HOST_MARGIN)) - host_process_bytes(input_bytes)
     return max(0, min(layers, room // block))
+
+
+def host_bytes(step: Step, offloaded: int) -> tuple[int, int]:
+    """The term: (pinned blocks, the process's host memory with them) of ``step`` when
+    ``offloaded`` layers' inputs are on the host."""
+    pinned = offloaded * pinned_block(step.input_bytes)
+    return pinned, host_process_bytes(step.input_bytes if step.policy == "offload" else 0) + pinned
