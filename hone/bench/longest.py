@@ -129,7 +129,8 @@ def run_by_length(
     return rows
 
 
-def _gib(value: Any) -> str:
+def _one_decimal(value: Any) -> str:
+    """A number of GiB as a table cell (blank when not measured)."""
     return "" if value is None else f"{value:.1f}"
 
 
@@ -176,7 +177,8 @@ def lengths_markdown(spec: BenchSpec, rows: list[dict[str, Any]], env: dict[str,
             share = f"{100 * r['tokens_per_s'] / base:.0f}%" if base else ""
             lines.append(
                 f"| {condition.name} | {r['sequence_len']:,} | ok | {r['median_ms']:.0f} | {r['tokens_per_s']:,.0f} | {share} | "
-                f"{_gib(r.get('peak_alloc_gib'))} | {_gib(r.get('estimated_peak_gib'))} | {_gib(r.get('peak_host_gib'))} |"
+                f"{_one_decimal(r.get('peak_alloc_gib'))} | {_one_decimal(r.get('estimated_peak_gib'))} | "
+                f"{_one_decimal(r.get('peak_host_gib'))} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -94,7 +94,8 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
 def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
     """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
     every bench checks the estimate. A failing estimate must not cost the measurement."""
-    from hone.transforms.estimate import GIB, estimate_for_config
+    from hone.transforms.memory.decide import estimate_for_config
+    from hone.units import GIB
 
     try:
         est = estimate_for_config(cfg, device.type)

@@ -20,22 +20,14 @@ from typing import Any
 from hone.config.memory import choose_auto_policy
 from hone.config.root import HoneConfig
 from hone.transforms.card import device_memory, host_memory
-from hone.transforms.estimate import AUTO_MARGIN as MARGIN
-from hone.transforms.estimate import (
-    GIB,
-    HOST_MARGIN,
-    POLICIES,
-    auto_tiled_shards,
-    TiledDecision,
-    decide_tiled_layers,
-    decide_tiled_mlp,
-    estimate_memory,
-    host_process_bytes,
-    loss_of,
-    model_facts,
-    offload_split,
-    pinned_block,
-)
+from hone.transforms.memory.decide import AUTO_MARGIN as MARGIN
+from hone.transforms.memory.decide import TiledDecision, auto_limit, decide_tiled_layers, decide_tiled_mlp, loss_of
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import POLICIES, Knobs
+from hone.transforms.memory.terms.offload import HOST_MARGIN, host_process_bytes, offload_split, pinned_block
+from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards
+from hone.units import GIB, gib
 
 
 @dataclass(frozen=True)
@@ -56,7 +48,7 @@ def _budget(device: Any, budget: int | None) -> tuple[str, int, str]:
     if budget is None:
         budget, source = device_memory(kind, None)
     else:
-        source = f"a {budget / 2**30:.1f} GiB card"
+        source = f"a {gib(budget)} card"
     return kind, budget, source
 
 
@@ -97,7 +89,7 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
         source = f"{source}, weights sharded over {param_shards} processes"
 
     def peak(p: str, shards: int) -> int:
-        est = estimate_memory(cfg, checkpointing=p, loss=loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards)
+        est = estimate_memory(cfg, Knobs(p, loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards))
         return est.total
 
     fixed_shards = configured if configured is not None else 0
@@ -112,28 +104,19 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
             if any(t <= usable for t in tiled.values()):
                 policy, why = choose_auto_policy(tiled, budget, MARGIN)
                 policy_why = f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards (nothing fits untiled): {why}"
-                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, usable, budget, source))
+                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    tiled = decide_tiled_mlp(
-        cfg, policy if policy in POLICIES else "none", loss, kind, budget, source, host_budget=host_budget, param_shards=param_shards
-    )
+    knobs = Knobs(policy if policy in POLICIES else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
+    tiled = decide_tiled_mlp(cfg, knobs, budget, source)
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
 
-def _tiled_on(untiled: int, tiled: int, shards: int, usable: int, budget: int, source: str) -> str:
+def _tiled_on(untiled: int, tiled: int, shards: int, budget: int, source: str) -> str:
     return (
         f"tiled_mlp: auto: {shards} shards, the MLP's [tokens x intermediate] activations are what does not fit: "
-        f"untiled {_gib(untiled)}, tiled {_gib(tiled)} <= {_limit(usable, budget, source)}"
+        f"untiled {gib(untiled)}, tiled {gib(tiled)} <= {auto_limit(budget, source)[1]}"
     )
-
-
-def _limit(usable: int, budget: int, source: str) -> str:
-    return f"{_gib(usable)} ({source} less a {MARGIN:.0%} margin)"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def auto_checkpointing(
@@ -168,18 +151,19 @@ def tiled_layers_choice(
     """``memory.tiled_layers`` of ``cfg`` under ``policy`` (the checkpointing in force) with the MLP
     in ``tiled_mlp`` shards (the MLP decision), on ``device``: the card and the host default to
     this machine's, as for the other ``auto`` memory settings
-    (:func:`hone.transforms.estimate.decide_tiled_layers`)."""
+    (:func:`hone.transforms.memory.decide.decide_tiled_layers`)."""
     kind, budget, source = _budget(device, budget)
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    return decide_tiled_layers(cfg, policy, loss_of(cfg), kind, budget, source, tiled_mlp=tiled_mlp, host_budget=host_budget, param_shards=param_shards)
+    knobs = Knobs(policy, loss_of(cfg), device=kind, tiled_mlp=tiled_mlp, host_budget=host_budget, param_shards=param_shards)
+    return decide_tiled_layers(cfg, knobs, budget, source)
 
 
 def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None) -> tuple[int | None, str]:
     """``memory.offload_layers`` for a run of ``layers`` decoder layers: (how many layers' inputs
     go to the host, None for all of them; why). ``auto``: all when the host (``host_budget``,
     default this machine's RAM) holds their pinned blocks, else as many as fit it
-    (:func:`hone.transforms.estimate.offload_split`). With a frozen embedding (LoRA) layer 0's
+    (:func:`hone.transforms.memory.terms.offload.offload_split`). With a frozen embedding (LoRA) layer 0's
     input is never offloaded (autograd holds it as a leaf): ``layers - 1`` can be."""
     asked = cfg.memory.offload_layers
     if asked != "auto":

@@ -10,8 +10,7 @@ import os
 import re
 
 from hone.errors import HoneError
-
-GIB = 2**30
+from hone.units import GIB
 
 #: The card assumed when none is named and no CUDA device is visible (an H100/A100 80GB).
 DEFAULT_GPU_MEMORY = 80 * GIB

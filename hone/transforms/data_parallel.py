@@ -6,7 +6,7 @@ Which strategy a run uses (:func:`resolve_strategy`) is decided once, before the
 - ``distributed.strategy: ddp`` / ``fsdp``: as written; ``none`` on several processes is refused
   (:func:`hone.train.distributed.check_launch`);
 - ``auto`` on several processes: FSDP2 when the training state (weights, gradients, AdamW moments,
-  from :mod:`hone.transforms.estimate` on the meta device) does not fit one device, DDP otherwise.
+  from :mod:`hone.transforms.memory` on the meta device) does not fit one device, DDP otherwise.
   Where the estimate cannot be made (an unusual model), DDP, and the plan says so.
 
 DDP here is PyTorch's ``DistributedDataParallel`` around the loop's per-micro-batch module
@@ -76,9 +76,11 @@ def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
     """Weights + gradients + AdamW moments of ``cfg``'s run on one device (meta-device estimate);
     None when the model cannot be built on the meta device."""
     try:
-        from hone.transforms.estimate import estimate_memory, loss_of
+        from hone.transforms.memory.decide import loss_of
+        from hone.transforms.memory.estimate import estimate_memory
+        from hone.transforms.memory.knobs import Knobs
 
-        est = estimate_memory(cfg, checkpointing="full", loss=loss_of(cfg), device=device_type)
+        est = estimate_memory(cfg, Knobs("full", loss_of(cfg), device=device_type))
     except Exception:  # noqa: BLE001 -- any failure to estimate means "unknown", never a refusal
         return None
     return est.weights + est.trainable_state + est.optimizer

@@ -4,14 +4,17 @@ Why: at long context the question is not "does this config fit" but "how far doe
 take me": checkpointing (none/selective/full/offload), the tiled MLP and the fused loss each
 remove a different term that grows with the sequence, and offloading moves the layers' inputs
 to host memory, which is finite too. :func:`longest_table` answers it for every combination
-from the estimate alone (:mod:`hone.transforms.estimate`), so ``hone plan`` prints it without a
+from the estimate alone (:mod:`hone.transforms.memory`), so ``hone plan`` prints it without a
 GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hone.config.root import HoneConfig
-from hone.transforms.estimate import GIB, POLICIES, LossKind, MemoryEstimate, estimate_memory, longest_sequence
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
+from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
+from hone.transforms.memory.longest import longest_sequence
+from hone.units import GIB, gib
 
 #: Granularity of the search: sequences are multiples of this.
 MULTIPLE = 1024
@@ -57,15 +60,17 @@ def longest_table(
             combos.append((policy, True, losses[-1], True))
     rows = []
     for policy, tiled, loss, layers_tiled in combos:
-        extra = {
-            "device": device,
-            "tiled_mlp": "auto" if tiled else 0,
-            "host_budget": host_budget,
-            "param_shards": param_shards,
-            "tiled_layers": "auto" if layers_tiled else 0,
-        }
-        longest = longest_sequence(cfg, policy, loss, budget, multiple=MULTIPLE, limit=LIMIT, **extra)  # type: ignore[arg-type]
-        at = estimate_memory(cfg, checkpointing=policy, loss=loss, sequence_len=longest, **extra) if longest else None  # type: ignore[arg-type]
+        knobs = Knobs(
+            policy,
+            loss,
+            device=device,
+            tiled_mlp="auto" if tiled else 0,
+            host_budget=host_budget,
+            param_shards=param_shards,
+            tiled_layers="auto" if layers_tiled else 0,
+        )
+        longest = longest_sequence(cfg, knobs, budget, multiple=MULTIPLE, limit=LIMIT)
+        at = estimate_memory(cfg, replace(knobs, sequence_len=longest)) if longest else None
         rows.append(LongestRow(policy, tiled, loss, longest, at, layers_tiled))
     return rows
 
@@ -79,7 +84,7 @@ def best_row(rows: list[LongestRow]) -> LongestRow | None:
 def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None, host_source: str) -> list[str]:
     """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory)."""
     host = f"{host_budget / GIB:.0f} GiB host ({host_source})" if host_budget else "unlimited host memory"
-    out = [f"Longest sequence that fits {budget / GIB:.1f} GiB of GPU and {host} (estimate, micro-batch as configured):"]
+    out = [f"Longest sequence that fits {gib(budget)} of GPU and {host} (estimate, micro-batch as configured):"]
     header = ["checkpointing", "tiled MLP", "tiled layers", "loss", "longest", "GPU peak", "host", "layers offloaded"]
     table = []
     for r in rows:
@@ -97,7 +102,10 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
             ]
         )
     widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
-    line = lambda cells: "  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return ("  " + "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))).rstrip()
+
     out += [line(header), "  " + "  ".join("-" * w for w in widths), *(line(x) for x in table)]
     best = best_row(rows)
     if best is not None:

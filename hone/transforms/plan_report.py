@@ -1,28 +1,23 @@
 """What ``hone plan`` prints: the optimizations a config asks for, the estimated memory by
 component under every checkpointing policy against the card, and the longest sequence that fits.
 
-Kept apart from the estimate (:mod:`hone.transforms.estimate`, pure arithmetic) so the planner
+Kept apart from the estimate (:mod:`hone.transforms.memory`, pure arithmetic) so the planner
 can add its transform list (name, switch, on/off, why) to the same report through
 :func:`render_plan` without touching the numbers.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hone.config.root import HoneConfig
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.long_context import LongestRow, longest_table, render_longest
-from hone.transforms.estimate import (
-    GIB,
-    POLICIES,
-    LossKind,
-    MemoryEstimate,
-    checkpointing_of,
-    estimate_memory,
-    longest_sequence,
-    loss_of,
-    model_facts,
-)
+from hone.transforms.memory.decide import checkpointing_of, loss_decision, loss_of
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
+from hone.transforms.memory.longest import longest_sequence
+from hone.units import gib, gib_cell
 
 __all__ = ["DEFAULT_GPU_MEMORY", "PlanInputError", "PlanView", "device_memory", "parse_size", "plan_view", "render_plan"]
 
@@ -99,24 +94,25 @@ def plan_view(
 
     from hone.transforms.auto_policy import auto_shards, decide_memory
     from hone.transforms.card import host_memory
-    from hone.transforms.estimate import loss_decision
 
     if host_budget is None:
         host_budget, host_source = host_memory(None)
-    host = {"host_budget": host_budget, "param_shards": param_shards}
     loss = loss_of(cfg)
-    estimates = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, **host) for p in POLICIES}
-    longest = {p: longest_sequence(cfg, p, loss, budget, device=device, **host) for p in POLICIES}
+    knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES}
+    estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES}
+    longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES}
     # tiled: the configured count, else auto's (also for "off": what tiling would give)
     configured = cfg.memory.tiled_mlp_shards
     shards = configured if configured else auto_shards(cfg)
     per_length: int | str = configured if configured else "auto"
-    tiled = {p: estimate_memory(cfg, checkpointing=p, loss=loss, device=device, tiled_mlp=shards, **host) for p in POLICIES}
-    tiled_longest = {p: longest_sequence(cfg, p, loss, budget, device=device, tiled_mlp=per_length, **host) for p in POLICIES}
-    choice = decide_memory(cfg, device, budget, **host)
+    tiled = {p: estimate_memory(cfg, replace(knobs[p], tiled_mlp=shards)) for p in POLICIES}
+    tiled_longest = {p: longest_sequence(cfg, replace(knobs[p], tiled_mlp=per_length), budget) for p in POLICIES}
+    choice = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     # the fused loss is a column only where it can compute this model's loss exactly
-    fusable = loss == "fused_linear_ce" or loss_decision(cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"loss": "auto"})}))[0] == "fused_linear_ce"
-    long_rows = longest_table(cfg, budget, host_budget, device=device, losses=("standard", "fused_linear_ce") if fusable else ("standard",), param_shards=param_shards)
+    loss_auto = cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"loss": "auto"})})
+    fusable = loss == "fused_linear_ce" or loss_decision(loss_auto)[0] == "fused_linear_ce"
+    losses: tuple[LossKind, ...] = ("standard", "fused_linear_ce") if fusable else ("standard",)
+    long_rows = longest_table(cfg, budget, host_budget, device=device, losses=losses, param_shards=param_shards)
     tiled_line = (f"on, {choice.shards} shards" if choice.shards else "off") + f": {choice.tiled_why}"
     if cfg.memory.checkpointing == "auto":
         tiled_line += f"; checkpointing {choice.policy} ({choice.policy_why})"
@@ -124,7 +120,8 @@ def plan_view(
     est = estimates["none"]
     total = est.frozen_params + est.trainable_params
     model_line = (
-        f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, {format_count(est.trainable_params)} trainable; "
+        f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
+        f"{format_count(est.trainable_params)} trainable; "
         f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}; micro-batch {est.micro_batch} x {est.sequence_len} tokens"
         + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
     )
@@ -150,19 +147,21 @@ def plan_view(
     )
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
-
-
 def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> list[str]:
     """Columns padded to width: the first left-aligned, the rest right-aligned when they hold
     numbers (``numeric``), left-aligned when they hold words."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  " + "  ".join(c.ljust(w) if i == 0 or not numeric else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        padded = (c.ljust(w) if i == 0 or not numeric else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return ("  " + "  ".join(padded)).rstrip()
 
     return [line(header), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def _fits_row(label: str, estimates: dict[str, MemoryEstimate], budget: int) -> list[str]:
+    """Whether each policy's estimate fits the card, and its share of it."""
+    return [label, *(("yes" if e.total <= budget else "NO") + f" ({100 * e.total / budget:.0f}%)" for e in estimates.values())]
 
 
 def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = None) -> str:
@@ -172,7 +171,8 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations], numeric=False)
     if transforms:
         out += ["", "Transforms, in the order the planner applies them:"]
-        out += _table(["", "", "switch", "why"], [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms], numeric=False)
+        lines = [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms]
+        out += _table(["", "", "switch", "why"], lines, numeric=False)
     policies = list(view.estimates)
     marked = [p + (" *" if p == view.chosen else "") for p in policies]
     any_est = next(iter(view.estimates.values()))
@@ -183,33 +183,30 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     ]
     rows = []
     for index, (label, _) in enumerate(any_est.components()):
-        rows.append([label, *(_gib(view.estimates[p].components()[index][1]) for p in policies)])
-    rows.append(["peak (GPU)", *(_gib(view.estimates[p].total) for p in policies)])
+        rows.append([label, *(gib_cell(view.estimates[p].components()[index][1]) for p in policies)])
+    rows.append(["peak (GPU)", *(gib_cell(view.estimates[p].total) for p in policies)])
     rows.append(["  at", *(view.estimates[p].phase for p in policies)])
-    rows.append(["host (pinned)", *(_gib(view.estimates[p].host) for p in policies)])
-    rows.append(["host (process, pinned incl.)", *(_gib(view.estimates[p].host_total) for p in policies)])
+    rows.append(["host (pinned)", *(gib_cell(view.estimates[p].host) for p in policies)])
+    rows.append(["host (process, pinned incl.)", *(gib_cell(view.estimates[p].host_total) for p in policies)])
     if "offload" in view.estimates:
         off = view.estimates["offload"]
         rows.append(["layers offloaded", *(f"{off.offloaded_layers}/{off.layers}" if p == "offload" else "-" for p in policies)])
-    rows.append(["activations per layer", *(_gib(view.estimates[p].activations_per_layer) for p in policies)])
+    rows.append(["activations per layer", *(gib_cell(view.estimates[p].activations_per_layer) for p in policies)])
     budget = view.budget
-    rows.append(
-        [f"fits {budget / GIB:.1f} GiB", *(("yes" if view.estimates[p].total <= budget else "NO") + f" ({100 * view.estimates[p].total / budget:.0f}%)" for p in policies)]
-    )
+    rows.append(_fits_row(f"fits {gib(budget)}", view.estimates, budget))
     rows.append(["longest sequence that fits", *(f"{view.longest[p]:,}" if view.longest[p] else "none" for p in policies)])
     if view.tiled:
         shards = next(iter(view.tiled.values())).tiled_mlp
-        rows.append([f"tiled MLP ({shards} shards): activations", *(_gib(view.tiled[p].activations) for p in policies)])
-        rows.append(["  peak (GPU)", *(_gib(view.tiled[p].total) for p in policies)])
-        rows.append(
-            [f"  fits {budget / GIB:.1f} GiB", *(("yes" if view.tiled[p].total <= budget else "NO") + f" ({100 * view.tiled[p].total / budget:.0f}%)" for p in policies)]
-        )
+        rows.append([f"tiled MLP ({shards} shards): activations", *(gib_cell(view.tiled[p].activations) for p in policies)])
+        rows.append(["  peak (GPU)", *(gib_cell(view.tiled[p].total) for p in policies)])
+        rows.append(_fits_row(f"  fits {gib(budget)}", view.tiled, budget))
     if view.tiled_longest:
-        rows.append(["  longest sequence that fits", *(f"{view.tiled_longest[p]:,}" if view.tiled_longest[p] else "none" for p in policies)])
+        longest_tiled = (f"{view.tiled_longest[p]:,}" if view.tiled_longest[p] else "none" for p in policies)
+        rows.append(["  longest sequence that fits", *longest_tiled])
     out += _table(["component", *marked], rows)
     if view.tiled_line:
         out.append(f"  tiled MLP: {view.tiled_line}")
-    out.append(f"  card: {budget / GIB:.1f} GiB ({view.budget_source}); device {view.device}")
+    out.append(f"  card: {gib(budget)} ({view.budget_source}); device {view.device}")
     longest = max(view.longest.values())
     if view.max_positions and longest > view.max_positions:
         out.append(f"  note: the model's max_position_embeddings is {view.max_positions:,}; longer sequences need RoPE scaling")
@@ -217,10 +214,15 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     effective = view.tiled if view.tiled_on and view.tiled else view.estimates
     if view.chosen == "auto":
         fitting = [p for p in policies if effective[p].total <= budget]
-        out.append(f"  checkpointing auto: fits under {', '.join(fitting) if fitting else 'no policy'} (the planner picks the fastest with a margin)")
+        fits = ", ".join(fitting) if fitting else "no policy"
+        out.append(f"  checkpointing auto: fits under {fits} (the planner picks the fastest with a margin)")
     elif view.chosen in effective and effective[view.chosen].total > budget:
         fitting = [p for p in policies if effective[p].total <= budget]
-        hint = f"; fits with: {', '.join(fitting)}" if fitting else "; no policy fits: shorten data.sequence_len or training.micro_batch_size"
+        hint = (
+            f"; fits with: {', '.join(fitting)}"
+            if fitting
+            else "; no policy fits: shorten data.sequence_len or training.micro_batch_size"
+        )
         out.append(f"  warning: checkpointing '{view.chosen}' does not fit this card{hint}")
     notes = sorted({n for e in view.estimates.values() for n in e.notes})
     out += [f"  note: {n}" for n in notes]

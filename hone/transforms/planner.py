@@ -242,7 +242,7 @@ def _loss(model: nn.Module, cfg: HoneConfig, facts: RunFacts):
 
 
 def _loss_why(cfg: HoneConfig, facts: RunFacts) -> str:
-    from hone.transforms.estimate import loss_decision
+    from hone.transforms.memory.decide import loss_decision
 
     kind, why = loss_decision(cfg)
     return f"{kind} ({why})"
@@ -418,10 +418,10 @@ def _layers_attend_otherwise(cfg: HoneConfig) -> str | None:
     hooks), read from its config; None when they can or the config cannot be read here (the
     transform then says why when it applies)."""
     from hone.models.attention.setup import causal_blockers
-    from hone.transforms.estimate import _transformers_config
+    from hone.transforms.memory.facts import transformers_config
 
     try:
-        config = _transformers_config(cfg.model)
+        config = transformers_config(cfg.model)
     except Exception:  # noqa: BLE001 -- a reason line never fails the plan
         return None
     blockers = list(causal_blockers(config))

@@ -323,12 +323,13 @@ def _plan_cfg(tiled, seq: int = 2048, policy: str = "none", intermediate: int | 
 
 
 def test_auto_tiles_only_when_the_mlp_is_what_does_not_fit():
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
+    from hone.transforms.memory.knobs import Knobs
     from hone.transforms.planner import decisions, plan_optimizations
 
     cfg = _plan_cfg("auto")
-    untiled = estimate_memory(cfg, checkpointing="none", loss="fused_linear_ce", device="cpu").total
-    tiled = estimate_memory(cfg, checkpointing="none", loss="fused_linear_ce", device="cpu", tiled_mlp="auto").total
+    untiled = estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", device="cpu")).total
+    tiled = estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total
     assert tiled < untiled
     cpu = torch.device("cpu")
 
@@ -352,11 +353,12 @@ def test_checkpointing_auto_tiles_when_no_policy_fits_untiled():
     """A wide MLP (8192) at 4K tokens: no policy fits untiled, but the fastest does tiled; the
     plan is that policy with the MLP tiled."""
     from hone.transforms.auto_policy import decide_memory
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
+    from hone.transforms.memory.knobs import Knobs
 
     cfg = _plan_cfg("auto", seq=4096, policy="auto", intermediate=8192)
-    untiled = {p: estimate_memory(cfg, checkpointing=p, loss="fused_linear_ce", device="cpu").total for p in ("none", "selective", "full")}
-    tiled = {p: estimate_memory(cfg, checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto").total for p in untiled}
+    untiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
+    tiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total for p in untiled}
     budget = int((min(untiled.values()) + tiled["none"]) / 2 / 0.9)
     assert tiled["none"] < 0.9 * budget < min(untiled.values())
     choice = decide_memory(cfg, "cpu", budget)
@@ -440,7 +442,8 @@ def _saved_bytes_of_tiled_layer(cfg, layer_index: int = 1) -> int:
 
 @pytest.mark.parametrize("case", list(ESTIMATE_CASES))
 def test_tiled_layer_formula_matches_what_autograd_saves(case):
-    from hone.transforms.estimate import layer_bytes, model_facts
+    from hone.transforms.memory.facts import model_facts
+    from hone.transforms.memory.layers import layer_bytes
 
     preset, dtype, adapter = ESTIMATE_CASES[case]
     cfg = parse_config(
@@ -461,7 +464,7 @@ def test_tiled_layer_formula_matches_what_autograd_saves(case):
 def test_the_estimate_of_the_config_follows_its_tiling():
     """The bench records ``estimate_for_config`` beside each measured peak: it must estimate
     the tiling the run applies (a shard count as written, ``auto`` as the planner decides)."""
-    from hone.transforms.estimate import estimate_for_config
+    from hone.transforms.memory.decide import estimate_for_config
 
     assert estimate_for_config(_plan_cfg(3), "cpu").tiled_mlp == 3
     assert estimate_for_config(_plan_cfg("off"), "cpu").tiled_mlp == 0

@@ -9,14 +9,13 @@ import torch
 from hone.config import parse_config
 from hone.models.loader import load_model
 from hone.models.tokenizer import load_tokenizer
-from hone.transforms.estimate import (
-    GIB,
-    estimate_memory,
-    fused_chunk_tokens,
-    layer_bytes,
-    longest_sequence,
-    model_facts,
-)
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import Knobs
+from hone.transforms.memory.layers import layer_bytes
+from hone.transforms.memory.longest import longest_sequence
+from hone.transforms.memory.terms.loss import fused_chunk_tokens
+from hone.units import GIB
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL7 = [*QKVO, "gate_proj", "up_proj", "down_proj"]
@@ -134,7 +133,7 @@ MEASURED = [
 def test_estimate_within_ten_percent_of_measured_peaks(row):
     preset, seq, mbs, targets, policy, compiled, measured = row
     cfg = _cfg(preset, adapter={"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": targets}, seq=seq, mbs=mbs)
-    est = estimate_memory(cfg, checkpointing=policy, loss="standard", compiled=compiled)
+    est = estimate_memory(cfg, Knobs(checkpointing=policy, loss="standard", compiled=compiled))
     assert est.total / GIB == pytest.approx(measured, rel=0.10)
     assert sum(b for _, b in est.components()) == est.total
 
@@ -156,7 +155,7 @@ MEASURED_FUSED = [
 def test_fused_loss_estimate_within_ten_percent_of_measured_peaks(row):
     preset, seq, mbs, targets, policy, measured = row
     cfg = _cfg(preset, adapter={"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": targets}, seq=seq, mbs=mbs)
-    est = estimate_memory(cfg, checkpointing=policy, loss="fused_linear_ce", compiled=True)
+    est = estimate_memory(cfg, Knobs(checkpointing=policy, loss="fused_linear_ce", compiled=True))
     assert est.total / GIB == pytest.approx(measured, rel=0.10)
 
 
@@ -171,7 +170,7 @@ def test_parameter_counts_are_exact():
 
 def test_full_finetune_counts_gradients_and_optimizer_in_the_weight_dtype():
     cfg = _cfg("qwen3-8b", adapter={"type": "none"})
-    est = estimate_memory(cfg, checkpointing="full", loss="standard")
+    est = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard"))
     facts = model_facts(cfg)
     assert facts.frozen_params == 0
     assert est.optimizer == 2 * 2 * facts.trainable_params  # two bf16 moments
@@ -181,7 +180,7 @@ def test_full_finetune_counts_gradients_and_optimizer_in_the_weight_dtype():
 
 def test_policies_order_and_offload_uses_the_host():
     cfg = _cfg("qwen3-8b", seq=8192)
-    est = {p: estimate_memory(cfg, checkpointing=p, loss="standard") for p in ("none", "selective", "full", "offload")}
+    est = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="standard")) for p in ("none", "selective", "full", "offload")}
     assert est["none"].total > est["selective"].total > est["full"].total > est["offload"].total
     # layer 0's input is a leaf under LoRA (autograd keeps it): the other 35 go to the host
     assert est["offload"].host == 35 * 2 * 8192 * 4096 and est["offload"].offloaded_layers == 35
@@ -190,15 +189,15 @@ def test_policies_order_and_offload_uses_the_host():
 
 def test_fused_loss_holds_one_chunk():
     cfg = _cfg("qwen3-8b", seq=16384)
-    standard = estimate_memory(cfg, checkpointing="full", loss="standard")
-    fused = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    standard = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard"))
+    fused = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
     assert fused.loss < standard.loss / 8
     from hone.kernels.cross_entropy import default_chunk_tokens
 
     for tokens, vocab in ((16384, 151_936), (100, 151_936), (1 << 20, 1 << 20)):
         assert fused_chunk_tokens(tokens, vocab) == default_chunk_tokens(tokens, vocab)  # the kernel's own chunk
     chunk = fused_chunk_tokens(16384, 151_936)
-    from hone.transforms.estimate import loss_bytes
+    from hone.transforms.memory.terms.loss import loss_bytes
 
     facts = model_facts(cfg)
     on_cuda, on_cpu = (loss_bytes(facts, 16384, "fused_linear_ce", device) for device in ("cuda", "cpu"))
@@ -206,20 +205,20 @@ def test_fused_loss_holds_one_chunk():
 
 
 def test_gradient_accumulation_keeps_gradients_through_the_loss():
-    one = estimate_memory(_cfg("qwen3-8b"), checkpointing="none", loss="standard")
-    accumulating = estimate_memory(_cfg("qwen3-8b", training__gradient_accumulation_steps=4), checkpointing="none", loss="standard")
+    one = estimate_memory(_cfg("qwen3-8b"), Knobs(checkpointing="none", loss="standard"))
+    accumulating = estimate_memory(_cfg("qwen3-8b", training__gradient_accumulation_steps=4), Knobs(checkpointing="none", loss="standard"))
     assert accumulating.trainable_state > one.trainable_state == 0
 
 
 def test_longest_sequence_is_the_largest_that_fits():
     cfg = _cfg("qwen3-8b")
     budget = 80 * GIB
-    seq = longest_sequence(cfg, "full", "standard", budget)
-    fits = estimate_memory(cfg, checkpointing="full", loss="standard", sequence_len=seq)
-    too_long = estimate_memory(cfg, checkpointing="full", loss="standard", sequence_len=seq + 256)
+    seq = longest_sequence(cfg, Knobs("full", "standard"), budget)
+    fits = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard", sequence_len=seq))
+    too_long = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard", sequence_len=seq + 256))
     assert fits.total <= budget < too_long.total
-    assert longest_sequence(cfg, "full", "fused_linear_ce", budget) > seq
-    assert longest_sequence(cfg, "full", "standard", 10 * GIB) == 0  # the weights alone do not fit
+    assert longest_sequence(cfg, Knobs("full", "fused_linear_ce"), budget) > seq
+    assert longest_sequence(cfg, Knobs("full", "standard"), 10 * GIB) == 0  # the weights alone do not fit
 
 
 def test_model_directory_config_needs_no_weights(tmp_path):
@@ -228,7 +227,7 @@ def test_model_directory_config_needs_no_weights(tmp_path):
     build_preset_config("llama3-8b", {"num_hidden_layers": 2}, None).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     cfg = parse_config({"model": {"path": str(tmp_path)}, "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}]}})
-    est = estimate_memory(cfg, checkpointing="full", loss="standard")
+    est = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard"))
     h, kv, inter, vocab = 4096, 1024, 14_336, 128_256
     layer = h * (h + kv + kv + h) + 3 * h * inter + 2 * h
     assert est.frozen_params == 2 * vocab * h + 2 * layer + h
@@ -236,7 +235,7 @@ def test_model_directory_config_needs_no_weights(tmp_path):
 
 def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
 
-    from hone.transforms.estimate import checkpointing_of, estimate_for_config, loss_of
+    from hone.transforms.memory.decide import checkpointing_of, estimate_for_config, loss_of
 
     cfg = _cfg("tiny-llama", memory__gradient_checkpointing=True)
     assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "fused_linear_ce"  # auto: a plain head
@@ -269,7 +268,7 @@ def test_selective_under_inductor_estimate_within_ten_percent_of_measured_peaks(
         memory__selective_memory_budget=budget,
         performance__torch_compile=True,
     )
-    est = estimate_memory(cfg, checkpointing="selective", loss="fused_linear_ce", compiled=True)
+    est = estimate_memory(cfg, Knobs(checkpointing="selective", loss="fused_linear_ce", compiled=True))
     assert est.total / GIB == pytest.approx(measured, rel=0.10)
 
 
@@ -278,12 +277,12 @@ def test_fp8_lora_base_counts_two_float8_copies_of_each_wrapped_weight(small):
     """Against the built model: the float8 copies the fp8 transform keeps (two uint8 buffers a
     converted weight) are what the estimate adds to the weights; with small linears kept in bf16
     (every layer of this tiny model is small) there are none."""
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
     from hone.transforms.fp8 import convert_frozen_base
 
     cfg = _cfg("tiny-llama", performance__fp8="rowwise", performance__fp8_small_linears=small)
-    plain = estimate_memory(_cfg("tiny-llama"), checkpointing="full", loss="standard", device="cpu")
-    fp8 = estimate_memory(cfg, checkpointing="full", loss="standard", device="cpu")
+    plain = estimate_memory(_cfg("tiny-llama"), Knobs(checkpointing="full", loss="standard", device="cpu"))
+    fp8 = estimate_memory(cfg, Knobs(checkpointing="full", loss="standard", device="cpu"))
     model = load_model(cfg, load_tokenizer(cfg.model), "cpu").model
     details = convert_frozen_base(model, "rowwise", small=small)
     buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if b.dtype == torch.uint8)

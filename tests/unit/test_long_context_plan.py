@@ -6,19 +6,13 @@ import pytest
 
 from hone.config import parse_config
 from hone.transforms.auto_policy import decide_memory, offload_layers_choice
-from hone.transforms.estimate import (
-    GIB,
-    HOST_BASE_BYTES,
-    HOST_MARGIN,
-    host_process_bytes,
-    auto_layer_chunks,
-    estimate_memory,
-    longest_sequence,
-    model_facts,
-    offload_split,
-    pinned_block,
-    tiled_layer_state_bytes,
-)
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import Knobs
+from hone.transforms.memory.longest import longest_sequence
+from hone.transforms.memory.terms.offload import HOST_BASE_BYTES, HOST_MARGIN, host_process_bytes, offload_split, pinned_block
+from hone.transforms.memory.terms.tiled_layers import auto_layer_chunks, tiled_layer_state_bytes
+from hone.units import GIB
 from hone.transforms.long_context import best_row, longest_table, render_longest
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -56,17 +50,17 @@ def test_offload_split_keeps_what_the_host_cannot_hold():
 def test_a_split_moves_memory_from_the_host_to_the_gpu():
     cfg = _cfg(seq=8192, layers=6)
     # asking for all 6: under LoRA layer 0's input is a leaf autograd keeps, 5 can move
-    est = {k: estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", offload_layers=k) for k in (0, 3, 6)}
+    est = {k: estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", offload_layers=k)) for k in (0, 3, 6)}
     one_input = 2 * 8192 * 64  # bf16 x tokens x hidden of tiny-llama
     assert [e.offloaded_layers for e in est.values()] == [0, 3, 5]
     assert [e.host for e in est.values()] == [0, 3 * pinned_block(one_input), 5 * pinned_block(one_input)]
     assert all(e.host_total == host_process_bytes(one_input) + e.host for e in est.values())
     # the kept layers' inputs are on the GPU (two more while the offloaded ones come back)
     assert est[0].activations > est[3].activations >= est[6].activations
-    full = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
+    full = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
     assert est[0].total == full.total and full.host == 0  # nothing offloaded is full
     # the config's key is the default
-    assert estimate_memory(_cfg(seq=8192, offload_layers=2), checkpointing="offload", loss="fused_linear_ce").offloaded_layers == 2
+    assert estimate_memory(_cfg(seq=8192, offload_layers=2), Knobs(checkpointing="offload", loss="fused_linear_ce")).offloaded_layers == 2
 
 
 def test_auto_split_follows_the_host_budget():
@@ -74,7 +68,7 @@ def test_auto_split_follows_the_host_budget():
     block = pinned_block(2 * 8192 * 64)
     host = host_process_bytes(2 * 8192 * 64) + 3 * block
     want = offload_split(3, block, "auto", host)  # layer 0's input stays (LoRA)
-    est = estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", host_budget=host)
+    est = estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", host_budget=host))
     assert est.offloaded_layers == want < 3
     layers, why = offload_layers_choice(cfg, 4, host)
     assert layers == want and "on the GPU" in why
@@ -85,36 +79,36 @@ def test_auto_split_follows_the_host_budget():
 
 def test_fsdp_shards_the_weights_and_leaves_room_for_activations():
     cfg = _cfg("qwen3-8b", seq=65536)
-    one = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
-    four = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=4)
+    one = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
+    four = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce", param_shards=4))
     assert four.weights < one.weights / 3 and four.param_shards == 4
     assert four.activations == one.activations
     with pytest.raises(ValueError, match="param_shards"):
-        estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=0)
+        estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce", param_shards=0))
 
 
 def test_tiled_auto_accounts_for_fsdp_sharding():
     """A card too small for the weights and the MLP's activations: one process tiles; with the
     weights sharded over 8 processes the same run fits untiled."""
     cfg = _cfg("qwen3-8b", seq=65536, activation_checkpointing="full")
-    est = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce")
-    tiled = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", tiled_mlp="auto")
+    est = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
+    tiled = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce", tiled_mlp="auto"))
     assert tiled.total < est.total
     # a budget that the tiled run fits, the untiled not, on one process
     budget = int((tiled.total + est.total) / 2 / 0.9)
     assert decide_memory(cfg, "cuda", budget, host_budget=256 * GIB).shards > 0
-    sharded = estimate_memory(cfg, checkpointing="full", loss="fused_linear_ce", param_shards=8)
+    sharded = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce", param_shards=8))
     assert sharded.total <= budget * 0.9
     assert decide_memory(cfg, "cuda", budget, host_budget=256 * GIB, param_shards=8).shards == 0
 
 
 def test_longest_sequence_respects_the_host():
     cfg = _cfg("qwen3-8b", seq=4096)
-    unlimited = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto")
-    host = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto", host_budget=128 * GIB)
-    all_offloaded = longest_sequence(cfg, "offload", "fused_linear_ce", 80 * GIB, multiple=4096, tiled_mlp="auto", host_budget=128 * GIB, offload_layers=36)
+    unlimited = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto"), 80 * GIB, multiple=4096)
+    host = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB), 80 * GIB, multiple=4096)
+    all_offloaded = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB, offload_layers=36), 80 * GIB, multiple=4096)
     assert unlimited > host > all_offloaded > 0
-    at = estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", sequence_len=host, tiled_mlp="auto", host_budget=128 * GIB)
+    at = estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", sequence_len=host, tiled_mlp="auto", host_budget=128 * GIB))
     assert at.total <= 80 * GIB and at.host_total <= 128 * GIB and at.offloaded_layers < 36
 
 
@@ -160,7 +154,7 @@ def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
 
 def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
     cfg = _cfg("qwen3-8b", seq=524288)
-    est = {k: estimate_memory(cfg, checkpointing="offload", loss="fused_linear_ce", tiled_mlp="auto", tiled_layers=k, host_budget=128 * GIB) for k in (0, 4, 16, "auto")}
+    est = {k: estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", tiled_mlp="auto", tiled_layers=k, host_budget=128 * GIB)) for k in (0, 4, 16, "auto")}
     assert est[0].tiled_layers == 0 and est[4].tiled_layers == 4 and est["auto"].tiled_layers == auto_layer_chunks(524288) == 16
     assert est[0].recompute > est[4].recompute > est[16].recompute > tiled_layer_state_bytes(model_facts(cfg), 524288)
     assert est[16].total < est[4].total < est[0].total
@@ -170,7 +164,7 @@ def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
     assert tiled_layer_state_bytes(model_facts(cfg), 1000) == 1000 * 2 * kv * (2 + 4 + 2 + 5 * 2)
     # a tiled layer is a checkpoint: other policies are estimated whole
     for policy in ("none", "selective"):
-        assert estimate_memory(cfg, checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096).tiled_layers == 0
+        assert estimate_memory(cfg, Knobs(checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096)).tiled_layers == 0
 
 
 def _tiled_layers_decision(cfg, card_gib: float):

@@ -7,7 +7,7 @@ import pytest
 
 from hone.cli import build_parser, main
 from hone.errors import HoneError
-from hone.transforms.estimate import GIB
+from hone.units import GIB
 from hone.transforms.plan_report import DEFAULT_GPU_MEMORY, device_memory, parse_size, plan_view, render_plan
 
 ROOT = Path(__file__).resolve().parents[2]

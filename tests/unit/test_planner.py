@@ -228,12 +228,13 @@ def test_watch_registers_with_dynamo_and_unregisters():
 
 
 def test_checkpointing_auto_picks_the_fastest_policy_that_fits_the_card_and_says_why():
-    from hone.transforms.estimate import estimate_memory
+    from hone.transforms.memory.estimate import estimate_memory
+    from hone.transforms.memory.knobs import Knobs
 
     config = parse_config(
         {"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}, "data": {**_RAW["data"], "sequence_len": 8192}, "memory": {"activation_checkpointing": "auto"}}
     )  # an 8B config: planned on the meta device, nothing allocated
-    est = {p: estimate_memory(config, checkpointing=p, loss="fused_linear_ce", device="cpu").total for p in ("none", "selective", "full")}
+    est = {p: estimate_memory(config, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
     assert est["full"] < est["none"]
     roomy = plan_optimizations(config, RunFacts(torch.device("cpu"), memory_bytes=10 * est["none"]))
     assert "activation_checkpointing" not in roomy.names  # auto chose none: nothing to apply

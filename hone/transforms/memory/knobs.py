@@ -1,0 +1,39 @@
+"""What an estimate is asked about beside the config: the checkpointing policy, the loss, and the
+step's shape and memory switches as the caller wants them estimated (one object, so a variant is
+``dataclasses.replace(knobs, tiled_mlp="auto")`` rather than eleven keyword arguments passed on)."""
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Literal
+
+Checkpointing = Literal["none", "full", "selective", "offload"]
+LossKind = Literal["standard", "fused_linear_ce"]
+#: From the fastest step to the leanest.
+POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One step to estimate. ``None`` means "as the config says"."""
+
+    checkpointing: str
+    """``none``/``full``/``selective``/``offload``."""
+    loss: LossKind
+    _: KW_ONLY
+    sequence_len: int | None = None
+    """Default: ``data.sequence_len``."""
+    micro_batch: int | None = None
+    """Default: ``training.micro_batch_size``."""
+    compiled: bool | None = None
+    """Default: whether the config compiles on ``device`` (``torch_compile: auto`` compiles on CUDA)."""
+    device: str = "cuda"
+    tiled_mlp: int | Literal["auto"] = 0
+    """The MLP in that many shards (0: untiled; ``auto``: :func:`.terms.tiled_mlp.auto_tiled_shards` of the tokens)."""
+    offload_layers: int | Literal["auto"] | None = None
+    """``offload``: the host/GPU split (default ``memory.offload_layers``; ``auto``: decided on ``host_budget``)."""
+    host_budget: int | None = None
+    """Bytes of host memory an ``auto`` offload split is decided on (None: unlimited)."""
+    param_shards: int = 1
+    """Processes FSDP shards the weights, gradients and optimizer state over."""
+    tiled_layers: int | Literal["auto"] = 0
+    """``full``/``offload``: each layer in that many chunks of the sequence (``auto``:
+    :func:`.terms.tiled_layers.auto_layer_chunks`; 0: whole)."""
