@@ -20,6 +20,7 @@ import torch
 from hone.atomic import atomic_write_text
 from hone.bench.flops import mfu
 from hone.bench.spec import BenchSpec, Condition, Workload
+from hone.units import GIB
 
 
 def random_batches(workload: Workload, count: int, vocab_size: int, seed: int, device: torch.device) -> list[torch.Tensor]:
@@ -95,7 +96,6 @@ def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
     """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
     every bench checks the estimate. A failing estimate must not cost the measurement."""
     from hone.transforms.memory.decide import estimate_for_config
-    from hone.units import GIB
 
     try:
         est = estimate_for_config(cfg, device.type)
@@ -227,8 +227,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["compile"] = compile_stats
     row["peak_host_gib"] = peak_host_gib()
     if device.type == "cuda":
-        row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
         row["device"] = torch.cuda.get_device_name()
     else:
         row["peak_alloc_gib"] = row["peak_reserved_gib"] = None
