@@ -149,7 +149,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
 
         run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
-        from hone.train.allocator import configure_allocator
+        from hone.transforms.allocator import configure_allocator
         from hone.train.run import run_training
 
         with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:

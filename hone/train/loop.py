@@ -285,7 +285,7 @@ def train_loop(
     notes: list[str] = []
     if resume_from is not None:
         saved = checkpoints.load(
-            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=hooks.state_dict
+            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=()
         )
         counters = _Counters(
             step=saved["step"],
@@ -347,7 +347,7 @@ def train_loop(
             scaler=scaler,
             state=checkpoint_state(),
             keep=t.save_total_limit,
-            state_dict_hooks=hooks.state_dict,
+            state_dict_hooks=(),
         )
 
     def run_eval() -> None:

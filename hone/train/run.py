@@ -35,7 +35,7 @@ from hone.track.report import format_report
 from hone.track.tracker import TENSORBOARD_DIR
 from hone.track.trackers import abandon_trackers, start_trackers
 from hone.train.checkpoint import CHECKPOINTS_DIR, resolve_resume
-from hone.train.allocator import configure_allocator
+from hone.transforms.allocator import configure_allocator
 from hone.train.device import resolve_device
 from hone.train.distributed import World, check_launch, close_world, device_of, init_world, together, world_from_env
 from hone.train.loop import LoopResult, StepMetrics, train_loop

@@ -11,6 +11,10 @@ logits ever exist; its value and gradients equal the standard loss within float 
 It applies to models whose logits are the plain output projection; models that scale or
 soft-cap their logits (Gemma 2, Cohere, Granite) keep the standard loss (``auto``), or are
 refused with ``performance.loss: fused_linear_ce``.
+
+As a transform (:data:`LOSS`) it changes no module: it supplies the run's loss function once the
+model is ready. It sits before compile in the plan, so a compiled run compiles the standard loss
+along with the layers.
 """
 
 from typing import Any
@@ -22,7 +26,8 @@ from hone.config.root import HoneConfig
 from hone.train.collate import IGNORE_INDEX
 from hone.errors import HoneError
 from hone.train.loss import causal_lm_parts, logit_postprocess, standard_loss
-from hone.transforms.base import LossFn, RunFacts
+from hone.transforms.base import LossFn, PlanContext, RunFacts, Transform
+from hone.transforms.model_config import transformers_config
 
 
 def fused_linear_ce_loss() -> LossFn:
@@ -93,3 +98,24 @@ def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[Loss
     if compiled:
         loss_fn = torch.compile(loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None)
     return loss_fn, {"loss": kind, "why": why, "compiled": compiled}
+
+
+def planned_loss(cfg: HoneConfig) -> tuple[str, str]:
+    """(the loss the run will use, why), by :func:`decide_loss` with what the model's config
+    shows before it loads (a bias on the head is only known once it has)."""
+    return decide_loss(cfg.performance.loss, fused_loss_blockers(transformers_config(cfg.model), None))
+
+
+def _why(ctx: PlanContext) -> str:
+    kind, why = planned_loss(ctx.cfg)
+    return f"{kind} ({why})"
+
+
+LOSS = Transform(
+    name="loss",
+    switch="performance.loss",
+    wanted=lambda ctx: True,
+    why=_why,
+    loss=lambda model, ctx: build_loss(ctx.cfg, ctx.facts, model),
+    label=lambda d: f"loss ({d['loss']})",
+)

@@ -7,7 +7,7 @@ import pytest
 
 from hone.config.loader import parse_config
 from hone.config.errors import ConfigError
-from hone.train.allocator import ALLOC_ENV, LONG_CONTEXT_TOKENS, SETTING, allocator_choice, configure_allocator
+from hone.transforms.allocator import ALLOC_ENV, LONG_CONTEXT_TOKENS, SETTING, allocator_choice, configure_allocator
 
 
 def _cfg(seq: int = 2048, mbs: int = 1, **memory):

@@ -13,12 +13,11 @@ from hone.config.performance import PerformanceConfig
 from hone.models.adapters import apply_adapter
 from hone.testing import tiny_model
 from hone.transforms.compile import compile_regional, decoder_layers
+from hone.transforms.base import RunFacts, Transform
 from hone.transforms.planner import (
     OPTIMIZATIONS_FILE,
     TRANSFORMS,
     PlanError,
-    RunFacts,
-    Transform,
     plan_optimizations,
     write_record,
 )
@@ -83,8 +82,8 @@ def _transform(name, log, conflicts=(), stage="adapted"):
     return Transform(
         name=name,
         switch=f"performance.{name}",
-        wanted=lambda c, f: True,
-        model=lambda model, c, f: log.append(name) or {"n": len(log)},
+        wanted=lambda ctx: True,
+        model=lambda model, ctx: log.append(name) or {"n": len(log)},
         conflicts=conflicts,
         stage=stage,
     )
@@ -114,8 +113,8 @@ def test_hooks_collect_step_contexts_and_after_step_actions_in_plan_order(tokeni
         events.append(f"exit {tag}")
 
     extra = (
-        Transform("a", "x.a", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
-        Transform("b", "x.b", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("b", b)),
+        Transform("a", "x.a", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
+        Transform("b", "x.b", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("b", b)),
     )
     plan = plan_optimizations(cfg(), CPU, TRANSFORMS + extra)
     hooks = plan.hooks(tiny_model("tiny-llama", tokenizer), cfg(), CPU)
