@@ -332,17 +332,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from hone.transforms.base import RunFacts
+    from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
 
     from hone.runtime.world import World
 
     processes = args.nproc_per_node or 1
     facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)
-    from hone.transforms.planner import param_shards
-
     for title, cfg in configs:
-        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, param_shards(cfg, facts))
-        print(render_plan(view, transforms=decisions(cfg, facts)), flush=True)
+        decided = decide(cfg, facts)
+        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided.param_shards)
+        print(render_plan(view, transforms=decisions(cfg, facts, decided=decided)), flush=True)
     return 0
 
 

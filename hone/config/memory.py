@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, SerializationInfo, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from hone.config.base import Section
+from hone.units import gib
 
 #: A concrete activation-checkpointing policy: what each decoder layer keeps for the backward.
 #: This module is the one place the vocabulary is defined; the planner, the memory estimate and
@@ -219,16 +220,12 @@ def choose_auto_policy(estimates: dict[str, int], budget_bytes: int, margin: flo
     if unknown or not known:
         raise ValueError(f"estimates must name some of {', '.join(POLICIES_BY_SPEED)}; got {sorted(estimates)}")
     usable = int(budget_bytes * (1 - margin))
-    limit = f"{_gib(usable)} ({_gib(budget_bytes)} less a {margin:.0%} margin)"
+    limit = f"{gib(usable)} ({gib(budget_bytes)} less a {margin:.0%} margin)"
     for i, policy in enumerate(known):
         if estimates[policy] <= usable:
-            faster = [f"{p} needs {_gib(estimates[p])}" for p in known[:i]]
+            faster = [f"{p} needs {gib(estimates[p])}" for p in known[:i]]
             why = f"; {', '.join(faster)}" if faster else ""
-            return policy, f"{policy}: the fastest policy that fits, estimated peak {_gib(estimates[policy])} <= {limit}{why}"
+            return policy, f"{policy}: the fastest policy that fits, estimated peak {gib(estimates[policy])} <= {limit}{why}"
     smallest = min(known, key=lambda p: estimates[p])
-    every = ", ".join(f"{p} {_gib(estimates[p])}" for p in known)
+    every = ", ".join(f"{p} {gib(estimates[p])}" for p in known)
     return smallest, f"{smallest}: no policy fits {limit} ({every}); {smallest} needs the least"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from hone.atomic import atomic_write_text
-from hone.run_files import METRICS_FILE
 
 
 def clean_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from hone.atomic import atomic_write_with
-from hone.run_files import PLOT_FILE
 
 
 def plot_losses(rows: list[dict[str, Any]], target: Path, *, title: str | None = None) -> Path:

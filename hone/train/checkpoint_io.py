@@ -12,7 +12,6 @@ The data position in ``trainer_state.json`` is global (see :mod:`hone.train.batc
 checkpoint resumes on any number of processes.
 """
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +23,6 @@ from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
     from hone.config.adapter import AdapterConfig
-    from hone.runtime.checkpoints import StateDictHooks
     from hone.transforms.base import RunHooks
 
 
@@ -42,7 +40,6 @@ class CheckpointIO(Protocol):
         state: dict[str, Any],
         scaler: torch.amp.GradScaler | None,
         keep: int | None,
-        state_dict_hooks: Sequence["StateDictHooks"],
     ) -> Path:
         """Write ``checkpoints/step-<step>`` (complete or not at all); return its path on every rank."""
         ...
@@ -55,7 +52,6 @@ class CheckpointIO(Protocol):
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
-        state_dict_hooks: Sequence["StateDictHooks"],
     ) -> dict[str, Any]:
         """Restore the state into this rank's objects; return ``trainer_state.json``'s contents."""
         ...
@@ -71,7 +67,7 @@ class RankZeroCheckpoints:
     def __init__(self, world: World = SINGLE):
         self.world = world
 
-    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep, state_dict_hooks) -> Path:
+    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep) -> Path:
         with together(self.world):
             if self.world.is_main:
                 save_checkpoint(
@@ -83,16 +79,13 @@ class RankZeroCheckpoints:
                     scaler=scaler,
                     state=state,
                     keep=keep,
-                    state_dict_hooks=state_dict_hooks,
                 )
         return checkpoints_root(output_dir) / f"step-{step}"
 
-    def load(self, path, *, model, optimizer, scheduler, scaler, state_dict_hooks) -> dict[str, Any]:
+    def load(self, path, *, model, optimizer, scheduler, scaler) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         with together(self.world):  # a rank that cannot read it stops them all
-            saved = load_checkpoint(
-                path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=state_dict_hooks
-            )
+            saved = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         return saved
 
     def save_final(self, model, tokenizer, final_dir, adapter) -> Path:
@@ -110,16 +103,13 @@ class ShardedCheckpoints:
     picks the format from the model) and every rank takes part in gathering the final outputs,
     which rank 0 writes."""
 
-    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep, state_dict_hooks) -> Path:
+    def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep) -> Path:
         return save_checkpoint(
-            output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state,
-            keep=keep, state_dict_hooks=state_dict_hooks,
-        )  # fmt: skip
-
-    def load(self, path, *, model, optimizer, scheduler, scaler, state_dict_hooks) -> dict[str, Any]:
-        return load_checkpoint(
-            path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state_dict_hooks=state_dict_hooks
+            output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, state=state, keep=keep
         )
+
+    def load(self, path, *, model, optimizer, scheduler, scaler) -> dict[str, Any]:
+        return load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
 
     def save_final(self, model, tokenizer, final_dir, adapter) -> Path:
         from hone.models.save import save_final

@@ -17,7 +17,6 @@ from hone.train.batches import StepPlan
 from hone.train.checkpoint import checkpoint_eval_rows
 from hone.train.checkpoint_io import CheckpointIO
 from hone.train.state import TrainState
-from hone.runtime.checkpoints import StateDictHooks
 
 
 class Checkpointer:
@@ -34,7 +33,6 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
-        state_dict_hooks: list[StateDictHooks],
     ):
         self.io = io
         self.output_dir = output_dir
@@ -46,7 +44,6 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.state_dict_hooks = state_dict_hooks
 
     def due(self, step: int, last: bool, stopping: bool) -> bool:
         return bool(self.save_steps and step % self.save_steps == 0) or last or stopping
@@ -63,7 +60,6 @@ class Checkpointer:
             scaler=self.scaler,
             state=state.state_dict(self.plan, self.seed, checkpoint_eval_rows(metrics_rows)),
             keep=self.keep,
-            state_dict_hooks=self.state_dict_hooks,
         )
 
     def load(self, path: Path) -> dict[str, Any]:
@@ -74,5 +70,4 @@ class Checkpointer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             scaler=self.scaler,
-            state_dict_hooks=self.state_dict_hooks,
         )

@@ -94,7 +94,6 @@ def set_up(
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
-        state_dict_hooks=hooks.state_dict,
     )
     resumed = resume(checkpointer, resume_from, plan, cfg, scheduler, world) if resume_from is not None else None
     state = resumed.state if resumed is not None else TrainState()

@@ -1,5 +1,8 @@
 """The CUDA caching allocator's settings for a run: expandable segments at long context.
 
+As a transform (:data:`ALLOCATOR`) it only records the choice: the setting must be in place
+before CUDA starts, so :func:`configure_allocator` applies it first thing, outside the plan.
+
 Why: torch's caching allocator carves tensors out of segments it reserved earlier and never
 merges two segments. At long context the step allocates tensors of many GiB whose sizes change
 from one op to the next (a layer input, the MLP's ``[tokens x intermediate]`` activations, the
@@ -13,17 +16,20 @@ whatever its size (torch's documented remedy for exactly this out-of-memory mess
 The setting is read when CUDA is first initialised, so :func:`configure_allocator` runs before
 anything touches the GPU (the first thing :func:`hone.train.run.run_training` does). A value the
 user put in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` is theirs and stays untouched.
-No torch import at module level: ``hone plan`` decides without it.
+The choice itself (:func:`allocator_choice`) reads only the config and the environment.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from hone.transforms.base import PlanContext, Transform
 
 if TYPE_CHECKING:
     from hone.config import HoneConfig
+    from torch import nn
 
 #: Environment variables torch reads its allocator settings from (the second is the newer,
 #: device-neutral name).
@@ -105,3 +111,20 @@ def configure_allocator(cfg: "HoneConfig", device_type: str) -> AllocatorChoice:
 
 def _word(value: object) -> str:
     return "true" if value is True else "false" if value is False else str(value)
+
+
+def _record(model: "nn.Module", ctx: PlanContext) -> dict[str, Any]:
+    decided = ctx.decided
+    return AllocatorChoice(decided.expandable_segments, decided.allocator_why, decided.allocator_environment).record()
+
+
+ALLOCATOR = Transform(
+    name="allocator",
+    switch="memory.expandable_segments",
+    # configured by run_training before CUDA starts (configure_allocator); recorded here
+    wanted=lambda ctx: ctx.decided.expandable_segments,
+    why=lambda ctx: ctx.decided.allocator_why,
+    stage="base",
+    model=_record,
+    label=lambda details: "allocator (expandable segments)",
+)

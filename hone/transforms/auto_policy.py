@@ -14,17 +14,17 @@ The rule, in words (``hone plan`` prints the outcome and why):
    (it would not make the run fit; the plan says what does not fit).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hone.config.memory import choose_auto_policy
+from hone.config.memory import POLICIES_BY_SPEED, choose_auto_policy
 from hone.config.root import HoneConfig
 from hone.transforms.card import device_memory, host_memory
 from hone.transforms.memory.decide import AUTO_MARGIN as MARGIN
 from hone.transforms.memory.decide import TiledDecision, auto_limit, decide_tiled_layers, decide_tiled_mlp, loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.facts import model_facts
-from hone.transforms.memory.knobs import POLICIES, Knobs
+from hone.transforms.memory.knobs import Knobs
 from hone.transforms.memory.terms.offload import HOST_MARGIN, host_process_bytes, offload_split, pinned_block
 from hone.transforms.memory.terms.tiled_mlp import auto_tiled_shards
 from hone.units import GIB, gib
@@ -64,23 +64,11 @@ def decide_memory(
     """The checkpointing policy and MLP tiling of ``cfg`` on ``device`` (``budget``: the memory
     to plan for, default the device's; ``host_budget``: the host memory for an ``offload`` split,
     default this machine's RAM; ``param_shards``: processes FSDP shards the weights over),
-    ``auto`` settings decided by the rule of the module doc. Cached per config, device and
-    budgets: the planner asks several times per run."""
+    ``auto`` settings decided by the rule of the module doc. A plan decides it once
+    (:func:`plan_memory`, through :func:`hone.transforms.decide.decide`)."""
     kind, budget, source = _budget(device, budget)
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    key = (cfg.model_dump_json(), kind, budget, source, host_budget, param_shards)
-    if key not in _DECIDED:
-        if len(_DECIDED) >= 64:
-            _DECIDED.clear()
-        _DECIDED[key] = _decide(cfg, kind, budget, source, host_budget, param_shards)
-    return _DECIDED[key]
-
-
-_DECIDED: dict[tuple[str, str, int, str, int, int], MemoryChoice] = {}
-
-
-def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: int, param_shards: int) -> MemoryChoice:
     usable = int(budget * (1 - MARGIN))
     configured = cfg.memory.tiled_mlp_shards  # None: auto
     policy = cfg.memory.checkpointing
@@ -94,7 +82,7 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
 
     fixed_shards = configured if configured is not None else 0
     if policy == "auto":
-        policies = [p for p in POLICIES if kind == "cuda" or p != "offload"]
+        policies = [p for p in POLICIES_BY_SPEED if kind == "cuda" or p != "offload"]
         estimates = {p: peak(p, fixed_shards) for p in policies}
         policy, why = choose_auto_policy(estimates, budget, MARGIN)
         policy_why = f"activation_checkpointing: auto on {source}: {why}"
@@ -107,7 +95,7 @@ def _decide(cfg: HoneConfig, kind: str, budget: int, source: str, host_budget: i
                 return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source))
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    knobs = Knobs(policy if policy in POLICIES else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
+    knobs = Knobs(policy if policy in POLICIES_BY_SPEED else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
     tiled = decide_tiled_mlp(cfg, knobs, budget, source)
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
@@ -119,30 +107,33 @@ def _tiled_on(untiled: int, tiled: int, shards: int, budget: int, source: str) -
     )
 
 
-def auto_checkpointing(
-    cfg: HoneConfig, device: Any, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
-) -> tuple[str, str]:
-    """``activation_checkpointing: auto``: (policy, why) -- the fastest policy whose estimated
-    peak fits the device's memory with a margin (offload only on CUDA, where its side streams
-    overlap the copies; selective at ``memory.selective_memory_budget`` under Inductor), the MLP
-    tiled only where nothing fits untiled (:func:`decide_memory`)."""
-    choice = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
-    return choice.policy, choice.policy_why
-
-
-def tiled_mlp_choice(
+def plan_memory(
     cfg: HoneConfig, device: Any, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
 ) -> MemoryChoice:
-    """The tiling of ``cfg`` on ``device`` (``shards`` 0: untiled) and why. For ``auto``, a model
-    the estimate cannot read is left untiled, with the reason: ``auto`` is the default, and a
-    run must not fail on a switch it never asked for."""
-    if cfg.memory.tiled_mlp != "auto":
-        shards = cfg.memory.tiled_mlp_shards or 0
-        return MemoryChoice(cfg.memory.checkpointing, "", shards, f"memory.tiled_mlp: {cfg.memory.tiled_mlp}")
+    """The checkpointing policy and MLP tiling a plan runs with, and why: explicit settings as
+    written, ``auto`` ones by :func:`decide_memory` (one call for both). For ``tiled_mlp: auto``
+    a model the estimate cannot read is left untiled, with the reason: ``auto`` is the default,
+    and a run must not fail on a switch it never asked for; ``activation_checkpointing: auto``
+    needs the estimate and fails with it. ``auto`` checkpointing picks the fastest policy whose
+    estimated peak fits the device's memory with a margin (offload only on CUDA, where its side
+    streams overlap the copies; selective at ``memory.selective_memory_budget`` under Inductor),
+    the MLP tiled only where nothing fits untiled."""
+    memory = cfg.memory
+    policy = memory.checkpointing
+    shards = memory.tiled_mlp_shards or 0
+    written = MemoryChoice(policy, f"memory.activation_checkpointing: {policy}", shards, f"memory.tiled_mlp: {memory.tiled_mlp}")
+    if memory.tiled_mlp != "auto" and policy != "auto":
+        return written
     try:
-        return decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
-    except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
-        return MemoryChoice(cfg.memory.checkpointing, "", 0, f"tiled_mlp: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", True)
+        decided = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
+    except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised (unless auto needs it)
+        if policy == "auto":
+            raise
+        failed = f"tiled_mlp: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})"
+        return replace(written, shards=0, tiled_why=failed, does_not_fit=True)
+    if memory.tiled_mlp != "auto":
+        return replace(decided, shards=written.shards, tiled_why=written.tiled_why, does_not_fit=False)
+    return decided
 
 
 def tiled_layers_choice(

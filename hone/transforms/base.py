@@ -2,7 +2,9 @@
 
 A transform is a small, named unit switched on by one config key. It says what it needs from
 the run (``check``, before any model loads), which other transforms it cannot be combined with,
-and then acts through any of these hooks (all optional):
+and then acts through any of these hooks (all optional). Every hook reads the run through one
+:class:`PlanContext`: the config, the run's facts and the plan's :class:`Decisions` (every
+``auto`` setting, resolved once per plan), so no transform decides an ``auto`` setting itself:
 
 - ``model`` -- change the model in place (pick an attention kernel, checkpoint layers, compile,
   shard) and return what it did, for ``optimizations.json``. ``stage`` says whether it runs on
@@ -14,7 +16,6 @@ and then acts through any of these hooks (all optional):
   then carries it, so the loss and the loop know nothing about attention.
 - ``step_context`` -- a context manager around each micro-batch's forward and backward
   (activation offload, later context parallelism).
-- ``state_dict_hooks`` -- how its parameters are saved and loaded (quantized or sharded weights).
 - ``after_optimizer_step`` -- e.g. float8 scale updates.
 - ``wrap_step`` -- data parallelism (DDP; FSDP2's root): wrap the module the loop calls once per
   micro-batch (:class:`StepModule`), whose ``forward`` is the micro-batch's loss sum, and say how
@@ -37,7 +38,6 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.data.collate import MicroBatch
-from hone.runtime.checkpoints import StateDictHooks
 from hone.runtime.step import LossFn, MicroBatchLoss, StepContext, StepModule
 from hone.runtime.world import SINGLE, World
 
@@ -66,11 +66,56 @@ class RunFacts:
     """The run's processes (a world of one unless launched by torchrun)."""
 
 
-def _no_problems(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+@dataclass(frozen=True)
+class Decisions:
+    """Every ``auto`` setting of one plan, resolved once from the config and the run's facts
+    (:func:`hone.transforms.decide.decide`) before any transform is asked anything. Each
+    transform's ``wanted``, ``why``, ``check`` and hooks read their setting here, so the run,
+    ``hone plan`` and ``optimizations.json`` see one decision, made once."""
+
+    strategy: str
+    """Data parallelism: ``none`` (one process), ``ddp`` or ``fsdp``."""
+    strategy_why: str
+    param_shards: int
+    """Processes FSDP2 shards the weights over (1 without FSDP2): the memory each card has left
+    for activations, which the ``auto`` memory settings are decided on."""
+    expandable_segments: bool
+    """The CUDA allocator's expandable segments (``memory.expandable_segments``)."""
+    allocator_why: str
+    allocator_environment: str | None
+    """What the environment already set for the allocator (left as it is), if anything."""
+    checkpointing: str
+    """The activation checkpointing policy in force: none, selective, full or offload."""
+    checkpointing_why: str
+    compiler_memory_budget: float | None
+    """``selective`` on layers Inductor compiles is the compiler's activation memory budget (this
+    fraction of the activations kept) instead of torch's selective checkpoint; None otherwise."""
+    tiled_mlp_shards: int
+    """Shards of the tiled MLP; 0: untiled."""
+    tiled_mlp_why: str
+    tiled_mlp_skipped: str | None
+    """Why ``tiled_mlp: auto`` left a run that does not fit untiled (recorded as skipped)."""
+    tiled_layers_chunks: int
+    """Chunks of each tiled decoder layer; 0: whole layers (a count below 2 tiles nothing)."""
+    tiled_layers_why: str
+    tiled_layers_skipped: str | None
+    """Why ``tiled_layers: auto`` left the layers whole on a run that does not fit."""
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every hook of a transform reads: the config, the run's facts and the plan's decisions."""
+
+    cfg: HoneConfig
+    facts: RunFacts
+    decided: Decisions
+
+
+def _no_problems(ctx: PlanContext) -> list[str]:
     return []
 
 
-def _no_reason(cfg: HoneConfig, facts: RunFacts) -> str | None:
+def _no_reason(ctx: PlanContext) -> str | None:
     return None
 
 
@@ -79,26 +124,25 @@ class Transform:
     name: str
     switch: str
     """The config key that turns it on (what the user changes to turn it off)."""
-    wanted: Callable[[HoneConfig, RunFacts], bool]
+    wanted: Callable[[PlanContext], bool]
     """Whether the config asks for it on this run (e.g. ``torch_compile: auto`` on CUDA)."""
-    check: Callable[[HoneConfig, RunFacts], list[str]] = _no_problems
+    check: Callable[[PlanContext], list[str]] = _no_problems
     """Requirements on the run; each problem is one message naming the key and the fix."""
     conflicts: tuple[str, ...] = ()
     """Transforms it cannot be combined with (also refused at validation time)."""
-    skipped_because: Callable[[HoneConfig, RunFacts], str | None] = _no_reason
+    skipped_because: Callable[[PlanContext], str | None] = _no_reason
     """Why a transform the config mentions is not applied on this run, for the record."""
     stage: Stage = "adapted"
     """Whether ``model`` runs on the base model (before the adapter) or on the adapted one."""
-    model: Callable[[nn.Module, HoneConfig, RunFacts], dict[str, Any]] | None = None
-    loss: Callable[[nn.Module, HoneConfig, RunFacts], tuple[LossFn, dict[str, Any]]] | None = None
+    model: Callable[[nn.Module, PlanContext], dict[str, Any]] | None = None
+    loss: Callable[[nn.Module, PlanContext], tuple[LossFn, dict[str, Any]]] | None = None
     """The run's loss function for the ready model, and what to record about it."""
-    attention_layout: Callable[[nn.Module, HoneConfig], "AttentionLayout"] | None = None
-    step_context: Callable[[nn.Module, HoneConfig, RunFacts], StepContext] | None = None
-    state_dict_hooks: Callable[[HoneConfig, RunFacts], StateDictHooks] | None = None
+    attention_layout: Callable[[nn.Module, PlanContext], "AttentionLayout"] | None = None
+    step_context: Callable[[nn.Module, PlanContext], StepContext] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
-    wrap_step: Callable[[StepModule, HoneConfig, RunFacts], tuple[StepModule, dict[str, Any]]] | None = None
+    wrap_step: Callable[[StepModule, PlanContext], tuple[StepModule, dict[str, Any]]] | None = None
     """Data parallelism: wrap the per-micro-batch module; returns it and what to record."""
-    why: Callable[[HoneConfig, RunFacts], str] | None = None
+    why: Callable[[PlanContext], str] | None = None
     """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
     """The console text of the applied transform from its recorded details (default: the name)."""
@@ -119,7 +163,6 @@ class RunHooks:
     layout: "AttentionLayout"
     step_contexts: list[StepContext] = field(default_factory=list)
     after_step: list[Callable[[], None]] = field(default_factory=list)
-    state_dict: list[StateDictHooks] = field(default_factory=list)
     step_wrappers: list[Callable[[StepModule], StepModule]] = field(default_factory=list)
     """The plan's ``wrap_step`` hooks, in plan order (applied by :meth:`step_module`)."""
     sharded_checkpoints: bool = False

@@ -22,6 +22,15 @@ compiled layer as torch's checkpoint operator and the compiler's partitioner hon
 With LoRA the embedding output is made to require grad (transformers does it when it enables
 checkpointing; the PEFT switch ``enable_input_require_grads`` is the same hook), so a layer
 whose input comes from frozen weights still reaches the adapters.
+
+As a transform (:data:`CHECKPOINTING`) it runs on the adapted model with the policy the plan
+decided (``memory.activation_checkpointing``; ``auto`` picks the fastest policy the memory
+estimate fits), after the tiled MLP (a checkpointed layer recomputes the tiled forward) and
+before tiled layers and compile: transformers' checkpointing wraps each layer's call, so the
+layer compiled next runs inside the checkpoint. ``selective`` on layers Inductor compiles is the
+compiler's activation memory budget instead (:func:`memory_budget_context`, around each
+micro-batch): torch's selective checkpointing wraps a layer from outside, and Inductor's kernels
+overwrite the buffers it caches.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hone.errors import HoneError
+from hone.transforms.auto_policy import offload_layers_choice
+from hone.transforms.base import PlanContext, Transform
+from hone.runtime.step import StepContext
 from hone.models.structure import decoder_layers, unwrap_peft
 from hone.transforms.offload import DEFAULT_MIN_BYTES, OffloadActivations
 
@@ -211,3 +223,74 @@ def _after_last_layer(base: nn.Module) -> tuple[nn.Module, str]:
         )
     name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
     return module, name
+
+
+#: What ``selective`` is under Inductor, for the record.
+COMPILER_BUDGET = (
+    "Inductor's partitioner under an activation memory budget (each compiled layer recomputes its cheapest ops first)"
+)
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    perf = ctx.cfg.performance
+    if ctx.decided.checkpointing == "offload" and perf.compiles_on(ctx.facts.device.type) and perf.torch_compile_scope == "model":
+        return [
+            "memory.activation_checkpointing: offload needs torch_compile_scope: regional (a whole-model graph saves "
+            "the layers' inputs inside itself, out of the offload hooks' reach)"
+        ]
+    return []
+
+
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    decided = ctx.decided
+    policy = decided.checkpointing
+    use_streams = ctx.facts.device.type == "cuda"
+    if decided.compiler_memory_budget is not None:
+        # the same choice as selective (keep what is expensive, recompute what is cheap), made
+        # by the partitioner inside each compiled layer
+        details = {
+            "policy": "selective",
+            "mechanism": COMPILER_BUDGET,
+            "activation_memory_budget": decided.compiler_memory_budget,
+        }
+    elif policy == "offload":
+        # the split needs the loaded model's decoder layers: decided here, once, as the model is checkpointed
+        layers, split_why = offload_layers_choice(ctx.cfg, len(decoder_layers(model)), ctx.facts.host_memory_bytes)
+        details = apply_activation_checkpointing(model, policy, use_streams=use_streams, offload_layers=layers)
+        details["offload"]["why"] = split_why
+    else:
+        details = apply_activation_checkpointing(model, policy, use_streams=use_streams)
+    details["why"] = decided.checkpointing_why
+    if ctx.cfg.memory.alias_note:
+        details["note"] = ctx.cfg.memory.alias_note
+    return details
+
+
+def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
+    budget = ctx.decided.compiler_memory_budget
+    if budget is not None:
+        return lambda batch: memory_budget_context(budget)
+    return lambda batch: offload_step_context(model)
+
+
+def _skipped(ctx: PlanContext) -> str | None:
+    """``auto`` that picked ``none``: why (the run fits without checkpointing)."""
+    return ctx.decided.checkpointing_why if ctx.cfg.memory.checkpointing == "auto" else None
+
+
+def _label(d: dict[str, Any]) -> str:
+    auto = f"; {d['why']}" if str(d.get("why", "")).startswith("activation_checkpointing: auto") else ""
+    return f"activation checkpointing ({d.get('policy', 'full')}{auto})"
+
+
+CHECKPOINTING = Transform(
+    name="activation_checkpointing",
+    switch="memory.activation_checkpointing",
+    wanted=lambda ctx: ctx.decided.checkpointing != "none",
+    why=lambda ctx: ctx.decided.checkpointing_why,
+    check=_check,
+    skipped_because=_skipped,
+    model=_apply,
+    step_context=_step_context,
+    label=_label,
+)

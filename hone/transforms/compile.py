@@ -27,6 +27,10 @@ lengths are padded per micro-batch, the graphs are compiled with dynamic shapes 
 (``dynamic=True``): otherwise the first new length would recompile (and the second variant of
 each graph, e.g. eval's, again), and those recompiles count against Dynamo's per-function
 limit, past which it silently falls back to eager.
+
+As a transform (:data:`COMPILE`) it comes after everything that swaps modules or kernels
+(compilation traces whatever modules it finds) and before data parallelism, which shards or
+wraps the compiled layers.
 """
 
 from typing import Any
@@ -36,7 +40,8 @@ from torch import nn
 from hone.config.performance import PerformanceConfig
 from hone.errors import HoneError
 from hone.models.structure import causal_lm_parts, decoder_layers, stands_in_for_layer, unwrap_peft
-from hone.transforms.inductor import compile_options
+from hone.transforms.base import PlanContext, Transform
+from hone.transforms.inductor import compile_options, configure_cache_dir
 
 
 class CompileError(HoneError):
@@ -97,3 +102,61 @@ def _embedding_output_needs_grad(base: nn.Module) -> bool:
     if getattr(base, "_require_grads_hook", None) is None:  # not already on (checkpointing turns it on)
         base.enable_input_require_grads()
     return True
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    perf, facts = ctx.cfg.performance, ctx.facts
+    problems = []
+    if perf.uses_cudagraphs and facts.device.type != "cuda":
+        problems.append(f"{perf.cudagraphs_source} uses CUDA graphs, which need a CUDA device (training on {facts.device.type})")
+    if perf.uses_cudagraphs and facts.shape_note is not None:
+        problems.append(
+            f"{perf.cudagraphs_source} uses CUDA graphs, which need one fixed shape, but {facts.shape_note}: every "
+            "new shape would record another graph and hold its memory. Use triton.cudagraphs: false (or "
+            "torch_compile_mode: max-autotune-no-cudagraphs), or train on rows of one length"
+        )
+    return problems
+
+
+def apply_compile(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:
+    """Compile ``model`` in the configured scope (``dynamic``: micro-batches of varying widths);
+    returns what was done, for optimizations.json."""
+    cache_dir, chosen_by_hone = configure_cache_dir()
+    if perf.torch_compile_scope == "regional":
+        details = compile_regional(model, perf, dynamic)
+    else:
+        details = compile_model(model, perf, dynamic)
+    details["mode"] = perf.torch_compile_mode or "default"
+    details["user_options"] = dict(perf.torch_compile_options)
+    details["cache_dir"] = str(cache_dir)
+    details["cache_dir_from"] = "hone default" if chosen_by_hone else "TORCHINDUCTOR_CACHE_DIR"
+    return details
+
+
+def _skipped(ctx: PlanContext) -> str | None:
+    if ctx.cfg.performance.torch_compile == "auto" and ctx.facts.device.type != "cuda":
+        return f"torch_compile: auto compiles on CUDA only; this run trains on {ctx.facts.device.type}"
+    return None
+
+
+def _label(d: dict[str, Any]) -> str:
+    extra = f"{d['scope']}"
+    if d.get("layers"):
+        extra += f", {d['layers']} layers"
+    extra += f", {d['backend']}"
+    if d.get("mode") not in (None, "default"):
+        extra += f", mode {d['mode']}"
+    if d.get("user_options"):
+        extra += ", " + ", ".join(f"{k}={v}" for k, v in d["user_options"].items())
+    return f"compile ({extra})"
+
+
+COMPILE = Transform(
+    name="compile",
+    switch="performance.torch_compile",
+    wanted=lambda ctx: ctx.cfg.performance.compiles_on(ctx.facts.device.type),
+    check=_check,
+    model=lambda model, ctx: apply_compile(model, ctx.cfg.performance, ctx.facts.lengths_vary),
+    skipped_because=_skipped,
+    label=_label,
+)

@@ -24,6 +24,8 @@ on, but its API is still private in torch 2.x. Two choices make the math exact:
 
 After the reduction every rank holds the same full gradients, so the clipping norm computed
 locally is the global one and every rank takes the same skip/step decision.
+
+As a transform (:data:`DDP`) it comes last in the plan, beside FSDP2: it wraps the final modules.
 """
 
 import inspect
@@ -34,7 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hone.config.root import HoneConfig
-from hone.transforms.base import RunFacts, Transform
+from hone.units import gib
+from hone.transforms.memory.decide import loss_of
+from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.knobs import Knobs
+from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.runtime.step import StepModule
 
 #: The margin a training state must leave on the device for activations, the loss and the
@@ -58,17 +64,16 @@ def resolve_strategy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
             "model could not be estimated; set distributed.strategy: fsdp if it does not fit one device)"
         )
     budget = _device_budget(facts)
-    gib = 2**30
     if budget is not None and state > FIT_FRACTION * budget:
         return "fsdp", (
             f"distributed.strategy: auto on {world.world_size} processes: FSDP2, the training state "
-            f"(weights, gradients, optimizer) of {state / gib:.1f} GiB does not fit {FIT_FRACTION:.0%} of one "
-            f"device's {budget / gib:.1f} GiB"
+            f"(weights, gradients, optimizer) of {gib(state)} does not fit {FIT_FRACTION:.0%} of one "
+            f"device's {gib(budget)}"
         )
-    room = f" fits {FIT_FRACTION:.0%} of one device's {budget / gib:.1f} GiB" if budget is not None else " is held by every rank"
+    room = f" fits {FIT_FRACTION:.0%} of one device's {gib(budget)}" if budget is not None else " is held by every rank"
     return "ddp", (
         f"distributed.strategy: auto on {world.world_size} processes: DDP, the training state "
-        f"(weights, gradients, optimizer) of {state / gib:.1f} GiB{room}"
+        f"(weights, gradients, optimizer) of {gib(state)}{room}"
     )
 
 
@@ -76,10 +81,6 @@ def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
     """Weights + gradients + AdamW moments of ``cfg``'s run on one device (meta-device estimate);
     None when the model cannot be built on the meta device."""
     try:
-        from hone.transforms.memory.decide import loss_of
-        from hone.transforms.memory.estimate import estimate_memory
-        from hone.transforms.memory.knobs import Knobs
-
         est = estimate_memory(cfg, Knobs("full", loss_of(cfg), device=device_type))
     except Exception:  # noqa: BLE001 -- any failure to estimate means "unknown", never a refusal
         return None
@@ -101,7 +102,7 @@ def sum_gradients(process_group: dist.ProcessGroup | None, bucket: dist.GradBuck
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap_ddp(step: StepModule, cfg: HoneConfig, facts: RunFacts) -> tuple[StepModule, dict[str, Any]]:
+def wrap_ddp(step: StepModule) -> StepModule:
     """Wrap the per-micro-batch module in ``DistributedDataParallel`` (weights broadcast from
     rank 0 at construction, so every replica starts identical)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -121,28 +122,28 @@ def wrap_ddp(step: StepModule, cfg: HoneConfig, facts: RunFacts) -> tuple[StepMo
         **buffers,
     )
     ddp.register_comm_hook(state=None, hook=sum_gradients)
+    return StepModule(ddp, no_sync=ddp.no_sync)
+
+
+def _wrap_step(step: StepModule, ctx: PlanContext) -> tuple[StepModule, dict[str, Any]]:
+    wrapped = wrap_ddp(step)
     details = {
-        "why": resolve_strategy(cfg, facts)[1],
-        "processes": facts.world.world_size,
+        "why": ctx.decided.strategy_why,
+        "processes": ctx.facts.world.world_size,
         "backend": dist.get_backend(),
         "reduction": "sum of gradients (comm hook); losses divided by the global token count",
         "accumulation": "no_sync on all but the window's last micro-batch",
     }
-    return StepModule(ddp, no_sync=ddp.no_sync), details
+    return wrapped, details
 
 
-def _ddp_why(cfg: HoneConfig, facts: RunFacts) -> str:
-    return resolve_strategy(cfg, facts)[1]
-
-
-def _ddp_skipped(cfg: HoneConfig, facts: RunFacts) -> str | None:
-    strategy, why = resolve_strategy(cfg, facts)
-    if facts.world.distributed and strategy != "ddp":
-        return why
+def _skipped(ctx: PlanContext) -> str | None:
+    if ctx.facts.world.distributed and ctx.decided.strategy != "ddp":
+        return ctx.decided.strategy_why
     return None
 
 
-def _ddp_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+def _check(ctx: PlanContext) -> list[str]:
     if not dist.is_available():
         return ["distributed.strategy: ddp needs torch.distributed, which this PyTorch build lacks"]
     return []
@@ -151,10 +152,10 @@ def _ddp_check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
 DDP = Transform(
     name="ddp",
     switch="distributed.strategy",
-    wanted=lambda cfg, facts: resolve_strategy(cfg, facts)[0] == "ddp",
-    why=_ddp_why,
-    check=_ddp_check,
-    skipped_because=_ddp_skipped,
-    wrap_step=wrap_ddp,
+    wanted=lambda ctx: ctx.decided.strategy == "ddp",
+    why=lambda ctx: ctx.decided.strategy_why,
+    check=_check,
+    skipped_because=_skipped,
+    wrap_step=_wrap_step,
     label=lambda d: f"ddp ({d['processes']} processes, {d['backend']})" if "processes" in d else "ddp",
 )

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from hone.config.root import HoneConfig
-from hone.transforms.base import RunFacts, Transform
+from hone.models.errors import ModelError
+from hone.models.experts.backend import experts_problems, set_experts_implementation
+from hone.transforms.base import PlanContext, Transform
 
 
-def _wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
-    return cfg.model.experts_implementation != "grouped_mm"
-
-
-def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+def _check(ctx: PlanContext) -> list[str]:
     """hone's kernels need CUDA (or Triton's interpreter, in tests) and triton. Not a validator:
     a CPU-only torch has no triton, yet ``hone plan`` there plans a run for a GPU machine that has
     it, so triton is required only where this process will run on a CUDA device itself."""
-    if cfg.model.experts_implementation != "hone":
+    facts = ctx.facts
+    if ctx.cfg.model.experts_implementation != "hone":
         return []
-    import torch
-
+    # the kernels' modules import triton where it is installed: only for a run that asks for them
     from hone.kernels.moe_lora import moe_triton_available
     from hone.kernels.moe_lora_triton import triton
 
@@ -48,13 +46,10 @@ def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
     ]
 
 
-def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
-    from hone.models.errors import ModelError
-    from hone.models.experts.backend import experts_problems, set_experts_implementation
-
-    implementation = cfg.model.experts_implementation
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    implementation = ctx.cfg.model.experts_implementation
     if implementation == "hone":
-        problems = experts_problems(model, facts.device)
+        problems = experts_problems(model, ctx.facts.device)
         if problems:
             raise ModelError("; ".join(problems))
     return set_experts_implementation(model, implementation)
@@ -63,7 +58,7 @@ def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]
 EXPERTS = Transform(
     name="experts",
     switch="model.experts_implementation",
-    wanted=_wanted,
+    wanted=lambda ctx: ctx.cfg.model.experts_implementation != "grouped_mm",
     check=_check,
     stage="base",
     model=_apply,

@@ -34,21 +34,20 @@ MLP, checkpointing and compile, which wrap and trace the swapped modules as they
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from hone.config.root import HoneConfig
 from hone.kernels.fp8_linear import FP8 as FLOAT8
 from hone.kernels.fp8_linear import FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
-from hone.transforms.base import RunFacts, Transform
+from hone.transforms.base import PlanContext, Transform
 from hone.transforms.fp8_sizes import SmallLinears, converts_to_fp8, too_small_for_fp8
 from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
-
-if TYPE_CHECKING:
-    from hone.config.root import HoneConfig
 
 #: float8 matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
 MIN_CAPABILITY = (8, 9)
@@ -272,16 +271,9 @@ def fp8_device_problems(device: torch.device, capability: tuple[int, int] | None
     return []
 
 
-def _fsdp_on(cfg: "HoneConfig", facts: RunFacts) -> bool:
-    from hone.transforms.data_parallel import resolve_strategy
-
-    return facts.world.distributed and resolve_strategy(cfg, facts)[0] == "fsdp"
-
-
-def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
-    import importlib.util
-
-    problems = fp8_device_problems(facts.device)
+def _check(ctx: PlanContext) -> list[str]:
+    cfg = ctx.cfg
+    problems = fp8_device_problems(ctx.facts.device)
     if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
         problems.append(
             "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
@@ -295,7 +287,7 @@ def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
             "(NoValidChoicesError), and a float8 full fine-tune did not finish compiling in 500 s "
             "(docs/quantization.md); remove it, or use fp8: off"
         )
-    if cfg.adapter.is_lora and _fsdp_on(cfg, facts):
+    if cfg.adapter.is_lora and ctx.decided.strategy == "fsdp":
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
             "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
@@ -303,7 +295,7 @@ def _check(cfg: "HoneConfig", facts: RunFacts) -> list[str]:
     return problems
 
 
-def _max_autotune_gemm_source(cfg: "HoneConfig") -> str | None:
+def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
     """The key that turns on Inductor's autotuned matmul templates, if any does."""
     perf = cfg.performance
     if not perf.may_compile:
@@ -320,12 +312,13 @@ def _max_autotune_gemm_source(cfg: "HoneConfig") -> str | None:
 _PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _apply(model: nn.Module, cfg: "HoneConfig", facts: RunFacts) -> dict[str, Any]:
-    perf = cfg.performance
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    perf = ctx.cfg.performance
     mode: Mode = perf.fp8  # type: ignore[assignment]
-    if cfg.adapter.is_lora:
+    if ctx.cfg.adapter.is_lora:
         return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
-    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=_fsdp_on(cfg, facts), small=perf.fp8_small_linears)
+    fsdp = ctx.decided.strategy == "fsdp"
+    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=fsdp, small=perf.fp8_small_linears)
     if details["fsdp_float8_all_gather"]:
         _PRECOMPUTE.add(model)
     return details
@@ -338,7 +331,8 @@ def _after_step(model: nn.Module) -> None:
         precompute_scales(model)
 
 
-def _why(cfg: "HoneConfig", facts: RunFacts) -> str:
+def fp8_why(cfg: HoneConfig) -> str:
+    """The fp8 line of ``hone plan``: which linears go float8, and how."""
     perf = cfg.performance
     if perf.fp8 == "off":
         return "performance.fp8: off"
@@ -358,9 +352,9 @@ def _label(d: dict[str, Any]) -> str:
 FP8 = Transform(
     name="fp8",
     switch="performance.fp8",
-    wanted=lambda cfg, facts: cfg.performance.fp8 != "off",
+    wanted=lambda ctx: ctx.cfg.performance.fp8 != "off",
     check=_check,
-    why=_why,
+    why=lambda ctx: fp8_why(ctx.cfg),
     model=_apply,
     after_optimizer_step=_after_step,
     label=_label,

@@ -50,42 +50,32 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.models.precision import precision_for
+from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.runtime.step import LossFn, StepModule
+from hone.models.structure import decoder_layers
 
 if TYPE_CHECKING:
     from hone.data.collate import MicroBatch
-    from hone.transforms.base import RunFacts
-    from hone.runtime.step import LossFn
 
 
 class FsdpError(HoneError):
     """FSDP2 cannot shard this run the way its config asks."""
 
 
-# ---------------------------------------------------------------- which strategy
+# ---------------------------------------------------------------- whether it can run
 
 
-def fsdp_wanted(cfg: HoneConfig, facts: "RunFacts") -> bool:
-    from hone.transforms.data_parallel import resolve_strategy
-
-    return facts.world.distributed and resolve_strategy(cfg, facts)[0] == "fsdp"
-
-
-def fsdp_skipped_because(cfg: HoneConfig, facts: "RunFacts") -> str | None:
-    if cfg.distributed.strategy == "fsdp" and not facts.world.distributed:
-        return "distributed.strategy: fsdp on a single process (launch with --nproc-per-node N or torchrun to shard)"
-    return None
-
-
-def fsdp_problems(cfg: HoneConfig, facts: "RunFacts") -> list[str]:
-    """What FSDP2 cannot do on this run, each naming the key and the fix."""
+def fsdp_problems(cfg: HoneConfig, device_type: str) -> list[str]:
+    """What FSDP2 cannot do on this run (on ``device_type``), each naming the key and the fix."""
     problems = []
     if cfg.model.dtype == "float16":
         problems.append(
             "distributed.strategy: fsdp with model.dtype: float16 is not supported (float16 needs loss scaling "
             "over sharded gradients); use bfloat16"
         )
-    if cfg.distributed.cpu_offload and facts.device.type != "cuda":
-        problems.append(f"distributed.cpu_offload: true offloads from a GPU; this run trains on {facts.device.type}")
+    if cfg.distributed.cpu_offload and device_type != "cuda":
+        problems.append(f"distributed.cpu_offload: true offloads from a GPU; this run trains on {device_type}")
     return problems
 
 
@@ -128,8 +118,6 @@ def mixed_precision(cfg: HoneConfig):
     """FSDP2's policy from ``model.dtype``: gather in the compute dtype, reduce in float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from hone.models.precision import precision_for
-
     compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
     if compute == torch.float32:
         return MixedPrecisionPolicy()
@@ -157,7 +145,7 @@ def shard_model(
     them afterwards with ``to_empty``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from hone.models.structure import causal_lm_parts, decoder_layers
+    from hone.models.structure import causal_lm_parts
 
     layers = decoder_layers(model)
     if not layers:
@@ -188,8 +176,9 @@ def shard_model(
     return root
 
 
-def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: "RunFacts") -> dict[str, Any]:
-    """The transform's model hook; returns what it did, for ``optimizations.json``."""
+def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: "RunFacts", why: str) -> dict[str, Any]:
+    """Shard ``model`` over the run's ranks (unless the sharded loader already did, on the meta
+    device); returns what it did, for ``optimizations.json`` (``why``: the strategy's reason)."""
     dist_cfg = cfg.distributed
     policy = mixed_precision(cfg)
     if sharded_root(model) is None:  # the sharded loader may have sharded it on the meta device
@@ -200,21 +189,15 @@ def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: "RunFacts") -> dict[str
             reshard_after_forward=dist_cfg.reshard_after_forward,
             cpu_offload=dist_cfg.cpu_offload,
         )
-    return fsdp_details(model, cfg, facts)
-
-
-def fsdp_details(model: nn.Module, cfg: HoneConfig, facts: "RunFacts") -> dict[str, Any]:
-
-    policy = mixed_precision(cfg)
     return {
         "world_size": facts.world.world_size,
         "units": _units(model),
-        "reshard_after_forward": cfg.distributed.reshard_after_forward,
-        "cpu_offload": cfg.distributed.cpu_offload,
+        "reshard_after_forward": dist_cfg.reshard_after_forward,
+        "cpu_offload": dist_cfg.cpu_offload,
         "param_dtype": str(policy.param_dtype).removeprefix("torch.") if policy.param_dtype else "as stored",
         "reduce_dtype": str(policy.reduce_dtype).removeprefix("torch.") if policy.reduce_dtype else "as stored",
         "gradients": "summed across ranks (loss normalised by the global token count)",
-        "why": _why(cfg, facts),
+        "why": why,
     }
 
 
@@ -234,12 +217,6 @@ def fsdp_label(details: dict[str, Any]) -> str:
     )
 
 
-def _why(cfg: HoneConfig, facts: "RunFacts") -> str:
-    from hone.transforms.data_parallel import resolve_strategy
-
-    return resolve_strategy(cfg, facts)[1]
-
-
 class RootStep(nn.Module):
     """The loop's per-micro-batch module for a sharded model: the loss through the root unit
     (the unsharded run's :class:`hone.runtime.step.MicroBatchLoss`, driven through FSDP2's hooks)."""
@@ -254,16 +231,14 @@ class RootStep(nn.Module):
         return self.root(batch, self.loss_fn, self.autocast_dtype)
 
 
-def wrap_fsdp_step(step, cfg: HoneConfig, facts: "RunFacts"):
-    """The transform's ``wrap_step``: the loop's micro-batch module becomes the root unit's
-    forward. No ``no_sync``: FSDP2 reduce-scatters after every micro-batch (module docstring)."""
-    from hone.runtime.step import StepModule
-
+def wrap_fsdp_step(step: StepModule) -> StepModule:
+    """The loop's micro-batch module becomes the root unit's forward. No ``no_sync``: FSDP2
+    reduce-scatters after every micro-batch (module docstring)."""
     inner = step.module
     root = sharded_root(inner.model)
     if root is None:
         raise FsdpError("the model was not sharded by the FSDP2 transform")
-    return StepModule(RootStep(root, inner.loss_fn, inner.autocast_dtype)), {}
+    return StepModule(RootStep(root, inner.loss_fn, inner.autocast_dtype))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -271,3 +246,23 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _skipped(ctx: PlanContext) -> str | None:
+    if ctx.cfg.distributed.strategy == "fsdp" and not ctx.facts.world.distributed:
+        return "distributed.strategy: fsdp on a single process (launch with --nproc-per-node N or torchrun to shard)"
+    return None
+
+
+FSDP = Transform(
+    name="fsdp",
+    switch="distributed.strategy",
+    wanted=lambda ctx: ctx.decided.strategy == "fsdp",
+    check=lambda ctx: fsdp_problems(ctx.cfg, ctx.facts.device.type),
+    skipped_because=_skipped,
+    why=lambda ctx: ctx.decided.strategy_why,
+    model=lambda model, ctx: apply_fsdp(model, ctx.cfg, ctx.facts, ctx.decided.strategy_why),
+    wrap_step=lambda step, ctx: (wrap_fsdp_step(step), {}),
+    shards_parameters=True,
+    label=fsdp_label,
+)

@@ -10,9 +10,10 @@ GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
 
 from dataclasses import dataclass, replace
 
+from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
-from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
+from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
 from hone.units import GIB, gib
 
@@ -52,7 +53,7 @@ def longest_table(
     whose host memory fits ``host_budget`` (None: unlimited), with ``offload_layers`` as the
     config sets it (``auto``: the split that fits the host). Offload only on CUDA."""
     combos: list[tuple[str, bool, LossKind, bool]] = []
-    for policy in POLICIES:
+    for policy in POLICIES_BY_SPEED:
         if policy == "offload" and device != "cuda":
             continue
         combos += [(policy, tiled, loss, False) for tiled in (False, True) for loss in losses]

@@ -11,6 +11,10 @@ logits ever exist; its value and gradients equal the standard loss within float 
 It applies to models whose logits are the plain output projection; models that scale or
 soft-cap their logits (Gemma 2, Cohere, Granite) keep the standard loss (``auto``), or are
 refused with ``performance.loss: fused_linear_ce``.
+
+As a transform (:data:`LOSS`) it changes no module: it supplies the run's loss function once the
+model is ready. It sits before compile in the plan, so a compiled run compiles the standard loss
+along with the layers.
 """
 
 from typing import Any
@@ -23,8 +27,9 @@ from hone.data.collate import IGNORE_INDEX
 from hone.errors import HoneError
 from hone.models.structure import causal_lm_parts
 from hone.runtime.loss import logit_postprocess, standard_loss
-from hone.transforms.base import RunFacts
+from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.runtime.step import LossFn
+from hone.transforms.memory.facts import transformers_config
 
 
 def fused_linear_ce_loss() -> LossFn:
@@ -95,3 +100,25 @@ def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[Loss
     if compiled:
         loss_fn = torch.compile(loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None)
     return loss_fn, {"loss": kind, "why": why, "compiled": compiled}
+
+
+def loss_decision(cfg: HoneConfig) -> tuple[str, str]:
+    """(the loss the run will use, why), by :func:`decide_loss` with what the model's config
+    shows before it loads (a bias on the head is only known once it has): what the plan and the
+    memory estimate count on."""
+    return decide_loss(cfg.performance.loss, fused_loss_blockers(transformers_config(cfg.model), None))
+
+
+def _why(ctx: PlanContext) -> str:
+    kind, why = loss_decision(ctx.cfg)
+    return f"{kind} ({why})"
+
+
+LOSS = Transform(
+    name="loss",
+    switch="performance.loss",
+    wanted=lambda ctx: True,
+    why=_why,
+    loss=lambda model, ctx: build_loss(ctx.cfg, ctx.facts, model),
+    label=lambda d: f"loss ({d['loss']})",
+)

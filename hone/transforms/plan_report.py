@@ -9,13 +9,15 @@ can add its transform list (name, switch, on/off, why) to the same report throug
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.long_context import LongestRow, longest_table, render_longest
-from hone.transforms.memory.decide import checkpointing_of, loss_decision, loss_of
+from hone.transforms.memory.decide import checkpointing_of, loss_of
+from hone.transforms.loss import loss_decision
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
-from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
+from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
 from hone.units import gib, gib_cell
 
@@ -98,15 +100,15 @@ def plan_view(
     if host_budget is None:
         host_budget, host_source = host_memory(None)
     loss = loss_of(cfg)
-    knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES}
-    estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES}
-    longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES}
+    knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
+    estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
+    longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES_BY_SPEED}
     # tiled: the configured count, else auto's (also for "off": what tiling would give)
     configured = cfg.memory.tiled_mlp_shards
     shards = configured if configured else auto_shards(cfg)
     per_length: int | str = configured if configured else "auto"
-    tiled = {p: estimate_memory(cfg, replace(knobs[p], tiled_mlp=shards)) for p in POLICIES}
-    tiled_longest = {p: longest_sequence(cfg, replace(knobs[p], tiled_mlp=per_length), budget) for p in POLICIES}
+    tiled = {p: estimate_memory(cfg, replace(knobs[p], tiled_mlp=shards)) for p in POLICIES_BY_SPEED}
+    tiled_longest = {p: longest_sequence(cfg, replace(knobs[p], tiled_mlp=per_length), budget) for p in POLICIES_BY_SPEED}
     choice = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     # the fused loss is a column only where it can compute this model's loss exactly
     loss_auto = cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"loss": "auto"})})

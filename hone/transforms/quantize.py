@@ -23,35 +23,30 @@ from typing import Any
 
 from torch import nn
 
-from hone.config.root import HoneConfig
-from hone.transforms.base import RunFacts, Transform
+from hone.transforms.base import PlanContext, Transform
 
 
-def _wanted(cfg: HoneConfig, facts: RunFacts) -> bool:
-    return cfg.model.quantize != "none"
-
-
-def _check(cfg: HoneConfig, facts: RunFacts) -> list[str]:
+def _check(ctx: PlanContext) -> list[str]:
+    # hone.models.nf4 imports torchao and PEFT: only for a run that quantizes
     from hone.models.nf4 import INSTALL_HINT, torchao_installed
-    from hone.transforms.data_parallel import resolve_strategy
 
     problems = []
     if not torchao_installed():
         problems.append(f"model.quantize: nf4 needs the Python package 'torchao': {INSTALL_HINT}, or set model.quantize: none")
-    strategy, why = resolve_strategy(cfg, facts)
-    if strategy == "fsdp":
+    if ctx.decided.strategy == "fsdp":
         problems.append(
-            f"model.quantize: nf4 does not work with FSDP2 ({why}); set distributed.strategy: ddp "
+            f"model.quantize: nf4 does not work with FSDP2 ({ctx.decided.strategy_why}); set distributed.strategy: ddp "
             "(every GPU holds the 4-bit model), or model.quantize: none"
         )
     return problems
 
 
-def _apply(model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> dict[str, Any]:
-    from hone.models.nf4 import quantize_linears
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    from hone.models.nf4 import quantize_linears  # torchao and PEFT: see _check
 
-    details = quantize_linears(model, facts.device)
-    return {"format": cfg.model.quantize, "compute_dtype": cfg.model.dtype, **details}
+    model_cfg = ctx.cfg.model
+    details = quantize_linears(model, ctx.facts.device)
+    return {"format": model_cfg.quantize, "compute_dtype": model_cfg.dtype, **details}
 
 
 def _size(mib: float) -> str:
@@ -69,10 +64,10 @@ def _label(details: dict[str, Any]) -> str:
 QUANTIZE = Transform(
     name="quantize",
     switch="model.quantize",
-    wanted=_wanted,
+    wanted=lambda ctx: ctx.cfg.model.quantize != "none",
     check=_check,
     stage="base",
     model=_apply,
     label=_label,
-    why=lambda cfg, facts: f"model.quantize: {cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)",
+    why=lambda ctx: f"model.quantize: {ctx.cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)",
 )

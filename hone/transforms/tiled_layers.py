@@ -50,6 +50,11 @@ and before compile: regional compile compiles the inner layer (``layer.inner.com
 chunks run compiled, in two graphs around the eager chunk attention. A tiled MLP inside the layer
 composes (chunks of chunks). Not composed here: packed rows (a document mask), FSDP2 (untested),
 MoE models that record router logits from hooks.
+
+As a transform (:data:`TILED_LAYERS`) it runs with the chunk count the plan decided
+(``memory.tiled_layers``; ``auto`` chunks the layers only where the memory estimate says the
+layer rebuilt in the backward is what does not fit, and never fails a run: where tiled layers
+cannot apply, or the estimate fails, the layers stay whole).
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.models.attention.causal import CAUSAL_SDPA
+from hone.models.attention.setup import causal_blockers
 from hone.models.attention.tiled import (
     TILED_SDPA,
     ChunkAttention,
@@ -67,11 +75,24 @@ from hone.models.attention.tiled import (
     computing_chunk,
     register_tiled_sdpa,
 )
+from hone.transforms.auto_policy import tiled_layers_choice
+from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.models.structure import decoder_layers, unwrap_peft
+from hone.transforms.memory.facts import transformers_config
 from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
-from hone.transforms.tiled_mlp import _shard_sizes
+from hone.transforms.tiled_mlp import shard_sizes
 
-__all__ = ["TiledDecoderLayer", "TiledLayersError", "apply_tiled_layers", "chunk_bounds", "tiled_layer_forward"]
+__all__ = [
+    "TILED_LAYERS",
+    "TiledDecoderLayer",
+    "TiledLayersError",
+    "apply_tiled_layers",
+    "chunk_bounds",
+    "decide_chunks",
+    "tiled_layer_forward",
+    "tiled_layers_blockers",
+]
 
 
 class TiledLayersError(HoneError):
@@ -82,7 +103,7 @@ def chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each chunk of a sequence of ``length`` positions: ``ceil(length /
     chunks)`` each, the last one shorter when they do not divide (tiled MLP's shard sizes)."""
     bounds, at = [], 0
-    for size in _shard_sizes(length, chunks):
+    for size in shard_sizes(length, chunks):
         bounds.append((at, at + size))
         at += size
     return bounds
@@ -339,9 +360,6 @@ def apply_tiled_layers(model: nn.Module, chunks: int) -> dict[str, Any]:
     :class:`TiledDecoderLayer` of ``chunks`` chunks and switch its attention to
     :data:`~hone.models.attention.tiled.TILED_SDPA`; returns what was done, for
     optimizations.json. Apply after activation checkpointing and before compile. Idempotent."""
-    from hone.models.attention.setup import causal_blockers
-    from hone.models.structure import decoder_layers, unwrap_peft
-
     base = unwrap_peft(model)
     config = getattr(base, "config", None)
     if getattr(config, "output_router_logits", False):
@@ -350,8 +368,6 @@ def apply_tiled_layers(model: nn.Module, chunks: int) -> dict[str, Any]:
             "hooks, which would see each chunk's logits without gradients; set memory.tiled_layers: off"
         )
     implementation = getattr(config, "_attn_implementation", None)
-    from hone.models.attention.causal import CAUSAL_SDPA
-
     if implementation not in ("sdpa", CAUSAL_SDPA, TILED_SDPA):
         raise TiledLayersError(
             f"memory.tiled_layers: the model attends through {implementation!r}; tiled layers need "
@@ -388,3 +404,100 @@ def apply_tiled_layers(model: nn.Module, chunks: int) -> dict[str, Any]:
         classes.add(type(layer).__name__)
         tiled += 1
     return {"chunks": chunks, "layers": len(layers), "classes": sorted(classes), "newly_tiled": tiled, "attention": TILED_SDPA}
+
+
+# ---------------------------------------------------------------------------------- the transform
+
+
+def tiled_layers_blockers(cfg: HoneConfig, device_type: str, strategy: str) -> list[str]:
+    """What rules tiled layers out for this run beyond the config's own validators (which refuse
+    packing and other backends for an explicit count), on ``device_type`` under the data-parallel
+    ``strategy``: the problems of an explicit count, the reason ``auto`` leaves the layers whole."""
+    blockers = []
+    if cfg.data.sample_packing or cfg.data.packs_eval:
+        blockers.append("packed rows carry a document mask, tiled layers compute causal rows without one")
+    if cfg.model.attn_implementation != "sdpa":
+        blockers.append(f"model.attn_implementation is {cfg.model.attn_implementation}; tiled layers attend through sdpa")
+    if strategy == "fsdp":
+        blockers.append(
+            "tiled layers are untested under FSDP2 (distributed.strategy resolves to fsdp): use distributed.strategy: ddp"
+        )
+    if cfg.performance.compiles_on(device_type) and cfg.performance.torch_compile_scope == "model":
+        blockers.append(
+            "tiled layers need torch_compile_scope: regional (each tiled layer compiles the layer its chunks run; a "
+            "whole-model graph would stop at every tiled layer)"
+        )
+    return blockers
+
+
+def layers_attend_otherwise(cfg: HoneConfig) -> str | None:
+    """Why the model's layers cannot be chunked (sliding windows, sinks, router logits from
+    hooks), read from its config; None when they can or the config cannot be read here (the
+    transform then says why when it applies)."""
+    try:
+        config = transformers_config(cfg.model)
+    except Exception:  # noqa: BLE001 -- a reason line never fails the plan
+        return None
+    blockers = list(causal_blockers(config))
+    if getattr(config, "output_router_logits", False):
+        blockers.append("router logits recorded from hooks")
+    return f"the model has {', '.join(blockers)}" if blockers else None
+
+
+def decide_chunks(
+    cfg: HoneConfig, facts: RunFacts, strategy: str, policy: str, mlp_shards: int, param_shards: int
+) -> tuple[int, str, bool]:
+    """(chunks, why, does_not_fit) of ``memory.tiled_layers`` under the checkpointing ``policy``
+    with the MLP in ``mlp_shards``: the configured count, or what ``auto`` decides from the memory
+    estimate (:func:`hone.transforms.auto_policy.tiled_layers_choice`). ``auto`` never fails a
+    run: where tiled layers cannot apply, or the estimate fails, the layers stay whole."""
+    chunks = cfg.memory.tiled_layers_chunks
+    if chunks is not None:
+        return chunks, f"memory.tiled_layers: {cfg.memory.tiled_layers}", False
+    blockers = tiled_layers_blockers(cfg, facts.device.type, strategy)
+    if blockers:
+        return 0, f"tiled_layers: auto: off, {blockers[0]}", False
+    try:
+        decision = tiled_layers_choice(
+            cfg, facts.device, policy, mlp_shards, facts.memory_bytes,
+            host_budget=facts.host_memory_bytes, param_shards=param_shards,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 -- the estimate's failure is reported, not raised
+        return 0, f"tiled_layers: auto: off, the memory estimate failed ({type(exc).__name__}: {exc})", False
+    blocker = layers_attend_otherwise(cfg) if decision.shards else None
+    if blocker is not None:
+        return 0, f"tiled_layers: auto: off, {blocker} (tiled layers attend causally to the whole row)", True
+    return decision.shards, decision.why, decision.does_not_fit
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    """What the config validators cannot see: ``auto`` decisions and the device."""
+    key = f"memory.tiled_layers: {ctx.cfg.memory.tiled_layers}"
+    problems = []
+    policy = ctx.decided.checkpointing
+    if policy not in ("full", "offload"):
+        problems.append(
+            f"{key} needs memory.activation_checkpointing full or offload (a tiled layer is the layer's checkpoint), "
+            f"but it resolves to {policy}: set activation_checkpointing: full or offload"
+        )
+    blockers = tiled_layers_blockers(ctx.cfg, ctx.facts.device.type, ctx.decided.strategy)
+    return problems + [f"{key}: {b}" for b in blockers]
+
+
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    details = apply_tiled_layers(model, ctx.decided.tiled_layers_chunks)
+    details["why"] = ctx.decided.tiled_layers_why
+    return details
+
+
+TILED_LAYERS = Transform(
+    name="tiled_layers",
+    switch="memory.tiled_layers",
+    wanted=lambda ctx: ctx.decided.tiled_layers_chunks >= 2,
+    why=lambda ctx: ctx.decided.tiled_layers_why,
+    check=_check,
+    # recorded only when auto left the layers whole on a run that does not fit
+    skipped_because=lambda ctx: ctx.decided.tiled_layers_skipped,
+    model=_apply,
+    label=lambda d: f"tiled layers ({d['chunks']} chunks)",
+)

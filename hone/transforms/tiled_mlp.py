@@ -35,6 +35,10 @@ and after the MLP) around the eager, tiled MLP.
 
 Cost: one extra MLP forward per layer in the backward (the same as checkpointing the MLP),
 on top of a checkpointed layer's own recompute.
+
+As a transform (:data:`TILED_MLP`) it runs on the adapted model (it takes the PEFT-wrapped
+projections as they are), with the shard count the plan decided (``memory.tiled_mlp``; ``auto``
+tiles only when the memory estimate says the MLP's activations are what does not fit).
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ import torch
 from torch import nn
 
 from hone.errors import HoneError
+from hone.transforms.base import PlanContext, Transform
+from hone.models.structure import decoder_layers
 from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
 
-__all__ = ["TiledMLP", "TiledMLPError", "apply_tiled_mlp", "tiled_mlp_forward"]
+__all__ = ["TILED_MLP", "TiledMLP", "TiledMLPError", "apply_tiled_mlp", "shard_sizes", "tiled_mlp_forward"]
 
 
 class TiledMLPError(HoneError):
@@ -59,7 +65,7 @@ class TiledMLPError(HoneError):
 # ---------------------------------------------------------------------------------- shards
 
 
-def _shard_sizes(tokens: int, shards: int) -> list[int]:
+def shard_sizes(tokens: int, shards: int) -> list[int]:
     """Shard lengths: ``ceil(tokens / shards)`` each, the last one shorter (uneven) when the
     tokens do not divide; fewer shards than asked when there are fewer tokens than that."""
     size = max(1, math.ceil(tokens / shards))
@@ -134,7 +140,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         ctx.recompute = Replay(x, has_dropout(module))
         ctx.recompute.capture()  # the shards run in order from one RNG state, and are replayed so
         flat = _flat_tokens(x)
-        ctx.sizes = _shard_sizes(flat.shape[0], shards)
+        ctx.sizes = shard_sizes(flat.shape[0], shards)
         buffers: list[torch.Tensor] = []
         at = 0
         with torch.no_grad():
@@ -269,8 +275,6 @@ def apply_tiled_mlp(model: nn.Module, shards: int) -> dict[str, Any]:
     """Replace the MLP of every decoder layer of ``model`` (a transformers model or a PEFT
     wrapper) by a :class:`TiledMLP` of ``shards`` shards; returns what was done, for
     optimizations.json. Idempotent: an already tiled MLP is left as it is."""
-    from hone.models.structure import decoder_layers
-
     layers = decoder_layers(model)
     if not layers:
         raise TiledMLPError(
@@ -300,3 +304,22 @@ def apply_tiled_mlp(model: nn.Module, shards: int) -> dict[str, Any]:
         setattr(layer, name, TiledMLP(mlp, shards))
         tiled += 1
     return {"shards": shards, "layers": len(layers), "mlp_classes": sorted(classes), "newly_tiled": tiled}
+
+
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    details = apply_tiled_mlp(model, ctx.decided.tiled_mlp_shards)
+    details["why"] = ctx.decided.tiled_mlp_why
+    return details
+
+
+TILED_MLP = Transform(
+    name="tiled_mlp",
+    switch="memory.tiled_mlp",
+    wanted=lambda ctx: ctx.decided.tiled_mlp_shards > 0,
+    why=lambda ctx: ctx.decided.tiled_mlp_why,
+    # recorded only when auto left tiling off on a run that does not fit (a run that fits
+    # untiled is no news; hone plan prints it through why)
+    skipped_because=lambda ctx: ctx.decided.tiled_mlp_skipped,
+    model=_apply,
+    label=lambda d: f"tiled MLP ({d['shards']} shards)",
+)

@@ -21,7 +21,7 @@ from rich.console import Console
 from hone.errors import HoneError
 from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama, with_random_lora
 from hone.train.distributed import close_world, init_world, together  # noqa: F401 -- SINGLE is re-exported to the tests
-from hone.runtime.world import SINGLE, World
+from hone.runtime.world import SINGLE, World  # noqa: F401 -- SINGLE is re-exported to the tests
 from hone.train.loop import train_loop
 
 CPU = torch.device("cpu")

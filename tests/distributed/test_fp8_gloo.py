@@ -32,16 +32,13 @@ def _inputs(rank: int) -> torch.Tensor:
 
 
 def _ddp(rank: int, out) -> None:
-    from hone.config import parse_config
-    from hone.transforms.base import RunFacts
     from hone.runtime.step import StepModule
     from hone.transforms.data_parallel import wrap_ddp
 
     layer = _lora_layer()
     if rank == 1:  # a different float8 copy: DDP's broadcast at wrap time must replace it
         layer.base_layer.w_q.zero_()
-    cfg = parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}})
-    step, _ = wrap_ddp(StepModule(layer), cfg, RunFacts(torch.device("cpu")))
+    step = wrap_ddp(StepModule(layer))
     step.module(_inputs(rank)).pow(2).sum().backward()
     if rank == 0:
         save({n: full(p.grad) for n, p in layer.named_parameters() if p.grad is not None}, out)

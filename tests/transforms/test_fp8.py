@@ -127,9 +127,12 @@ def test_fp8_refuses_inductors_autotuned_matmul_templates_naming_the_key(perform
 
 
 def _fp8_problems(config):
+    from hone.transforms.base import PlanContext
+    from hone.transforms.decide import decide
     from hone.transforms.fp8 import FP8
 
-    return FP8.check(config, RunFacts(CUDA))
+    facts = RunFacts(CUDA)
+    return FP8.check(PlanContext(config, facts, decide(config, facts)))
 
 
 def test_plan_puts_fp8_before_checkpointing_and_compile():

@@ -32,7 +32,7 @@ def test_an_explicit_fused_loss_that_cannot_be_exact_is_refused_with_the_reason(
 
 
 def test_plan_and_estimate_read_the_same_rule_from_the_config():
-    from hone.transforms.memory.decide import loss_decision
+    from hone.transforms.loss import loss_decision
 
     for asked in ("auto", "standard", "fused_linear_ce"):
         cfg = _cfg(asked)

@@ -190,7 +190,7 @@ def offload_tracked(monkeypatch):
         if offloader is not None:
             seen.append(dataclasses.replace(offloader.stats, shapes=list(offloader.stats.shapes)))
 
-    # the planner's checkpointing transform imports both names from the module when it runs
+    # the checkpointing transform looks both names up in its module when it runs
     monkeypatch.setattr(checkpointing, "apply_activation_checkpointing", apply)
     monkeypatch.setattr(checkpointing, "offload_step_context", context)
     return seen

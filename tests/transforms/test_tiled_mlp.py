@@ -17,7 +17,7 @@ from torch import nn
 from hone.config import ConfigError, parse_config
 from hone.testing import counting_grad_accumulations, hook_count, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
-from hone.transforms.tiled_mlp import TiledMLP, TiledMLPError, _shard_sizes, apply_tiled_mlp, tiled_mlp_forward
+from hone.transforms.tiled_mlp import TiledMLP, TiledMLPError, shard_sizes, apply_tiled_mlp, tiled_mlp_forward
 
 RTOL = 1e-5
 BATCH, ROW = 2, 13
@@ -69,11 +69,11 @@ def _mlp_names(model: nn.Module) -> set[str]:
 
 
 def test_shards_are_ceil_sized_with_a_shorter_last_one():
-    assert _shard_sizes(26, 3) == [9, 9, 8]
-    assert _shard_sizes(26, 2) == [13, 13]
-    assert _shard_sizes(10, 4) == [3, 3, 3, 1]
-    assert _shard_sizes(3, 8) == [1, 1, 1]  # fewer tokens than shards
-    assert sum(_shard_sizes(65537, 16)) == 65537
+    assert shard_sizes(26, 3) == [9, 9, 8]
+    assert shard_sizes(26, 2) == [13, 13]
+    assert shard_sizes(10, 4) == [3, 3, 3, 1]
+    assert shard_sizes(3, 8) == [1, 1, 1]  # fewer tokens than shards
+    assert sum(shard_sizes(65537, 16)) == 65537
 
 
 @pytest.mark.parametrize("shards", [2, 3])

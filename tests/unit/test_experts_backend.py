@@ -24,15 +24,19 @@ def test_config_key_is_validated():
 
 def test_hone_on_a_cpu_run_is_refused_by_the_plan_check(tmp_path):
     from hone.testing import tiny_config
-    from hone.transforms.base import RunFacts
+    from hone.transforms.base import PlanContext, RunFacts
+    from hone.transforms.decide import decide
     from hone.transforms.experts import EXPERTS
 
+    def ctx(config, facts):
+        return PlanContext(config, facts, decide(config, facts))
+
     cfg = tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe", "experts_implementation": "hone"})
-    assert EXPERTS.wanted(cfg, RunFacts(device=torch.device("cpu")))
-    problems = EXPERTS.check(cfg, RunFacts(device=torch.device("cpu")))
+    assert EXPERTS.wanted(ctx(cfg, RunFacts(device=torch.device("cpu"))))
+    problems = EXPERTS.check(ctx(cfg, RunFacts(device=torch.device("cpu"))))
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert problems and "CUDA devices only" in problems[0] and "grouped_mm or eager" in problems[0]
-    assert not EXPERTS.wanted(tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe"}), RunFacts(device=torch.device("cpu")))
+    assert not EXPERTS.wanted(ctx(tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe"}), RunFacts(device=torch.device("cpu"))))
 
 
 def test_layouts_are_read_from_the_modules():

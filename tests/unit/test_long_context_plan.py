@@ -170,7 +170,8 @@ def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
 def _tiled_layers_decision(cfg, card_gib: float):
     import torch
 
-    from hone.transforms.planner import RunFacts, decisions
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import decisions
 
     facts = RunFacts(torch.device("cuda"), memory_bytes=int(card_gib * GIB), host_memory_bytes=125 * GIB)
     return next((on, why) for name, _, on, why in decisions(cfg, facts) if name == "tiled_layers")

@@ -86,13 +86,14 @@ def test_the_planner_applies_the_configured_split(asked, host, want, tokenizer, 
     """The checkpointing transform reads memory.offload_layers (auto: decided on the host memory
     in the run's facts) and records the split with its reason in optimizations.json."""
     from hone.testing import tiny_config
-    from hone.transforms.base import RunFacts
-    from hone.transforms.planner import CHECKPOINTING
+    from hone.transforms.base import PlanContext, RunFacts
+    from hone.transforms.checkpointing import CHECKPOINTING
+    from hone.transforms.decide import decide
 
     cfg = tiny_config(tmp_path, memory={"activation_checkpointing": "offload", "offload_layers": asked}, model={"preset_overrides": {"num_hidden_layers": LAYERS}})
     facts = RunFacts(torch.device("cpu"), host_memory_bytes=host)
     model = _model(tokenizer, "full")
-    details = CHECKPOINTING.model(model, cfg, facts)
+    details = CHECKPOINTING.model(model, PlanContext(cfg, facts, decide(cfg, facts)))
     assert details["offload"]["layers_offloaded"] == want
     assert "offload_layers" in details["offload"]["why"]
     assert offloader_for(model).max_tensors == (None if want == "all" else want)

@@ -14,15 +14,9 @@ from hone.models.adapters import apply_adapter
 from hone.testing import tiny_model
 from hone.transforms.compile import compile_regional
 from hone.models.structure import decoder_layers
+from hone.transforms.base import RunFacts, Transform
+from hone.transforms.planner import TRANSFORMS, PlanError, plan_optimizations, write_record
 from hone.run_files import OPTIMIZATIONS_FILE
-from hone.transforms.planner import (
-    TRANSFORMS,
-    PlanError,
-    RunFacts,
-    Transform,
-    plan_optimizations,
-    write_record,
-)
 from hone.transforms.watch import CompileEvent, CompileWatch
 from hone.train.run import shape_note
 
@@ -84,8 +78,8 @@ def _transform(name, log, conflicts=(), stage="adapted"):
     return Transform(
         name=name,
         switch=f"performance.{name}",
-        wanted=lambda c, f: True,
-        model=lambda model, c, f: log.append(name) or {"n": len(log)},
+        wanted=lambda ctx: True,
+        model=lambda model, ctx: log.append(name) or {"n": len(log)},
         conflicts=conflicts,
         stage=stage,
     )
@@ -115,8 +109,8 @@ def test_hooks_collect_step_contexts_and_after_step_actions_in_plan_order(tokeni
         events.append(f"exit {tag}")
 
     extra = (
-        Transform("a", "x.a", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
-        Transform("b", "x.b", lambda c, f: True, step_context=lambda m, c, f: lambda b: around("b", b)),
+        Transform("a", "x.a", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
+        Transform("b", "x.b", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("b", b)),
     )
     plan = plan_optimizations(cfg(), CPU, TRANSFORMS + extra)
     hooks = plan.hooks(tiny_model("tiny-llama", tokenizer), cfg(), CPU)
@@ -234,7 +228,7 @@ def test_checkpointing_auto_picks_the_fastest_policy_that_fits_the_card_and_says
     config = parse_config(
         {"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}, "data": {**_RAW["data"], "sequence_len": 8192}, "memory": {"activation_checkpointing": "auto"}}
     )  # an 8B config: planned on the meta device, nothing allocated
-    est = {p: estimate_memory(config, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
+    est = {p: estimate_memory(config, Knobs(p, "fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
     assert est["full"] < est["none"]
     roomy = plan_optimizations(config, RunFacts(torch.device("cpu"), memory_bytes=10 * est["none"]))
     assert "activation_checkpointing" not in roomy.names  # auto chose none: nothing to apply

@@ -3,10 +3,11 @@ and the tiled layers, each within :data:`AUTO_MARGIN` of the card (:func:`auto_l
 
 from dataclasses import dataclass, replace
 
+from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
-from hone.transforms.memory.facts import transformers_config
-from hone.transforms.memory.knobs import POLICIES, Knobs, LossKind
+from hone.transforms.loss import loss_decision
+from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.units import gib
 
 
@@ -16,18 +17,9 @@ def checkpointing_of(cfg: HoneConfig) -> str:
     return cfg.memory.checkpointing
 
 
-def loss_decision(cfg: HoneConfig) -> tuple[LossKind, str]:
-    """(the loss the run will use, why), by the run's own rule
-    (:func:`hone.transforms.loss.decide_loss`) with what the model's config shows (a bias on the
-    head is only known once the model loads)."""
-    from hone.transforms.loss import decide_loss, fused_loss_blockers
-
-    return decide_loss(cfg.performance.loss, fused_loss_blockers(transformers_config(cfg.model), None))
-
-
 def loss_of(cfg: HoneConfig) -> LossKind:
-    """The loss the run will use (see :func:`loss_decision`)."""
-    return loss_decision(cfg)[0]
+    """The loss the run will use (:func:`hone.transforms.loss.loss_decision`)."""
+    return loss_decision(cfg)[0]  # type: ignore[return-value]
 
 
 #: The share of the card an estimate may not use (estimates are not exact, the allocator
@@ -121,7 +113,7 @@ def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int 
     ``offload_layers: auto`` split on ``host_budget``, default this machine's RAM); None for
     ``activation_checkpointing: auto``, whose policy the planner picks later."""
     policy = checkpointing_of(cfg)
-    if policy not in POLICIES:
+    if policy not in POLICIES_BY_SPEED:
         return None
     if host_budget is None:
         from hone.transforms.card import host_memory

@@ -15,9 +15,10 @@ phases), where every other term is called.
 
 from dataclasses import dataclass, field
 
+from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import ModelFacts, model_facts
-from hone.transforms.memory.knobs import POLICIES, Knobs
+from hone.transforms.memory.knobs import Knobs
 from hone.transforms.memory.layers import outside_layers_bytes, step_layer_bytes
 from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
@@ -104,8 +105,8 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     """Peak memory of one training step of ``cfg`` under ``knobs`` (the checkpointing policy, the
     loss, the step's shape and memory switches: :class:`~hone.transforms.memory.knobs.Knobs`),
     without loading weights."""
-    if knobs.checkpointing not in POLICIES:
-        raise ValueError(f"checkpointing must be one of {', '.join(POLICIES)}, got {knobs.checkpointing!r}")
+    if knobs.checkpointing not in POLICIES_BY_SPEED:
+        raise ValueError(f"checkpointing must be one of {', '.join(POLICIES_BY_SPEED)}, got {knobs.checkpointing!r}")
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
     # the layers: what each keeps without checkpointing, then under the policy

@@ -5,10 +5,7 @@ step's shape and memory switches as the caller wants them estimated (one object,
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
-Checkpointing = Literal["none", "full", "selective", "offload"]
 LossKind = Literal["standard", "fused_linear_ce"]
-#: From the fastest step to the leanest.
-POLICIES: tuple[Checkpointing, ...] = ("none", "selective", "full", "offload")
 
 
 @dataclass(frozen=True)

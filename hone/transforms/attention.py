@@ -1,0 +1,81 @@
+"""The attention kernel as a transform: the backend the config names, fitted to this device.
+
+``model.attn_implementation`` is registered with transformers on the base model (its
+``AttentionInterface``; no model code is touched), with packed ``sdpa`` rows switched to torch's
+varlen kernel where it runs (:func:`hone.models.attention.setup.select_attention_kernel`). It
+also decides once, for the loaded model, how packed micro-batches reach the attention
+(``attention_layout``: document boundaries, hone's mask, or transformers' own handling), so the
+loss and the loop know nothing about attention.
+"""
+
+from typing import Any
+
+from torch import nn
+
+from hone.config.model import ModelConfig
+from hone.config.root import HoneConfig
+from hone.models.attention.layout import AttentionLayout, layout_for
+from hone.models.attention.setup import attention_problems, select_attention_kernel
+from hone.models.attention.sinks import has_attention_sinks
+from hone.models.hub import local_model_dir
+from hone.models.model_dir import read_causal_lm_config
+from hone.models.presets import get_preset
+from hone.models.precision import precision_for
+from hone.transforms.base import PlanContext, Transform
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    return attention_problems(ctx.cfg.model, ctx.facts.device)
+
+
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    cfg = ctx.cfg
+    compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
+    kernel = select_attention_kernel(model, cfg, ctx.facts.device, compute)
+    return {"implementation": cfg.model.attn_implementation, "kernel": kernel}
+
+
+def _layout(model: nn.Module, ctx: PlanContext) -> AttentionLayout:
+    return layout_for(model)
+
+
+def _label(details: dict[str, Any]) -> str:
+    extra = f", {details['kernel']}" if details.get("kernel") else ""
+    return f"attention ({details['implementation']}{extra})"
+
+
+def has_sinks(model: ModelConfig) -> bool:
+    """Whether the configured model has attention sinks (gpt-oss); False where its config cannot
+    be read here (the loader then says why)."""
+    try:
+        if model.preset is not None:  # the preset's config class names its model type
+            return has_attention_sinks(get_preset(model.preset).config_class)
+        return has_attention_sinks(read_causal_lm_config(local_model_dir(model.path), model.trust_remote_code))
+    except Exception:  # noqa: BLE001 -- a reason line never fails the plan
+        return False
+
+
+def attention_why(cfg: HoneConfig) -> str:
+    """The attention line of ``hone plan``: the backend, and what hone does with packed rows."""
+    model, data = cfg.model, cfg.data
+    why = f"model.attn_implementation: {model.attn_implementation}"
+    if model.attn_implementation in ("sdpa", "flex_attention") and has_sinks(model):
+        return why + "; the model has attention sinks: hone's flex sink backend (sdpa would drop them)"
+    if model.attn_implementation == "sdpa" and (data.sample_packing or data.packs_eval):
+        why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {model.sdpa_varlen})"
+    if model.attn_implementation == "sdpa":
+        why += "; causal rows without a prepared mask where the model attends to the whole row"
+    return why
+
+
+ATTENTION = Transform(
+    name="attention",
+    switch="model.attn_implementation",
+    wanted=lambda ctx: True,
+    why=lambda ctx: attention_why(ctx.cfg),
+    check=_check,
+    stage="base",
+    model=_apply,
+    attention_layout=_layout,
+    label=_label,
+)
