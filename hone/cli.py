@@ -341,7 +341,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)
     for title, cfg in configs:
         decided = decide(cfg, facts)
-        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided.param_shards)
+        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided)), flush=True)
     return 0
 

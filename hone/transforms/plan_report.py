@@ -9,9 +9,13 @@ can add its transform list (name, switch, on/off, why) to the same report throug
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
+from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
+from hone.transforms.decide import decide
 from hone.transforms.long_context import LongestRow, longest_table, render_longest
 from hone.transforms.memory.decide import checkpointing_of, loss_of
 from hone.transforms.loss import loss_decision
@@ -88,17 +92,22 @@ def plan_view(
     budget_source: str,
     host_budget: int | None = None,
     host_source: str = "",
-    param_shards: int = 1,
+    decided: Decisions | None = None,
 ) -> PlanView:
     """Estimates under every policy, and the longest sequence each one fits in ``budget`` (and in
-    ``host_budget`` bytes of host memory, default this machine's RAM)."""
+    ``host_budget`` bytes of host memory, default this machine's RAM). ``decided``: the plan's
+    resolved ``auto`` settings (:func:`hone.transforms.decide.decide`), which the view quotes
+    rather than deciding again; by default those of one process on ``device``."""
     from hone.models.loader import describe_adapter, format_count
 
-    from hone.transforms.auto_policy import auto_shards, decide_memory
+    from hone.transforms.auto_policy import auto_shards
     from hone.transforms.card import host_memory
 
     if host_budget is None:
         host_budget, host_source = host_memory(None)
+    if decided is None:
+        decided = decide(cfg, RunFacts(torch.device(device), memory_bytes=budget, host_memory_bytes=host_budget))
+    param_shards = decided.param_shards
     loss = loss_of(cfg)
     knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
     estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
@@ -109,15 +118,14 @@ def plan_view(
     per_length: int | str = configured if configured else "auto"
     tiled = {p: estimate_memory(cfg, replace(knobs[p], tiled_mlp=shards)) for p in POLICIES_BY_SPEED}
     tiled_longest = {p: longest_sequence(cfg, replace(knobs[p], tiled_mlp=per_length), budget) for p in POLICIES_BY_SPEED}
-    choice = decide_memory(cfg, device, budget, host_budget=host_budget, param_shards=param_shards)
     # the fused loss is a column only where it can compute this model's loss exactly
     loss_auto = cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"loss": "auto"})})
     fusable = loss == "fused_linear_ce" or loss_decision(loss_auto)[0] == "fused_linear_ce"
     losses: tuple[LossKind, ...] = ("standard", "fused_linear_ce") if fusable else ("standard",)
     long_rows = longest_table(cfg, budget, host_budget, device=device, losses=losses, param_shards=param_shards)
-    tiled_line = (f"on, {choice.shards} shards" if choice.shards else "off") + f": {choice.tiled_why}"
+    tiled_line = (f"on, {decided.tiled_mlp_shards} shards" if decided.tiled_mlp_shards else "off") + f": {decided.tiled_mlp_why}"
     if cfg.memory.checkpointing == "auto":
-        tiled_line += f"; checkpointing {choice.policy} ({choice.policy_why})"
+        tiled_line += f"; checkpointing {decided.checkpointing} ({decided.checkpointing_why})"
     facts = model_facts(cfg)
     est = estimates["none"]
     total = est.frozen_params + est.trainable_params
@@ -142,7 +150,7 @@ def plan_view(
         tiled=tiled,
         tiled_longest=tiled_longest,
         tiled_line=tiled_line,
-        tiled_on=choice.shards > 0,
+        tiled_on=decided.tiled_mlp_shards > 0,
         host_budget=host_budget,
         host_source=host_source,
         long_rows=long_rows,
