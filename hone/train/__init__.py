@@ -1,1 +1,2 @@
-"""Training: collation, batching, optimizer and schedule, the loop, checkpoints and resume."""
+"""Training: set-up, the loop, one optimizer step and one micro-batch, the training state,
+batching, optimizer and schedule, checkpoints and resume (collation is :mod:`hone.data.collate`)."""

@@ -10,7 +10,7 @@ Which strategy a run uses (:func:`resolve_strategy`) is decided once, before the
   Where the estimate cannot be made (an unusual model), DDP, and the plan says so.
 
 DDP here is PyTorch's ``DistributedDataParallel`` around the loop's per-micro-batch module
-(:class:`hone.transforms.base.StepModule`). Why DDP rather than FSDP2's ``replicate``: DDP is the
+(:class:`hone.runtime.step.StepModule`). Why DDP rather than FSDP2's ``replicate``: DDP is the
 stable public API, its bucketed all-reduce overlaps the backward, and its communication hook is
 the documented place to choose the reduction; ``replicate`` is the composable route FSDP2 runs
 on, but its API is still private in torch 2.x. Two choices make the math exact:
