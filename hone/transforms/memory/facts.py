@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from hone.config.root import HoneConfig
+from hone.models.structure import decoder_layers
 
 #: LoRA/linear inputs are grouped by what they read: q/k/v read the attention norm's output,
 #: gate/up (and a trainable MoE router) the MLP norm's output. A shared input is kept once
@@ -106,16 +107,6 @@ def transformers_config(model: Any) -> Any:
     return read_causal_lm_config(local_model_dir(model.path), model.trust_remote_code)
 
 
-def _decoder_layers(model: Any, count: int) -> Any:
-    """The ModuleList of decoder layers (the first one of ``num_hidden_layers`` entries)."""
-    from torch import nn
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count and name.endswith("layers"):
-            return name, module
-    raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__}")
-
-
 def _layer_facts(layer: Any) -> LayerFacts:
     from peft.tuners.lora import LoraLayer, ParamWrapper
     from torch import nn
@@ -194,19 +185,22 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         quantized = _nf4_weights(base) if model_cfg.quantize == "nf4" else 0
         model = apply_adapter(base, adapter_cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers_name, layer_list = _decoder_layers(model, text.num_hidden_layers)
+    layer_list = decoder_layers(model)  # the decoder layers as every transform finds them
+    if not layer_list:
+        raise ValueError(f"cannot find the decoder layers of {type(base).__name__} (no module of a class in its _no_split_modules)")
+    in_layers = {id(p) for layer in layer_list for p in layer.parameters()}
     frozen = trainable = outside_trainable = 0
     lora_base: list[tuple[int, int]] = []
     layer_linears: list[tuple[int, int]] = []
     for name, param in model.named_parameters():  # tied weights are listed once
-        if not param.requires_grad and param.ndim == 2 and name.startswith(layers_name + "."):
+        if not param.requires_grad and param.ndim == 2 and id(param) in in_layers:
             shape = (param.shape[1], param.shape[0])
             layer_linears.append(shape)
             if name.endswith("base_layer.weight"):
                 lora_base.append(shape)
         if param.requires_grad:
             trainable += param.numel()
-            if not name.startswith(layers_name + "."):
+            if id(param) not in in_layers:
                 outside_trainable += param.numel()
         else:
             frozen += param.numel()
