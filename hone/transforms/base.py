@@ -87,6 +87,10 @@ class Decisions:
     checkpointing: str
     """The activation checkpointing policy in force: none, selective, full or offload."""
     checkpointing_why: str
+    offload_layers: int | None
+    """``offload``: how many decoder layers' inputs go to the host (None: all of them)."""
+    offload_why: str | None
+    """Why that split (``memory.offload_layers``); None unless the policy is ``offload``."""
     compiler_memory_budget: float | None
     """``selective`` on layers Inductor compiles is the compiler's activation memory budget (this
     fraction of the activations kept) instead of torch's selective checkpoint; None otherwise."""

@@ -45,7 +45,6 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hone.errors import HoneError
-from hone.transforms.auto_policy import offload_layers_choice
 from hone.transforms.base import PlanContext, Transform
 from hone.runtime.step import StepContext
 from hone.models.structure import decoder_layers, unwrap_peft
@@ -254,10 +253,8 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
             "activation_memory_budget": decided.compiler_memory_budget,
         }
     elif policy == "offload":
-        # the split needs the loaded model's decoder layers: decided here, once, as the model is checkpointed
-        layers, split_why = offload_layers_choice(ctx.cfg, len(decoder_layers(model)), ctx.facts.host_memory_bytes)
-        details = apply_activation_checkpointing(model, policy, use_streams=use_streams, offload_layers=layers)
-        details["offload"]["why"] = split_why
+        details = apply_activation_checkpointing(model, policy, use_streams=use_streams, offload_layers=decided.offload_layers)
+        details["offload"]["why"] = decided.offload_why
     else:
         details = apply_activation_checkpointing(model, policy, use_streams=use_streams)
     details["why"] = decided.checkpointing_why
