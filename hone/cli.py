@@ -8,8 +8,8 @@ imports the heavy machinery (torch, transformers, datasets) only once it needs i
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hone import __version__
 from hone.errors import HoneError
@@ -159,7 +159,15 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node N -m hone train CFG ...``:
     the same ``hone train`` (config, overrides, verbosity) in N processes of this host, with
     torchrun's single-host rendezvous."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "hone"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}",
+        "-m",
+        "hone",
+    ]
     if args.verbose:
         command.append("--verbose")
     command += ["train", str(args.config)]
@@ -173,8 +181,8 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     process count against the GPUs), then become ``torchrun`` running ``hone train`` N times."""
     import os
 
-    from hone.train.distributed import DistributedSetupError, check_launch
     from hone.runtime.world import World, world_from_env
+    from hone.train.distributed import DistributedSetupError, check_launch
 
     if world_from_env().distributed:
         raise DistributedSetupError(
@@ -251,7 +259,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     def show(row: dict) -> None:
         if row["status"] == "ok":
-            print(f"  {row['condition']} #{row['replicate']}: {row['median_ms']:.1f} ms/step, first step {row['first_step_s']:.1f} s, peak {row['peak_alloc_gib']} GiB, loss {row['final_loss']}", flush=True)
+            print(
+                f"  {row['condition']} #{row['replicate']}: {row['median_ms']:.1f} ms/step, first step {row['first_step_s']:.1f} s, peak {row['peak_alloc_gib']} GiB, loss {row['final_loss']}",
+                flush=True,
+            )
         else:
             print(f"  {row['condition']} #{row['replicate']}: {row['status']}: {row['error']}", flush=True)
 
@@ -265,7 +276,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if row["status"] == "summary":
                 print(f"  {row['condition']}: longest {row['longest']:,} tokens", flush=True)
             elif row["status"] == "ok":
-                print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB", flush=True)
+                print(
+                    f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB",
+                    flush=True,
+                )
             else:
                 print(f"  {row['condition']} @ {row['sequence_len']:,}: {row['status']}: {row['error']}", flush=True)
 
@@ -331,11 +345,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise HoneError(f"{args.config}: the bench spec has no hone condition to plan (only reference rows)")
     import torch
 
+    from hone.runtime.world import World
     from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
-
-    from hone.runtime.world import World
 
     processes = args.nproc_per_node or 1
     facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)
@@ -446,7 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hone {__version__}")
-    parser.add_argument("--verbose", "-v", action="store_true", help="keep the libraries' own progress bars, warnings and log lines, and show the traceback behind an error")
+    parser.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="keep the libraries' own progress bars, warnings and log lines, and show the traceback behind an error",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_text: str, description: str) -> argparse.ArgumentParser:
@@ -483,11 +501,35 @@ def build_parser() -> argparse.ArgumentParser:
         "spec (each hone condition is planned). See docs/plan.md.",
     )
     _add_config_args(p)
-    p.add_argument("--gpu-memory", help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="device the run trains on (resolves torch_compile: auto); default cuda")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="plan for N data-parallel processes (resolves distributed.strategy: auto); default 1")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="plan at this sequence length instead of the config's data.sequence_len (a bench spec's workload.sequence_len)")
-    p.add_argument("--host-memory", default=None, help="host memory for offloaded layer inputs and the process, e.g. 128GiB (default: this machine's RAM)")
+    p.add_argument(
+        "--gpu-memory",
+        help="plan for a card of this size, e.g. 80GiB, 24GB, 141GiB (default: the local CUDA device's memory, else 80GiB)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="device the run trains on (resolves torch_compile: auto); default cuda",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan for N data-parallel processes (resolves distributed.strategy: auto); default 1",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan at this sequence length instead of the config's data.sequence_len (a bench spec's workload.sequence_len)",
+    )
+    p.add_argument(
+        "--host-memory",
+        default=None,
+        help="host memory for offloaded layer inputs and the process, e.g. 128GiB (default: this machine's RAM)",
+    )
 
     p = add(
         "preprocess",
@@ -558,7 +600,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("spec", type=Path, nargs="?", help="benchmark spec (YAML)")
     p.add_argument("--out", type=Path, help="results directory (default results/<spec name>)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a spec key, e.g. --set timed_steps=20")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set timed_steps=20",
+    )
     quick = p.add_argument_group("quick form (no spec file): reference vs hone on one preset")
     quick.add_argument("--preset", help="architecture preset, e.g. qwen3-8b")
     quick.add_argument("--seq", type=int, default=2048)

@@ -40,10 +40,7 @@ def output_dir_problem(path: Path, key: str = "training.output_dir") -> str | No
         return f"'{path}' is a file, not a directory: pick another {key} (or move the file away)"
     anchor = nearest_existing(path)
     if not anchor.is_dir():
-        return (
-            f"'{path}' lies under '{anchor}', which is a file, so the directory cannot be created: "
-            f"pick another {key}"
-        )
+        return f"'{path}' lies under '{anchor}', which is a file, so the directory cannot be created: pick another {key}"
     if not os.access(anchor, os.W_OK | os.X_OK):
         what = "directory" if anchor == path.absolute() else f"directory '{anchor}' it would be created in"
         return f"'{path}': the {what} is not writable for this user: pick another {key}, or fix its permissions"

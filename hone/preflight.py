@@ -67,7 +67,9 @@ def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
                 issues.append(ConfigIssue(key, problem))
     prepared = cfg.data.dataset_prepared_path
     if prepared is not None and prepared.exists() and not prepared.is_dir():
-        issues.append(ConfigIssue("data.dataset_prepared_path", f"'{prepared}' is a file; the prepared-data cache must be a directory"))
+        issues.append(
+            ConfigIssue("data.dataset_prepared_path", f"'{prepared}' is a file; the prepared-data cache must be a directory")
+        )
     resume = cfg.training.resume
     if isinstance(resume, Path) and not resume.is_dir():
         what = "is a file, not a checkpoint directory" if resume.exists() else "not found"

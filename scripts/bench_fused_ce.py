@@ -17,7 +17,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -110,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
-          f"H={args.hidden}, V={args.vocab}, bf16, chunk_tokens={args.chunk_tokens or 'default'}, "
-          f"median of {args.repeats} after {args.warmup} warm-up\n")
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
+        f"H={args.hidden}, V={args.vocab}, bf16, chunk_tokens={args.chunk_tokens or 'default'}, "
+        f"median of {args.repeats} after {args.warmup} warm-up\n"
+    )
     print("| tokens | head | variant | fwd+bwd ms | peak MiB above inputs | loss rel err | first call s |")
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     began = time.perf_counter()

@@ -73,7 +73,10 @@ def _lora_factors(peft_model: nn.Module, num_experts: int) -> tuple[dict, float]
         if hasattr(module, "parameter_name") and "default" in getattr(module, "lora_A", {}):
             a = module.lora_A["default"].weight
             b = module.lora_B["default"].weight
-            factors[module.parameter_name] = (a.view(num_experts, -1, a.shape[-1]), b.view(b.shape[0], -1, num_experts).permute(2, 0, 1))
+            factors[module.parameter_name] = (
+                a.view(num_experts, -1, a.shape[-1]),
+                b.view(b.shape[0], -1, num_experts).permute(2, 0, 1),
+            )
             scaling = module.scaling["default"]
     return factors, scaling
 
@@ -150,9 +153,19 @@ def _rows(model: str, tokens: int, rank: int):
             extra = biases(module)
 
             def step():
-                out = fn(h, top_i, top_w, module.gate_up_proj, module.down_proj, layout,
-                         extra.get("gate_up_bias"), extra.get("down_bias"),
-                         factors["gate_up_proj"], factors["down_proj"], scaling)
+                out = fn(
+                    h,
+                    top_i,
+                    top_w,
+                    module.gate_up_proj,
+                    module.down_proj,
+                    layout,
+                    extra.get("gate_up_bias"),
+                    extra.get("down_bias"),
+                    factors["gate_up_proj"],
+                    factors["down_proj"],
+                    scaling,
+                )
                 out.backward(grad)
                 return out
 
@@ -174,8 +187,16 @@ def _rows(model: str, tokens: int, rank: int):
                 for p in module.parameters():
                     p.grad = None
                 if hone:
-                    out = fn(h, top_i, top_w, module.gate_up_proj, module.down_proj, layout,
-                             extra.get("gate_up_bias"), extra.get("down_bias"))
+                    out = fn(
+                        h,
+                        top_i,
+                        top_w,
+                        module.gate_up_proj,
+                        module.down_proj,
+                        layout,
+                        extra.get("gate_up_bias"),
+                        extra.get("down_bias"),
+                    )
                 else:
                     out = module(h, top_i, top_w)
                 out.backward(grad)
@@ -207,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     hidden, inter, experts, k = MODELS[args.model]
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"{args.model} experts layer: H={hidden}, I={inter}, E={experts}, top-{k}, bf16, LoRA r{args.rank}; "
-          f"median of {args.repeats} after {args.warmup} warm-up\n")
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"{args.model} experts layer: H={hidden}, I={inter}, E={experts}, top-{k}, bf16, LoRA r{args.rank}; "
+        f"median of {args.repeats} after {args.warmup} warm-up\n"
+    )
     print("| tokens | group | variant | fwd+bwd ms | peak MiB above inputs | out rel err | first call s |")
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     began = time.perf_counter()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -77,14 +77,18 @@ def main() -> None:
         hone_layer = NF4Linear.from_linear(linear, device)
         ao_weight = to_nf4(linear.weight.detach(), 64, 256)
         bnb_layer = bnb.nn.Linear4bit(in_f, out_f, bias=False, compute_dtype=dtype, compress_statistics=True, quant_type="nf4")
-        bnb_layer.weight = bnb.nn.Params4bit(linear.weight.detach().cpu(), requires_grad=False, compress_statistics=True, quant_type="nf4")
+        bnb_layer.weight = bnb.nn.Params4bit(
+            linear.weight.detach().cpu(), requires_grad=False, compress_statistics=True, quant_type="nf4"
+        )
         bnb_layer = bnb_layer.to(device)
         exact = torch.equal(hone_layer.dequantize(), ao_weight.get_original_weight())
         x = torch.randn(args.tokens, in_f, device=device, dtype=dtype, requires_grad=True)
         variants: dict[str, dict[str, Callable[[], object]]] = {
             "bf16 nn.Linear": {"fwd": lambda: linear(x), "fwd+bwd": _fwd_bwd(linear, x)},
             "hone (Triton op)": {
-                "dequant": hone_layer.dequantize, "fwd": lambda: hone_layer(x), "fwd+bwd": _fwd_bwd(hone_layer, x),
+                "dequant": hone_layer.dequantize,
+                "fwd": lambda: hone_layer(x),
+                "fwd+bwd": _fwd_bwd(hone_layer, x),
             },
             "torchao NF4Tensor": {
                 "dequant": ao_weight.get_original_weight,
@@ -93,7 +97,8 @@ def main() -> None:
             },
             "bitsandbytes Linear4bit": {
                 "dequant": lambda: bnbf.dequantize_4bit(bnb_layer.weight.data, bnb_layer.weight.quant_state),
-                "fwd": lambda: bnb_layer(x), "fwd+bwd": _fwd_bwd(bnb_layer, x),
+                "fwd": lambda: bnb_layer(x),
+                "fwd+bwd": _fwd_bwd(bnb_layer, x),
             },
         }
         for variant, fns in variants.items():

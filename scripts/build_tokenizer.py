@@ -27,8 +27,8 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "hone" / "assets" / "tokenizer"
@@ -77,7 +77,7 @@ _TEMPLATES = [
     "Why does the {n1} {v} the {n2}?",
     "{A} {adj} {n1} and {num} {n2}s.",
     "In {year}, the {n1} was {adj}.",
-    "\"{A} {n1},\" she said, \"is {adj}.\"",
+    '"{A} {n1}," she said, "is {adj}."',
     "We {v} {num} {n2}s; the {n1} {v} {adv}!",
 ]
 

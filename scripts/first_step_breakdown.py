@@ -126,7 +126,16 @@ class _TritonWatch:
                 }
             )
         except Exception as exc:  # noqa: BLE001
-            self.autotunes.append({"kernel": f"(listener failed: {type(exc).__name__})", "key": [], "configs_timed": 0, "seconds": 0, "cache_hit": None, "best": ""})
+            self.autotunes.append(
+                {
+                    "kernel": f"(listener failed: {type(exc).__name__})",
+                    "key": [],
+                    "configs_timed": 0,
+                    "seconds": 0,
+                    "cache_hit": None,
+                    "best": "",
+                }
+            )
 
 
 def _metrics_since(start: int) -> list[Any]:
@@ -298,12 +307,22 @@ def main() -> None:
         "",
         "## hone kernel autotuning",
         "",
-        *(f"- {a['kernel']} key {a['key']}: {a['configs_timed']} configs, {a['seconds'] or 0:.2f} s{' (cache hit)' if a['cache_hit'] else ''}, best {a['best']}" for a in watch.autotunes),
+        *(
+            f"- {a['kernel']} key {a['key']}: {a['configs_timed']} configs, {a['seconds'] or 0:.2f} s{' (cache hit)' if a['cache_hit'] else ''}, best {a['best']}"
+            for a in watch.autotunes
+        ),
     ]
     try:
         from torch._dynamo.utils import compile_times
 
-        out += ["", "## torch._dynamo.utils.compile_times() (cumulative s)", "", "```", compile_times(repr="str", aggregate=True), "```"]
+        out += [
+            "",
+            "## torch._dynamo.utils.compile_times() (cumulative s)",
+            "",
+            "```",
+            compile_times(repr="str", aggregate=True),
+            "```",
+        ]
     except Exception as exc:  # noqa: BLE001 - a diagnostic; the rest is printed anyway
         out += [f"(compile_times unavailable: {exc})"]
     if profiler is not None:
@@ -313,10 +332,18 @@ def main() -> None:
         out += ["", "## cProfile of model build + first step (cumulative)", "", "```", buf.getvalue(), "```"]
     print("\n".join(out))
     if args.json:
-        args.json.write_text(json.dumps(
-                {"step_times_s": step_times, "totals_s": totals, "autotunes": watch.autotunes, "bypass": dict(bypass.reasons), "triton_compiles": {k: {"seconds": v, "constexprs": watch.variants[k]} for k, v in watch.compiles.items()}},
+        args.json.write_text(
+            json.dumps(
+                {
+                    "step_times_s": step_times,
+                    "totals_s": totals,
+                    "autotunes": watch.autotunes,
+                    "bypass": dict(bypass.reasons),
+                    "triton_compiles": {k: {"seconds": v, "constexprs": watch.variants[k]} for k, v in watch.compiles.items()},
+                },
                 indent=1,
-            ))
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ def frame_label(name: str) -> str:
 
 
 def host_stacks(events: list[dict]) -> tuple[list[float], list[dict]]:
-    frames = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation")), key=lambda e: e["ts"])
+    frames = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation")),
+        key=lambda e: e["ts"],
+    )
     return [f["ts"] for f in frames], frames
 
 

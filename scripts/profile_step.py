@@ -44,7 +44,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("profile.md"))
     p.add_argument("--trace", type=Path, default=None)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)")
+    p.add_argument(
+        "--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)"
+    )
     p.add_argument("--stacks", action="store_true", help="record Python stacks too (slows the host: for where, not how much)")
     args = p.parse_args()
 
@@ -61,7 +63,9 @@ def main() -> None:
                 "sequence_len": args.seq,
                 "micro_batch_size": args.mbs,
                 "gradient_accumulation_steps": args.accum,
-                "adapter": {"type": "none"} if args.full else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
+                "adapter": {"type": "none"}
+                if args.full
+                else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": args.targets.split(",")},
             },
             "conditions": [{"name": "hone", "set": {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.overrides)}}],
             "warmup_steps": args.warmup,
@@ -76,9 +80,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = work / "random.jsonl"
-        _write_random_dataset(data, random_batches(spec.workload, steps * args.accum * int(os.environ.get("WORLD_SIZE", "1")), id_limit, 0, torch.device("cpu")))
+        _write_random_dataset(
+            data,
+            random_batches(
+                spec.workload, steps * args.accum * int(os.environ.get("WORLD_SIZE", "1")), id_limit, 0, torch.device("cpu")
+            ),
+        )
         cfg = _hone_config(spec, cond, work, data)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], schedule=sched, with_stack=args.stacks) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+            schedule=sched,
+            with_stack=args.stacks,
+        ) as prof:
             run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -35,11 +35,19 @@ from hone.config.loader import apply_overrides
 from hone.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 def small_model(hidden: int = 512, layers: int = 8) -> dict[str, int]:
     """A small Qwen3 of width ``hidden`` (heads of 64, intermediate 3x): with ``hidden`` a multiple
     of 512 every linear layer is a multiple of NF4's 16,384-weight groups."""
-    return {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_hidden_layers": layers,
-            "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 128), "head_dim": 64}
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 128),
+        "head_dim": 64,
+    }
 
 
 SMALL = small_model()
@@ -49,8 +57,12 @@ BUILTIN_MODES = {"bf16": [], "nf4": ["model.quantize=nf4"]}
 def _raw(out_dir: Path, steps: int, seed: int, shape: dict[str, int] = SMALL) -> dict[str, Any]:
     return {
         "model": {"preset": "tiny-qwen3", "preset_overrides": shape, "dtype": "bfloat16"},
-        "data": {"datasets": [{"path": str(ROOT / "examples/data/chat_sample.jsonl"), "type": "chat"}],
-                 "sequence_len": 256, "val_set_size": 0.05, "dataset_prepared_path": str(out_dir / "prepared")},
+        "data": {
+            "datasets": [{"path": str(ROOT / "examples/data/chat_sample.jsonl"), "type": "chat"}],
+            "sequence_len": 256,
+            "val_set_size": 0.05,
+            "dataset_prepared_path": str(out_dir / "prepared"),
+        },
         "adapter": {"type": "lora", "lora_r": 32, "lora_alpha": 32, "lora_target_modules": "all-linear"},
         "training": {"max_steps": steps, "micro_batch_size": 16, "eval_steps": max(steps // 4, 1), "seed": seed},
         "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": max(steps // 20, 1)},
@@ -69,8 +81,13 @@ def _run(raw: dict[str, Any], overrides: list[str], output_dir: Path) -> dict[st
     result = run_training(cfg, console=Console(quiet=True))
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     torch._dynamo.reset()
-    return {"eval": result.last_eval_loss, "first_eval": result.first_eval_loss, "tok_s": result.tokens_per_s,
-            "peak_gib": peak, "final": result.final_dir}
+    return {
+        "eval": result.last_eval_loss,
+        "first_eval": result.first_eval_loss,
+        "tok_s": result.tokens_per_s,
+        "peak_gib": peak,
+        "final": result.final_dir,
+    }
 
 
 def _parse_mode(text: str) -> tuple[str, list[str]]:
@@ -89,7 +106,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these modes (bf16 always runs: it is the reference)")
     parser.add_argument("--out", type=Path, default=Path("runs/quant-convergence"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the small Qwen3 (a multiple of 512; 512 puts NF4 at +2.5%%)")
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="width of the small Qwen3 (a multiple of 512; 512 puts NF4 at +2.5%%)"
+    )
     parser.add_argument("--layers", type=int, default=8, help="its decoder layers")
     args = parser.parse_args()
     if args.hidden % 512:
@@ -125,7 +144,9 @@ def main() -> None:
 
     ref = results.get("bf16", {}).get("eval")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n")
+    print(
+        f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n"
+    )
     print("| mode | overrides | final eval loss | rel. diff vs bf16 | tok/s | peak GiB |")
     print("|---|---|---:|---:|---:|---:|")
     for name, r in results.items():

@@ -110,7 +110,11 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
         row.update(status="timeout", error=f"no result after {spec.timeout_s:.0f} s")
-        row["log_tail"] = (exc.stderr or b"")[-_TAIL:].decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-_TAIL:]
+        row["log_tail"] = (
+            (exc.stderr or b"")[-_TAIL:].decode(errors="replace")
+            if isinstance(exc.stderr, bytes)
+            else (exc.stderr or "")[-_TAIL:]
+        )
         row["wall_s"] = round(time.perf_counter() - started, 1)
         return row
     row["wall_s"] = round(time.perf_counter() - started, 1)
@@ -145,7 +149,10 @@ def environment() -> dict[str, Any]:
 
 
 def record_row(
-    row: dict[str, Any], env: dict[str, Any], rows: list[dict[str, Any]], results: Path,
+    row: dict[str, Any],
+    env: dict[str, Any],
+    rows: list[dict[str, Any]],
+    results: Path,
     on_row: Callable[[dict[str, Any]], None] | None,
 ) -> None:
     """Keep ``row`` (with the environment) and append it to ``results`` at once: a bench cut

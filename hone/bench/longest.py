@@ -134,7 +134,9 @@ def _one_decimal(value: Any) -> str:
     return "" if value is None else f"{value:.1f}"
 
 
-def lengths_markdown(spec: BenchSpec, rows: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None) -> str:
+def lengths_markdown(
+    spec: BenchSpec, rows: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None
+) -> str:
     """The table of a ``longest``/``lengths`` run: per condition and length, the outcome, ms per
     step, tok/s (and its share of the condition's shortest completed length's), peak GPU memory
     (measured and estimated) and peak host memory; for ``longest``, the longest per condition."""
@@ -167,12 +169,17 @@ def lengths_markdown(spec: BenchSpec, rows: list[dict[str, Any]], env: dict[str,
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for condition in spec.conditions:
-        mine = sorted((r for r in rows if r["condition"] == condition.name and r.get("status") != "summary"), key=lambda r: r["sequence_len"])
+        mine = sorted(
+            (r for r in rows if r["condition"] == condition.name and r.get("status") != "summary"),
+            key=lambda r: r["sequence_len"],
+        )
         ok = [r for r in mine if r.get("status") == "ok"]
         base = ok[0]["tokens_per_s"] if ok else None
         for r in mine:
             if r.get("status") != "ok":
-                lines.append(f"| {condition.name} | {r['sequence_len']:,} | {r.get('status')}: {r.get('error', '')} |  |  |  |  |  |  |")
+                lines.append(
+                    f"| {condition.name} | {r['sequence_len']:,} | {r.get('status')}: {r.get('error', '')} |  |  |  |  |  |  |"
+                )
                 continue
             share = f"{100 * r['tokens_per_s'] / base:.0f}%" if base else ""
             lines.append(

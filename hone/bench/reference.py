@@ -61,10 +61,16 @@ def build_qlora_reference_model(config: object, dtype: str, device: torch.device
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and child is not head:
                 quantized = bnb.nn.Linear4bit(
-                    child.in_features, child.out_features, bias=child.bias is not None,
-                    compute_dtype=compute, compress_statistics=True, quant_type="nf4",
+                    child.in_features,
+                    child.out_features,
+                    bias=child.bias is not None,
+                    compute_dtype=compute,
+                    compress_statistics=True,
+                    quant_type="nf4",
                 )
-                quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+                quantized.weight = bnb.nn.Params4bit(
+                    child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+                )
                 if child.bias is not None:
                     quantized.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 setattr(parent, name, quantized.to(device))  # quantized on the way to the GPU

@@ -14,9 +14,31 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
     for condition in spec.conditions:
         mine = [r for r in rows if r["condition"] == condition.name]
         ok = [r for r in mine if r.get("status") == "ok"]
-        entry: dict[str, Any] = {"condition": condition.name, "kind": condition.reference or "hone", "runs": len(mine), "ok": len(ok)}
+        entry: dict[str, Any] = {
+            "condition": condition.name,
+            "kind": condition.reference or "hone",
+            "runs": len(mine),
+            "ok": len(ok),
+        }
         if ok:
-            for key in ("median_ms", "min_ms", "max_ms", "first_step_s", "tokens_per_s", "trained_tokens_per_s", "peak_alloc_gib", "estimated_peak_gib", "peak_reserved_gib", "peak_host_gib", "mfu_pct", "final_loss", "packing_efficiency", "trained_tokens_per_s_at_median", "tokens_per_s_per_gpu", "scaling"):
+            for key in (
+                "median_ms",
+                "min_ms",
+                "max_ms",
+                "first_step_s",
+                "tokens_per_s",
+                "trained_tokens_per_s",
+                "peak_alloc_gib",
+                "estimated_peak_gib",
+                "peak_reserved_gib",
+                "peak_host_gib",
+                "mfu_pct",
+                "final_loss",
+                "packing_efficiency",
+                "trained_tokens_per_s_at_median",
+                "tokens_per_s_per_gpu",
+                "scaling",
+            ):
                 values = [r[key] for r in ok if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
@@ -58,13 +80,17 @@ def _provenance(env: dict[str, Any] | None, command: str | None) -> list[str]:
     """The card, the versions and the command: what a reader needs to reproduce a table."""
     lines = []
     if env:
-        lines.append(f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}.")
+        lines.append(
+            f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}."
+        )
     if command:
         lines += ["", f"Command: `{command}`"]
     return lines
 
 
-def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None) -> str:
+def markdown_table(
+    spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None = None, command: str | None = None
+) -> str:
     w = spec.workload
     if w.data == "lengths":
         return _lengths_table(spec, summary, env, command)
@@ -87,7 +113,9 @@ def markdown_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if multi else ""),
     ]
     if multi:
-        lines.insert(4, "Multi-GPU rows: tok/s is the total over the ranks, ms/step the slowest rank's, peak memory the fullest rank's.")
+        lines.insert(
+            4, "Multi-GPU rows: tok/s is the total over the ranks, ms/step the slowest rank's, peak memory the fullest rank's."
+        )
     for s in summary:
         if not s["ok"]:
             lines.append(f"| {s['condition']} | {s['status']}: {s['error']} | | | | | | | | |")

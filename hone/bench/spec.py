@@ -107,7 +107,10 @@ class Condition(Section):
     @property
     def overrides(self) -> list[str]:
         """``set`` as ``--set``-style strings (values dumped as YAML)."""
-        return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}" for key, value in self.set.items()]
+        return [
+            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, value in self.set.items()
+        ]
 
 
 class LongestSearch(Section):

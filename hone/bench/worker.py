@@ -150,8 +150,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
 
         run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
-        from hone.transforms.allocator import configure_allocator
         from hone.train.run import run_training
+        from hone.transforms.allocator import configure_allocator
 
         with tempfile.TemporaryDirectory(prefix="hone-bench-") as tmp:
             workdir = Path(tmp)
@@ -163,7 +163,9 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
                 lengths = write_length_mix(data_file, w, id_limit, spec.seed)
                 attention_len = attention_span(lengths)
             else:
-                _write_random_dataset(data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu))  # every rank reads its own part
+                _write_random_dataset(
+                    data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu)
+                )  # every rank reads its own part
             cfg = _hone_config(spec, condition, workdir, data_file)
             configure_allocator(cfg, device.type)  # as hone train does, before CUDA starts
             estimated_gib = _estimated_peak_gib(cfg, device)
@@ -275,12 +277,14 @@ def main(argv: list[str]) -> int:
     condition = next(c for c in spec.conditions if c.name == condition_name)
     cache = compile_cache_dir(condition, Path(spec_file))
     use_compile_cache(cache)
-    from hone.train.distributed import close_world, init_world
     from hone.runtime.world import world_from_env
+    from hone.train.distributed import close_world, init_world
 
     world = world_from_env()  # torchrun's, for an nproc > 1 condition
     if world.distributed:
-        init_world("cuda" if torch.cuda.is_available() else "cpu", cpu_collectives=bool(condition.set.get("distributed.cpu_offload")))
+        init_world(
+            "cuda" if torch.cuda.is_available() else "cpu", cpu_collectives=bool(condition.set.get("distributed.cpu_offload"))
+        )
         result_file = str(Path(result_file).with_name(f"{Path(result_file).stem}.rank{world.rank}.json"))
     try:
         row = run_condition(spec, condition, int(replicate), world.world_size)

@@ -5,7 +5,7 @@ key that belongs to another format is an error instead of being ignored).
 """
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -99,7 +99,7 @@ class PretokenizedDataset(_DatasetBase):
 
 
 DatasetConfig = Annotated[
-    Union[AlpacaDataset, ChatDataset, CompletionDataset, PretokenizedDataset],
+    AlpacaDataset | ChatDataset | CompletionDataset | PretokenizedDataset,
     Field(discriminator="type"),
 ]
 DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")

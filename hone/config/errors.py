@@ -191,7 +191,9 @@ def other_variant_message(root: type[BaseModel], holders: list[type[BaseModel]],
     owners = [
         tag
         for model in _all_models(root)
-        if (tag := _tag_of(model)) is not None and tag != tags[0] and key in model.model_fields
+        if (tag := _tag_of(model)) is not None
+        and tag != tags[0]
+        and key in model.model_fields
         and any(issubclass(model, b) for b in base[:1])
     ]
     if not owners:
@@ -252,9 +254,7 @@ def describe_error(err: dict[str, Any]) -> str:
     return f"{err['msg']} (got {_show(value)})"
 
 
-def issues_from_validation(
-    root: type[BaseModel], exc: ValidationError, lines: dict[tuple[Any, ...], int]
-) -> list[ConfigIssue]:
+def issues_from_validation(root: type[BaseModel], exc: ValidationError, lines: dict[tuple[Any, ...], int]) -> list[ConfigIssue]:
     """Every error of ``exc`` as a :class:`ConfigIssue`; union-branch duplicates merged."""
     grouped: dict[tuple[Any, ...], list[str]] = {}
     for err in exc.errors(include_url=False):

@@ -42,9 +42,7 @@ def _collect_lines(node: yaml.Node, path: tuple[Any, ...], lines: Lines, issues:
             key = key_node.value
             line = key_node.start_mark.line + 1
             if key in seen:
-                issues.append(
-                    ConfigIssue(format_path((*path, key)), f"duplicate key (first set on line {seen[key]})", line)
-                )
+                issues.append(ConfigIssue(format_path((*path, key)), f"duplicate key (first set on line {seen[key]})", line))
             seen[key] = line
             _collect_lines(value_node, (*path, key), lines, issues)
             lines[(*path, key)] = line
@@ -79,7 +77,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             else:
                 target = target.setdefault(part, {})
                 if not isinstance(target, (dict, list)):
-                    issues.append(ConfigIssue(format_path(tuple(parts[: depth + 1])), "is not a section, cannot set a key inside it"))
+                    issues.append(
+                        ConfigIssue(format_path(tuple(parts[: depth + 1])), "is not a section, cannot set a key inside it")
+                    )
                     break
         else:
             last = parts[-1]

@@ -196,8 +196,7 @@ class MemoryConfig(Section):
         if self.gradient_checkpointing is None:
             return None
         return (
-            "memory.gradient_checkpointing is an alias of memory.activation_checkpointing: "
-            f"{_ALIAS[self.gradient_checkpointing]}"
+            f"memory.gradient_checkpointing is an alias of memory.activation_checkpointing: {_ALIAS[self.gradient_checkpointing]}"
         )
 
 

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from hone.config.base import Section
 from hone.config.attention import BACKENDS, AttentionBackend
+from hone.config.base import Section
 
 #: Architecture presets built with random weights (``hone.models.presets`` builds them).
 #: ``tiny-*`` run on a laptop CPU; the others match real architectures for benchmarking.
@@ -104,7 +104,9 @@ class ModelConfig(Section):
                 "(a random-init architecture such as tiny-llama)"
             )
         if self.allow_download and self.path is None and self.tokenizer_path is None:
-            raise ValueError("model.allow_download applies to a model id in model.path or model.tokenizer_path; remove it for presets")
+            raise ValueError(
+                "model.allow_download applies to a model id in model.path or model.tokenizer_path; remove it for presets"
+            )
         if self.preset_overrides and self.preset is None:
             raise ValueError("model.preset_overrides only applies together with model.preset")
         backend = self.attention

@@ -126,14 +126,18 @@ class PerformanceConfig(Section):
         if self.torch_compile is False:
             # Values that differ from their defaults: a resolved config (every key written out)
             # loads back as written.
-            stray = [k for k in _COMPILE_KEYS if getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
+            stray = [
+                k for k in _COMPILE_KEYS if getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)
+            ]
             if stray:
                 raise ValueError(
                     f"{', '.join(stray)} only apply when compiling but performance.torch_compile is false: "
                     "set torch_compile: true (or auto), or remove them"
                 )
         if self.fp8 == "off":
-            stray = [f"{k}: {getattr(self, k)}" for k in _FP8_KEYS if getattr(self, k) != type(self).model_fields[k].get_default()]
+            stray = [
+                f"{k}: {getattr(self, k)}" for k in _FP8_KEYS if getattr(self, k) != type(self).model_fields[k].get_default()
+            ]
             if stray:
                 raise ValueError(
                     f"{', '.join(stray)} only applies with fp8 on but performance.fp8 is off: "

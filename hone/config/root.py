@@ -5,8 +5,8 @@ from pydantic import Field, model_validator
 from hone.config.adapter import AdapterConfig
 from hone.config.base import Section
 from hone.config.data import DataConfig
-from hone.config.logging import LoggingConfig
 from hone.config.distributed import DistributedConfig
+from hone.config.logging import LoggingConfig
 from hone.config.memory import MemoryConfig
 from hone.config.model import ModelConfig
 from hone.config.optimizer import OptimizerConfig

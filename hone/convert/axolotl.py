@@ -12,9 +12,10 @@ behaviour. Keys that hone does not need because it does the same thing on its ow
 notes, not as untranslated.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -275,7 +276,12 @@ def _attention(r: _Reader, model: dict[str, Any]) -> None:
             chosen = direct
         else:
             r.untranslated.append(Untranslated("attn_implementation", f"'{direct}' is not one of hone's: {', '.join(BACKENDS)}"))
-    flags = (("flex_attention", "flex_attention"), ("flash_attention", "flash_attention_2"), ("sdp_attention", "sdpa"), ("eager_attention", "eager"))
+    flags = (
+        ("flex_attention", "flex_attention"),
+        ("flash_attention", "flash_attention_2"),
+        ("sdp_attention", "sdpa"),
+        ("eager_attention", "eager"),
+    )
     for key, backend in flags:
         if r.take(key) is True and chosen is None:
             chosen = backend
@@ -311,7 +317,9 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
             ds_type = path
         path = data_files
     elif data_files is not None:
-        ds.untranslated.append(Untranslated(ds.name("data_files"), "several files in one entry: give each file its own dataset entry"))
+        ds.untranslated.append(
+            Untranslated(ds.name("data_files"), "several files in one entry: give each file its own dataset entry")
+        )
     if path is None:
         entry["path"] = "MISSING.jsonl"
         ds.untranslated.append(Untranslated(ds.name("path"), "no path: set data.datasets[].path to a local file"))
@@ -325,7 +333,9 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
             entry["file_format"] = formats[ds_type]
         return
     if ds_type is not None:
-        ds.untranslated.append(Untranslated(ds.name("ds_type"), f"'{ds_type}' is not a file format hone reads (json, jsonl, parquet, csv, arrow)"))
+        ds.untranslated.append(
+            Untranslated(ds.name("ds_type"), f"'{ds_type}' is not a file format hone reads (json, jsonl, parquet, csv, arrow)")
+        )
     if suffix in SUFFIX_FORMATS:
         entry["path"] = text
         return
@@ -348,7 +358,9 @@ def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, c
     role = mapping.pop("role", None) or ds.take("message_field_role") or role
     content = mapping.pop("content", None) or ds.take("message_field_content") or content
     if mapping:
-        ds.untranslated.append(Untranslated(ds.name("message_property_mappings"), f"only role and content map; not {', '.join(mapping)}"))
+        ds.untranslated.append(
+            Untranslated(ds.name("message_property_mappings"), f"only role and content map; not {', '.join(mapping)}")
+        )
     if role != "role":
         entry["field_role"] = role
     if content != "content":
@@ -368,8 +380,14 @@ def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, c
     train_on = ds.take("roles_to_train")
     if train_on:
         entry["train_on"] = list(train_on)
-    ds.drop("train_on_eos", "hone trains the tokens the template renders for each trained role's turn; the EOS policy is not a setting")
-    ds.drop("train_on_eot", "hone trains the tokens the template renders for each trained role's turn; the EOT policy is not a setting")
+    ds.drop(
+        "train_on_eos",
+        "hone trains the tokens the template renders for each trained role's turn; the EOS policy is not a setting",
+    )
+    ds.drop(
+        "train_on_eot",
+        "hone trains the tokens the template renders for each trained role's turn; the EOT policy is not a setting",
+    )
     ds.drop("message_field_training", "hone picks trained turns by role (train_on), not per message")
     ds.drop("message_field_training_detail", "hone picks trained turns by role (train_on), not per message")
     ds.drop("drop_system_message", "hone renders every message of a row")
@@ -403,11 +421,17 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[di
         entry["field_messages"] = "conversations"
         entry["role_map"] = {"human": "user", "gpt": "assistant"}
         _chat_fields(ds, entry, "conversations", "from", "value")
-        ds.drop("conversation", "hone renders chats with the tokenizer's template or data.chat_template (Jinja), not FastChat conversation names")
+        ds.drop(
+            "conversation",
+            "hone renders chats with the tokenizer's template or data.chat_template (Jinja), not FastChat conversation names",
+        )
     else:
         shown = kind if isinstance(kind, str) else "a custom format mapping"
         ds.untranslated.append(
-            Untranslated(f"{group}[{index}]", f"type {shown!r} has no hone dataset type (hone has: alpaca, chat, completion, pretokenized); the entry is left out")
+            Untranslated(
+                f"{group}[{index}]",
+                f"type {shown!r} has no hone dataset type (hone has: alpaca, chat, completion, pretokenized); the entry is left out",
+            )
         )
         ds.left.clear()
         return None, ds
@@ -485,10 +509,20 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
 def _adapter(r: _Reader, adapter: dict[str, Any]) -> str | None:
     """LoRA settings; returns Axolotl's adapter kind (``qlora`` decides the base's quantization later)."""
     kind = r.take("adapter")
-    lora_keys = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear", "lora_modules_to_save", "peft_use_rslora")
+    lora_keys = (
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
+        "lora_target_linear",
+        "lora_modules_to_save",
+        "peft_use_rslora",
+    )
     if kind not in ("lora", "qlora"):
         if kind is not None:
-            r.untranslated.append(Untranslated("adapter", f"'{kind}' is not an adapter hone has (lora, or none for a full fine-tune)"))
+            r.untranslated.append(
+                Untranslated("adapter", f"'{kind}' is not an adapter hone has (lora, or none for a full fine-tune)")
+            )
         adapter["type"] = "none"
         for key in lora_keys:
             r.drop(key, "LoRA settings, but no LoRA adapter is set (a full fine-tune)")
@@ -512,9 +546,8 @@ def _adapter(r: _Reader, adapter: dict[str, Any]) -> str | None:
     if r.take("peft_use_rslora") is True:
         adapter["use_rslora"] = True
 
-
-# ----------------------------------------------------------------------------------------------
-# training, optimizer
+    # ----------------------------------------------------------------------------------------------
+    # training, optimizer
     return kind
 
 
@@ -525,7 +558,9 @@ def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distribut
     four = r.take("load_in_4bit") is True
     bnb = r.take("bnb_config_kwargs") or {}
     if four and kind not in ("lora", "qlora"):
-        r.untranslated.append(Untranslated("load_in_4bit", "a 4-bit base trains only under LoRA (QLoRA); this full fine-tune loads in model.dtype"))
+        r.untranslated.append(
+            Untranslated("load_in_4bit", "a 4-bit base trains only under LoRA (QLoRA); this full fine-tune loads in model.dtype")
+        )
     if not (kind == "qlora" or (four and kind == "lora")):
         if bnb:
             r.untranslated.append(Untranslated("bnb_config_kwargs", "no 4-bit base in this config"))
@@ -533,15 +568,22 @@ def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distribut
     quant_type = str(bnb.get("bnb_4bit_quant_type", "nf4"))
     others = sorted(k for k in bnb if k not in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"))
     if quant_type != "nf4" or others or bnb.get("bnb_4bit_use_double_quant") is False:
-        r.untranslated.append(Untranslated(
-            "bnb_config_kwargs", "hone's 4-bit base is NF4 with double-quantized scales, computing in model.dtype; other bitsandbytes settings do not apply"))
+        r.untranslated.append(
+            Untranslated(
+                "bnb_config_kwargs",
+                "hone's 4-bit base is NF4 with double-quantized scales, computing in model.dtype; other bitsandbytes settings do not apply",
+            )
+        )
     if distributed.get("strategy") == "fsdp":
         r.notes.append(
             "adapter: qlora with FSDP -> adapter.type: lora on a base in model.dtype: hone does not shard a 4-bit "
-            "base (for QLoRA on several GPUs use distributed.strategy: ddp with model.quantize: nf4)")
+            "base (for QLoRA on several GPUs use distributed.strategy: ddp with model.quantize: nf4)"
+        )
         return
     model["quantize"] = "nf4"
-    r.notes.append("adapter: qlora -> adapter.type: lora with model.quantize: nf4 (torchao's NF4, double-quantized scales; pip install 'hone[quant]')")
+    r.notes.append(
+        "adapter: qlora -> adapter.type: lora with model.quantize: nf4 (torchao's NF4, double-quantized scales; pip install 'hone[quant]')"
+    )
 
 
 def _text_fields(r: _Reader, names: dict[str, str]) -> dict[str, Any]:
@@ -565,7 +607,9 @@ def _trackers(r: _Reader, logging: dict[str, Any]) -> None:
     if (use_wandb is True or "project" in wandb) and use_wandb is not False and mode != "disabled":
         trackers.append("wandb")
         logging["wandb"] = wandb
-    mlflow = _text_fields(r, {"mlflow_tracking_uri": "tracking_uri", "mlflow_experiment_name": "experiment", "mlflow_run_name": "run_name"})
+    mlflow = _text_fields(
+        r, {"mlflow_tracking_uri": "tracking_uri", "mlflow_experiment_name": "experiment", "mlflow_run_name": "run_name"}
+    )
     use_mlflow = r.take("use_mlflow")
     if (use_mlflow is True or "tracking_uri" in mlflow) and use_mlflow is not False:
         trackers.append("mlflow")
@@ -613,7 +657,10 @@ def _optimizer(r: _Reader, optimizer: dict[str, Any]) -> None:
     name = r.take("optimizer")
     if name is not None and name not in _OPTIMIZERS_ADAMW:
         r.untranslated.append(
-            Untranslated("optimizer", f"'{name}' is not an optimizer hone has; optimizer.name: adamw (32-bit states, fused on CUDA) is used")
+            Untranslated(
+                "optimizer",
+                f"'{name}' is not an optimizer hone has; optimizer.name: adamw (32-bit states, fused on CUDA) is used",
+            )
         )
     r.number("learning_rate", optimizer, "learning_rate")
     r.number("weight_decay", optimizer, "weight_decay")
@@ -650,7 +697,9 @@ def _memory(r: _Reader, memory: dict[str, Any]) -> None:
         if checkpointing == "offload_disk":
             r.notes.append("gradient_checkpointing: offload_disk -> offload (hone offloads to pinned host memory, not disk)")
     elif checkpointing not in (None, False):
-        r.untranslated.append(Untranslated("gradient_checkpointing", f"'{checkpointing}' is not a checkpointing mode hone knows (true, offload)"))
+        r.untranslated.append(
+            Untranslated("gradient_checkpointing", f"'{checkpointing}' is not a checkpointing mode hone knows (true, offload)")
+        )
         policy = "none"
     else:
         policy = "none"
@@ -670,12 +719,17 @@ def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None
             if backend != "inductor":
                 performance["torch_compile_backend"] = backend
         elif backend is not None:
-            r.untranslated.append(Untranslated("torch_compile_backend", f"'{backend}' is not a backend hone has (inductor, aot_eager, eager)"))
+            r.untranslated.append(
+                Untranslated("torch_compile_backend", f"'{backend}' is not a backend hone has (inductor, aot_eager, eager)")
+            )
         mode = r.take("torch_compile_mode")
         if mode in COMPILE_MODES:
             if COMPILE_MODES[mode] and packing:
                 r.untranslated.append(
-                    Untranslated("torch_compile_mode", f"'{mode}' uses CUDA graphs, which need fixed shapes; packed batches vary (hone refuses the two together)")
+                    Untranslated(
+                        "torch_compile_mode",
+                        f"'{mode}' uses CUDA graphs, which need fixed shapes; packed batches vary (hone refuses the two together)",
+                    )
                 )
             elif mode != "default":
                 performance["torch_compile_mode"] = mode
@@ -685,7 +739,9 @@ def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None
         kept = {k: v for k, v in options.items() if k in INDUCTOR_OPTIONS and type(v) is INDUCTOR_OPTIONS[k]}
         for key in options:
             if key not in kept:
-                r.untranslated.append(Untranslated(f"torch_compile_options.{key}", "not an Inductor option hone allows (see docs/compile.md)"))
+                r.untranslated.append(
+                    Untranslated(f"torch_compile_options.{key}", "not an Inductor option hone allows (see docs/compile.md)")
+                )
         if kept:
             performance["torch_compile_options"] = kept
     else:
@@ -694,7 +750,9 @@ def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None
     fused_loss = [k for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy") if r.take(k) is True]
     if fused_loss:
         performance["loss"] = "fused_linear_ce"
-        r.notes.append(f"{', '.join(fused_loss)} -> performance.loss: fused_linear_ce (hone's chunked loss, no [tokens x vocab] logits)")
+        r.notes.append(
+            f"{', '.join(fused_loss)} -> performance.loss: fused_linear_ce (hone's chunked loss, no [tokens x vocab] logits)"
+        )
     plugins = r.left.get("plugins")
     if isinstance(plugins, list):
         rest = [p for p in plugins if not any(s in str(p) for s in ("CutCrossEntropy", "LigerPlugin"))]
@@ -724,7 +782,14 @@ def _distributed(r: _Reader, distributed: dict[str, Any]) -> None:
         if reshard is False or (isinstance(fsdp, list) and "shard_grad_op" in fsdp):
             distributed["reshard_after_forward"] = False
         handled = {"offload_params", "reshard_after_forward"}
-        quiet = {"auto_wrap_policy", "transformer_layer_cls_to_wrap", "version", "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading"}
+        quiet = {
+            "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap",
+            "version",
+            "use_orig_params",
+            "sync_module_states",
+            "cpu_ram_efficient_loading",
+        }
         for key, value in config.items():
             bare = key.removeprefix("fsdp_")
             if bare in handled:
@@ -732,9 +797,18 @@ def _distributed(r: _Reader, distributed: dict[str, Any]) -> None:
             if bare in quiet:
                 r.notes.append(f"fsdp_config.{key}: not needed (hone shards each decoder layer and the root with FSDP2)")
             elif not _asks_nothing(value):
-                r.untranslated.append(Untranslated(f"fsdp_config.{key}", "hone's FSDP2 takes only cpu_offload and reshard_after_forward (distributed section)"))
+                r.untranslated.append(
+                    Untranslated(
+                        f"fsdp_config.{key}",
+                        "hone's FSDP2 takes only cpu_offload and reshard_after_forward (distributed section)",
+                    )
+                )
     deepspeed = r.left.get("deepspeed")
-    if isinstance(deepspeed, str) and "zero3" in deepspeed.replace("_", "").replace("-", "").lower() and "strategy" not in distributed:
+    if (
+        isinstance(deepspeed, str)
+        and "zero3" in deepspeed.replace("_", "").replace("-", "").lower()
+        and "strategy" not in distributed
+    ):
         r.take("deepspeed")
         distributed["strategy"] = "fsdp"
         if "offload" in deepspeed.lower():

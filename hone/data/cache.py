@@ -35,13 +35,14 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hone.atomic import atomic_write_text
-from hone.config.root import HoneConfig
 from hone.config.data import DataConfig
+from hone.config.root import HoneConfig
 from hone.data.errors import DataError
 
 #: Bump when the encoding of rows changes (labels, EOS, columns, dtypes), to invalidate caches.
@@ -162,7 +163,9 @@ def key_inputs(cfg: HoneConfig, tokenizer: Any, hasher: FileHasher) -> dict[str,
         "code": code_fingerprint(),
         "datasets": [dataset(d) for d in data.datasets],
         "test_datasets": [dataset(d) for d in data.test_datasets],
-        "options": data.model_dump(mode="json", exclude={"datasets", "test_datasets", "num_proc", "dataset_prepared_path", "allow_longer_than_model"}),
+        "options": data.model_dump(
+            mode="json", exclude={"datasets", "test_datasets", "num_proc", "dataset_prepared_path", "allow_longer_than_model"}
+        ),
         "seed": cfg.training.seed,
         "tokenizer": tokenizer_fingerprint(tokenizer),
     }

@@ -123,7 +123,9 @@ class ChatFormat(RowFormat):
         out = []
         for number, message in enumerate(raw, start=1):
             if not isinstance(message, dict):
-                raise RowProblem(f"message {number} is {describe(message)} (expected an object with '{cfg.field_role}' and '{cfg.field_content}')")
+                raise RowProblem(
+                    f"message {number} is {describe(message)} (expected an object with '{cfg.field_role}' and '{cfg.field_content}')"
+                )
             role = message.get(cfg.field_role)
             if not isinstance(role, str):
                 raise RowProblem(f"message {number}: '{cfg.field_role}' is {describe(role)} (expected a string)")

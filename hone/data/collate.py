@@ -149,9 +149,7 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBa
     )
 
 
-def collate_packed(
-    bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int
-) -> MicroBatch:
+def collate_packed(bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int) -> MicroBatch:
     """One packed micro-batch of ``len(bins)`` rows, each ``width`` tokens wide.
 
     ``bins[i]`` are the documents (rows with ``input_ids`` and ``labels``) packed into row ``i``.

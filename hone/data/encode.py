@@ -46,7 +46,9 @@ ENCODED_FEATURES = Features(
 )
 
 
-def labels_from_offsets(row: TextRow, ids: list[int], offsets: list[tuple[int, int]], eos_id: int | None) -> tuple[list[int], list[int]]:
+def labels_from_offsets(
+    row: TextRow, ids: list[int], offsets: list[tuple[int, int]], eos_id: int | None
+) -> tuple[list[int], list[int]]:
     """Label every token that overlaps a trained span; append (and train) EOS.
 
     Overlap, not containment: a template whose reply header ends in a space (``Assistant: ``)
@@ -72,9 +74,7 @@ def labels_from_offsets(row: TextRow, ids: list[int], offsets: list[tuple[int, i
     if row.span_names is not None:
         for name, count in zip(row.span_names, per_span):
             if count == 0:
-                raise TemplateProblem(
-                    f"{name} is rendered but covers no token; the chat template must separate turns"
-                )
+                raise TemplateProblem(f"{name} is rendered but covers no token; the chat template must separate turns")
     if row.append_eos:
         if ids and ids[-1] == eos_id and offsets and offsets[-1][0] == offsets[-1][1]:
             labels[-1] = eos_id  # the tokenizer's post-processor already appended it
@@ -152,7 +152,16 @@ class RowEncoder:
         return out
 
     @staticmethod
-    def _emit(out: dict[str, list[Any]], ids: list[int], labels: list[int], length: int, n_trained: int, truncated: bool, status: int, problem: str) -> None:
+    def _emit(
+        out: dict[str, list[Any]],
+        ids: list[int],
+        labels: list[int],
+        length: int,
+        n_trained: int,
+        truncated: bool,
+        status: int,
+        problem: str,
+    ) -> None:
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["length"].append(length)

@@ -65,7 +65,7 @@ def local_data_file(path: Path, key: str) -> Path:
     )
 
 
-def with_cached_data_files(cfg: "HoneConfig") -> "HoneConfig":
+def with_cached_data_files(cfg: HoneConfig) -> HoneConfig:
     """``cfg`` with every ``hf://datasets/...`` entry pointing at its cached file (the same
     config object when there is none)."""
     updates = {}

@@ -142,7 +142,7 @@ def row_lengths(dataset: Any) -> np.ndarray:
     return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
 
 
-def split_packing(lengths: np.ndarray, cfg: "HoneConfig", split: str) -> Packing | None:
+def split_packing(lengths: np.ndarray, cfg: HoneConfig, split: str) -> Packing | None:
     """Bins for a split of rows of ``lengths`` tokens as ``cfg`` asks, or None when that split
     is not packed. Training rows are shuffled by ``training.seed`` and packed in groups of
     ``data.sample_packing_group_size``; eval rows are packed in their order, in one group (the
@@ -159,7 +159,7 @@ def split_packing(lengths: np.ndarray, cfg: "HoneConfig", split: str) -> Packing
     return pack(lengths, data.sequence_len, 0, max(1, len(lengths)), shuffle=False)
 
 
-def packing_for(dataset: Any, cfg: "HoneConfig", split: str) -> Packing | None:
+def packing_for(dataset: Any, cfg: HoneConfig, split: str) -> Packing | None:
     """The bins of ``split`` (``dataset``'s rows) under ``cfg``, or None when it is not packed.
 
     A split read from the prepared-data cache gets the bins saved beside it (packed and saved on

@@ -30,8 +30,8 @@ from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.data import mix
 from hone.data.cache import (
-    FileHasher,
     INDEX_NAME,
+    FileHasher,
     cache_root,
     discard,
     key_inputs,
@@ -40,13 +40,13 @@ from hone.data.cache import (
     staging_dir,
 )
 from hone.data.encode import (
+    ENCODED_FEATURES,
     STATUS_BAD_ROW,
     STATUS_NO_TRAINED,
     STATUS_OK,
     STATUS_TEMPLATE,
     STATUS_TOO_LONG,
     RowEncoder,
-    ENCODED_FEATURES,
 )
 from hone.data.errors import DataError, at_row
 from hone.data.formats import Source
@@ -301,7 +301,9 @@ def _nothing_left(path: Path, key: str, stats: SourceStats, sequence_len: int) -
     return f"{path}: no usable rows ({key}): {stats.rows_read} rows read; " + "; ".join(reasons)
 
 
-def _write_split(parts: list[_Encoded], selections: list[np.ndarray], seed: int, split_index: int, out: Path, sources: list[SourceStats]) -> SplitStats:
+def _write_split(
+    parts: list[_Encoded], selections: list[np.ndarray], seed: int, split_index: int, out: Path, sources: list[SourceStats]
+) -> SplitStats:
     """Concatenate the selected rows of every part, shuffle, save; return the split's stats."""
     offsets = np.cumsum([0] + [len(p.dataset) for p in parts[:-1]])
     order = np.concatenate([offset + rows for offset, rows in zip(offsets, selections)]).astype(np.int64)

@@ -67,7 +67,7 @@ class SplitStats:
         return self.tokens / self.rows if self.rows else 0.0
 
     @classmethod
-    def from_arrays(cls, lengths: np.ndarray, trained: np.ndarray, sources: list[SourceStats]) -> "SplitStats":
+    def from_arrays(cls, lengths: np.ndarray, trained: np.ndarray, sources: list[SourceStats]) -> SplitStats:
         """Statistics of a split from its rows' lengths and trained-token counts."""
         return cls(
             rows=int(len(lengths)),
@@ -95,7 +95,7 @@ class DataStats:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "DataStats":
+    def from_json(cls, text: str) -> DataStats:
         raw = json.loads(text)
 
         def split(data: dict[str, Any] | None) -> SplitStats | None:

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 BAR_WIDTH = 40
 
 
-def render_summary(prepared: "PreparedData") -> str:
+def render_summary(prepared: PreparedData) -> str:
     stats = prepared.stats
-    lines = [f"data: {_n(stats.train.rows)} train rows" + (f", {_n(stats.eval.rows)} eval rows" if stats.eval else ", no eval split")]
+    lines = [
+        f"data: {_n(stats.train.rows)} train rows" + (f", {_n(stats.eval.rows)} eval rows" if stats.eval else ", no eval split")
+    ]
     lines += _split_table(stats)
     lines += _drops(stats)
     for split, packed in (prepared.packing or {}).items():

@@ -15,8 +15,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from hone.export.generate import check_sampling, complete, format_prompt
 from hone.export.load import PromptSetup, load_for_inference, setup_of
-from hone.run_files import CONFIG_FILE
 from hone.models.errors import ModelError
+from hone.run_files import CONFIG_FILE
 
 RESET = "/reset"
 EXIT = ("/exit", "/quit")
@@ -111,13 +111,19 @@ def render(tokenizer, setup: PromptSetup, conversation: Conversation) -> tuple[s
     if setup.style == "chat":
         template = setup.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ModelError("hone chat needs a chat template and the tokenizer has none (set data.chat_template in the run's config)")
-        text = tokenizer.apply_chat_template(conversation.messages(), chat_template=template, tokenize=False, add_generation_prompt=True)
+            raise ModelError(
+                "hone chat needs a chat template and the tokenizer has none (set data.chat_template in the run's config)"
+            )
+        text = tokenizer.apply_chat_template(
+            conversation.messages(), chat_template=template, tokenize=False, add_generation_prompt=True
+        )
         return text, False
     return format_prompt(tokenizer, conversation.turns[-1]["content"], setup)
 
 
-def _fit_context(model: nn.Module, tokenizer, setup: PromptSetup, conversation: Conversation, max_new_tokens: int) -> tuple[str, bool, int]:
+def _fit_context(
+    model: nn.Module, tokenizer, setup: PromptSetup, conversation: Conversation, max_new_tokens: int
+) -> tuple[str, bool, int]:
     """Render, dropping the oldest exchanges while the prompt and reply would pass the model's
     context length; returns the text, add_special and how many exchanges were dropped."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -190,8 +196,15 @@ def chat_loop(
         streamer = TextOut(tokenizer, out)
         try:
             reply = complete(
-                model, tokenizer, text, add_special, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, seed=seed, streamer=streamer,
+                model,
+                tokenizer,
+                text,
+                add_special,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                streamer=streamer,
             )
         except KeyboardInterrupt:
             conversation.turns.pop()

@@ -10,6 +10,7 @@ from hone.data.formats import ALPACA_PROMPT  # the data pipeline's own: byte-for
 from hone.export.load import PromptSetup, load_for_inference, prompt_setup, setup_of
 from hone.models.errors import ModelError
 
+
 def format_prompt(tokenizer, prompt: str, setup: PromptSetup) -> tuple[str, bool]:
     """The text to feed the model, and whether the tokenizer should add its special tokens:
     as ``hone.data`` renders training rows (a chat template writes its own BOS; Alpaca and raw

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from hone.atomic import atomic_directory
 from hone.export.load import load_for_inference
 from hone.export.run_dir import read_run
 from hone.models.errors import ModelError
 from hone.models.loader import cast_parameters
 from hone.models.precision import DTYPES
-from hone.atomic import atomic_directory
 
 
 def merge_adapter(run_dir: Path, out_dir: Path, device: torch.device | str = "cpu") -> Path:

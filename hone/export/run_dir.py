@@ -10,7 +10,6 @@ from hone.models.errors import ModelError
 from hone.run_files import CONFIG_FILE, FINAL_DIR
 
 
-
 @dataclass(frozen=True)
 class Run:
     directory: Path
@@ -43,4 +42,3 @@ def read_run(run_dir: Path) -> Run:
     if (final / "config.json").is_file():
         return Run(run_dir, cfg, final, is_adapter=False)
     raise ModelError(f"'{final}' holds neither a PEFT adapter (adapter_config.json) nor a model (config.json)")
-

@@ -257,7 +257,9 @@ def fused_linear_cross_entropy(
         with torch.autocast(device_type, enabled=False):
             return fused_linear_cross_entropy(hidden.to(dtype), weight.to(dtype), targets, ignore_index, chunk_tokens, impl)
     if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, as the reference's matmul does")
+        raise ValueError(
+            f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, as the reference's matmul does"
+        )
     if impl == "auto":
         impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
     if impl == "triton" and not triton_available(hidden.device):

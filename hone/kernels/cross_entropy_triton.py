@@ -17,7 +17,6 @@ which is how the CPU tests check it.
 
 from __future__ import annotations
 
-
 import torch
 
 from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
@@ -25,7 +24,6 @@ from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F4
 # Largest vocabulary block one program loads at a time: 32K elements keep a row's pass to a
 # handful of iterations at Qwen's 151,936 (5 blocks) while staying within registers at 32 warps.
 MAX_BLOCK_V = 32768
-
 
 
 if triton is not None:
@@ -85,11 +83,11 @@ def cross_entropy_softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, ign
 
     ``block_v`` 0 picks the vocabulary block size; a power of two forces one."""
     if not triton_available(logits.device):
-        raise RuntimeError(
-            "hone::cross_entropy_softmax_grad_ needs triton and a CUDA tensor (or TRITON_INTERPRET=1)"
-        )
+        raise RuntimeError("hone::cross_entropy_softmax_grad_ needs triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a 2-D tensor with contiguous rows, got shape {tuple(logits.shape)} strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be a 2-D tensor with contiguous rows, got shape {tuple(logits.shape)} strides {logits.stride()}"
+        )
     rows, n_cols = logits.shape
     losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:

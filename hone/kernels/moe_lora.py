@@ -103,10 +103,16 @@ def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch
     cast_f32, precision = _launch_flags(x.dtype)
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) + num_experts, triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
     args = (
-        x, x.stride(0), x.stride(1),
+        x,
+        x.stride(0),
+        x.stride(1),
         rows if rows is not None else dummy,
-        ends, num_experts,
-        weight, weight.stride(0), weight.stride(1), weight.stride(2),
+        ends,
+        num_experts,
+        weight,
+        weight.stride(0),
+        weight.stride(1),
+        weight.stride(2),
         bias if bias is not None else dummy,
         bias.stride(0) if bias is not None else 0,
         bias.stride(1) if bias is not None else 0,
@@ -118,8 +124,13 @@ def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch
         lora_b.stride(1) if has_lora else 0,
         lora_b.stride(2) if has_lora else 0,
         float(scaling),
-        y, n_dim, 1,
-        n_dim, k_dim, rank, rows_bucket(s, num_experts),
+        y,
+        n_dim,
+        1,
+        n_dim,
+        k_dim,
+        rank,
+        rows_bucket(s, num_experts),
     )
     kwargs = dict(
         GATHER=rows is not None,
@@ -172,11 +183,22 @@ def _wgrad_launch(a, b, rows, gather_a: bool, gather_b: bool, ends, scale: float
     cast_f32, precision = _launch_flags(a.dtype)
     grid = lambda meta: (num_experts, triton.cdiv(m_dim, meta["BLOCK_M"]), triton.cdiv(n_dim, meta["BLOCK_N"]))  # noqa: E731
     args = (
-        a, a.stride(0), a.stride(1),
-        b, b.stride(0), b.stride(1),
-        rows if rows is not None else ends, ends,
-        out, m_dim * n_dim, n_dim, 1,
-        m_dim, n_dim, float(scale), rows_bucket(s, num_experts),
+        a,
+        a.stride(0),
+        a.stride(1),
+        b,
+        b.stride(0),
+        b.stride(1),
+        rows if rows is not None else ends,
+        ends,
+        out,
+        m_dim * n_dim,
+        n_dim,
+        1,
+        m_dim,
+        n_dim,
+        float(scale),
+        rows_bucket(s, num_experts),
     )
     return grid, args, dict(GATHER_A=gather_a, GATHER_B=gather_b, CAST_F32=cast_f32, PRECISION=precision)
 
@@ -196,12 +218,24 @@ _precompiled: set[tuple] = set()
 def _precompile_key(x, rows, ends, weight, transposed, bias, lora_a, lora_b) -> tuple:
     """What decides which kernel variants a projection launches (shapes, strides, dtypes, flags:
     Triton specialises on dtypes, on strides equal to 1 or divisible by 16, and on constexprs)."""
+
     def t(v):
         return None if v is None else (v.dtype, tuple(v.shape[1:]), v.stride())
 
     s = rows.shape[0] if rows is not None else x.shape[0]
-    return (x.device, t(x), rows is None, ends.shape[0], rows_bucket(s, ends.shape[0]), t(weight), transposed,
-            t(bias), t(lora_a), t(lora_b), weight.requires_grad)
+    return (
+        x.device,
+        t(x),
+        rows is None,
+        ends.shape[0],
+        rows_bucket(s, ends.shape[0]),
+        t(weight),
+        transposed,
+        t(bias),
+        t(lora_a),
+        t(lora_b),
+        weight.requires_grad,
+    )
 
 
 def precompile_projection(x, rows, ends, weight, transposed: bool, bias, lora_a, lora_b, scaling: float) -> bool:
@@ -224,7 +258,10 @@ def precompile_projection(x, rows, ends, weight, transposed: bool, bias, lora_a,
     try:
         _compile_variants(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling)
     except Exception as exc:  # noqa: BLE001 - only a head start; the launches compile what is missing
-        warnings.warn(f"hone: compiling the MoE kernels ahead failed ({type(exc).__name__}: {exc}); they compile when launched", stacklevel=2)
+        warnings.warn(
+            f"hone: compiling the MoE kernels ahead failed ({type(exc).__name__}: {exc}); they compile when launched",
+            stacklevel=2,
+        )
     return True
 
 
@@ -261,7 +298,10 @@ def _compile_variants(x, rows, ends, weight, transposed, bias, lora_a, lora_b, s
         else:
             wgrad.append(_wgrad_launch(dy, x, rows, False, rows is not None, ends, 1.0, out(weight.dtype), s))
     workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers, thread_name_prefix="hone-moe-compile") as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+    with (
+        ThreadPoolExecutor(workers, thread_name_prefix="hone-moe-compile") as pool,
+        triton.AsyncCompileMode(pool, ignore_errors=True),
+    ):
         for kernel, launches in ((grouped_mm_kernel, mm), (grouped_wgrad_kernel, wgrad)):
             for grid, args, kwargs in launches:
                 kernel.warmup(*args, grid=grid, **kwargs)

@@ -112,6 +112,7 @@ def _fitting(tiles: list, m: int | None, n: int) -> list:
     """The tiles (``(BLOCK_M, BLOCK_N, ...)`` tuples or configs) that overshoot the problem
     least (a 128-wide tile over a rank-16 dimension computes 8x the useful work): all of them
     for full-size problems, the rank-sized ones for LoRA's rank dimension."""
+
     def dims(tile) -> tuple[int, int]:
         if isinstance(tile, tuple):
             return tile[0], tile[1]
@@ -167,7 +168,9 @@ def _prune_mm(configs: list, named_args: dict, **kwargs) -> list:
 
 
 def _prune_wgrad(configs: list, named_args: dict, **kwargs) -> list:
-    return _prune("wgrad", configs, named_args["M"], named_args["N"], named_args["ROWS_BUCKET"], named_args["a_ptr"].element_size())
+    return _prune(
+        "wgrad", configs, named_args["M"], named_args["N"], named_args["ROWS_BUCKET"], named_args["a_ptr"].element_size()
+    )
 
 
 def _bench(kernel_call, quantiles):
@@ -189,6 +192,7 @@ def rows_bucket(rows: int, experts: int) -> int:
     two (the host never sees the per-expert counts; the total is a shape). Tiles are tuned again
     per bucket, not per exact length, so varying batch lengths do not retune every step."""
     return _pow2(max(1, rows // max(1, experts)))
+
 
 grouped_mm_kernel = None  # defined below when triton is installed
 grouped_wgrad_kernel = None
@@ -216,24 +220,52 @@ if triton is not None:
         return expert, start + (pid_m - first_tile) * BLOCK_M, end
 
     @triton.autotune(
-        configs=_configs(_MM_TILES), key=["N", "K", "ROWS_BUCKET", "HAS_LORA"],
-        prune_configs_by={"early_config_prune": _prune_mm}, do_bench=_bench, **_autotune_options(),
+        configs=_configs(_MM_TILES),
+        key=["N", "K", "ROWS_BUCKET", "HAS_LORA"],
+        prune_configs_by={"early_config_prune": _prune_mm},
+        do_bench=_bench,
+        **_autotune_options(),
     )
     @triton.jit(do_not_specialize=["ROWS_BUCKET"])
     def grouped_mm_kernel(
-        x_ptr, stride_xm, stride_xk,
+        x_ptr,
+        stride_xm,
+        stride_xk,
         rows_ptr,
-        ends_ptr, num_experts,
-        w_ptr, stride_we, stride_wk, stride_wn,
-        bias_ptr, stride_be, stride_bn,
-        xa_ptr, stride_am, stride_ar,
-        lb_ptr, stride_lbe, stride_lbn, stride_lbr,
+        ends_ptr,
+        num_experts,
+        w_ptr,
+        stride_we,
+        stride_wk,
+        stride_wn,
+        bias_ptr,
+        stride_be,
+        stride_bn,
+        xa_ptr,
+        stride_am,
+        stride_ar,
+        lb_ptr,
+        stride_lbe,
+        stride_lbn,
+        stride_lbr,
         scaling,
-        y_ptr, stride_ym, stride_yn,
-        N, K, R, ROWS_BUCKET,
-        GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-        E_P2: tl.constexpr, BLOCK_R: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        y_ptr,
+        stride_ym,
+        stride_yn,
+        N,
+        K,
+        R,
+        ROWS_BUCKET,
+        GATHER: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_LORA: tl.constexpr,
+        E_P2: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         expert, row0, end = _expert_of_tile(tl.program_id(0), ends_ptr, num_experts, E_P2, BLOCK_M)
         if expert >= num_experts:
@@ -252,8 +284,12 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < K
-            a = tl.load(x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            a = tl.load(
+                x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            b = tl.load(
+                w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0
+            )
             if CAST_F32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -263,7 +299,11 @@ if triton is not None:
             # Epilogue: + s * xa B_e^T, xa the rows' rank-r intermediate (sorted row order).
             rs = tl.arange(0, BLOCK_R)
             r_mask = rs < R
-            xa = tl.load(xa_ptr + rows[:, None].to(tl.int64) * stride_am + rs[None, :] * stride_ar, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            xa = tl.load(
+                xa_ptr + rows[:, None].to(tl.int64) * stride_am + rs[None, :] * stride_ar,
+                mask=row_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
             lb = tl.load(
                 lb_ptr + expert.to(tl.int64) * stride_lbe + rs[:, None] * stride_lbr + cols[None, :] * stride_lbn,
                 mask=r_mask[:, None] & col_mask[None, :],
@@ -283,18 +323,37 @@ if triton is not None:
         )
 
     @triton.autotune(
-        configs=_configs(_WGRAD_TILES), key=["M", "N", "ROWS_BUCKET"],
-        prune_configs_by={"early_config_prune": _prune_wgrad}, do_bench=_bench, **_autotune_options(),
+        configs=_configs(_WGRAD_TILES),
+        key=["M", "N", "ROWS_BUCKET"],
+        prune_configs_by={"early_config_prune": _prune_wgrad},
+        do_bench=_bench,
+        **_autotune_options(),
     )
     @triton.jit(do_not_specialize=["ROWS_BUCKET"])
     def grouped_wgrad_kernel(
-        a_ptr, stride_as, stride_am,
-        b_ptr, stride_bs, stride_bn,
-        rows_ptr, ends_ptr,
-        out_ptr, stride_oe, stride_om, stride_on,
-        M, N, scale, ROWS_BUCKET,
-        GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, CAST_F32: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        a_ptr,
+        stride_as,
+        stride_am,
+        b_ptr,
+        stride_bs,
+        stride_bn,
+        rows_ptr,
+        ends_ptr,
+        out_ptr,
+        stride_oe,
+        stride_om,
+        stride_on,
+        M,
+        N,
+        scale,
+        ROWS_BUCKET,
+        GATHER_A: tl.constexpr,
+        GATHER_B: tl.constexpr,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         expert = tl.program_id(0)
         end = tl.load(ends_ptr + expert)
@@ -317,8 +376,12 @@ if triton is not None:
                 sb = gathered
             else:
                 sb = ss.to(tl.int64)
-            at = tl.load(a_ptr + sa[None, :] * stride_as + ms[:, None] * stride_am, mask=m_mask[:, None] & s_mask[None, :], other=0.0)
-            bt = tl.load(b_ptr + sb[:, None] * stride_bs + ns[None, :] * stride_bn, mask=s_mask[:, None] & n_mask[None, :], other=0.0)
+            at = tl.load(
+                a_ptr + sa[None, :] * stride_as + ms[:, None] * stride_am, mask=m_mask[:, None] & s_mask[None, :], other=0.0
+            )
+            bt = tl.load(
+                b_ptr + sb[:, None] * stride_bs + ns[None, :] * stride_bn, mask=s_mask[:, None] & n_mask[None, :], other=0.0
+            )
             if CAST_F32:
                 at = at.to(tl.float32)
                 bt = bt.to(tl.float32)

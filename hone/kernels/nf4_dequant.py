@@ -34,8 +34,22 @@ from hone.kernels.nf4_dequant_triton import nf4_dequantize_triton, triton_availa
 #: The 16 NF4 levels (quantiles of a standard normal, normalised to [-1, 1]; QLoRA, Dettmers et
 #: al. 2023), as torchao stores them before rounding to the weight dtype.
 NF4_LEVELS: tuple[float, ...] = (
-    -1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
-    0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0,
+    -1.0,
+    -0.6962,
+    -0.5251,
+    -0.3949,
+    -0.2844,
+    -0.1848,
+    -0.0911,
+    0.0,
+    0.0796,
+    0.1609,
+    0.2461,
+    0.3379,
+    0.4407,
+    0.5626,
+    0.7230,
+    1.0,
 )
 
 

@@ -11,7 +11,6 @@ so the result is bit-for-bit the library's.
 
 from __future__ import annotations
 
-
 import torch
 
 from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F401 (re-exported)
@@ -19,7 +18,6 @@ from hone.kernels.triton_support import tl, triton, triton_available  # noqa: F4
 #: Packed bytes per program: 2,048 weights, small enough for many programs on an 8B layer's
 #: 4096 x 12288 matrix (12,288 programs) and large enough to amortise the scale loads.
 BLOCK_BYTES = 1024
-
 
 
 if triton is not None:
@@ -87,8 +85,16 @@ def nf4_dequantize_triton(
     n_bytes = packed.numel()
     grid = (triton.cdiv(n_bytes, BLOCK_BYTES),)
     _nf4_dequant_kernel[grid](
-        packed, scalers, factors, mean, code, out, n_bytes,
-        HALF_BLOCK=block_size // 2, SCALER_BLOCK=scaler_block_size, BLOCK=BLOCK_BYTES,
+        packed,
+        scalers,
+        factors,
+        mean,
+        code,
+        out,
+        n_bytes,
+        HALF_BLOCK=block_size // 2,
+        SCALER_BLOCK=scaler_block_size,
+        BLOCK=BLOCK_BYTES,
         IS_BF16=code.dtype == torch.bfloat16,
     )
     return out

@@ -113,7 +113,10 @@ def split_expert_targets(model: nn.Module, targets: list[str]) -> tuple[list[str
 
     experts = experts_modules(model)
     expert_params = [
-        f"{name}.{param}" for name, module in experts for param in EXPERT_PARAMETERS if isinstance(getattr(module, param, None), torch.Tensor)
+        f"{name}.{param}"
+        for name, module in experts
+        for param in EXPERT_PARAMETERS
+        if isinstance(getattr(module, param, None), torch.Tensor)
     ]
     modules = dict(model.named_modules())
     module_targets: list[str] = []

@@ -90,9 +90,7 @@ def cached_snapshot(hub: HubId) -> Path | None:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(
-            hub.repo_id, revision=hub.revision, cache_dir=hub_cache_dir(), local_files_only=True
-        )
+        folder = snapshot_download(hub.repo_id, revision=hub.revision, cache_dir=hub_cache_dir(), local_files_only=True)
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         return None
     return Path(folder)
@@ -123,7 +121,7 @@ def local_model_dir(path: Path, key: str = "model.path") -> Path:
     return folder
 
 
-def model_hub_ids(model_cfg: "ModelConfig") -> list[tuple[str, HubId]]:
+def model_hub_ids(model_cfg: ModelConfig) -> list[tuple[str, HubId]]:
     """``(key, id)`` for each of ``model.path`` / ``model.tokenizer_path`` that names a hub id."""
     found = []
     for key, value in (("model.path", model_cfg.path), ("model.tokenizer_path", model_cfg.tokenizer_path)):
@@ -133,7 +131,7 @@ def model_hub_ids(model_cfg: "ModelConfig") -> list[tuple[str, HubId]]:
     return found
 
 
-def download_missing(model_cfg: "ModelConfig", say=print) -> list[Path]:
+def download_missing(model_cfg: ModelConfig, say=print) -> list[Path]:
     """With ``model.allow_download: true``, download the ids of ``model_cfg`` that are not cached
     (safetensors, configs and tokenizer files only, into the hub cache). Returns the snapshots
     downloaded. Without it, does nothing: a missing id is then reported by the checks."""

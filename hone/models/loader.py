@@ -20,11 +20,11 @@ from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter
+from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
 from hone.models.hub import local_model_dir
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
-from hone.models.attention.sinks import sink_backend_for
 from hone.models.presets import build_preset_config, get_preset
 
 
@@ -77,9 +77,7 @@ def load_model(
     return LoadedModel(model, trainable, total, description, precision)
 
 
-def build_base_model(
-    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int
-) -> PreTrainedModel:
+def build_base_model(model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     """The base model, frozen-or-not as transformers leaves it, in ``dtype`` on ``device``.
 
     Also used by generation and merging: a preset rebuilt with the run's seed gives exactly the
@@ -93,9 +91,7 @@ def build_base_model(
     return model
 
 
-def build_preset_model(
-    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int
-) -> PreTrainedModel:
+def build_preset_model(model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     """Random weights drawn from ``seed``, without touching the caller's random state."""
     preset = get_preset(model_cfg.preset)
     config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
@@ -123,7 +119,9 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def load_pretrained(path: Path, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path") -> PreTrainedModel:
+def load_pretrained(
+    path: Path, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path"
+) -> PreTrainedModel:
     """A causal LM from a local save_pretrained directory (safetensors only, no network)."""
     check_model_dir(path, key)
     config = read_causal_lm_config(path, model_cfg.trust_remote_code, key)

@@ -30,12 +30,26 @@ SHARD_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100_000_000
 #: Bytes per element of each safetensors dtype (unknown dtypes skip the size check).
 DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
 }
 
 CONVERT_HINT = (
-    "convert it once, in an environment you trust, with: python -c \"from transformers import "
+    'convert it once, in an environment you trust, with: python -c "from transformers import '
     "AutoModelForCausalLM as M; M.from_pretrained('{src}', dtype='auto').save_pretrained('{src}-safetensors')\" "
     "(and copy the tokenizer files), then point {key} at the new directory"
 )
@@ -76,8 +90,7 @@ def layout_problems(path: Path, key: str = "model.path", weights: bool = True) -
             problems.append(
                 f"{key}: '{path}' holds only PyTorch pickle weights ({', '.join(pickles[:3])}"
                 f"{', ...' if len(pickles) > 3 else ''}); hone loads safetensors only, because loading "
-                "a pickle can run arbitrary code hidden in the file. "
-                + CONVERT_HINT.format(src=path, key=key)
+                "a pickle can run arbitrary code hidden in the file. " + CONVERT_HINT.format(src=path, key=key)
             )
         elif not problems:
             problems.append(f"{key}: '{path}' has a config.json but no weights (*.safetensors)")
@@ -202,7 +215,9 @@ def raw_config_problem(raw: dict[str, Any], path: Path, trust_remote_code: bool,
         )
     model_type = raw.get("model_type")
     if not remote and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        examples = ", ".join(t for t in ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3_text") if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        examples = ", ".join(
+            t for t in ("llama", "qwen3", "qwen3_moe", "mistral", "gemma3_text") if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        )
         return (
             f"{key}: model_type '{model_type}' in '{Path(path) / 'config.json'}' is not a causal "
             f"language model transformers knows (AutoModelForCausalLM supports e.g. {examples}); "
@@ -211,7 +226,7 @@ def raw_config_problem(raw: dict[str, Any], path: Path, trust_remote_code: bool,
     return None
 
 
-def read_causal_lm_config(path: Path, trust_remote_code: bool, key: str = "model.path") -> "PreTrainedConfig":
+def read_causal_lm_config(path: Path, trust_remote_code: bool, key: str = "model.path") -> PreTrainedConfig:
     """The model's config, refusing models that are not causal language models."""
     from transformers import AutoConfig
 
@@ -227,7 +242,7 @@ def read_causal_lm_config(path: Path, trust_remote_code: bool, key: str = "model
 
 def model_dir_problems(
     path: Path, trust_remote_code: bool, key: str = "model.path", weights: bool = True
-) -> tuple[list[str], "PreTrainedConfig | dict[str, Any] | None"]:
+) -> tuple[list[str], PreTrainedConfig | dict[str, Any] | None]:
     """Every problem of the directory (files and config), and its config when readable: a
     transformers config, or the raw dict for remote-code models (whose config class is their
     own code, which validation does not run)."""
@@ -252,7 +267,7 @@ def model_dir_problems(
 # ---------------------------------------------------------------- context length
 
 
-def context_length(config: "PreTrainedConfig | dict[str, Any]") -> int | None:
+def context_length(config: PreTrainedConfig | dict[str, Any]) -> int | None:
     """The positions the model was built for (``max_position_embeddings`` or its alias)."""
     if isinstance(config, dict):
         for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -264,7 +279,7 @@ def context_length(config: "PreTrainedConfig | dict[str, Any]") -> int | None:
     return value if isinstance(value, int) else None
 
 
-def rope_scaling_type(config: "PreTrainedConfig | dict[str, Any]") -> str | None:
+def rope_scaling_type(config: PreTrainedConfig | dict[str, Any]) -> str | None:
     """The RoPE scaling the model config sets (``linear``, ``yarn``, ...), or None for plain RoPE."""
     if isinstance(config, dict):
         params = config.get("rope_scaling") or config.get("rope_parameters")

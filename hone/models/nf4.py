@@ -95,7 +95,7 @@ class NF4Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, device: torch.device | str) -> "NF4Linear":
+    def from_linear(cls, linear: nn.Linear, device: torch.device | str) -> NF4Linear:
         """Quantize ``linear``'s weight on ``device`` (one layer's full-precision weight at a time)."""
         to_nf4 = require_torchao()
         weight = linear.weight.detach().to(device).contiguous()
@@ -106,14 +106,27 @@ class NF4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The ``[out_features, in_features]`` weight in ``compute_dtype``."""
         return nf4_dequantize(
-            self.qweight, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
-            BLOCK_SIZE, SCALER_BLOCK_SIZE, self.out_features, self.in_features,
+            self.qweight,
+            self.quantized_scalers,
+            self.quantization_factor,
+            self.scaler_mean,
+            BLOCK_SIZE,
+            SCALER_BLOCK_SIZE,
+            self.out_features,
+            self.in_features,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nf4_linear(
-            x, self.qweight, self.quantized_scalers, self.quantization_factor, self.scaler_mean,
-            BLOCK_SIZE, SCALER_BLOCK_SIZE, self.out_features, self.in_features,
+            x,
+            self.qweight,
+            self.quantized_scalers,
+            self.quantization_factor,
+            self.scaler_mean,
+            BLOCK_SIZE,
+            SCALER_BLOCK_SIZE,
+            self.out_features,
+            self.in_features,
         )
         return out if self.bias is None else out + self.bias
 

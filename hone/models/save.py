@@ -65,9 +65,7 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     model = unwrap_compiled(model)
     return {
-        name: param.detach().to("cpu", copy=True).contiguous()
-        for name, param in model.named_parameters()
-        if param.requires_grad
+        name: param.detach().to("cpu", copy=True).contiguous() for name, param in model.named_parameters() if param.requires_grad
     }
 
 

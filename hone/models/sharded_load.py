@@ -35,8 +35,8 @@ from hone.config import HoneConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
-from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.hub import local_model_dir
+from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import precision_for
 
@@ -125,7 +125,9 @@ def fill_from_safetensors(model: nn.Module, path: Path, skip: set[str]) -> None:
                     continue
                 rows = f.get_slice(key)[start : start + local.shape[0]]
                 if tuple(rows.shape) != tuple(local.shape):
-                    raise ModelError(f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} where the model expects {tuple(local.shape)}")
+                    raise ModelError(
+                        f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} where the model expects {tuple(local.shape)}"
+                    )
                 local.copy_(rows)
 
 
@@ -159,7 +161,9 @@ def load_model_sharded(
     config = read_causal_lm_config(path, model_cfg.trust_remote_code)
     with parameters_on_meta():
         base = AutoModelForCausalLM.from_config(
-            config, dtype=precision.weights, attn_implementation=sink_backend_for(config, model_cfg.attn_implementation),
+            config,
+            dtype=precision.weights,
+            attn_implementation=sink_backend_for(config, model_cfg.attn_implementation),
             trust_remote_code=model_cfg.trust_remote_code,
         )
     check_vocab_fits(base, tokenizer, model_cfg)
@@ -185,7 +189,9 @@ def load_model_sharded(
     return LoadedModel(model, trainable, total, describe(base, cfg, precision, trainable, total) + " | sharded load", precision)
 
 
-def _adapter_values(model: nn.Module, drawn: dict[str, torch.Tensor], base_dtype: torch.dtype, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _adapter_values(
+    model: nn.Module, drawn: dict[str, torch.Tensor], base_dtype: torch.dtype, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Parameter name -> the whole initial value of every weight the adapter created, rounded as
     a normal load rounds it (PEFT moves new adapters to the base layer's dtype before casting
     them to float32)."""

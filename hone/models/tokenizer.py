@@ -80,7 +80,7 @@ def tokenizer_dir_problems(model_cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def load_tokenizer(model_cfg: ModelConfig) -> "PreTrainedTokenizerBase":
+def load_tokenizer(model_cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The tokenizer for ``model_cfg``; raises :class:`TokenizerError` naming the directory."""
     from hone.models.hub import HubModelNotFound
 
@@ -102,16 +102,14 @@ def load_tokenizer(model_cfg: ModelConfig) -> "PreTrainedTokenizerBase":
         hint = ""
         if "trust_remote_code" in str(exc) and not model_cfg.trust_remote_code:
             hint = " (it ships its own code: set model.trust_remote_code: true only if you trust it)"
-        raise TokenizerError(
-            f"cannot load a tokenizer from '{path}' ({origin}): {type(exc).__name__}: {exc}{hint}"
-        ) from exc
+        raise TokenizerError(f"cannot load a tokenizer from '{path}' ({origin}): {type(exc).__name__}: {exc}{hint}") from exc
     if isinstance(tokenizer, bool) or not hasattr(tokenizer, "encode"):
         raise TokenizerError(f"'{path}' ({origin}) does not hold a tokenizer")
     _ensure_pad(tokenizer, path, origin)
     return tokenizer
 
 
-def _ensure_pad(tokenizer: "PreTrainedTokenizerBase", path: Path, origin: str) -> None:
+def _ensure_pad(tokenizer: PreTrainedTokenizerBase, path: Path, origin: str) -> None:
     if tokenizer.pad_token_id is not None:
         return
     if tokenizer.eos_token is None:

@@ -39,7 +39,9 @@ def forward_hidden(decoder: nn.Module, batch: MicroBatch, autocast_dtype: torch.
         return decoder(**inputs, use_cache=False).last_hidden_state
 
 
-def micro_batch_loss(model: nn.Module, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+def micro_batch_loss(
+    model: nn.Module, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Sum of the token losses of ``batch`` (float32 scalar on the device; no host sync)."""
     decoder, head = causal_lm_parts(model)
     hidden = forward_hidden(decoder, batch, autocast_dtype)

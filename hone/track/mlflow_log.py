@@ -34,7 +34,7 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 class MlflowLog:
     name = "mlflow"
 
-    def __init__(self, cfg: "HoneConfig", output_dir: Path, config: dict[str, Any], config_yaml: str):
+    def __init__(self, cfg: HoneConfig, output_dir: Path, config: dict[str, Any], config_yaml: str):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 

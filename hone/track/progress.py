@@ -43,9 +43,7 @@ class ProgressDisplay:
                 console=console,
                 transient=False,
             )
-            self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, loss="-", lr="-", tps="-"
-            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", lr="-", tps="-")
             self._progress.start()
 
     @property

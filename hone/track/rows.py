@@ -22,6 +22,6 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_name(cfg: "HoneConfig", configured: str | None) -> str:
+def run_name(cfg: HoneConfig, configured: str | None) -> str:
     """The configured run name, else the name of ``training.output_dir``."""
     return configured or Path(cfg.training.output_dir).resolve().name

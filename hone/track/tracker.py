@@ -23,6 +23,7 @@ from hone.track.progress import ProgressDisplay
 from hone.track.tensorboard import TensorBoardLog
 from hone.track.trackers import ExternalTracker, read_optimizations
 
+
 class Tracker:
     def __init__(
         self,

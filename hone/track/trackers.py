@@ -55,7 +55,7 @@ class ExternalTracker(Protocol):
 # ---------------------------------------------------------------- checks without starting
 
 
-def tracker_problems(cfg: "HoneConfig") -> list[tuple[str, str]]:
+def tracker_problems(cfg: HoneConfig) -> list[tuple[str, str]]:
     """``(key, problem)`` for every tracker of ``cfg`` that could not start, found without
     starting it: its package is missing, W&B has no login for an online run, MLflow's file
     store is not a directory. Reads the environment and the file system only."""
@@ -63,15 +63,14 @@ def tracker_problems(cfg: "HoneConfig") -> list[tuple[str, str]]:
     return [problem for problem in found if problem is not None]
 
 
-def tracker_problem(cfg: "HoneConfig", name: str) -> tuple[str, str] | None:
+def tracker_problem(cfg: HoneConfig, name: str) -> tuple[str, str] | None:
     """Why tracker ``name`` could not start, as ``(key, problem)``, or None."""
     module, package, extra = PACKAGES[name]
     if importlib.util.find_spec(module) is None:
         how = f"pip install 'hone[{extra}]'" if extra else f"pip install {package}"
         return (
             "logging.trackers",
-            f"{name} needs the Python package '{package}', which is not installed: {how}, or remove {name} "
-            "from logging.trackers",
+            f"{name} needs the Python package '{package}', which is not installed: {how}, or remove {name} from logging.trackers",
         )
     if name == "wandb" and (problem := _wandb_login_problem(cfg)):
         return "logging.wandb", problem
@@ -80,11 +79,11 @@ def tracker_problem(cfg: "HoneConfig", name: str) -> tuple[str, str] | None:
     return None
 
 
-def _wandb_mode(cfg: "HoneConfig") -> str:
+def _wandb_mode(cfg: HoneConfig) -> str:
     return cfg.logging.wandb.mode or os.environ.get("WANDB_MODE", "online")
 
 
-def _wandb_login_problem(cfg: "HoneConfig") -> str | None:
+def _wandb_login_problem(cfg: HoneConfig) -> str | None:
     """An online W&B run needs an API key (``WANDB_API_KEY`` or ``wandb login``'s netrc entry)."""
     if _wandb_mode(cfg) in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY"):
         return None
@@ -119,9 +118,7 @@ def _mlflow_uri_problem(uri: str | None) -> str | None:
 # ---------------------------------------------------------------- starting
 
 
-def start_trackers(
-    cfg: "HoneConfig", warn: Callable[[str], None], *, output_dir: Path | None = None
-) -> list[ExternalTracker]:
+def start_trackers(cfg: HoneConfig, warn: Callable[[str], None], *, output_dir: Path | None = None) -> list[ExternalTracker]:
     """Start the external trackers of ``cfg`` (rank 0 only), each given the resolved config.
     A tracker that cannot start raises :class:`TrackerStartError`, or is skipped with a
     warning under ``logging.tracker_errors: warn``."""
@@ -146,7 +143,11 @@ def start_trackers(
 
                 started.append(MlflowLog(cfg, output_dir, config, dump_config(cfg)))
         except Exception as exc:
-            message = str(exc) if isinstance(exc, TrackerStartError) else f"logging.trackers: {name} cannot start: {type(exc).__name__}: {exc}"
+            message = (
+                str(exc)
+                if isinstance(exc, TrackerStartError)
+                else f"logging.trackers: {name} cannot start: {type(exc).__name__}: {exc}"
+            )
             if cfg.logging.tracker_errors == "warn":
                 warn(f"{message}; training without it (logging.tracker_errors: warn)")
                 continue

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class WandbLog:
     name = "wandb"
 
-    def __init__(self, cfg: "HoneConfig", output_dir: Path, config: dict[str, Any]):
+    def __init__(self, cfg: HoneConfig, output_dir: Path, config: dict[str, Any]):
         import wandb
 
         settings = cfg.logging.wandb

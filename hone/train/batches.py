@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from hone.config.training import TrainingConfig
+from hone.data.collate import MicroBatch, collate, collate_packed, rows_at
 from hone.data.packing import Packing
 from hone.errors import HoneError
-from hone.data.collate import MicroBatch, collate, collate_packed, rows_at
 
 
 class NotEnoughData(HoneError):

@@ -44,8 +44,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from hone.atomic import fsync_path
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
+from hone.models.save import load_trainable_state_dict, trainable_state_dict
+from hone.run_files import CHECKPOINTS_DIR, METRICS_FILE
+from hone.track.metrics import is_eval_row, read_metrics
 from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layout is part of this module's API)
     COMPLETE,
     OPTIMIZER_FILE,
@@ -67,10 +71,6 @@ from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layo
     remove_temp_dirs,
     restore_rng,
 )
-from hone.atomic import fsync_path
-from hone.models.save import load_trainable_state_dict, trainable_state_dict
-from hone.run_files import CHECKPOINTS_DIR, METRICS_FILE
-from hone.track.metrics import is_eval_row, read_metrics
 
 if TYPE_CHECKING:
     from hone.runtime.checkpoints import StateDictHooks
@@ -86,10 +86,7 @@ def resolve_resume(training: TrainingConfig, warn: Callable[[str], None] = print
     if training.resume == "latest":
         found = latest_checkpoint(training.output_dir)
         if found is None:
-            warn(
-                f"training.resume is 'latest' but {training.output_dir} has no complete checkpoint yet: "
-                "starting from scratch"
-            )
+            warn(f"training.resume is 'latest' but {training.output_dir} has no complete checkpoint yet: starting from scratch")
         return found
     path = Path(training.resume)
     if not path.exists():
@@ -165,8 +162,12 @@ def save_checkpoint(
         from hone.train.sharded_checkpoint import save_sharded_checkpoint
 
         if any(h.save is not None for h in state_dict_hooks):
-            raise CheckpointSaveError(f"cannot save checkpoint step-{step}: a sharded model's weights cannot go through a transform's state-dict hooks yet")
-        return save_sharded_checkpoint(output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state, keep=keep)
+            raise CheckpointSaveError(
+                f"cannot save checkpoint step-{step}: a sharded model's weights cannot go through a transform's state-dict hooks yet"
+            )
+        return save_sharded_checkpoint(
+            output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state, keep=keep
+        )
     root = checkpoints_root(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}-{os.getpid()}"

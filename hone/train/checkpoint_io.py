@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hone.runtime.world import SINGLE, World
 from hone.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
 from hone.train.distributed import together
-from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
     from hone.config.adapter import AdapterConfig

@@ -108,7 +108,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"cannot read {Path(path) / STATE_FILE}: {exc}") from None
 
 
-
 # ---------------------------------------------------------------- RNG state
 
 

@@ -93,7 +93,9 @@ def agree(world: World, failure: BaseException | None = None, payload: Any = Non
     failed = [(rank, info) for rank, (info, _) in enumerate(gathered) if info[0] is not None]
     if failed and failure is None:
         rank, (message, code) = failed[0]
-        raise PeerFailed(f"rank {rank} of {world.world_size} failed, so the run stopped: {message}", code, quiet=not world.is_main)
+        raise PeerFailed(
+            f"rank {rank} of {world.world_size} failed, so the run stopped: {message}", code, quiet=not world.is_main
+        )
     return [p for _, p in gathered]
 
 

@@ -24,10 +24,10 @@ from torch import nn
 
 from hone.config.training import TrainingConfig
 from hone.data.packing import Packing
+from hone.runtime.step import micro_batch_loss
+from hone.runtime.world import SINGLE, World
 from hone.track.tracker import Tracker
 from hone.train.batches import StepPlan, micro_batches
-from hone.runtime.world import SINGLE, World
-from hone.runtime.step import micro_batch_loss
 
 if TYPE_CHECKING:
     from hone.transforms.base import RunHooks

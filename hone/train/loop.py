@@ -38,9 +38,9 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.runtime.world import World, current_world
 from hone.train.batches import StepPlan
 from hone.train.device import peak_memory_gib
-from hone.runtime.world import World, current_world
 from hone.train.setup import Trainer, set_up
 from hone.train.signals import StopRequest, graceful_stop
 from hone.train.step_log import StepMetrics
@@ -122,8 +122,18 @@ def train_loop(
     """
     console = console or Console()
     trainer = set_up(
-        model, train_data, eval_data, cfg, device=device, pad_id=pad_id, hooks=hooks, world=world or current_world(),
-        console=console, resume_from=resume_from, autocast_dtype=autocast_dtype, trackers=trackers,
+        model,
+        train_data,
+        eval_data,
+        cfg,
+        device=device,
+        pad_id=pad_id,
+        hooks=hooks,
+        world=world or current_world(),
+        console=console,
+        resume_from=resume_from,
+        autocast_dtype=autocast_dtype,
+        trackers=trackers,
     )
     tally = Tally()
     loop_start = time.perf_counter()
@@ -151,9 +161,7 @@ def train_loop(
     return _result(trainer, tally, plot_path, time.perf_counter() - loop_start)
 
 
-def run_steps(
-    trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Callable[[StepMetrics], None] | None
-) -> None:
+def run_steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Callable[[StepMetrics], None] | None) -> None:
     """Optimizer steps until the plan's last one, or until a signal stops the run (then
     ``tally.interrupted`` names it, after the step in progress and its checkpoint)."""
     state, plan = trainer.state, trainer.plan

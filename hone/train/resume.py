@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from hone.config.root import HoneConfig
+from hone.runtime.world import World
 from hone.train.batches import StepPlan
 from hone.train.checkpoint import remove_checkpoints_after, resume_history
 from hone.train.checkpointer import Checkpointer
-from hone.runtime.world import World
 from hone.train.optim import LRSchedule, make_schedule
 from hone.train.state import TrainState
 

@@ -23,24 +23,24 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.paths import ensure_writable_dir
+from hone.run_files import CHECKPOINTS_DIR, CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hone.runtime.world import World, world_from_env
+from hone.track.report import format_report
+from hone.track.trackers import abandon_trackers, start_trackers
+from hone.train.checkpoint import resolve_resume
+from hone.train.device import resolve_device
+from hone.train.distributed import check_launch, close_world, device_of, init_world, together
+from hone.train.loop import LoopResult, train_loop
+from hone.train.seed import seed_everything
+from hone.train.step_log import StepMetrics
+from hone.transforms.allocator import configure_allocator
 from hone.transforms.base import RunFacts, RunHooks
 from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
-from hone.atomic import atomic_write_text
-from hone.paths import ensure_writable_dir
-from hone.track.report import format_report
-from hone.track.trackers import abandon_trackers, start_trackers
-from hone.run_files import CHECKPOINTS_DIR, CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
-from hone.train.checkpoint import resolve_resume
-from hone.transforms.allocator import configure_allocator
-from hone.train.device import resolve_device
-from hone.train.distributed import check_launch, close_world, device_of, init_world, together
-from hone.runtime.world import World, world_from_env
-from hone.train.loop import LoopResult, train_loop
-from hone.train.step_log import StepMetrics
-from hone.train.seed import seed_everything
 
 #: What a started run leaves behind (config.yml alone is not enough: a run that failed while
 #: loading its data or model wrote it and left nothing else worth protecting).
@@ -124,7 +124,9 @@ def run_training(
     Launched by ``torchrun`` (``WORLD_SIZE`` set), this process is one rank of a data-parallel
     run: ``device`` is then its local GPU (or the CPU, with ``device="cpu"``)."""
     # the allocator's settings are read when CUDA initialises: before anything touches the GPU
-    configure_allocator(cfg, torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    configure_allocator(
+        cfg, torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     device = resolve_device(device)
     world = world_from_env()
     check_launch(cfg, world, device.type)  # more processes than GPUs, strategy none: before anything loads

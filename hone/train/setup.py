@@ -20,11 +20,11 @@ from torch import nn
 from hone.config.loader import dump_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
+from hone.runtime.world import World
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, PackedBatches, PaddedBatches, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint_io import checkpoint_io_for
 from hone.train.checkpointer import Checkpointer
-from hone.runtime.world import World
 from hone.train.evaluate import Evaluator
 from hone.train.optim import build_optimizer, build_scheduler
 from hone.train.resume import Resumed, resume

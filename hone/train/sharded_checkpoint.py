@@ -90,7 +90,10 @@ def _set_trainable_state(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     result = set_state_dict(
-        model, optimizer, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict,
+        model,
+        optimizer,
+        model_state_dict=model_state_dict,
+        optim_state_dict=optim_state_dict,
         options=_options(strict=False, full_state_dict=full_state_dict),
     )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -185,6 +188,7 @@ def load_sharded_checkpoint(
 
     All ranks call it, after the model is sharded and the optimizer built, before the first step."""
     import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")

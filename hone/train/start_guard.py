@@ -122,7 +122,7 @@ class StartGuard:
 
     # ---------------------------------------------------------------- the context
 
-    def __enter__(self) -> "StartGuard":
+    def __enter__(self) -> StartGuard:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:

@@ -58,6 +58,4 @@ class StepLog:
     def skipped(self, step: int, result: StepResult, consecutive_nonfinite: int) -> None:
         """Why step ``step`` changed nothing (and the streak, when it counts towards the limit)."""
         streak = f", {consecutive_nonfinite} in a row" if result.outcome.counts_toward_limit else ""
-        self.tracker.print(
-            f"step {step}: {result.problem()}; step skipped (weights, optimizer and schedule unchanged){streak}"
-        )
+        self.tracker.print(f"step {step}: {result.problem()}; step skipped (weights, optimizer and schedule unchanged){streak}")

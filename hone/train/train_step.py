@@ -48,14 +48,14 @@ from torch import nn
 from torch.profiler import record_function  # names the step's phases in a profile; no cost otherwise
 
 from hone.config.root import HoneConfig
-from hone.errors import HoneError
-from hone.train.batches import BatchStream, PackedBatches, PaddedBatches
 from hone.data.collate import MicroBatch
+from hone.errors import HoneError
+from hone.runtime.step import StepModule
 from hone.runtime.world import World
+from hone.train.batches import BatchStream, PackedBatches, PaddedBatches
 from hone.train.grad_norm import global_grad_norm
 from hone.train.signals import StopRequest
 from hone.transforms.base import RunHooks
-from hone.runtime.step import StepModule
 
 
 class UnsupportedPrecision(HoneError):
@@ -68,8 +68,7 @@ def loss_scaler(cfg: HoneConfig, device: torch.device) -> torch.amp.GradScaler |
         return None
     if device.type != "cuda":
         raise UnsupportedPrecision(
-            f"model.dtype: float16 training needs a CUDA GPU (loss scaling); on {device.type} use "
-            "bfloat16 or float32"
+            f"model.dtype: float16 training needs a CUDA GPU (loss scaling); on {device.type} use bfloat16 or float32"
         )
     return torch.amp.GradScaler("cuda")
 

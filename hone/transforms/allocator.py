@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 from hone.transforms.base import PlanContext, Transform
 
 if TYPE_CHECKING:
-    from hone.config import HoneConfig
     from torch import nn
+
+    from hone.config import HoneConfig
 
 #: Environment variables torch reads its allocator settings from (the second is the newer,
 #: device-neutral name).
@@ -68,7 +69,7 @@ def _user_setting() -> str | None:
     return None
 
 
-def allocator_choice(cfg: "HoneConfig", device_type: str) -> AllocatorChoice:
+def allocator_choice(cfg: HoneConfig, device_type: str) -> AllocatorChoice:
     """What ``memory.expandable_segments`` means for this run on ``device_type``."""
     asked = cfg.memory.expandable_segments
     user = _user_setting()
@@ -76,20 +77,23 @@ def allocator_choice(cfg: "HoneConfig", device_type: str) -> AllocatorChoice:
         return AllocatorChoice(False, f"memory.expandable_segments: {_word(asked)}: only CUDA's allocator has them", user)
     if user is not None:
         return AllocatorChoice(
-            "expandable_segments:true" in user.lower(), f"the environment sets the allocator ({user}); hone leaves it as it is", user
+            "expandable_segments:true" in user.lower(),
+            f"the environment sets the allocator ({user}); hone leaves it as it is",
+            user,
         )
     if asked != "auto":
         return AllocatorChoice(bool(asked), f"memory.expandable_segments: {_word(asked)}")
     tokens = cfg.data.sequence_len * cfg.training.micro_batch_size
     if tokens >= LONG_CONTEXT_TOKENS:
         return AllocatorChoice(
-            True, f"memory.expandable_segments: auto: {tokens:,} tokens a micro-batch (>= {LONG_CONTEXT_TOKENS:,}): GiB-sized "
-            "activations of changing sizes would fragment the allocator's segments"
+            True,
+            f"memory.expandable_segments: auto: {tokens:,} tokens a micro-batch (>= {LONG_CONTEXT_TOKENS:,}): GiB-sized "
+            "activations of changing sizes would fragment the allocator's segments",
         )
     return AllocatorChoice(False, f"memory.expandable_segments: auto: {tokens:,} tokens a micro-batch, torch's default allocator")
 
 
-def configure_allocator(cfg: "HoneConfig", device_type: str) -> AllocatorChoice:
+def configure_allocator(cfg: HoneConfig, device_type: str) -> AllocatorChoice:
     """Apply :func:`allocator_choice` to this process: through the environment while CUDA is not
     initialised yet (the normal case), else through torch's allocator-settings call, which
     affects the segments reserved from then on."""
@@ -113,7 +117,7 @@ def _word(value: object) -> str:
     return "true" if value is True else "false" if value is False else str(value)
 
 
-def _record(model: "nn.Module", ctx: PlanContext) -> dict[str, Any]:
+def _record(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     decided = ctx.decided
     return AllocatorChoice(decided.expandable_segments, decided.allocator_why, decided.allocator_environment).record()
 

@@ -19,8 +19,8 @@ from hone.models.attention.setup import attention_problems, select_attention_ker
 from hone.models.attention.sinks import has_attention_sinks
 from hone.models.hub import local_model_dir
 from hone.models.model_dir import read_causal_lm_config
-from hone.models.presets import get_preset
 from hone.models.precision import precision_for
+from hone.models.presets import get_preset
 from hone.transforms.base import PlanContext, Transform
 
 

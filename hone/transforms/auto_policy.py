@@ -77,7 +77,9 @@ def decide_memory(
         source = f"{source}, weights sharded over {param_shards} processes"
 
     def peak(p: str, shards: int) -> int:
-        est = estimate_memory(cfg, Knobs(p, loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards))
+        est = estimate_memory(
+            cfg, Knobs(p, loss, device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards)
+        )
         return est.total
 
     fixed_shards = configured if configured is not None else 0
@@ -92,10 +94,14 @@ def decide_memory(
             if any(t <= usable for t in tiled.values()):
                 policy, why = choose_auto_policy(tiled, budget, MARGIN)
                 policy_why = f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards (nothing fits untiled): {why}"
-                return MemoryChoice(policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source))
+                return MemoryChoice(
+                    policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source)
+                )
     else:
         policy_why = f"memory.activation_checkpointing: {policy}"
-    knobs = Knobs(policy if policy in POLICIES_BY_SPEED else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards)
+    knobs = Knobs(
+        policy if policy in POLICIES_BY_SPEED else "none", loss, device=kind, host_budget=host_budget, param_shards=param_shards
+    )
     tiled = decide_tiled_mlp(cfg, knobs, budget, source)
     return MemoryChoice(policy, policy_why, tiled.shards, tiled.why, tiled.does_not_fit)
 
@@ -137,7 +143,14 @@ def plan_memory(
 
 
 def tiled_layers_choice(
-    cfg: HoneConfig, device: Any, policy: str, tiled_mlp: int, budget: int | None = None, *, host_budget: int | None = None, param_shards: int = 1
+    cfg: HoneConfig,
+    device: Any,
+    policy: str,
+    tiled_mlp: int,
+    budget: int | None = None,
+    *,
+    host_budget: int | None = None,
+    param_shards: int = 1,
 ) -> TiledDecision:
     """``memory.tiled_layers`` of ``cfg`` under ``policy`` (the checkpointing in force) with the MLP
     in ``tiled_mlp`` shards (the MLP decision), on ``device``: the card and the host default to
@@ -150,7 +163,9 @@ def tiled_layers_choice(
     return decide_tiled_layers(cfg, knobs, budget, source)
 
 
-def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None) -> tuple[int | None, str]:
+def offload_layers_choice(
+    cfg: HoneConfig, layers: int, host_budget: int | None = None, sequence_len: int | None = None
+) -> tuple[int | None, str]:
     """``memory.offload_layers`` for a run of ``layers`` decoder layers: (how many layers' inputs
     go to the host, None for all of them; why). ``auto``: all when the host (``host_budget``,
     default this machine's RAM) holds their pinned blocks, else as many as fit it
@@ -171,7 +186,10 @@ def offload_layers_choice(cfg: HoneConfig, layers: int, host_budget: int | None 
     block = pinned_block(input_bytes)
     need = f"{layers} x {block / GIB:.2f} GiB pinned + {host_process_bytes(input_bytes) / GIB:.1f} GiB for the process"
     if count >= layers:
-        return None, f"offload_layers: auto: all {layers} layers' inputs on the host ({need} fits {source} less a {HOST_MARGIN:.0%} margin)"
+        return (
+            None,
+            f"offload_layers: auto: all {layers} layers' inputs on the host ({need} fits {source} less a {HOST_MARGIN:.0%} margin)",
+        )
     return count, (
         f"offload_layers: auto: {count} of {layers} layers' inputs on the host, the last {layers - count} on the GPU "
         f"({need} does not fit {source} less a {HOST_MARGIN:.0%} margin)"

@@ -45,9 +45,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hone.errors import HoneError
-from hone.transforms.base import PlanContext, Transform
-from hone.runtime.step import StepContext
 from hone.models.structure import decoder_layers, unwrap_peft
+from hone.runtime.step import StepContext
+from hone.transforms.base import PlanContext, Transform
 from hone.transforms.offload import DEFAULT_MIN_BYTES, OffloadActivations
 
 Policy = Literal["full", "selective", "offload"]
@@ -158,7 +158,9 @@ def apply_activation_checkpointing(
     if policy == "selective":
         record["saved_ops"] = sorted(str(op) for op in SAVED_OPS)
     if policy == "offload":
-        offloader = OffloadActivations(min_bytes=offload_min_bytes, use_streams=use_streams, model=model, max_tensors=offload_layers)
+        offloader = OffloadActivations(
+            min_bytes=offload_min_bytes, use_streams=use_streams, model=model, max_tensors=offload_layers
+        )
         stop, stop_name = _after_last_layer(base)
         offloader.pause_before(stop)
         _OFFLOADERS[model] = offloader

@@ -80,7 +80,12 @@ def compile_model(model: nn.Module, perf: PerformanceConfig, dynamic: bool) -> d
     kwargs = _compile_kwargs(perf, dynamic)
     decoder, _ = causal_lm_parts(model)
     decoder.compile(**kwargs)
-    return {"scope": "model", "backend": perf.torch_compile_backend, "options": kwargs.get("options") or {}, "dynamic_shapes": dynamic}
+    return {
+        "scope": "model",
+        "backend": perf.torch_compile_backend,
+        "options": kwargs.get("options") or {},
+        "dynamic_shapes": dynamic,
+    }
 
 
 def _compile_kwargs(perf: PerformanceConfig, dynamic: bool) -> dict[str, Any]:

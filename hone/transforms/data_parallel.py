@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hone.config.root import HoneConfig
-from hone.units import gib
+from hone.runtime.step import StepModule
+from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs
-from hone.transforms.base import PlanContext, RunFacts, Transform
-from hone.runtime.step import StepModule
+from hone.units import gib
 
 #: The margin a training state must leave on the device for activations, the loss and the
 #: allocator before ``auto`` keeps whole replicas (DDP) rather than sharding (FSDP2).

@@ -194,7 +194,9 @@ def float8_training_config(mode: Mode, fsdp_float8_all_gather: bool = False, emu
     from torchao.float8 import Float8LinearConfig
 
     config = Float8LinearConfig.from_recipe_name(mode)
-    return dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather and mode == "tensorwise", emulate=emulate)
+    return dataclasses.replace(
+        config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather and mode == "tensorwise", emulate=emulate
+    )
 
 
 def full_finetune_filter(model: nn.Module, mode: Mode, small: SmallLinears = "fp8") -> Callable[[nn.Module, str], bool]:
@@ -227,7 +229,9 @@ def convert_full_finetune(
     head = _output_head(model)
     small_kept = 0
     if small == "bf16":
-        small_kept = sum(1 for m in model.modules() if type(m) is nn.Linear and m is not head and fits_fp8(m) and too_small(m, mode))
+        small_kept = sum(
+            1 for m in model.modules() if type(m) is nn.Linear and m is not head and fits_fp8(m) and too_small(m, mode)
+        )
     return {
         "mode": mode,
         "case": "full fine-tune (torchao float8 training)",
@@ -309,7 +313,7 @@ def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
 
 #: Models whose weights FSDP2 all-gathers in float8: their scales are computed after each
 #: optimizer step. Kept beside the model (nothing is added to a transformers object).
-_PRECOMPUTE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_PRECOMPUTE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:

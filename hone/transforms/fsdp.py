@@ -51,9 +51,9 @@ from torch import nn
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.models.precision import precision_for
-from hone.transforms.base import PlanContext, RunFacts, Transform
-from hone.runtime.step import LossFn, StepModule
 from hone.models.structure import decoder_layers
+from hone.runtime.step import LossFn, StepModule
+from hone.transforms.base import PlanContext, RunFacts, Transform
 
 if TYPE_CHECKING:
     from hone.data.collate import MicroBatch
@@ -91,7 +91,7 @@ class ShardedLM(nn.Module):
         self.decoder = decoder
         self.head = head
 
-    def forward(self, batch: "MicroBatch", loss_fn: "LossFn", autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
         from hone.runtime.step import forward_hidden
 
         hidden = forward_hidden(self.decoder, batch, autocast_dtype)
@@ -103,7 +103,7 @@ class ShardedLM(nn.Module):
 
 #: model -> its root unit. Kept beside the model, not on it: nothing is added to a
 #: transformers or PEFT object.
-_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ShardedLM]" = weakref.WeakKeyDictionary()
+_ROOTS: weakref.WeakKeyDictionary[nn.Module, ShardedLM] = weakref.WeakKeyDictionary()
 
 
 def sharded_root(model: nn.Module) -> ShardedLM | None:
@@ -124,7 +124,7 @@ def mixed_precision(cfg: HoneConfig):
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
-def device_mesh(facts: "RunFacts"):
+def device_mesh(facts: RunFacts):
     """The 1-D mesh over every rank of the run (the process group must already exist)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -176,7 +176,7 @@ def shard_model(
     return root
 
 
-def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: "RunFacts", why: str) -> dict[str, Any]:
+def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: RunFacts, why: str) -> dict[str, Any]:
     """Shard ``model`` over the run's ranks (unless the sharded loader already did, on the meta
     device); returns what it did, for ``optimizations.json`` (``why``: the strategy's reason)."""
     dist_cfg = cfg.distributed
@@ -221,13 +221,13 @@ class RootStep(nn.Module):
     """The loop's per-micro-batch module for a sharded model: the loss through the root unit
     (the unsharded run's :class:`hone.runtime.step.MicroBatchLoss`, driven through FSDP2's hooks)."""
 
-    def __init__(self, root: ShardedLM, loss_fn: "LossFn", autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, root: ShardedLM, loss_fn: LossFn, autocast_dtype: torch.dtype | None) -> None:
         super().__init__()
         self.root = root
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
 
-    def forward(self, batch: "MicroBatch") -> torch.Tensor:
+    def forward(self, batch: MicroBatch) -> torch.Tensor:
         return self.root(batch, self.loss_fn, self.autocast_dtype)
 
 

@@ -115,4 +115,3 @@ def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None,
             f"{'auto' if best.tiled else 'off'}, tiled layers {'auto' if best.layers_tiled else 'off'}, {best.loss} loss"
         )
     return out
-

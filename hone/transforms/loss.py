@@ -27,8 +27,8 @@ from hone.data.collate import IGNORE_INDEX
 from hone.errors import HoneError
 from hone.models.structure import causal_lm_parts
 from hone.runtime.loss import logit_postprocess, standard_loss
-from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.runtime.step import LossFn
+from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.memory.facts import transformers_config
 
 
@@ -42,7 +42,9 @@ def fused_linear_ce_loss() -> LossFn:
         if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # (under autocast the kernel casts both itself)
         flat_targets = targets.reshape(-1)
-        loss_sum = fused_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index=IGNORE_INDEX)
+        loss_sum = fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index=IGNORE_INDEX
+        )
         return loss_sum, (flat_targets != IGNORE_INDEX).sum()
 
     return loss_fn
@@ -98,7 +100,9 @@ def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[Loss
     loss_fn = standard_loss(logit_postprocess(config))
     compiled = cfg.performance.compiles_on(facts.device.type)
     if compiled:
-        loss_fn = torch.compile(loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None)
+        loss_fn = torch.compile(
+            loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None
+        )
     return loss_fn, {"loss": kind, "why": why, "compiled": compiled}
 
 

@@ -37,10 +37,10 @@ Without CUDA the copy is a plain host copy, so the hook path is testable on any 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import weakref
 from typing import Any
 
 import torch
@@ -82,7 +82,11 @@ class OffloadActivations:
     """
 
     def __init__(
-        self, min_bytes: int = DEFAULT_MIN_BYTES, use_streams: bool = True, model: nn.Module | None = None, max_tensors: int | None = None
+        self,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        use_streams: bool = True,
+        model: nn.Module | None = None,
+        max_tensors: int | None = None,
     ) -> None:
         """``model``: its parameters are never copied (checked by storage, so views of frozen
         weights are caught too); ``use_streams``: copy on side CUDA streams (else on the

@@ -17,8 +17,8 @@ from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.decide import decide
 from hone.transforms.long_context import LongestRow, longest_table, render_longest
-from hone.transforms.memory.decide import checkpointing_of, loss_of
 from hone.transforms.loss import loss_decision
+from hone.transforms.memory.decide import checkpointing_of, loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs, LossKind
@@ -99,7 +99,6 @@ def plan_view(
     resolved ``auto`` settings (:func:`hone.transforms.decide.decide`), which the view quotes
     rather than deciding again; by default those of one process on ``device``."""
     from hone.models.loader import describe_adapter, format_count
-
     from hone.transforms.auto_policy import auto_shards
     from hone.transforms.card import host_memory
 

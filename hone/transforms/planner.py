@@ -24,9 +24,9 @@ from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.run_files import OPTIMIZATIONS_FILE
+from hone.runtime.step import StepModule
 from hone.transforms.allocator import ALLOCATOR
 from hone.transforms.attention import ATTENTION
-from hone.runtime.step import StepModule
 from hone.transforms.base import Decisions, PlanContext, RunFacts, RunHooks, Stage, Transform
 from hone.transforms.checkpointing import CHECKPOINTING
 from hone.transforms.compile import COMPILE

@@ -75,9 +75,9 @@ from hone.models.attention.tiled import (
     computing_chunk,
     register_tiled_sdpa,
 )
+from hone.models.structure import decoder_layers, unwrap_peft
 from hone.transforms.auto_policy import tiled_layers_choice
 from hone.transforms.base import PlanContext, RunFacts, Transform
-from hone.models.structure import decoder_layers, unwrap_peft
 from hone.transforms.memory.facts import transformers_config
 from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
@@ -217,7 +217,14 @@ class _TiledLayerFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, layer: nn.Module, bounds: list[tuple[int, int]], chunk_kwargs: list[dict[str, Any]], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        layer: nn.Module,
+        bounds: list[tuple[int, int]],
+        chunk_kwargs: list[dict[str, Any]],
+        x: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         ctx.layer, ctx.bounds, ctx.chunk_kwargs, ctx.n_params = layer, bounds, chunk_kwargs, len(params)
         ctx.replay = Replay(x, has_dropout(layer))
@@ -345,7 +352,11 @@ class TiledDecoderLayer(StandIn):
         if args or hidden_states.dim() != 3:
             raise TiledLayersError(
                 f"memory.tiled_layers: {type(self.inner).__name__} was called with "
-                + (f"{len(args)} positional arguments beside its input" if args else f"an input of shape {tuple(hidden_states.shape)}")
+                + (
+                    f"{len(args)} positional arguments beside its input"
+                    if args
+                    else f"an input of shape {tuple(hidden_states.shape)}"
+                )
                 + "; tiled layers handle layer(hidden_states [batch, seq, hidden], **keyword arguments). Set "
                 "memory.tiled_layers: off for this model"
             )

@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from hone.errors import HoneError
-from hone.transforms.base import PlanContext, Transform
 from hone.models.structure import decoder_layers
+from hone.transforms.base import PlanContext, Transform
 from hone.transforms.recompute import GradSums, Replay, has_dropout
 from hone.transforms.stand_in import StandIn
 
@@ -134,7 +134,9 @@ class _TiledMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, module: nn.Module, shards: int, spec: _Spec, x: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, module: nn.Module, shards: int, spec: _Spec, x: torch.Tensor, *params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.module, ctx.ndim, ctx.n_params = module, x.dim(), len(params)
         ctx.recompute = Replay(x, has_dropout(module))

@@ -112,7 +112,6 @@ class CompileWatch:
             "counted": self.available,
         }
 
-
     def _recompiles(self, train: list[CompileEvent]) -> int:
         """Training graphs that compiled a frame this run had already compiled. A frame another
         run of the same process compiled first (a bf16 run, then a float8 one, whose layers fail

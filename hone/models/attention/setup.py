@@ -98,7 +98,8 @@ def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, comp
     if blockers:
         if choice is True:
             raise ModelError(
-                "model.sdpa_varlen: true, but the varlen kernel cannot run here: " + "; ".join(blockers)
+                "model.sdpa_varlen: true, but the varlen kernel cannot run here: "
+                + "; ".join(blockers)
                 + ". Set sdpa_varlen: auto (hone's document mask instead) or false"
             )
         return None

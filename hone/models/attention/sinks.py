@@ -113,7 +113,12 @@ def flex_sink_attention(
 
 
 def dense_sink_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float | None,
 ) -> torch.Tensor:
     """The same rescale on dense float32 scores (``mask``: [B, 1, T, S] bool, True = attend):
     differentiable anywhere, the CPU path. A query that sees no key gets zero, as in eager."""
@@ -181,9 +186,7 @@ def _causal_block_mask(query: torch.Tensor, key: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
     offset = key.shape[2] - query.shape[2]
-    return create_block_mask(
-        lambda b, h, q, kv: q + offset >= kv, None, None, query.shape[2], key.shape[2], device=query.device
-    )
+    return create_block_mask(lambda b, h, q, kv: q + offset >= kv, None, None, query.shape[2], key.shape[2], device=query.device)
 
 
 def _dense(block_mask: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ class ChunkAttention:
     live_values: torch.Tensor | None = None
     calls: int = 0
 
-    def at(self, start: int, end: int, mode: Mode | None = None) -> "ChunkAttention":
+    def at(self, start: int, end: int, mode: Mode | None = None) -> ChunkAttention:
         """Move to chunk ``[start, end)`` (and ``mode``); forgets the previous chunk's tensors."""
         self.start, self.end, self.calls = start, end, 0
         if mode is not None:
@@ -97,7 +97,9 @@ class ChunkAttention:
         self.keys[:, :, self.start : self.end].copy_(key.detach())
         self.values[:, :, self.start : self.end].copy_(value.detach())
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None
+    ) -> torch.Tensor:
         """The chunk's attention output ``[B, Hq, chunk, D]`` (see the module docstring)."""
         self.calls += 1
         if self.calls > 1:
@@ -150,7 +152,9 @@ def causal_chunk_attention(
     return torch.stack(outs, dim=2).flatten(1, 2)
 
 
-def _lower_right_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None) -> torch.Tensor:
+def _lower_right_causal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None
+) -> torch.Tensor:
     lq, lk = query.shape[2], key.shape[2]
     if lq == lk:
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)

@@ -32,8 +32,10 @@ EXPERTS_IMPLEMENTATIONS = (HONE, "grouped_mm", "eager")
 
 def is_experts_module(module: nn.Module) -> bool:
     """An experts module transformers dispatches through its experts interface."""
-    return hasattr(module, "is_transposed") and hasattr(module, "has_gate") and isinstance(
-        getattr(module, "down_proj", None), (nn.Parameter, torch.Tensor)
+    return (
+        hasattr(module, "is_transposed")
+        and hasattr(module, "has_gate")
+        and isinstance(getattr(module, "down_proj", None), (nn.Parameter, torch.Tensor))
     )
 
 
@@ -84,7 +86,9 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
     """Why ``experts_implementation: hone`` cannot run ``model`` on ``device`` (empty: it can)."""
     modules = experts_modules(model)
     if not modules:
-        return [f"model.experts_implementation: hone applies to mixture-of-experts models; {type(model).__name__} has no experts module"]
+        return [
+            f"model.experts_implementation: hone applies to mixture-of-experts models; {type(model).__name__} has no experts module"
+        ]
     problems = []
     if not moe_triton_available(device):
         problems.append(
@@ -96,7 +100,9 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
         problem = _layout_problem(module)
         if problem and type(module) not in seen:
             seen.add(type(module))
-            problems.append(f"model.experts_implementation: hone cannot run {type(module).__name__}: {problem}; use grouped_mm or eager")
+            problems.append(
+                f"model.experts_implementation: hone cannot run {type(module).__name__}: {problem}; use grouped_mm or eager"
+            )
     return problems
 
 
@@ -108,7 +114,9 @@ def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor
             if name in kwargs:
                 values.append(kwargs[name])
     if len(values) != 2:
-        raise TypeError(f"experts forward expects (hidden_states, top_k_index, top_k_weights), got {len(args)} positional and {sorted(kwargs)}")
+        raise TypeError(
+            f"experts forward expects (hidden_states, top_k_index, top_k_weights), got {len(args)} positional and {sorted(kwargs)}"
+        )
     return values[0], values[1]
 
 
@@ -152,9 +160,7 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> dict[st
     """Select ``implementation`` for every experts module of ``model`` through transformers'
     ``set_experts_implementation``; returns what was applied (for the plan record)."""
     if implementation not in EXPERTS_IMPLEMENTATIONS:
-        raise ModelError(
-            f"model.experts_implementation: {implementation!r} is not one of: {', '.join(EXPERTS_IMPLEMENTATIONS)}"
-        )
+        raise ModelError(f"model.experts_implementation: {implementation!r} is not one of: {', '.join(EXPERTS_IMPLEMENTATIONS)}")
     modules = experts_modules(model)
     if implementation == HONE:
         register_hone_experts()
@@ -162,6 +168,8 @@ def set_experts_implementation(model: nn.Module, implementation: str) -> dict[st
             layout_of(module)  # refuses what the kernels cannot run, before any step
     setter = getattr(model, "set_experts_implementation", None)
     if setter is None:
-        raise ModelError(f"model.experts_implementation: {type(model).__name__} does not let transformers choose its experts implementation")
+        raise ModelError(
+            f"model.experts_implementation: {type(model).__name__} does not let transformers choose its experts implementation"
+        )
     setter(implementation)
     return {"implementation": implementation, "experts_modules": len(modules)}

@@ -5,8 +5,8 @@ from dataclasses import dataclass, replace
 
 from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
-from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.loss import loss_decision
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.units import gib
 

@@ -187,7 +187,9 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_list = decoder_layers(model)  # the decoder layers as every transform finds them
     if not layer_list:
-        raise ValueError(f"cannot find the decoder layers of {type(base).__name__} (no module of a class in its _no_split_modules)")
+        raise ValueError(
+            f"cannot find the decoder layers of {type(base).__name__} (no module of a class in its _no_split_modules)"
+        )
     in_layers = {id(p) for layer in layer_list for p in layer.parameters()}
     frozen = trainable = outside_trainable = 0
     lora_base: list[tuple[int, int]] = []

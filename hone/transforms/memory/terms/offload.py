@@ -28,6 +28,7 @@ def host_process_bytes(input_bytes: int) -> int:
     """The process's host memory besides its pinned blocks, for layer inputs of ``input_bytes``."""
     return HOST_BASE_BYTES + HOST_INPUTS_BEYOND_PINNED * input_bytes
 
+
 #: The share of the host's memory an offload split may not use (the page cache, other
 #: processes, and the allocator's rounding beyond what :func:`pinned_block` counts).
 HOST_MARGIN = 0.1
