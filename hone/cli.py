@@ -260,7 +260,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def show(row: dict) -> None:
         if row["status"] == "ok":
             print(
-                f"  {row['condition']} #{row['replicate']}: {row['median_ms']:.1f} ms/step, first step {row['first_step_s']:.1f} s, peak {row['peak_alloc_gib']} GiB, loss {row['final_loss']}",
+                f"  {row['condition']} #{row['replicate']}: {row['median_ms']:.1f} ms/step, "
+                f"first step {row['first_step_s']:.1f} s, peak {row['peak_alloc_gib']} GiB, loss {row['final_loss']}",
                 flush=True,
             )
         else:
@@ -277,7 +278,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"  {row['condition']}: longest {row['longest']:,} tokens", flush=True)
             elif row["status"] == "ok":
                 print(
-                    f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB",
+                    f"  {row['condition']} @ {row['sequence_len']:,}: {row['tokens_per_s']:,.0f} tok/s, "
+                    f"GPU {row.get('peak_alloc_gib')} GiB, host {row.get('peak_host_gib')} GiB",
                     flush=True,
                 )
             else:

@@ -184,7 +184,10 @@ def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> Non
     wanted = cfg.data.sequence_len
     if limit is None or wanted <= limit:
         return
-    what = f"data.sequence_len {wanted} is longer than the {limit} positions the model was built for (max_position_embeddings of {cfg.model.source})"
+    what = (
+        f"data.sequence_len {wanted} is longer than the {limit} positions the model was built for "
+        f"(max_position_embeddings of {cfg.model.source})"
+    )
     scaling = rope_scaling_type(config)
     if scaling is not None:
         result.warnings.append(f"{what}; its config sets RoPE scaling '{scaling}', which is meant to stretch them")

@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         reference_out = {}
         for group, name, build in _rows(args.model, tokens, args.rank):
-            keep = None
+            _keep = None
             try:
-                step, keep = build()
+                step, _keep = build()
                 ms, peak, out, first_s = _measure(step, args.warmup, args.repeats)
                 out = out.detach().float()
                 ref = reference_out.setdefault(group, out)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 message = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
                 print(f"| {tokens} | {group} | {name} | error: {type(exc).__name__}: {message} | | | |")
             finally:
-                step = keep = None
+                step = _keep = None
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
             sys.stdout.flush()

@@ -152,7 +152,8 @@ def _s(us: Any) -> float:
 
 def _frames_table(metrics: list[Any]) -> tuple[list[str], dict[str, float]]:
     lines = [
-        "| compile id | frame | fwd/bwd | total s | dynamo s | aot s | inductor s | inductor codegen s | triton compile s | guards | graph inputs | ops | fx cache (hit/miss) | aot cache (hit/miss) | fail / recompile reason |",
+        "| compile id | frame | fwd/bwd | total s | dynamo s | aot s | inductor s | inductor codegen s | triton compile s | "
+        "guards | graph inputs | ops | fx cache (hit/miss) | aot cache (hit/miss) | fail / recompile reason |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     totals: dict[str, float] = Counter()
@@ -164,7 +165,8 @@ def _frames_table(metrics: list[Any]) -> tuple[list[str], dict[str, float]]:
             kind = "runtime"
         reason = (g("fail_reason") or g("recompile_reason") or "")[:120].replace("\n", " ").replace("|", "/")
         lines.append(
-            f"| {g('compile_id')} | {g('co_name') or ''} | {kind} | {total or 0:.2f} | {_s(g('dynamo_cumulative_compile_time_us')):.2f} | "
+            f"| {g('compile_id')} | {g('co_name') or ''} | {kind} | {total or 0:.2f} | "
+            f"{_s(g('dynamo_cumulative_compile_time_us')):.2f} | "
             f"{_s(g('aot_autograd_cumulative_compile_time_us')):.2f} | {_s(g('inductor_cumulative_compile_time_us')):.2f} | "
             f"{_s(g('inductor_code_gen_cumulative_compile_time_us')):.2f} | {_s(g('triton_compile_time_us')):.2f} | "
             f"{g('guard_count') or ''} | {g('graph_input_count') or ''} | {g('graph_op_count') or ''} | "
@@ -282,16 +284,19 @@ def main() -> None:
     table, totals = _frames_table(metrics)
     out: list[str] = [
         f"# first step: {args.preset} x{args.layers} layers, seq {args.seq}, {' '.join(args.overrides) or 'defaults'}",
-        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, caches {cache_root or 'default locations'}",
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"caches {cache_root or 'default locations'}",
         "",
         "steps (s): " + ", ".join(f"{t:.2f}" for t in step_times),
         "",
         "## compile totals (s)",
         "",
         *(f"- {k}: {v:.2f}" for k, v in totals.items()),
-        f"- triton compiles seen by the listener: {sum(sum(v) for v in watch.compiles.values()):.2f} s in {sum(len(v) for v in watch.compiles.values())} compiles"
+        f"- triton compiles seen by the listener: {sum(sum(v) for v in watch.compiles.values()):.2f} s "
+        f"in {sum(len(v) for v in watch.compiles.values())} compiles"
         + ("" if watch.active else " (this triton has no compilation listener)"),
-        f"- hone autotuning (benchmarking, compiles of the timed configs included): {sum(a['seconds'] or 0 for a in watch.autotunes):.2f} s over {len(watch.autotunes)} tuning keys",
+        "- hone autotuning (benchmarking, compiles of the timed configs included): "
+        f"{sum(a['seconds'] or 0 for a in watch.autotunes):.2f} s over {len(watch.autotunes)} tuning keys",
         "",
         "## compiled frames",
         "",
@@ -308,7 +313,8 @@ def main() -> None:
         "## hone kernel autotuning",
         "",
         *(
-            f"- {a['kernel']} key {a['key']}: {a['configs_timed']} configs, {a['seconds'] or 0:.2f} s{' (cache hit)' if a['cache_hit'] else ''}, best {a['best']}"
+            f"- {a['kernel']} key {a['key']}: {a['configs_timed']} configs, "
+            f"{a['seconds'] or 0:.2f} s{' (cache hit)' if a['cache_hit'] else ''}, best {a['best']}"
             for a in watch.autotunes
         ),
     ]

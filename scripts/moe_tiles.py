@@ -115,7 +115,8 @@ def main() -> None:
         first_tuned, ms_tuned = _timed(case, args.repeats)
         os.environ.pop("HONE_MOE_AUTOTUNE")
         print(
-            f"autotuned:     first call {first_tuned:.2f} s, {ms_tuned:.3f} ms  ({100 * (ms - ms_tuned) / ms_tuned:+.1f}% for the default tiles)"
+            f"autotuned:     first call {first_tuned:.2f} s, {ms_tuned:.3f} ms  "
+            f"({100 * (ms - ms_tuned) / ms_tuned:+.1f}% for the default tiles)"
         )
         print("\n| kernel | key | autotuned tile (ms) | default tile (ms) | configs timed | tuning s |")
         print("|---|---|---|---|---|---|")
@@ -140,7 +141,8 @@ def main() -> None:
 
             same = " (same)" if best is default_cfg else ""
             print(
-                f"| {name} | {key[:4]} | {tile(best)} ({ms_of(best)}){same} | {tile(default_cfg)} ({ms_of(default_cfg)}) | {len(timings)} | {pick['duration'] or 0:.2f} |"
+                f"| {name} | {key[:4]} | {tile(best)} ({ms_of(best)}){same} | {tile(default_cfg)} ({ms_of(default_cfg)}) | "
+                f"{len(timings)} | {pick['duration'] or 0:.2f} |"
             )
         if not picks:
             print("(this triton has no autotuning listener: set TRITON_PRINT_AUTOTUNING=1 to see the picks)")

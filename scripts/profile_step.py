@@ -135,7 +135,8 @@ def main() -> None:
         f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.active} steps profiled; "
         f"device time per step {total / args.active / 1000:.1f} ms",
         "",
-        f"GEMM {100 * gemm / total:.1f}% | attention {100 * attn / total:.1f}% | other {100 * (total - gemm - attn) / total:.1f}%",
+        f"GEMM {100 * gemm / total:.1f}% | attention {100 * attn / total:.1f}% | "
+        f"other {100 * (total - gemm - attn) / total:.1f}%",
         "",
         f"host syncs per optimizer step ({args.accum} micro-batch(es)): "
         + (", ".join(f"{k} {v / args.active:g}" for k, v in sorted(syncs.items())) or "none"),

@@ -145,7 +145,8 @@ def main() -> None:
     ref = results.get("bf16", {}).get("eval")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(
-        f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n"
+        f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; "
+        f"LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n"
     )
     print("| mode | overrides | final eval loss | rel. diff vs bf16 | tok/s | peak GiB |")
     print("|---|---|---:|---:|---:|---:|")

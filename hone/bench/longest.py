@@ -148,13 +148,15 @@ def lengths_markdown(
         f"longest sequence completing {spec.search.steps} optimizer steps: doubling from {spec.search.start:,}, "
         f"bisecting to {spec.search.granularity:,}, at most {spec.search.max:,}"
         if spec.kind == "longest"
-        else f"lengths {', '.join(f'{n:,}' for n in spec.lengths)}; median of {spec.timed_steps} steps after {spec.warmup_steps} warm-up"
+        else f"lengths {', '.join(f'{n:,}' for n in spec.lengths)}; "
+        f"median of {spec.timed_steps} steps after {spec.warmup_steps} warm-up"
     )
     lines = [
         f"### {spec.name}",
         "",
         f"{model}; micro-batch {w.micro_batch_size}; {w.dtype}; {adapter}; random tokens; {how}. "
-        "Every length of every condition is a fresh process. Host GiB: the process's peak resident memory (pinned buffers included).",
+        "Every length of every condition is a fresh process. "
+        "Host GiB: the process's peak resident memory (pinned buffers included).",
     ]
     lines += _provenance(env, command)
     summaries = {r["condition"]: r for r in rows if r.get("status") == "summary"}

@@ -81,7 +81,8 @@ def _provenance(env: dict[str, Any] | None, command: str | None) -> list[str]:
     lines = []
     if env:
         lines.append(
-            f"Device: {env.get('device')}; torch {env.get('torch')}, transformers {env.get('transformers')}, peft {env.get('peft')}."
+            f"Device: {env.get('device')}; torch {env.get('torch')}, "
+            f"transformers {env.get('transformers')}, peft {env.get('peft')}."
         )
     if command:
         lines += ["", f"Command: `{command}`"]
@@ -108,8 +109,8 @@ def markdown_table(
     multi = any(c.nproc > 1 for c in spec.conditions)
     lines += [
         "",
-        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | peak host GiB | MFU | first step s | last loss |"
-        + (" GPUs | tok/s per GPU | scaling vs 1 GPU |" if multi else ""),
+        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | "
+        "peak host GiB | MFU | first step s | last loss |" + (" GPUs | tok/s per GPU | scaling vs 1 GPU |" if multi else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if multi else ""),
     ]
     if multi:
@@ -127,7 +128,8 @@ def markdown_table(
             f"{_fmt(s.get('peak_host_gib'), '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
             + (
-                f" {s.get('nproc', 1)} | {s.get('tokens_per_s_per_gpu') or s['tokens_per_s']:,.0f} | {_fmt(s.get('scaling'), '.2f')}{'x' if s.get('scaling') else ''} |"
+                f" {s.get('nproc', 1)} | {s.get('tokens_per_s_per_gpu') or s['tokens_per_s']:,.0f} | "
+                f"{_fmt(s.get('scaling'), '.2f')}{'x' if s.get('scaling') else ''} |"
                 if multi
                 else ""
             )
@@ -155,7 +157,8 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
     ref_name = base["condition"] if base else "first row"
     lines += [
         "",
-        f"| condition | trained tok/s | vs {ref_name} | trained tok/s at the median step | vs {ref_name} | real tok/s | ms/step (min-max) | packing efficiency | peak alloc GiB | estimated GiB | MFU | first step s | last loss |",
+        f"| condition | trained tok/s | vs {ref_name} | trained tok/s at the median step | vs {ref_name} | real tok/s | "
+        "ms/step (min-max) | packing efficiency | peak alloc GiB | estimated GiB | MFU | first step s | last loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
@@ -168,8 +171,10 @@ def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str
         median_ratio = f"{at_median / base_median:.2f}x" if at_median and base_median else ""
         eff = f"{100 * s['packing_efficiency']:.1f}%" if s.get("packing_efficiency") is not None else ""
         lines.append(
-            f"| {s['condition']} | {s['trained_tokens_per_s']:,.0f} | {ratio} | {_fmt(at_median, ',.0f')} | {median_ratio} | {s['tokens_per_s']:,.0f} | "
-            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {eff} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | "
+            f"| {s['condition']} | {s['trained_tokens_per_s']:,.0f} | {ratio} | {_fmt(at_median, ',.0f')} | {median_ratio} | "
+            f"{s['tokens_per_s']:,.0f} | "
+            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {eff} | {_fmt(s['peak_alloc_gib'], '.1f')} | "
+            f"{_fmt(s.get('estimated_peak_gib'), '.1f')} | "
             f"{_fmt(s['mfu_pct'], '.1f')}% | {s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"

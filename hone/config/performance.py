@@ -48,7 +48,7 @@ _FP8_KEYS = ("fp8_base_linears", "fp8_small_linears")
 
 
 class PerformanceConfig(Section):
-    """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md); the loss computation."""
+    """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md); the loss computation."""  # noqa: E501 - one line: the text goes verbatim into docs/config.md, and ruff format re-joins a split docstring
 
     torch_compile: bool | Literal["auto"] = False
     """Compile the model with ``torch.compile``; ``auto`` compiles when training on CUDA."""

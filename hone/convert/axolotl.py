@@ -430,7 +430,8 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[di
         ds.untranslated.append(
             Untranslated(
                 f"{group}[{index}]",
-                f"type {shown!r} has no hone dataset type (hone has: alpaca, chat, completion, pretokenized); the entry is left out",
+                f"type {shown!r} has no hone dataset type (hone has: alpaca, chat, completion, pretokenized); "
+                "the entry is left out",
             )
         )
         ds.left.clear()
@@ -458,7 +459,8 @@ def _chat_template(r: _Reader, template: Any, jinja: Any, data: dict[str, Any], 
         r.untranslated.append(
             Untranslated(
                 f"{key_prefix}chat_template",
-                f"'{template}' is an Axolotl template name; hone uses the tokenizer's own template, or Jinja text in data.chat_template",
+                f"'{template}' is an Axolotl template name; "
+                "hone uses the tokenizer's own template, or Jinja text in data.chat_template",
             )
         )
 
@@ -571,7 +573,8 @@ def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distribut
         r.untranslated.append(
             Untranslated(
                 "bnb_config_kwargs",
-                "hone's 4-bit base is NF4 with double-quantized scales, computing in model.dtype; other bitsandbytes settings do not apply",
+                "hone's 4-bit base is NF4 with double-quantized scales, computing in model.dtype; "
+                "other bitsandbytes settings do not apply",
             )
         )
     if distributed.get("strategy") == "fsdp":
@@ -582,17 +585,18 @@ def _quantization(r: _Reader, model: dict[str, Any], kind: str | None, distribut
         return
     model["quantize"] = "nf4"
     r.notes.append(
-        "adapter: qlora -> adapter.type: lora with model.quantize: nf4 (torchao's NF4, double-quantized scales; pip install 'hone[quant]')"
+        "adapter: qlora -> adapter.type: lora with model.quantize: nf4 "
+        "(torchao's NF4, double-quantized scales; pip install 'hone[quant]')"
     )
 
 
 def _text_fields(r: _Reader, names: dict[str, str]) -> dict[str, Any]:
     """Axolotl keys -> hone field names, for the keys set (as text)."""
     fields: dict[str, Any] = {}
-    for key, field in names.items():
+    for key, name in names.items():
         value = r.take(key)
         if not _asks_nothing(value):
-            fields[field] = str(value)
+            fields[name] = str(value)
     return fields
 
 
@@ -728,7 +732,8 @@ def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None
                 r.untranslated.append(
                     Untranslated(
                         "torch_compile_mode",
-                        f"'{mode}' uses CUDA graphs, which need fixed shapes; packed batches vary (hone refuses the two together)",
+                        f"'{mode}' uses CUDA graphs, which need fixed shapes; "
+                        "packed batches vary (hone refuses the two together)",
                     )
                 )
             elif mode != "default":

@@ -124,7 +124,8 @@ class ChatFormat(RowFormat):
         for number, message in enumerate(raw, start=1):
             if not isinstance(message, dict):
                 raise RowProblem(
-                    f"message {number} is {describe(message)} (expected an object with '{cfg.field_role}' and '{cfg.field_content}')"
+                    f"message {number} is {describe(message)} "
+                    f"(expected an object with '{cfg.field_role}' and '{cfg.field_content}')"
                 )
             role = message.get(cfg.field_role)
             if not isinstance(role, str):

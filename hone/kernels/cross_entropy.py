@@ -243,7 +243,8 @@ def fused_linear_cross_entropy(
         raise KernelUnavailableError(f"fused cross-entropy impl {impl!r} is not one of {', '.join(IMPLS)}")
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+            f"expected hidden [N, H], weight [V, H], targets [N]; "
+            f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
         )
     if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -119,14 +119,15 @@ def fill_from_safetensors(model: nn.Module, path: Path, skip: set[str]) -> None:
         wanted.setdefault(files[key], []).append((name, key, param))
     for file, entries in wanted.items():
         with safe_open(str(file), framework="pt") as f:
-            for name, key, param in entries:
+            for _name, key, param in entries:
                 local, start = local_rows(param)
                 if local.numel() == 0:
                     continue
                 rows = f.get_slice(key)[start : start + local.shape[0]]
                 if tuple(rows.shape) != tuple(local.shape):
                     raise ModelError(
-                        f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} where the model expects {tuple(local.shape)}"
+                        f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} "
+                        f"where the model expects {tuple(local.shape)}"
                     )
                 local.copy_(rows)
 

@@ -57,7 +57,8 @@ def format_report(
         lines.append(f"    {final_dir.name}/  the trained adapter or model")
     if last_checkpoint is not None:
         lines.append(
-            f"    {last_checkpoint.relative_to(output_dir) if last_checkpoint.is_relative_to(output_dir) else last_checkpoint}/  resumable checkpoint"
+            f"    {last_checkpoint.relative_to(output_dir) if last_checkpoint.is_relative_to(output_dir) else last_checkpoint}/"
+            "  resumable checkpoint"
         )
     for path in extra_outputs:
         suffix = "/" if path.is_dir() else ""

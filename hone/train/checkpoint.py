@@ -163,7 +163,8 @@ def save_checkpoint(
 
         if any(h.save is not None for h in state_dict_hooks):
             raise CheckpointSaveError(
-                f"cannot save checkpoint step-{step}: a sharded model's weights cannot go through a transform's state-dict hooks yet"
+                f"cannot save checkpoint step-{step}: "
+                "a sharded model's weights cannot go through a transform's state-dict hooks yet"
             )
         return save_sharded_checkpoint(
             output_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, state=state, keep=keep

@@ -93,7 +93,10 @@ def decide_memory(
             tiled = {p: peak(p, shards) for p in policies}
             if any(t <= usable for t in tiled.values()):
                 policy, why = choose_auto_policy(tiled, budget, MARGIN)
-                policy_why = f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards (nothing fits untiled): {why}"
+                policy_why = (
+                    f"activation_checkpointing: auto on {source}, with the MLP tiled in {shards} shards "
+                    f"(nothing fits untiled): {why}"
+                )
                 return MemoryChoice(
                     policy, policy_why, shards, _tiled_on(estimates[policy], tiled[policy], shards, budget, source)
                 )
@@ -188,7 +191,8 @@ def offload_layers_choice(
     if count >= layers:
         return (
             None,
-            f"offload_layers: auto: all {layers} layers' inputs on the host ({need} fits {source} less a {HOST_MARGIN:.0%} margin)",
+            f"offload_layers: auto: all {layers} layers' inputs on the host "
+            f"({need} fits {source} less a {HOST_MARGIN:.0%} margin)",
         )
     return count, (
         f"offload_layers: auto: {count} of {layers} layers' inputs on the host, the last {layers - count} on the GPU "

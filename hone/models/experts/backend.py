@@ -87,7 +87,8 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
     modules = experts_modules(model)
     if not modules:
         return [
-            f"model.experts_implementation: hone applies to mixture-of-experts models; {type(model).__name__} has no experts module"
+            "model.experts_implementation: hone applies to mixture-of-experts models; "
+            f"{type(model).__name__} has no experts module"
         ]
     problems = []
     if not moe_triton_available(device):
@@ -115,7 +116,8 @@ def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor
                 values.append(kwargs[name])
     if len(values) != 2:
         raise TypeError(
-            f"experts forward expects (hidden_states, top_k_index, top_k_weights), got {len(args)} positional and {sorted(kwargs)}"
+            "experts forward expects (hidden_states, top_k_index, top_k_weights), "
+            f"got {len(args)} positional and {sorted(kwargs)}"
         )
     return values[0], values[1]
 
