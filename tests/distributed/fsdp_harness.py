@@ -12,6 +12,7 @@ previous call), without paying a second or two of imports per rank per test.
 import multiprocessing
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -45,10 +46,19 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 PRELOAD = ["torch.distributed.fsdp", "transformers", "peft", "hone.testing", "hone.train.run", "fsdp_harness"]
 
 
-def spawn(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, *args)`` on ``world_size`` gloo processes; raises if any of them fails."""
+def spawn(fn, world_size: int, *args, timeout_s: float | None = None) -> None:
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo processes; raises if any of them fails, or
+    kills them all and raises ``TimeoutError`` once they have run ``timeout_s`` (a hang)."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
-    mp.start_processes(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver")
+    context = mp.start_processes(
+        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="forkserver"
+    )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} processes still ran after {timeout_s} s")
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
