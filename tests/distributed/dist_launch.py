@@ -49,3 +49,16 @@ def run_worker(scenario: str, out: Path, seed: int) -> None:
         spawn(_scenario, 2, scenario, out, seed, timeout_s=TIMEOUT_S)
     except Exception as exc:
         raise AssertionError(f"{scenario} (seed {seed}) failed:\n{exc}") from exc
+
+
+def _hone_train(rank: int, cfg: Path) -> None:
+    from hone.cli import main
+
+    code = main(["train", str(cfg)])
+    assert code == 0, f"hone train {cfg} exited {code} on rank {rank}"
+
+
+def hone_train_forked(cfg: Path) -> None:
+    """``hone train CFG`` in 2 processes forked by the harness (as ``torchrun -m hone train CFG``
+    runs it in each rank), with the launch timeout: a run whose launch is not under test."""
+    spawn(_hone_train, 2, cfg, timeout_s=TIMEOUT_S)
