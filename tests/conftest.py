@@ -49,6 +49,14 @@ def tokenizer():
     return load_tokenizer(ModelConfig(preset="tiny-llama"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _torch_seeded_per_module():
+    """Each test module starts from the same global torch random state, whichever modules the
+    process ran before it (pytest-xdist hands files to its workers in no fixed order): what a
+    module's fixtures and tests draw without a seed of their own is the same in every run."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _hone_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
