@@ -16,9 +16,11 @@ quickstart: install
 	$(HONE) train examples/quickstart.yml
 	$(HONE) generate runs/quickstart --prompt "What color is a plum?" --prompt "Which country has Kelmport as its capital?" --prompt "Translate 'house' into Velish."
 
-## The test suite (CPU; GPU tests are skipped without CUDA). pytest's exit 5 (no tests) fails too.
+## The test suite (CPU; GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist;
+## each test file in one of them). pytest's exit 5 (no tests) fails too.
+TEST_WORKERS ?= 2
 test: install-dev
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 ## Lint and check the formatting (ruff; settings in pyproject.toml). `make format` fixes what it can.
 lint: install-dev

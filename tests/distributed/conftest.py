@@ -1,6 +1,7 @@
-"""Multi-process tests on the CPU: 2 processes started by ``torchrun`` with the gloo backend.
+"""Multi-process tests on the CPU: 2 processes joined by the gloo backend.
 
-Each test launches ``python -m torch.distributed.run --standalone --nproc-per-node 2`` in a
+Each test starts 2 processes: forked by :mod:`fsdp_harness` (``spawn``, ``run_worker``) or launched as
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` in a
 subprocess with a timeout (:mod:`dist_launch`), running either ``dist_worker.py`` (the loop on
 tiny fp32 models) or ``hone train`` itself. Every test here is marked ``distributed``.
 """

@@ -1,10 +1,14 @@
 """Launching 2 processes with ``torchrun`` from a test: a subprocess with a timeout (a hang fails
-the test instead of stalling the suite)."""
+the test instead of stalling the suite). ``run_worker`` runs a scenario of ``dist_worker.py`` on
+2 gloo processes forked by :mod:`fsdp_harness` (with the same timeout): the scenarios test what
+the ranks do together, and a torchrun launch costs every rank its imports again."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from fsdp_harness import spawn
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -32,7 +36,29 @@ def torchrun(*args: str, nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
+def _scenario(rank: int, scenario: str, out: Path, seed: int) -> None:
+    from dist_worker import SCENARIOS
+    from hone.train.distributed import init_world
+
+    SCENARIOS[scenario](init_world("cpu"), out, seed)  # the harness joined the group: init_world returns its world
+
+
 def run_worker(scenario: str, out: Path, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    proc = run(torchrun(str(WORKER), scenario, str(out), str(seed)))
-    assert proc.returncode == 0, f"{scenario} (seed {seed}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    try:
+        spawn(_scenario, 2, scenario, out, seed, timeout_s=TIMEOUT_S)
+    except Exception as exc:
+        raise AssertionError(f"{scenario} (seed {seed}) failed:\n{exc}") from exc
+
+
+def _hone_train(rank: int, cfg: Path) -> None:
+    from hone.cli import main
+
+    code = main(["train", str(cfg)])
+    assert code == 0, f"hone train {cfg} exited {code} on rank {rank}"
+
+
+def hone_train_forked(cfg: Path) -> None:
+    """``hone train CFG`` in 2 processes forked by the harness (as ``torchrun -m hone train CFG``
+    runs it in each rank), with the launch timeout: a run whose launch is not under test."""
+    spawn(_hone_train, 2, cfg, timeout_s=TIMEOUT_S)

@@ -3,10 +3,16 @@
 Each process gets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (so :func:`hone.train.distributed.world_from_env`
 sees the world), joins the process group, runs ``fn(rank, *args)``, and leaves the group.
 Results come back through files the function writes (``torch.save`` under a tmp dir).
+
+The processes fork from a forkserver that imported torch, transformers, PEFT and hone once for
+the whole session: a fresh process per call as before (no state from the tests or from the
+previous call), without paying a second or two of imports per rank per test.
 """
 
+import multiprocessing
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -36,9 +42,23 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
         close_world()
 
 
-def spawn(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, *args)`` on ``world_size`` gloo processes; raises if any of them fails."""
-    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+#: What every call's processes import anyway (the forkserver imports them once, at its start).
+PRELOAD = ["torch.distributed.fsdp", "transformers", "peft", "hone.testing", "hone.train.run", "fsdp_harness"]
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float | None = None) -> None:
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo processes; raises if any of them fails, or
+    kills them all and raises ``TimeoutError`` once they have run ``timeout_s`` (a hang)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
+    context = mp.start_processes(
+        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="forkserver"
+    )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} processes still ran after {timeout_s} s")
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -38,11 +39,18 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-def kill_and_resume(straight_cfg: Path, killed_cfg: Path, env: dict[str, str], kill_after: int, timeout_s: float = 600) -> int:
-    """Run ``straight_cfg`` to the end; run ``killed_cfg`` (the same run, another output_dir) and
-    SIGKILL it once ``step-{kill_after}`` is complete; resume it to the end. Returns the step of
-    the newest complete checkpoint the kill left (what the resumed run started from)."""
-    _finish(straight_cfg, env, timeout_s)
+def kill_and_resume(
+    straight_cfg: Path, killed_cfg: Path, env: dict[str, str], kill_after: int, timeout_s: float = 600,
+    straight: Callable[[Path], None] | None = None,
+) -> int:
+    """Run ``straight_cfg`` to the end (with ``straight(cfg)`` where given, else as the killed run
+    is launched); run ``killed_cfg`` (the same run, another output_dir) and SIGKILL it once
+    ``step-{kill_after}`` is complete; resume it to the end. Returns the step of the newest
+    complete checkpoint the kill left (what the resumed run started from)."""
+    if straight is not None:
+        straight(straight_cfg)
+    else:
+        _finish(straight_cfg, env, timeout_s)
     cfg = yaml.safe_load(killed_cfg.read_text())
     run_dir = Path(cfg["training"]["output_dir"])
     checkpoints = run_dir / "checkpoints"

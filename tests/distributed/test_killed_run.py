@@ -7,7 +7,7 @@ import random
 import pytest
 import yaml
 
-from dist_launch import child_env
+from dist_launch import child_env, hone_train_forked
 from killed_run import kill_and_resume, train_losses
 
 STEPS = 24
@@ -34,7 +34,9 @@ def _config(tmp_path, name: str, strategy: str):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_losses(tmp_path, strategy):
-    done = kill_and_resume(_config(tmp_path, "straight", strategy), _config(tmp_path, "killed", strategy), child_env(), kill_after=4, timeout_s=300)
+    # the uninterrupted reference in forked ranks: the killed and the resumed runs are the launches under test
+    done = kill_and_resume(_config(tmp_path, "straight", strategy), _config(tmp_path, "killed", strategy), child_env(), kill_after=4, timeout_s=300,
+                           straight=hone_train_forked)
     want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
     after = list(range(done + 1, STEPS + 1))
     assert after, "the kill came after the last step"
