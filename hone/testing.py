@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from hone.config.adapter import AdapterConfig
 from hone.config.model import PresetName
 from hone.config.root import HoneConfig
+from hone.data.collate import collate_packed
 from hone.models.adapters import apply_adapter
 from hone.models.presets import build_preset_config
-from hone.data.collate import collate_packed
 from hone.runtime.loss import forward_logits
 
 if TYPE_CHECKING:
@@ -123,8 +123,16 @@ def greedy_by_hand(model, tokenizer, text: str, steps: int, add_special_tokens: 
 def sdpa_llama(tokenizer, adapter: str, *, seed: int, layers: int, hidden: int, seq: int) -> PreTrainedModel:
     """A small sdpa Llama for the GPU checkpointing tests (MLP 2x hidden, heads of 32), with
     random-B LoRA on every linear (``adapter: lora``, seeds ``seed + 1`` / ``seed + 2``) or none."""
-    model = tiny_model("tiny-llama", tokenizer, seed=seed, num_hidden_layers=layers, hidden_size=hidden,
-                       intermediate_size=2 * hidden, head_dim=32, max_position_embeddings=seq)
+    model = tiny_model(
+        "tiny-llama",
+        tokenizer,
+        seed=seed,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        head_dim=32,
+        max_position_embeddings=seq,
+    )
     model.config._attn_implementation = "sdpa"
     if adapter == "lora":
         with torch.random.fork_rng(devices=[]):
@@ -259,7 +267,11 @@ def tiny_lora_run(data: Path, output_dir: Path, **sections: dict[str, Any]) -> t
 
     raw: dict[str, Any] = {
         "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": "sdpa"},
-        "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32, "dataset_prepared_path": str(output_dir.parent / "cache")},
+        "data": {
+            "datasets": [{"path": str(data), "type": "pretokenized"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(output_dir.parent / "cache"),
+        },
         "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"},
         "training": {"max_steps": 2, "micro_batch_size": 2, "seed": 3, "output_dir": str(output_dir)},
         "optimizer": {"learning_rate": 2e-2, "adam_epsilon": 1e-3, "lr_scheduler": "constant"},
@@ -269,7 +281,12 @@ def tiny_lora_run(data: Path, output_dir: Path, **sections: dict[str, Any]) -> t
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
     steps: list[tuple[float, float]] = []
-    run_training(HoneConfig.model_validate(raw), device="cpu", console=Console(file=io.StringIO(), width=300), step_callback=lambda m: steps.append((m.loss, m.grad_norm)))
+    run_training(
+        HoneConfig.model_validate(raw),
+        device="cpu",
+        console=Console(file=io.StringIO(), width=300),
+        step_callback=lambda m: steps.append((m.loss, m.grad_norm)),
+    )
     return steps, json.loads((output_dir / "optimizations.json").read_text())
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -78,7 +79,9 @@ def make_data_config(tmp_path: Path) -> Callable[..., Any]:
             "training": {"seed": seed},
         }
         if "test_datasets" in data:
-            raw["data"]["test_datasets"] = [{k: str(v) if isinstance(v, Path) else v for k, v in d.items()} for d in data["test_datasets"]]
+            raw["data"]["test_datasets"] = [
+                {k: str(v) if isinstance(v, Path) else v for k, v in d.items()} for d in data["test_datasets"]
+            ]
         return parse_config(raw)
 
     return make

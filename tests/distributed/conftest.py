@@ -24,5 +24,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.distributed)
             if not (dist.is_available() and dist.is_gloo_available()):
                 item.add_marker(pytest.mark.skip(reason="this PyTorch has no torch.distributed with gloo"))
-
-

@@ -38,6 +38,7 @@ def torchrun(*args: str, nproc: int = 2) -> list[str]:
 
 def _scenario(rank: int, scenario: str, out: Path, seed: int) -> None:
     from dist_worker import SCENARIOS
+
     from hone.train.distributed import init_world
 
     SCENARIOS[scenario](init_world("cpu"), out, seed)  # the harness joined the group: init_world returns its world

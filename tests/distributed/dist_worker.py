@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 
 from hone.errors import HoneError
+from hone.runtime.world import SINGLE, World  # noqa: F401 -- SINGLE is re-exported to the tests
 from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama, with_random_lora
 from hone.train.distributed import close_world, init_world, together  # noqa: F401 -- SINGLE is re-exported to the tests
-from hone.runtime.world import SINGLE, World  # noqa: F401 -- SINGLE is re-exported to the tests
 from hone.train.loop import train_loop
 
 CPU = torch.device("cpu")
@@ -77,8 +77,17 @@ def run_case(adapter: str, packed: bool, out: Path, seed: int, world: World, acc
     model = make_model(adapter, seed)
     train, evaluation = make_data(seed)
     cfg = make_config(out, packed, accumulation)
-    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world,
-               hooks=plan_hooks(model, cfg, CPU, world))
+    train_loop(
+        model,
+        train,
+        evaluation,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        world=world,
+        hooks=plan_hooks(model, cfg, CPU, world),
+    )
     return model
 
 
@@ -122,8 +131,17 @@ def run_resume_case(out: Path, seed: int, world: World, accumulation: int, *, re
 
     cfg = resume_config(out, accumulation)
     train_loop(
-        model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True),
-        world=world, resume_from=resume_from, step_callback=crash, hooks=plan_hooks(model, cfg, CPU, world),
+        model,
+        train,
+        evaluation,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        world=world,
+        resume_from=resume_from,
+        step_callback=crash,
+        hooks=plan_hooks(model, cfg, CPU, world),
     )
     return model
 
@@ -176,8 +194,18 @@ def _midrun_failure(world: World, out: Path, seed: int) -> None:
     cfg = make_config(out, False, ACCUMULATION, max_steps=50)
     train, evaluation = make_data(seed)
     model = make_model("lora", seed)
-    train_loop(model, train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, step_callback=die,
-               hooks=plan_hooks(model, cfg, CPU, world))
+    train_loop(
+        model,
+        train,
+        None,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        world=world,
+        step_callback=die,
+        hooks=plan_hooks(model, cfg, CPU, world),
+    )
 
 
 def _nonfinite(world: World, out: Path, seed: int) -> None:
@@ -208,8 +236,18 @@ def _nonfinite(world: World, out: Path, seed: int) -> None:
     outcome: dict = {"rank": world.rank}
     steps = []
     try:
-        train_loop(model, train, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks,
-                   step_callback=lambda m: steps.append((m.step, m.skipped)))
+        train_loop(
+            model,
+            train,
+            None,
+            cfg,
+            device=CPU,
+            pad_id=0,
+            console=Console(quiet=True),
+            world=world,
+            hooks=hooks,
+            step_callback=lambda m: steps.append((m.step, m.skipped)),
+        )
         outcome["result"] = "finished"
     except NonFiniteLossError as exc:
         outcome["result"] = "NonFiniteLossError"
@@ -219,7 +257,14 @@ def _nonfinite(world: World, out: Path, seed: int) -> None:
     (out / f"outcome-rank{world.rank}.json").write_text(json.dumps(outcome))
 
 
-SCENARIOS = {"parity": _parity, "nonfinite": _nonfinite, "composed": _composed, "midrun_failure": _midrun_failure, "resume": _resume, "startup_failure": _startup_failure}
+SCENARIOS = {
+    "parity": _parity,
+    "nonfinite": _nonfinite,
+    "composed": _composed,
+    "midrun_failure": _midrun_failure,
+    "resume": _resume,
+    "startup_failure": _startup_failure,
+}
 
 
 def main() -> None:

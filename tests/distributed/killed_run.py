@@ -23,14 +23,23 @@ def _launch(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
     # or a preempted node would
     return subprocess.Popen(
         [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
-        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 def _finish(cfg: Path, env: dict[str, str], timeout_s: float) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -40,7 +49,11 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def kill_and_resume(
-    straight_cfg: Path, killed_cfg: Path, env: dict[str, str], kill_after: int, timeout_s: float = 600,
+    straight_cfg: Path,
+    killed_cfg: Path,
+    env: dict[str, str],
+    kill_after: int,
+    timeout_s: float = 600,
     straight: Callable[[Path], None] | None = None,
 ) -> int:
     """Run ``straight_cfg`` to the end (with ``straight(cfg)`` where given, else as the killed run

@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
-
 from dist_launch import run_worker
 from dist_worker import CASES, SINGLE, case_name, run_case, run_composed_case, trainable
+
 from hone.track.metrics import read_metrics
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce

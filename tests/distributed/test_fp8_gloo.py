@@ -5,9 +5,8 @@ torchao's float8 all-gather (tensorwise) computes each weight's amax over the wh
 sharded step gives the unsharded step's loss and weights."""
 
 import torch
-from torch import nn
-
 from fsdp_harness import full, save, spawn
+from torch import nn
 
 from hone.testing import OneProjection
 

@@ -38,8 +38,20 @@ def test_worker_command_uses_torchrun_for_several_processes():
 
 def test_rank_rows_merge_and_scale():
     ranks = [
-        {"median_ms": 100.0, "tokens_per_s": 1000.0, "trained_tokens_per_s": 900.0, "peak_alloc_gib": 10.0, "peak_reserved_gib": 11.0},
-        {"median_ms": 110.0, "tokens_per_s": 950.0, "trained_tokens_per_s": 850.0, "peak_alloc_gib": 12.0, "peak_reserved_gib": 13.0},
+        {
+            "median_ms": 100.0,
+            "tokens_per_s": 1000.0,
+            "trained_tokens_per_s": 900.0,
+            "peak_alloc_gib": 10.0,
+            "peak_reserved_gib": 11.0,
+        },
+        {
+            "median_ms": 110.0,
+            "tokens_per_s": 950.0,
+            "trained_tokens_per_s": 850.0,
+            "peak_alloc_gib": 12.0,
+            "peak_reserved_gib": 13.0,
+        },
     ]
     merged = merge_ranks(ranks)
     assert merged["median_ms"] == 110.0 and merged["tokens_per_s"] == 1950.0 and merged["tokens_per_s_per_gpu"] == 975.0
@@ -56,8 +68,18 @@ def test_table_shows_gpus_per_gpu_throughput_and_scaling():
     from hone.bench.report import markdown_table, summarise
 
     spec = parse_spec(SPEC)
-    base = {"status": "ok", "median_ms": 100.0, "min_ms": 99.0, "max_ms": 101.0, "first_step_s": 1.0, "tokens_per_s": 1000.0,
-            "trained_tokens_per_s": 1000.0, "peak_alloc_gib": 10.0, "mfu_pct": 40.0, "final_loss": 5.0}
+    base = {
+        "status": "ok",
+        "median_ms": 100.0,
+        "min_ms": 99.0,
+        "max_ms": 101.0,
+        "first_step_s": 1.0,
+        "tokens_per_s": 1000.0,
+        "trained_tokens_per_s": 1000.0,
+        "peak_alloc_gib": 10.0,
+        "mfu_pct": 40.0,
+        "final_loss": 5.0,
+    }
     rows = [
         {**base, "condition": "one", "nproc": 1},
         {**base, "condition": "two", "nproc": 2, "tokens_per_s": 1950.0, "tokens_per_s_per_gpu": 975.0, "scaling": 1.95},

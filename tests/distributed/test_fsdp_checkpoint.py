@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from fsdp_harness import full, save, spawn
 from test_fsdp_grads import _cfg, _model, _window
 
@@ -16,9 +15,9 @@ PRESET, ADAPTER, STEPS, SAVE_AT = "tiny-qwen3", "none", 4, 2
 
 
 def _train(rank: int, tmp, run_dir, resume, out, fmt: str = "auto") -> None:
+    from hone.runtime.world import world_from_env
     from hone.testing import run_hooks
     from hone.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from hone.runtime.world import world_from_env
     from hone.train.grad_norm import global_grad_norm
     from hone.train.optim import build_optimizer, build_scheduler
     from hone.train.sharded_checkpoint import save_sharded_checkpoint

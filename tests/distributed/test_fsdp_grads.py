@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from fsdp_harness import full, save, spawn
 
 WORLD = 2
@@ -50,8 +49,8 @@ def _model(preset: str, adapter: str):
 
 def _window(step: int):
     """Two micro-batches of unequal trained-token counts (fresh random tokens each step)."""
-    from hone.testing import random_rows
     from hone.data.collate import collate
+    from hone.testing import random_rows
 
     rows = random_rows(4, seed=100 + step, vocab=300, as_list=True)
     return [collate(rows[0:2], pad_id=0), collate(rows[2:4], pad_id=0)]
@@ -94,11 +93,10 @@ def _sharded(rank: int, tmp, preset: str, adapter: str, extra: dict, steps: int,
 
 
 def _reference(tmp, preset: str, adapter: str, extra: dict, steps: int):
-    from hone.train.grad_norm import global_grad_norm
     from hone.runtime.step import micro_batch_loss
-    from hone.train.optim import build_optimizer
-
     from hone.testing import run_hooks
+    from hone.train.grad_norm import global_grad_norm
+    from hone.train.optim import build_optimizer
 
     cfg = _cfg(tmp, adapter, {"loss": extra.get("loss", "standard")})
     model = _model(preset, adapter)

@@ -38,8 +38,9 @@ def test_auto_picks_fsdp_only_when_the_training_state_does_not_fit():
 
 
 def test_float16_and_cpu_offload_on_cpu_are_refused():
-    from hone.testing import tiny_config
     from pathlib import Path
+
+    from hone.testing import tiny_config
 
     cfg = tiny_config(Path("unused"), model={"preset": "tiny-llama", "dtype": "float16"}, distributed={"strategy": "fsdp"})
     with pytest.raises(PlanError, match="model.dtype: float16 is not supported"):

@@ -5,14 +5,17 @@ import math
 
 import pytest
 import torch
-
 from fsdp_harness import full, save, spawn
 
 
 def _cfg(tmp, model_dir, adapter: str):
     from hone.testing import tiny_config
 
-    sections = {"model": {"preset": None, "path": str(model_dir), "dtype": "float32"}, "distributed": {"strategy": "fsdp"}, "performance": {"loss": "standard"}}
+    sections = {
+        "model": {"preset": None, "path": str(model_dir), "dtype": "float32"},
+        "distributed": {"strategy": "fsdp"},
+        "performance": {"loss": "standard"},
+    }
     if adapter == "lora":
         sections["adapter"] = {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"}
     cfg = tiny_config(tmp, **sections)
@@ -20,8 +23,8 @@ def _cfg(tmp, model_dir, adapter: str):
 
 
 def _batch():
-    from hone.testing import random_rows
     from hone.data.collate import collate
+    from hone.testing import random_rows
 
     return collate(random_rows(2, seed=9, vocab=300, as_list=True), pad_id=0)
 
@@ -37,7 +40,9 @@ def _sharded(rank: int, tmp, model_dir, adapter: str, out) -> None:
     facts = RunFacts(torch.device("cpu"), world=world_from_env())
     plan = plan_optimizations(cfg, facts)
     loaded = load_model_sharded(
-        cfg, load_tokenizer(cfg.model), facts.device,
+        cfg,
+        load_tokenizer(cfg.model),
+        facts.device,
         shard=lambda m: plan.apply(m, "adapted", cfg, facts),
         before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
     )

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import yaml
-
 from dist_launch import child_env, hone_train_forked
 from killed_run import kill_and_resume, train_losses
 
@@ -17,10 +16,16 @@ def _config(tmp_path, name: str, strategy: str):
     data = tmp_path / "data.jsonl"
     if not data.exists():
         rng = random.Random(1)
-        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(8, 40))]}) + "\n" for _ in range(48)))
+        data.write_text(
+            "".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(8, 40))]}) + "\n" for _ in range(48))
+        )
     cfg = {
         "model": {"preset": "tiny-llama", "dtype": "float32"},
-        "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 64, "dataset_prepared_path": str(tmp_path / "cache")},
+        "data": {
+            "datasets": [{"path": str(data), "type": "pretokenized"}],
+            "sequence_len": 64,
+            "dataset_prepared_path": str(tmp_path / "cache"),
+        },
         "adapter": {"type": "lora", "lora_r": 4},
         "training": {"max_steps": STEPS, "save_steps": 4, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
         "optimizer": {"learning_rate": 5e-3},
@@ -35,8 +40,14 @@ def _config(tmp_path, name: str, strategy: str):
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_losses(tmp_path, strategy):
     # the uninterrupted reference in forked ranks: the killed and the resumed runs are the launches under test
-    done = kill_and_resume(_config(tmp_path, "straight", strategy), _config(tmp_path, "killed", strategy), child_env(), kill_after=4, timeout_s=300,
-                           straight=hone_train_forked)
+    done = kill_and_resume(
+        _config(tmp_path, "straight", strategy),
+        _config(tmp_path, "killed", strategy),
+        child_env(),
+        kill_after=4,
+        timeout_s=300,
+        straight=hone_train_forked,
+    )
     want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
     after = list(range(done + 1, STEPS + 1))
     assert after, "the kill came after the last step"

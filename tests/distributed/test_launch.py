@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
-
 from dist_launch import WORKER, run, run_worker, torchrun
+
 from hone.track.metrics import read_metrics
 
 WORDS = ["red", "green", "blue", "lemon", "lime", "fox", "dog", "quick", "lazy", "yellow"]
@@ -18,7 +18,9 @@ WORDS = ["red", "green", "blue", "lemon", "lime", "fox", "dog", "quick", "lazy",
 def _config(tmp_path, **training) -> "Path":  # noqa: F821
     rng = random.Random()
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14)))}) + "\n" for _ in range(24)))
+    data.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14)))}) + "\n" for _ in range(24))
+    )
     cfg = {
         "model": {"preset": "tiny-llama", "dtype": "float32"},
         "data": {
@@ -97,7 +99,19 @@ def test_strategy_none_on_two_processes_is_refused(tmp_path, form):
 
 
 def test_data_too_small_for_the_global_batch_is_refused_before_the_model_loads(tmp_path):
-    proc = run([sys.executable, "-m", "hone", "train", str(_config(tmp_path)), "--set", "training.micro_batch_size=12", "--nproc-per-node", "2"])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "hone",
+            "train",
+            str(_config(tmp_path)),
+            "--set",
+            "training.micro_batch_size=12",
+            "--nproc-per-node",
+            "2",
+        ]
+    )
     assert proc.returncode != 0
     assert "x 2 processes = 24" in proc.stderr and "run on fewer processes" in proc.stderr
     assert "model:" not in proc.stdout  # refused before the model loaded

@@ -8,10 +8,10 @@ import torch
 
 from hone.cli import torchrun_command
 from hone.config.training import TrainingConfig
+from hone.runtime.world import World
 from hone.testing import tiny_config
 from hone.train.batches import BatchStream, plan_steps
 from hone.train.distributed import DistributedSetupError, check_launch
-from hone.runtime.world import World
 from hone.transforms.base import RunFacts
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.planner import PlanError, decisions, plan_optimizations
@@ -72,9 +72,22 @@ def test_a_world_with_no_data_parallel_transform_is_refused_by_the_plan():
 
 
 def test_the_launcher_runs_the_same_train_command_under_torchrun():
-    args = argparse.Namespace(nproc_per_node=4, verbose=True, config=Path("cfg.yml"), overrides=["training.max_steps=3", "a.b=c d"])
+    args = argparse.Namespace(
+        nproc_per_node=4, verbose=True, config=Path("cfg.yml"), overrides=["training.max_steps=3", "a.b=c d"]
+    )
     command = torchrun_command(args)
     assert command[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "hone", "--verbose",
-        "train", "cfg.yml", "--set", "training.max_steps=3", "--set", "a.b=c d",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "hone",
+        "--verbose",
+        "train",
+        "cfg.yml",
+        "--set",
+        "training.max_steps=3",
+        "--set",
+        "a.b=c d",
     ]

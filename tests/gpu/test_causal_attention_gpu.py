@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hone.config import parse_config
+from hone.data.collate import collate
 from hone.models.attention.causal import CAUSAL_SDPA
 from hone.models.attention.setup import select_attention_kernel
 from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
-from hone.data.collate import collate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -18,7 +18,12 @@ CUDA = torch.device("cuda")
 
 
 def _cfg():
-    return parse_config({"model": {"preset": "tiny-qwen3", "dtype": "bfloat16"}, "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}})
+    return parse_config(
+        {
+            "model": {"preset": "tiny-qwen3", "dtype": "bfloat16"},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+        }
+    )
 
 
 def _model(seed, causal, dtype=torch.bfloat16):

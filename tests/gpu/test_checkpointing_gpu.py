@@ -10,7 +10,12 @@ import torch
 
 from hone.config.performance import PerformanceConfig
 from hone.testing import offload_step, sdpa_llama, tiny_tokenizer
-from hone.transforms.checkpointing import apply_activation_checkpointing, memory_budget_context, offload_step_context, offloader_for
+from hone.transforms.checkpointing import (
+    apply_activation_checkpointing,
+    memory_budget_context,
+    offload_step_context,
+    offloader_for,
+)
 from hone.transforms.compile import compile_regional
 
 pytestmark = [

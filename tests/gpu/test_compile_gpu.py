@@ -11,8 +11,8 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
-from hone.transforms.inductor import read_option
 from hone.train.run import run_training
+from hone.transforms.inductor import read_option
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,12 +25,17 @@ def _train(tmp_path, name, performance=None, checkpointing=False, rows=16, lengt
     rng = random.Random(0)
     data = tmp_path / "data.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(length)]}) + "\n" for _ in range(rows)))
+        data.write_text(
+            "".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(length)]}) + "\n" for _ in range(rows))
+        )
     cfg = parse_config(
         {
             "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 4}, "dtype": "bfloat16"},
-            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": length,
-                     "dataset_prepared_path": str(tmp_path / "cache")},
+            "data": {
+                "datasets": [{"path": str(data), "type": "pretokenized"}],
+                "sequence_len": length,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+            },
             "adapter": {"type": "lora", "lora_r": 8},
             "training": {"max_steps": 6, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 3},
             "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
@@ -98,8 +103,12 @@ def test_compile_with_packing_matches_eager(tmp_path, attention, scope):
         cfg = parse_config(
             {
                 "model": {"preset": "tiny-llama", "dtype": "bfloat16", **attention},
-                "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 256,
-                         "sample_packing": True, "dataset_prepared_path": str(tmp_path / "cache")},
+                "data": {
+                    "datasets": [{"path": str(data), "type": "pretokenized"}],
+                    "sequence_len": 256,
+                    "sample_packing": True,
+                    "dataset_prepared_path": str(tmp_path / "cache"),
+                },
                 "adapter": {"type": "lora", "lora_r": 8},
                 "training": {"max_steps": 12, "micro_batch_size": 1, "output_dir": str(tmp_path / name), "seed": 5},
                 "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},

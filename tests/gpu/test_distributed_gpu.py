@@ -31,7 +31,11 @@ def _config(tmp_path: Path, name: str, accumulation: int, performance=None, memo
     data = tmp_path / "data.jsonl"
     if not data.exists():
         rng = random.Random(0)
-        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(16, 96))]}) + "\n" for _ in range(64)))
+        data.write_text(
+            "".join(
+                json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(16, 96))]}) + "\n" for _ in range(64)
+            )
+        )
     cfg = {
         "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 4}, "dtype": "float32"},
         "data": {
@@ -61,10 +65,16 @@ def _config(tmp_path: Path, name: str, accumulation: int, performance=None, memo
 
 
 def _hone(*args: str, gpus: str = "0,1") -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": gpus,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "hone", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "hone", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 def _losses(run_dir: Path) -> tuple[list[float], list[float]]:
@@ -117,10 +127,16 @@ def test_a_killed_two_gpu_run_resumes_from_its_last_complete_checkpoint(tmp_path
     sys.path.insert(0, str(REPO / "tests" / "distributed"))
     from killed_run import kill_and_resume, train_losses
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    done = kill_and_resume(_long_run(tmp_path, "straight", strategy), _long_run(tmp_path, "killed", strategy), env, kill_after=8, timeout_s=TIMEOUT_S)
+    done = kill_and_resume(
+        _long_run(tmp_path, "straight", strategy), _long_run(tmp_path, "killed", strategy), env, kill_after=8, timeout_s=TIMEOUT_S
+    )
     want, got = train_losses(tmp_path / "straight"), train_losses(tmp_path / "killed")
     after = list(range(done + 1, 41))
     assert after and [got[s] for s in after] == pytest.approx([want[s] for s in after], rel=1e-5)

@@ -29,7 +29,8 @@ from hone.testing import OneProjection
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs a CUDA GPU with float8 (>= 8.9)"
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA GPU with float8 (>= 8.9)",
     ),
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
@@ -54,7 +55,9 @@ def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mo
     tokens, k, n, r = 4096, 4096, 14_336, 16  # llama3-8b's up_proj, seq 4096
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     base.weight.data.normal_(0, 0.02)
-    lora = get_peft_model(OneProjection(base), LoraConfig(r=r, lora_alpha=32, target_modules=["proj"])).base_model.model.proj.to("cuda")
+    lora = get_peft_model(OneProjection(base), LoraConfig(r=r, lora_alpha=32, target_modules=["proj"])).base_model.model.proj.to(
+        "cuda"
+    )
     for p in (lora.lora_A["default"].weight, lora.lora_B["default"].weight):
         p.data.normal_(0, 0.02)  # B random: zero B makes A's gradient zero
     x = torch.randn(2, tokens // 2, k, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +69,11 @@ def test_lora_layer_on_float8_base_matches_the_dequantized_reference_and_bf16(mo
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = forward(xi)
         y.backward(grad)
-        return {"y": y.detach(), "dx": xi.grad, **{name: p.grad.clone() for name, p in lora.named_parameters() if p.requires_grad}}
+        return {
+            "y": y.detach(),
+            "dx": xi.grad,
+            **{name: p.grad.clone() for name, p in lora.named_parameters() if p.requires_grad},
+        }
 
     def lora_path(xi):
         a, b = lora.lora_A["default"], lora.lora_B["default"]
@@ -98,10 +105,16 @@ def _train(tmp_path, name, adapter, performance, layers=4, steps=8, checkpointin
         data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(128)]}) + "\n" for _ in range(64)))
     cfg = parse_config(
         {
-            "model": {"preset": "tiny-qwen3", "dtype": "bfloat16",
-                      "preset_overrides": {"num_hidden_layers": layers, "hidden_size": 256, "intermediate_size": 768}},
-            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 128,
-                     "dataset_prepared_path": str(tmp_path / "cache")},
+            "model": {
+                "preset": "tiny-qwen3",
+                "dtype": "bfloat16",
+                "preset_overrides": {"num_hidden_layers": layers, "hidden_size": 256, "intermediate_size": 768},
+            },
+            "data": {
+                "datasets": [{"path": str(data), "type": "pretokenized"}],
+                "sequence_len": 128,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+            },
             "adapter": adapter,
             "training": {"max_steps": steps, "micro_batch_size": 4, "output_dir": str(tmp_path / name), "seed": 3},
             "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
@@ -157,7 +170,9 @@ def test_full_finetune_float8_trains_like_bf16(tmp_path, mode, compile_):
 
 
 def _worker(rank: int, port: int, tmp_path, name: str, adapter: dict, performance: dict, strategy: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"
+    )
     torch.cuda.set_device(rank)
     perf = {"torch_compile": True, **performance}
     losses, record, _ = _train(tmp_path, name, adapter, perf, checkpointing="full", distributed={"strategy": strategy})

@@ -54,8 +54,8 @@ def _model(adapter: str, device, dtype: str = "bfloat16"):
 
 
 def _window():
-    from hone.testing import random_rows
     from hone.data.collate import collate
+    from hone.testing import random_rows
 
     rows = random_rows(4, seed=5, vocab=300, min_len=200, max_len=256, as_list=True)
     return [collate(rows[0:2], pad_id=0), collate(rows[2:4], pad_id=0)]

@@ -11,7 +11,14 @@ from rich.console import Console
 
 from hone.config.attention import installed_backends
 from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, register_varlen_sdpa, varlen_attention
-from hone.testing import document_logits_alone, packed_document_logits, random_documents, tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import (
+    document_logits_alone,
+    packed_document_logits,
+    random_documents,
+    tiny_model,
+    tiny_tokenizer,
+    with_random_lora,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -103,14 +110,26 @@ def test_bf16_lora_run_with_packing_learns(tmp_path, impl):
     words = ["red", "green", "blue", "lemon", "lime", "fox", "dog", "quick", "lazy", "yellow"]
     rng = random.Random()
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))}) + "\n" for _ in range(200)))
+    data.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))}) + "\n" for _ in range(200))
+    )
     cfg = parse_config(
         {
             "model": {"preset": "tiny-llama", "dtype": "bfloat16", "attn_implementation": impl},
-            "data": {"datasets": [{"path": str(data), "type": "completion"}], "val_set_size": 0.1, "sequence_len": 128,
-                     "sample_packing": True, "dataset_prepared_path": str(tmp_path / "cache")},
+            "data": {
+                "datasets": [{"path": str(data), "type": "completion"}],
+                "val_set_size": 0.1,
+                "sequence_len": 128,
+                "sample_packing": True,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+            },
             "adapter": {"type": "lora", "lora_r": 8},
-            "training": {"num_epochs": 3, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "run")},
+            "training": {
+                "num_epochs": 3,
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 2,
+                "output_dir": str(tmp_path / "run"),
+            },
             "optimizer": {"learning_rate": 1e-2},
             "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
         }
@@ -153,7 +172,7 @@ def test_varlen_packed_lora_equals_the_masked_sdpa_in_bf16(tok):
     and LoRA gradients, at bf16 tolerance."""
     seed = random.randrange(10_000)
     model = _model("tiny-qwen3", tok, "sdpa", seed, lora=True).to(torch.bfloat16)
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if p.requires_grad:
             p.data = p.data.float()  # adapters train in float32 under bf16 autocast, as in a run
     docs = _docs(seed + 1)

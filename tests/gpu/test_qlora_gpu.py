@@ -9,10 +9,11 @@ from torch import nn
 
 pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
 
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
+
 from hone.kernels.nf4_dequant import nf4_dequantize_reference  # noqa: E402
 from hone.kernels.nf4_dequant_triton import triton_available  # noqa: E402
 from hone.models.nf4 import NF4Linear, nf4_components  # noqa: E402
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -76,12 +77,23 @@ def _qlora_model(tmp_path, layers=2):
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import plan_optimizations
 
-    cfg = parse_config({
-        "model": {"preset": "qwen3-8b", "preset_overrides": {"num_hidden_layers": layers}, "dtype": "bfloat16", "quantize": "nf4"},
-        "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 512},
-        "adapter": {"type": "lora", "lora_r": 16, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
-        "training": {"output_dir": str(tmp_path)},
-    })
+    cfg = parse_config(
+        {
+            "model": {
+                "preset": "qwen3-8b",
+                "preset_overrides": {"num_hidden_layers": layers},
+                "dtype": "bfloat16",
+                "quantize": "nf4",
+            },
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 512},
+            "adapter": {
+                "type": "lora",
+                "lora_r": 16,
+                "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            },
+            "training": {"output_dir": str(tmp_path)},
+        }
+    )
     facts = RunFacts(torch.device("cuda"))
     plan = plan_optimizations(cfg, facts)
     torch.cuda.reset_peak_memory_stats()

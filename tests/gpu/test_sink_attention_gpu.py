@@ -39,8 +39,11 @@ def _batches(width=300):
     padded = torch.ones(2, width, dtype=torch.long, device="cuda")
     padded[1, 170:] = 0
     positions = torch.cat([torch.arange(130), torch.arange(width - 130)]).expand(2, -1).cuda()
-    return {"plain": dict(input_ids=ids), "padded": dict(input_ids=ids, attention_mask=padded),
-            "packed": dict(input_ids=ids, position_ids=positions)}
+    return {
+        "plain": dict(input_ids=ids),
+        "padded": dict(input_ids=ids, attention_mask=padded),
+        "packed": dict(input_ids=ids, position_ids=positions),
+    }
 
 
 def _run(model, implementation, batch):

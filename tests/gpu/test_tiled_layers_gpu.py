@@ -9,13 +9,12 @@ GQA. Skipped without a GPU.
 Run: ``pytest -q -m gpu tests/gpu/test_tiled_layers_gpu.py``
 """
 
-
 import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
 from hone.models.attention.causal import register_causal_sdpa
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora, loss_and_grads, norm_error
+from hone.testing import loss_and_grads, norm_error, tiny_model, tiny_tokenizer, with_random_lora
 from hone.transforms.checkpointing import apply_activation_checkpointing
 from hone.transforms.compile import compile_regional
 from hone.transforms.tiled_layers import apply_tiled_layers
@@ -37,8 +36,16 @@ def tok():
 
 def _model(tok, adapter: str, dtype: torch.dtype = torch.bfloat16):
     model = tiny_model(
-        "tiny-qwen3", tok, seed=51, num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=SEQ,
+        "tiny-qwen3",
+        tok,
+        seed=51,
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=SEQ,
     )
     model.set_attn_implementation(register_causal_sdpa())
     if adapter == "lora":
@@ -52,8 +59,6 @@ def _model(tok, adapter: str, dtype: torch.dtype = torch.bfloat16):
 
 def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(7, vocab, (1, SEQ), generator=torch.Generator().manual_seed(54)).cuda()
-
-
 
 
 def _assert_close(got, untiled, float32):
@@ -104,5 +109,7 @@ def test_the_tiled_backward_peaks_lower_than_the_untiled_checkpointed_one(tok):
     untiled = backward_peak(model)
     apply_tiled_layers(model, CHUNKS)
     tiled = backward_peak(model)
-    print(f"backward peak above the forward's: untiled {untiled / 2**20:.0f} MiB, tiled in {CHUNKS} chunks {tiled / 2**20:.0f} MiB")
+    print(
+        f"backward peak above the forward's: untiled {untiled / 2**20:.0f} MiB, tiled in {CHUNKS} chunks {tiled / 2**20:.0f} MiB"
+    )
     assert tiled < 0.7 * untiled, (untiled, tiled)

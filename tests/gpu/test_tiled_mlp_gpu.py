@@ -1,8 +1,8 @@
 """Tiled MLP on CUDA in bf16: a qwen3-style model at 8K tokens gives the untiled gradients
 as closely as bf16 rounding allows (LoRA on every projection and full fine-tune, eager and under
 Inductor with full checkpointing; judged against a float32 run, since Inductor's own bf16 fusions
-put some gradients a few percent off the eager bf16 run with or without tiling), and without checkpointing its peak memory is lower by about the MLP's
-[tokens x intermediate] activations. Skipped without a GPU.
+put some gradients a few percent off the eager bf16 run with or without tiling), and without
+checkpointing its peak memory is lower by about the MLP's [tokens x intermediate] activations. Skipped without a GPU.
 
 Run: ``pytest -q -m gpu tests/gpu/test_tiled_mlp_gpu.py``
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hone.config.performance import PerformanceConfig
-from hone.testing import tiny_model, tiny_tokenizer, with_random_lora, loss_and_grads, norm_error
+from hone.testing import loss_and_grads, norm_error, tiny_model, tiny_tokenizer, with_random_lora
 from hone.transforms.checkpointing import apply_activation_checkpointing
 from hone.transforms.compile import compile_regional
 from hone.transforms.tiled_mlp import apply_tiled_mlp
@@ -36,8 +36,16 @@ def tok():
 
 def _model(tok, adapter: str, dtype: torch.dtype = torch.bfloat16):
     model = tiny_model(
-        "tiny-qwen3", tok, seed=41, num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=SEQ,
+        "tiny-qwen3",
+        tok,
+        seed=41,
+        num_hidden_layers=LAYERS,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=SEQ,
     )
     model.config._attn_implementation = "sdpa"
     if adapter == "lora":
@@ -49,8 +57,6 @@ def _model(tok, adapter: str, dtype: torch.dtype = torch.bfloat16):
 
 def _ids(vocab: int) -> torch.Tensor:
     return torch.randint(7, vocab, (1, SEQ), generator=torch.Generator().manual_seed(44)).cuda()
-
-
 
 
 def _assert_close(got, untiled, float32):

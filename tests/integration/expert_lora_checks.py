@@ -131,10 +131,18 @@ def check_train() -> dict:
             cfg = parse_config(
                 {
                     "model": {"preset": "tiny-gpt-oss", "dtype": "float32", "experts_implementation": implementation},
-                    "data": {"datasets": [{"path": str(data), "type": "chat"}], "sequence_len": 64,
-                             "dataset_prepared_path": f"{tmp}/cache"},
-                    "adapter": {"type": "lora", "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-                                "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]},
+                    "data": {
+                        "datasets": [{"path": str(data), "type": "chat"}],
+                        "sequence_len": 64,
+                        "dataset_prepared_path": f"{tmp}/cache",
+                    },
+                    "adapter": {
+                        "type": "lora",
+                        "lora_r": 8,
+                        "lora_alpha": 16,
+                        "lora_dropout": 0.0,
+                        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"],
+                    },
                     "training": {"max_steps": 8, "micro_batch_size": 4, "output_dir": f"{tmp}/{implementation}", "seed": 3},
                     "optimizer": {"learning_rate": 5e-3, "warmup_steps": 2},
                     "logging": {"progress_bar": False},

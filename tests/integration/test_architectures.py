@@ -36,12 +36,14 @@ def model_dirs(tmp_path_factory, tokenizer) -> dict[str, Path]:
 
 
 def cfg_for(path: Path, adapter, dtype: str = "float32", **memory):
-    return parse_config({
-        "model": {"path": str(path), "dtype": dtype},
-        "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
-        "adapter": adapter,
-        "memory": memory,
-    })
+    return parse_config(
+        {
+            "model": {"path": str(path), "dtype": dtype},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+            "adapter": adapter,
+            "memory": memory,
+        }
+    )
 
 
 def randomize_lora_b(model) -> None:

@@ -32,7 +32,9 @@ def work(tmp_path) -> Path:
 
 def write_rows(path: Path, n: int = 24) -> Path:
     rng = random.Random()
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))}) + "\n" for _ in range(n)))
+    path.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))}) + "\n" for _ in range(n))
+    )
     return path
 
 
@@ -146,7 +148,9 @@ def test_a_full_disk_is_refused_before_the_data(work, capfd, monkeypatch):
 def model_dir(tmp_path_factory) -> Path:
     from hone.testing import save_tiny_model, tiny_tokenizer
 
-    return save_tiny_model(tmp_path_factory.mktemp("models") / "llama", "tiny-llama", tiny_tokenizer(), seed=1, max_position_embeddings=128)
+    return save_tiny_model(
+        tmp_path_factory.mktemp("models") / "llama", "tiny-llama", tiny_tokenizer(), seed=1, max_position_embeddings=128
+    )
 
 
 def copy_model(src: Path, dst: Path) -> Path:
@@ -274,7 +278,10 @@ def test_tokenizer_path_without_tokenizer_files(work, model_dir, capfd):
 
 
 def test_sequence_len_beyond_the_model_is_refused_with_the_numbers(work, model_dir, capfd):
-    for model in ({"path": str(model_dir), "dtype": "float32"}, {"preset": "tiny-llama", "preset_overrides": {"max_position_embeddings": 128}}):
+    for model in (
+        {"path": str(model_dir), "dtype": "float32"},
+        {"preset": "tiny-llama", "preset_overrides": {"max_position_embeddings": 128}},
+    ):
         cfg = write_config(work, model=model, data={"sequence_len": 256})
         code, _, err = cli(["validate", str(cfg)], capfd)
         assert code == 2
@@ -282,7 +289,9 @@ def test_sequence_len_beyond_the_model_is_refused_with_the_numbers(work, model_d
 
 
 def test_sequence_len_beyond_the_model_is_accepted_when_opted_in_with_a_warning(work, model_dir, capfd):
-    cfg = write_config(work, model={"path": str(model_dir), "dtype": "float32"}, data={"sequence_len": 256, "allow_longer_than_model": True})
+    cfg = write_config(
+        work, model={"path": str(model_dir), "dtype": "float32"}, data={"sequence_len": 256, "allow_longer_than_model": True}
+    )
     code, _, err = cli(["validate", str(cfg)], capfd)
     assert code == 0, err
     assert "warning: data.sequence_len 256 is longer than the 128 positions" in err and "quality may drop" in err
@@ -374,7 +383,9 @@ def test_an_unexpected_exception_before_the_first_step_is_one_paragraph(work, ca
     cfg = write_config(work)
     before = snapshot(work)
     code, _, err = cli(["train", str(cfg)], capfd)
-    assert_failed_start(work, before, code, err, "before its first optimizer step", "ValueError: the flux capacitor is empty", "--verbose")
+    assert_failed_start(
+        work, before, code, err, "before its first optimizer step", "ValueError: the flux capacitor is empty", "--verbose"
+    )
     code, _, err = cli(["--verbose", "train", str(cfg)], capfd)
     assert code == 2 and "Traceback" in err and "the flux capacitor is empty" in err
     assert snapshot(work) == before
@@ -405,4 +416,6 @@ def test_cache_and_resume_paths_that_are_files_are_caught_by_validate(work, capf
     cfg = write_config(work, data={"dataset_prepared_path": str(work / "cachefile")}, training={"resume": str(work / "ckpt")})
     code, _, err = cli(["validate", str(cfg)], capfd)
     assert code == 2
-    assert_one_paragraph(err, "data.dataset_prepared_path", "is a file", "training.resume", "is a file, not a checkpoint directory")
+    assert_one_paragraph(
+        err, "data.dataset_prepared_path", "is a file", "training.resume", "is a file, not a checkpoint directory"
+    )

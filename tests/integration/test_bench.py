@@ -34,7 +34,12 @@ def test_bench_runs_conditions_and_writes_all_outputs(tmp_path):
     spec = tiny_spec()
     rows = run_bench(spec, tmp_path)
     assert [(r["condition"], r["replicate"]) for r in rows] == [
-        ("reference", 0), ("reference", 1), ("hone", 0), ("hone", 1), ("broken", 0), ("broken", 1)
+        ("reference", 0),
+        ("reference", 1),
+        ("hone", 0),
+        ("hone", 1),
+        ("broken", 0),
+        ("broken", 1),
     ]
     ok = [r for r in rows if r["condition"] != "broken"]
     for row in ok:
@@ -72,7 +77,13 @@ def test_failure_classification():
     )
     assert classify_failure(1, inductor) == ("error", "torch._inductor.exc.InductorError: NoValidChoicesError:")
     assert classify_failure(3, "no traceback here\n") == ("error", "no traceback here")
-    config = "Traceback\nhone.config.errors.ConfigError: condition 'broken': 1 problem\n  - training.micro_batch_size: must be >= 1, got 0\n"
-    assert classify_failure(1, config)[1] == "hone.config.errors.ConfigError: condition 'broken': 1 problem - training.micro_batch_size: must be >= 1, got 0"
+    config = (
+        "Traceback\nhone.config.errors.ConfigError: condition 'broken': 1 problem\n"
+        "  - training.micro_batch_size: must be >= 1, got 0\n"
+    )
+    assert (
+        classify_failure(1, config)[1]
+        == "hone.config.errors.ConfigError: condition 'broken': 1 problem - training.micro_batch_size: must be >= 1, got 0"
+    )
     status, reason = classify_failure(1, "Traceback\nValueError: boom\n")
     assert status == "error" and reason == "ValueError: boom"

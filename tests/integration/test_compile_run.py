@@ -28,8 +28,12 @@ def _train(tmp_path, name, performance=None, *, checkpointing=False, fixed=True,
     cfg = parse_config(
         {
             "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 2}, "dtype": "float32"},
-            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 32,
-                     "dataset_prepared_path": str(tmp_path / "cache"), "val_set_size": 0.2 if eval_data else 0.0},
+            "data": {
+                "datasets": [{"path": str(data), "type": "pretokenized"}],
+                "sequence_len": 32,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+                "val_set_size": 0.2 if eval_data else 0.0,
+            },
             "adapter": {"type": "lora", "lora_r": 4},
             "training": {"max_steps": 3, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
             "optimizer": {"learning_rate": 5e-3},
@@ -52,7 +56,9 @@ REGIONAL = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 def eager_losses(tmp_path_factory):
     """Checkpointing recomputes the same values, so one eager run is the reference for all."""
     losses, record, console = _train(tmp_path_factory.mktemp("eager"), "eager")
-    assert [a["name"] for a in record["applied"]] == ["attention", "loss"] and "compile" not in record and "first step: " in console
+    assert (
+        [a["name"] for a in record["applied"]] == ["attention", "loss"] and "compile" not in record and "first step: " in console
+    )
     return losses
 
 
@@ -75,7 +81,10 @@ def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, ea
     if details["scope"] == "regional":
         assert details["layers"] == 2 and details["layer_classes"] == ["Qwen3DecoderLayer"]
         assert stats["forward_graphs"] == 1, stats  # one graph, reused by both layers
-    assert "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce), " in console and ", compile (" in console
+    assert (
+        "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce), " in console
+        and ", compile (" in console
+    )
     assert "(compilation included)" in console
     assert "torch.compile: 1 forward" in console
 
@@ -99,12 +108,18 @@ def _cpu_backends() -> list[str]:
 def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path, attention):
     rng = random.Random(1)
     data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 90) for _ in range(rng.randint(3, 20))]}) + "\n" for _ in range(60)))
+    data.write_text(
+        "".join(json.dumps({"input_ids": [rng.randint(5, 90) for _ in range(rng.randint(3, 20))]}) + "\n" for _ in range(60))
+    )
     cfg = parse_config(
         {
             "model": {"preset": "tiny-qwen3", "dtype": "float32", "attn_implementation": attention},
-            "data": {"datasets": [{"path": str(data), "type": "pretokenized"}], "sequence_len": 64,
-                     "dataset_prepared_path": str(tmp_path / "cache"), "sample_packing": True},
+            "data": {
+                "datasets": [{"path": str(data), "type": "pretokenized"}],
+                "sequence_len": 64,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+                "sample_packing": True,
+            },
             "adapter": {"type": "lora", "lora_r": 4},
             "training": {"max_steps": 4, "micro_batch_size": 1, "output_dir": str(tmp_path / "run")},
             "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
@@ -113,7 +128,9 @@ def test_packed_rows_compile_static_shapes_once_and_never_recompile(tmp_path, at
     )
     run_training(cfg, device="cpu", console=Console(file=io.StringIO()))
     record = json.loads((tmp_path / "run" / OPTIMIZATIONS_FILE).read_text())
-    assert {a["name"]: a for a in record["applied"]}["compile"]["details"]["dynamic_shapes"] is False  # bins are sequence_len wide
+    assert {a["name"]: a for a in record["applied"]}["compile"]["details"][
+        "dynamic_shapes"
+    ] is False  # bins are sequence_len wide
     stats = record["compile"]
     assert stats["forward_graphs"] == 1 and stats["compiles_after_first_step"] == 0, stats
 

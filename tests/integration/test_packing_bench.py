@@ -14,8 +14,15 @@ pytestmark = pytest.mark.slow
 def lengths_spec(**extra):
     raw = {
         "name": "tiny-lengths",
-        "workload": {"preset": "tiny-llama", "sequence_len": 64, "micro_batch_size": 1, "dtype": "float32",
-                     "data": "lengths", "length_median": 10, "documents": 200},
+        "workload": {
+            "preset": "tiny-llama",
+            "sequence_len": 64,
+            "micro_batch_size": 1,
+            "dtype": "float32",
+            "data": "lengths",
+            "length_median": 10,
+            "documents": 200,
+        },
         "conditions": [
             {"name": "padded", "set": {"training.micro_batch_size": 2}},
             {"name": "packed", "set": {"data.sample_packing": True}},

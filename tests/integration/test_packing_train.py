@@ -11,15 +11,15 @@ import torch
 from rich.console import Console
 
 from hone.config import parse_config
+from hone.data.collate import collate
 from hone.data.packing import pack, row_lengths
 from hone.models.attention.varlen import register_varlen_sdpa
-from hone.track.metrics import read_metrics
-from hone.train.batches import micro_batches
-from hone.data.collate import collate
-from hone.train.evaluate import evaluate
-from hone.train.loop import train_loop
 from hone.runtime.loss import forward_logits, token_loss_sum
 from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
+from hone.track.metrics import read_metrics
+from hone.train.batches import micro_batches
+from hone.train.evaluate import evaluate
+from hone.train.loop import train_loop
 
 BACKENDS = ["eager", "sdpa", register_varlen_sdpa()]  # varlen: its per-document reference on the CPU
 
@@ -61,12 +61,23 @@ def test_one_packed_loop_step_matches_one_unpacked_step(tmp_path):
         ("packed", {"sample_packing": True, "sequence_len": 40}, {"micro_batch_size": 1, "gradient_accumulation_steps": bins}),
         ("padded", {"sequence_len": 40}, {"micro_batch_size": 12, "gradient_accumulation_steps": 1}),
     ):
-        cfg = tiny_config(tmp_path / name, data=data, training={"max_steps": 1, **training}, model={"attn_implementation": "sdpa"})
+        cfg = tiny_config(
+            tmp_path / name, data=data, training={"max_steps": 1, **training}, model={"attn_implementation": "sdpa"}
+        )
         model = tiny_llama(seed)
         model.set_attn_implementation("sdpa")
         metrics = []
-        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
-                   step_callback=metrics.append, hooks=plan_hooks(model, cfg))
+        train_loop(
+            model,
+            rows,
+            None,
+            cfg,
+            device=torch.device("cpu"),
+            pad_id=0,
+            console=Console(quiet=True),
+            step_callback=metrics.append,
+            hooks=plan_hooks(model, cfg),
+        )
         seen[name] = metrics[0]
     packed, padded = seen["packed"], seen["padded"]
     assert packed.trained_tokens == padded.trained_tokens and packed.tokens == padded.tokens
@@ -80,7 +91,10 @@ def test_packed_eval_gives_the_unpacked_loss():
     model = tiny_llama(seed)
     model.set_attn_implementation("sdpa")
     kw = dict(batch_size=2, pad_id=0, device=torch.device("cpu"))
-    plain, packed = evaluate(model, rows, **kw), evaluate(model, rows, packing=pack(row_lengths(rows), 64, 0, shuffle=False), **kw)
+    plain, packed = (
+        evaluate(model, rows, **kw),
+        evaluate(model, rows, packing=pack(row_lengths(rows), 64, 0, shuffle=False), **kw),
+    )
     assert packed.tokens == plain.tokens
     assert packed.loss == pytest.approx(plain.loss, rel=1e-5)
 
@@ -91,12 +105,19 @@ def test_run_training_packs_reports_efficiency_and_plans_over_packed_rows(tmp_pa
     words = ["red", "green", "blue", "lemon", "lime", "fox", "dog", "quick", "lazy", "yellow"]
     rng = random.Random()
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 14)))}) + "\n" for _ in range(40)))
+    data.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 14)))}) + "\n" for _ in range(40))
+    )
     cfg = parse_config(
         {
             "model": {"preset": "tiny-llama", "dtype": "float32"},
-            "data": {"datasets": [{"path": str(data), "type": "completion"}], "val_set_size": 0.2, "sequence_len": 64,
-                     "sample_packing": True, "dataset_prepared_path": str(tmp_path / "cache")},
+            "data": {
+                "datasets": [{"path": str(data), "type": "completion"}],
+                "val_set_size": 0.2,
+                "sequence_len": 64,
+                "sample_packing": True,
+                "dataset_prepared_path": str(tmp_path / "cache"),
+            },
             "adapter": {"type": "lora", "lora_r": 4},
             "training": {"num_epochs": 2, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")},
             "optimizer": {"learning_rate": 5e-3},

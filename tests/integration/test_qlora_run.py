@@ -18,11 +18,18 @@ from safetensors import safe_open
 pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
 
 from hone.config import parse_config  # noqa: E402
+from hone.run_files import OPTIMIZATIONS_FILE  # noqa: E402
 from hone.track.metrics import read_metrics  # noqa: E402
 from hone.train.run import run_training  # noqa: E402
-from hone.run_files import OPTIMIZATIONS_FILE  # noqa: E402
 
-OVERRIDES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 2}
+OVERRIDES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+}
 STEPS = 6
 
 
@@ -36,11 +43,22 @@ def _config(tmp_path, name, performance=None, val_set_size=0.2, **training):
     return parse_config(
         {
             "model": {"preset": "tiny-llama", "preset_overrides": OVERRIDES, "dtype": "float32", "quantize": "nf4"},
-            "data": {"datasets": [{"path": str(data), "type": "completion"}], "val_set_size": val_set_size, "sequence_len": 64,
-                     "dataset_prepared_path": str(tmp_path.parent / "qlora-cache")},
+            "data": {
+                "datasets": [{"path": str(data), "type": "completion"}],
+                "val_set_size": val_set_size,
+                "sequence_len": 64,
+                "dataset_prepared_path": str(tmp_path.parent / "qlora-cache"),
+            },
             "adapter": {"type": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_modules": "all-linear"},
-            "training": {"max_steps": STEPS, "micro_batch_size": 4, "eval_steps": 3, "save_steps": 3, "seed": 3,
-                         "output_dir": str(tmp_path / name), **training},
+            "training": {
+                "max_steps": STEPS,
+                "micro_batch_size": 4,
+                "eval_steps": 3,
+                "save_steps": 3,
+                "seed": 3,
+                "output_dir": str(tmp_path / name),
+                **training,
+            },
             "optimizer": {"learning_rate": 1e-2, "lr_scheduler": "constant"},
             "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
             "performance": performance or {},
@@ -95,18 +113,22 @@ def test_resumed_qlora_run_matches_the_uninterrupted_one(eager_run, tmp_path):
     resumed_cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "latest"})})
     resumed = run_training(resumed_cfg, device="cpu", console=Console(quiet=True))
     assert resumed.steps == STEPS
-    torch.testing.assert_close(torch.tensor(_train_losses(cfg.training.output_dir)),
-                               torch.tensor(_train_losses(eager_run[0].training.output_dir)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(_train_losses(cfg.training.output_dir)),
+        torch.tensor(_train_losses(eager_run[0].training.output_dir)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_adapter_loads_with_peft_and_merges_into_the_dequantized_base(eager_run, tmp_path):
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hone.export.load import load_for_inference
     from hone.export.merge import merge_adapter
     from hone.models.loader import build_base_model
     from hone.models.nf4 import NF4Linear, nf4_roundtrip_
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg, result, _ = eager_run
     tokenizer = AutoTokenizer.from_pretrained(str(result.final_dir))
@@ -130,8 +152,15 @@ def test_compiled_qlora_trains_like_eager_without_graph_breaks_or_recompiles(eag
     from torch._dynamo.utils import counters
 
     counters.clear()
-    cfg = _config(tmp_path, "compiled", {"torch_compile": True, "torch_compile_backend": "aot_eager"},
-                  val_set_size=0.0, max_steps=3, eval_steps=None, save_steps=None)
+    cfg = _config(
+        tmp_path,
+        "compiled",
+        {"torch_compile": True, "torch_compile_backend": "aot_eager"},
+        val_set_size=0.0,
+        max_steps=3,
+        eval_steps=None,
+        save_steps=None,
+    )
     run_training(cfg, device="cpu", console=Console(quiet=True))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     record = json.loads((cfg.training.output_dir / OPTIMIZATIONS_FILE).read_text())

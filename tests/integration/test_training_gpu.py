@@ -7,9 +7,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 from hone.train.checkpoint import SCALER_FILE
 from hone.train.loop import train_loop
-from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,7 +27,9 @@ def _model(seed: int, *, dtype: torch.dtype = torch.float32, fp32_head: bool = F
 
 
 def _run(model, cfg, train, eval_rows=None, **kw):
-    return train_loop(model, train, eval_rows, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), hooks=plan_hooks(model, cfg, CUDA), **kw)
+    return train_loop(
+        model, train, eval_rows, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), hooks=plan_hooks(model, cfg, CUDA), **kw
+    )
 
 
 def test_exact_resume_on_cuda_with_dropout_and_fused_adamw(tmp_path):
@@ -37,20 +39,28 @@ def test_exact_resume_on_cuda_with_dropout_and_fused_adamw(tmp_path):
     opt = {"lr_scheduler": "cosine", "warmup_steps": 1, "fused": "auto"}
     straight_model = _model(seed, dropout=0.2)
     metrics_a = []
-    _run(straight_model, tiny_config(tmp_path / "a", training=training, optimizer=opt), rows,
-         step_callback=metrics_a.append)
+    _run(straight_model, tiny_config(tmp_path / "a", training=training, optimizer=opt), rows, step_callback=metrics_a.append)
 
     def crash(m):
         if m.step == 4:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _run(_model(seed, dropout=0.2), tiny_config(tmp_path / "b", training={**training, "save_steps": 3}, optimizer=opt),
-             rows, step_callback=crash)
+        _run(
+            _model(seed, dropout=0.2),
+            tiny_config(tmp_path / "b", training={**training, "save_steps": 3}, optimizer=opt),
+            rows,
+            step_callback=crash,
+        )
     resumed_model = _model(seed, dropout=0.2)
     metrics_b = []
-    _run(resumed_model, tiny_config(tmp_path / "b", training=training, optimizer=opt), rows,
-         resume_from=tmp_path / "b" / "checkpoints" / "step-3", step_callback=metrics_b.append)
+    _run(
+        resumed_model,
+        tiny_config(tmp_path / "b", training=training, optimizer=opt),
+        rows,
+        resume_from=tmp_path / "b" / "checkpoints" / "step-3",
+        step_callback=metrics_b.append,
+    )
     assert [m.step for m in metrics_b] == [4, 5, 6]
     for a, b in zip(metrics_a[3:], metrics_b, strict=True):
         assert abs(a.loss - b.loss) <= 1e-5

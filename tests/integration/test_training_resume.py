@@ -10,10 +10,10 @@ import pytest
 import torch
 from rich.console import Console
 
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 from hone.track.metrics import read_metrics
 from hone.train.checkpoint import list_checkpoints, resolve_resume
 from hone.train.loop import train_loop
-from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 STEPS = 6
@@ -36,8 +36,16 @@ def _run(cfg, seed, data, *, resume_from=None, callback=None, console=None):
     # Dropout is on, so the restored RNG state matters for the match.
     model = tiny_llama(seed, dropout=0.2)
     result = train_loop(
-        model, data[0], data[1], cfg, device=CPU, pad_id=0, console=console or Console(quiet=True),
-        step_callback=callback, resume_from=resume_from, hooks=plan_hooks(model, cfg),
+        model,
+        data[0],
+        data[1],
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=console or Console(quiet=True),
+        step_callback=callback,
+        resume_from=resume_from,
+        hooks=plan_hooks(model, cfg),
     )
     return model, result
 
@@ -121,8 +129,14 @@ def test_extending_max_steps_on_resume_follows_the_new_schedule(tmp_path):
     longer = tiny_config(tmp_path, training={"max_steps": 6}, optimizer={"lr_scheduler": "linear"})
     out = io.StringIO()
     lrs = []
-    _, second = _run(longer, seed, data, resume_from=first.last_checkpoint,
-                     callback=lambda m: lrs.append(m.lr), console=Console(file=out, width=300))
+    _, second = _run(
+        longer,
+        seed,
+        data,
+        resume_from=first.last_checkpoint,
+        callback=lambda m: lrs.append(m.lr),
+        console=Console(file=out, width=300),
+    )
     assert second.steps == 6
     # linear over 6 steps from lr 1e-2: step 4 uses (1 - 3/6) of the peak
     assert lrs[0] == pytest.approx(1e-2 * 0.5)

@@ -82,8 +82,11 @@ def test_sigterm_stops_with_a_checkpoint_and_resume_finishes_the_run(tmp_path):
     assert "training.resume=latest" in out.getvalue()
     assert signal.getsignal(signal.SIGTERM) is previous
 
-    resumed = run_training(cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "latest"})}),
-                           device="cpu", console=Console(quiet=True))
+    resumed = run_training(
+        cfg.model_copy(update={"training": cfg.training.model_copy(update={"resume": "latest"})}),
+        device="cpu",
+        console=Console(quiet=True),
+    )
     assert (resumed.steps, resumed.interrupted) == (4, None)
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").exists()
     assert [r["step"] for r in read_metrics(resumed.metrics_path) if "loss" in r] == [1, 2, 3, 4]

@@ -9,8 +9,8 @@ which the test asserts on. The GPU tests import :func:`make_case` and :func:`com
 from __future__ import annotations
 
 import json
-import zlib
 import sys
+import zlib
 
 import torch
 
@@ -91,8 +91,17 @@ def run(fn, case: dict, trainable: set[str], dtype: torch.dtype = torch.float32,
     gu_lora = (ts["gu_A"], ts["gu_B"]) if ts["gu_A"] is not None else None
     dn_lora = (ts["dn_A"], ts["dn_B"]) if ts["dn_A"] is not None else None
     out = fn(
-        ts["hidden"], case["index"], ts["routing_weights"], ts["gate_up"], ts["down"], case["layout"],
-        ts["gate_up_bias"], ts["down_bias"], gu_lora, dn_lora, scaling,
+        ts["hidden"],
+        case["index"],
+        ts["routing_weights"],
+        ts["gate_up"],
+        ts["down"],
+        case["layout"],
+        ts["gate_up_bias"],
+        ts["down_bias"],
+        gu_lora,
+        dn_lora,
+        scaling,
     )
     (out.float() * case["grad_out"]).sum().backward()
     result = {"out": out.detach().float()}
@@ -133,7 +142,9 @@ CASES = {
 
 def check(name: str) -> dict:
     layout, tokens, hidden, inter, experts, k, rank, empty, std, bias, trainable = CASES[name]
-    case = make_case(layout, tokens, hidden, inter, experts, k, rank, empty, seed=zlib.crc32(name.encode()) % 1000, weight_std=std, bias=bias)
+    case = make_case(
+        layout, tokens, hidden, inter, experts, k, rank, empty, seed=zlib.crc32(name.encode()) % 1000, weight_std=std, bias=bias
+    )
     trainable = {n for n in trainable if case["tensors"].get(n) is not None}
     expected = run(moe_experts_reference, case, trainable)
     got = run(moe_experts, case, trainable)
@@ -175,7 +186,11 @@ def check_opcheck() -> dict:
     for name, op, args in (
         ("grouped_mm", grouped_mm, (x, rows, ends, w.transpose(1, 2), None, None, None, 0.0)),
         ("grouped_wgrad", grouped_wgrad, (x, torch.randn(16, 20, generator=gen), rows, True, False, ends, 0.5, torch.float32)),
-        ("moe_lora_linear", _moe_lora_linear, (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5)),
+        (
+            "moe_lora_linear",
+            _moe_lora_linear,
+            (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5),
+        ),
     ):
         try:
             torch.library.opcheck(op, args)

@@ -43,7 +43,8 @@ for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
 
 # The op's registration (schema, fake implementation, mutation) as torch.library checks it.
 try:
-    torch.library.opcheck(cross_entropy_softmax_grad_, (torch.randn(5, 40, generator=gen), torch.tensor([1, -100, 3, 39, 0]), -100, 16))
+    logits, targets = torch.randn(5, 40, generator=gen), torch.tensor([1, -100, 3, 39, 0])
+    torch.library.opcheck(cross_entropy_softmax_grad_, (logits, targets, -100, 16))
     out["opcheck"] = "ok"
 except Exception as exc:  # reported to the test, which prints it
     out["opcheck"] = repr(exc)

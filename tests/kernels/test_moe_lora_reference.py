@@ -80,7 +80,7 @@ def test_reference_lora_equals_peft_target_parameters(kind):
 
     factors = {}
     scaling = None
-    for name, sub in model.named_modules():
+    for _name, sub in model.named_modules():
         if hasattr(sub, "parameter_name") and "default" in getattr(sub, "lora_A", {}):
             a = sub.lora_A["default"].weight
             b = sub.lora_B["default"].weight
@@ -90,7 +90,15 @@ def test_reference_lora_equals_peft_target_parameters(kind):
     if kind == "gpt_oss":
         bias = {"gate_up_bias": module.gate_up_proj_bias, "down_bias": module.down_proj_bias}
     got = moe_experts_reference(
-        hidden, index, weights, module.gate_up_proj, module.down_proj, layout,
-        gate_up_lora=factors["gate_up_proj"], down_lora=factors["down_proj"], scaling=scaling, **bias,
+        hidden,
+        index,
+        weights,
+        module.gate_up_proj,
+        module.down_proj,
+        layout,
+        gate_up_lora=factors["gate_up_proj"],
+        down_lora=factors["down_proj"],
+        scaling=scaling,
+        **bias,
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -16,9 +16,10 @@ import torch
 
 pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
 
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
+
 from hone.kernels.nf4_dequant import nf4_dequantize, nf4_dequantize_reference, nf4_linear  # noqa: E402
 from hone.models.nf4 import nf4_components  # noqa: E402
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
 
 SHAPES = [(256, 128), (128, 384), (64, 512)]
 
@@ -85,8 +86,12 @@ def test_nf4_linear_op_forward_and_input_grad_and_its_graph_holds_no_weight(dtyp
         graphs.append(gm)
         return gm
 
-    fn = aot_function(lambda x, *p: nf4_linear(x, *p, 64, 256, 128, 256), fw_compiler=keep, bw_compiler=keep,
-                      partition_fn=min_cut_rematerialization_partition)
+    fn = aot_function(
+        lambda x, *p: nf4_linear(x, *p, 64, 256, 128, 256),
+        fw_compiler=keep,
+        bw_compiler=keep,
+        partition_fn=min_cut_rematerialization_partition,
+    )
     fn(torch.randn(4, 256, requires_grad=True), *parts).sum().backward()
     forward, backward = graphs
     outputs = [n for n in forward.graph.nodes if n.op == "output"][0].args[0]

@@ -31,7 +31,9 @@ CUDA = torch.device("cuda")
 
 
 def cfg(adapter="lora", model=None, **performance):
-    return parse_config({**_RAW, "model": {"preset": "tiny-llama", **(model or {})}, "adapter": {"type": adapter}, "performance": performance})
+    return parse_config(
+        {**_RAW, "model": {"preset": "tiny-llama", **(model or {})}, "adapter": {"type": adapter}, "performance": performance}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +123,15 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
 @pytest.mark.parametrize("adapter", ["lora", "none"])
 def test_fp8_refuses_inductors_autotuned_matmul_templates_naming_the_key(performance, key, adapter):
     config = cfg(adapter=adapter, fp8="tensorwise", torch_compile=True, **performance)
-    with pytest.raises(PlanError, match=r"performance.fp8 with Inductor's max-autotune matmul templates \(" + key.replace(".", r"\.") + r"\)"):
+    with pytest.raises(
+        PlanError, match=r"performance.fp8 with Inductor's max-autotune matmul templates \(" + key.replace(".", r"\.") + r"\)"
+    ):
         plan_optimizations(config, RunFacts(CUDA))
-    assert not [p for p in _fp8_problems(cfg(adapter=adapter, fp8="tensorwise", torch_compile=True, torch_compile_mode="reduce-overhead")) if "autotune" in p]
+    assert not [
+        p
+        for p in _fp8_problems(cfg(adapter=adapter, fp8="tensorwise", torch_compile=True, torch_compile_mode="reduce-overhead"))
+        if "autotune" in p
+    ]
 
 
 def _fp8_problems(config):
@@ -169,7 +177,11 @@ def test_small_linears_stay_bf16_in_both_cases_when_asked(tokenizer):
     from hone.transforms.fp8_sizes import too_small_for_fp8
 
     model = _lora_model(tokenizer, ["q_proj", "k_proj", "v_proj", "up_proj"])
-    small = {n for n, m in model.named_modules() if type(m) is nn.Linear and "lora_" not in n and too_small_for_fp8(m.in_features, m.out_features, "tensorwise")}
+    small = {
+        n
+        for n, m in model.named_modules()
+        if type(m) is nn.Linear and "lora_" not in n and too_small_for_fp8(m.in_features, m.out_features, "tensorwise")
+    }
     assert small  # the tiny model's linears are all narrow
     details = convert_frozen_base(model, "tensorwise", small="bf16")
     assert details["converted"] == 0 and len(details["kept_bf16_small"]) == 2 * 4
@@ -239,7 +251,9 @@ def test_converted_model_tracks_the_unconverted_one_and_compiles_fullgraph(token
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     first = lambda out: out if torch.is_tensor(out) else out[0]  # noqa: E731 (layers return a tensor or a tuple)
-    torch.testing.assert_close(first(compiled(hidden, position_embeddings=rotary)), first(layer(hidden, position_embeddings=rotary)))
+    torch.testing.assert_close(
+        first(compiled(hidden, position_embeddings=rotary)), first(layer(hidden, position_embeddings=rotary))
+    )
 
 
 # ---------------------------------------------------------------- full fine-tune (torchao)
@@ -277,9 +291,9 @@ def test_full_finetune_float8_all_gather_only_with_tensorwise():
 def test_full_finetune_converts_on_the_meta_device_for_the_sharded_loader(tokenizer):
     """The sharded loader applies the plan before any weight exists, then materialises them."""
     from torchao.float8.float8_linear import Float8Linear
+    from transformers import AutoModelForCausalLM
 
     from hone.models.presets import build_preset_config
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(build_preset_config("tiny-llama", {}, len(tokenizer)))

@@ -13,7 +13,13 @@ SOFTCAP = SimpleNamespace(final_logit_softcapping=30.0)
 
 
 def _cfg(loss: str):
-    return parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, "performance": {"loss": loss}})
+    return parse_config(
+        {
+            "model": {"preset": "tiny-llama"},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]},
+            "performance": {"loss": loss},
+        }
+    )
 
 
 def test_auto_takes_the_fused_loss_for_a_plain_head_and_the_standard_one_otherwise():

@@ -35,11 +35,11 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from hone.config import parse_config
+from hone.run_files import OPTIMIZATIONS_FILE
+from hone.train.run import run_training
 from hone.transforms import checkpointing
 from hone.transforms.base import RunFacts
-from hone.run_files import OPTIMIZATIONS_FILE
 from hone.transforms.planner import plan_optimizations
-from hone.train.run import run_training
 
 POLICIES = ["none", "full", "selective", "offload"]
 COMPILE = {"off": {"torch_compile": False}, "on": {"torch_compile": True, "torch_compile_backend": "aot_eager"}}
@@ -130,8 +130,12 @@ class Trainer:
                 "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"}
                 if adapter == "lora"
                 else {"type": "none"},
-                "training": {"max_steps": STEPS, "micro_batch_size": MICRO_BATCH, "seed": 3,
-                             "output_dir": str(self.root / f"run{self.runs}-{policy}-{compile_}-{packing}-{adapter}")},
+                "training": {
+                    "max_steps": STEPS,
+                    "micro_batch_size": MICRO_BATCH,
+                    "seed": 3,
+                    "output_dir": str(self.root / f"run{self.runs}-{policy}-{compile_}-{packing}-{adapter}"),
+                },
                 "optimizer": {"learning_rate": LR, "adam_epsilon": ADAM_EPS, "lr_scheduler": "constant"},
                 "memory": {"activation_checkpointing": policy, "tiled_mlp": tiled_mlp},
                 "logging": {"progress_bar": False, "tensorboard": False, "plot": False},

@@ -17,7 +17,7 @@ from torch import nn
 from hone.config import ConfigError, parse_config
 from hone.testing import counting_grad_accumulations, hook_count, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
-from hone.transforms.tiled_mlp import TiledMLP, TiledMLPError, shard_sizes, apply_tiled_mlp, tiled_mlp_forward
+from hone.transforms.tiled_mlp import TiledMLP, TiledMLPError, apply_tiled_mlp, shard_sizes, tiled_mlp_forward
 
 RTOL = 1e-5
 BATCH, ROW = 2, 13
@@ -111,7 +111,9 @@ def test_each_parameter_gets_its_gradient_once_per_backward_and_no_hook_stays(to
     assert hook_count(tiled) == before
     _, want = _loss_and_grads(model, ids)
     for name, ref in want.items():
-        torch.testing.assert_close(dict(tiled.named_parameters())[name].grad, 2 * ref, rtol=0, atol=RTOL * 2 * ref.abs().max().item())
+        torch.testing.assert_close(
+            dict(tiled.named_parameters())[name].grad, 2 * ref, rtol=0, atol=RTOL * 2 * ref.abs().max().item()
+        )
 
 
 class _Routed(nn.Module):
@@ -302,7 +304,9 @@ def test_bad_tiled_mlp_values_are_refused_with_what_is_allowed(value, message):
     assert "memory.tiled_mlp" in text and message in text and "auto, off, or a number of shards" in text
 
 
-@pytest.mark.parametrize(("value", "want", "shards"), [("auto", "auto", None), ("off", "off", 0), (False, "off", 0), (4, 4, 4), ("8", 8, 8)])
+@pytest.mark.parametrize(
+    ("value", "want", "shards"), [("auto", "auto", None), ("off", "off", 0), (False, "off", 0), (4, 4, 4), ("8", 8, 8)]
+)
 def test_good_tiled_mlp_values(value, want, shards):
     memory = parse_config({**_RAW, "memory": {"tiled_mlp": value}}).memory
     assert memory.tiled_mlp == want and memory.tiled_mlp_shards == shards
@@ -357,8 +361,14 @@ def test_checkpointing_auto_tiles_when_no_policy_fits_untiled():
     from hone.transforms.memory.knobs import Knobs
 
     cfg = _plan_cfg("auto", seq=4096, policy="auto", intermediate=8192)
-    untiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
-    tiled = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total for p in untiled}
+    untiled = {
+        p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu")).total
+        for p in ("none", "selective", "full")
+    }
+    tiled = {
+        p: estimate_memory(cfg, Knobs(checkpointing=p, loss="fused_linear_ce", device="cpu", tiled_mlp="auto")).total
+        for p in untiled
+    }
     budget = int((min(untiled.values()) + tiled["none"]) / 2 / 0.9)
     assert tiled["none"] < 0.9 * budget < min(untiled.values())
     choice = decide_memory(cfg, "cpu", budget)
@@ -401,8 +411,16 @@ ESTIMATE_TOKENS = 64
 ESTIMATE_CASES = {
     "llama fp32 lora all-linear": ("tiny-llama", "float32", {"type": "lora", "lora_target_modules": "all-linear"}),
     "llama bf16 full": ("tiny-llama", "bfloat16", {"type": "none"}),
-    "qwen3 bf16 lora q,k,v,o": ("tiny-qwen3", "bfloat16", {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
-    "qwen3-moe fp32 lora q,k,v,o": ("tiny-qwen3-moe", "float32", {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+    "qwen3 bf16 lora q,k,v,o": (
+        "tiny-qwen3",
+        "bfloat16",
+        {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    ),
+    "qwen3-moe fp32 lora q,k,v,o": (
+        "tiny-qwen3-moe",
+        "float32",
+        {"type": "lora", "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    ),
 }
 
 
@@ -448,14 +466,23 @@ def test_tiled_layer_formula_matches_what_autograd_saves(case):
     preset, dtype, adapter = ESTIMATE_CASES[case]
     cfg = parse_config(
         {
-            "model": {"preset": preset, "dtype": dtype, "attn_implementation": "sdpa", "preset_overrides": {"num_hidden_layers": 3}},
+            "model": {
+                "preset": preset,
+                "dtype": dtype,
+                "attn_implementation": "sdpa",
+                "preset_overrides": {"num_hidden_layers": 3},
+            },
             "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": ESTIMATE_TOKENS},
             "adapter": adapter,
         }
     )
     facts = model_facts(cfg)
-    tiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu", tiled=True).at(ESTIMATE_TOKENS, ESTIMATE_TOKENS)
-    untiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu").at(ESTIMATE_TOKENS, ESTIMATE_TOKENS)
+    tiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu", tiled=True).at(
+        ESTIMATE_TOKENS, ESTIMATE_TOKENS
+    )
+    untiled = layer_bytes(facts.layers[1], facts, compiled=False, attention="sdpa", device="cpu").at(
+        ESTIMATE_TOKENS, ESTIMATE_TOKENS
+    )
     counted = _saved_bytes_of_tiled_layer(cfg)
     assert tiled == pytest.approx(counted, rel=0.10), f"{case}: formula {tiled} vs saved {counted}"
     assert tiled < untiled

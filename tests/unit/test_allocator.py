@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from hone.config.loader import parse_config
 from hone.config.errors import ConfigError
+from hone.config.loader import parse_config
 from hone.transforms.allocator import ALLOC_ENV, LONG_CONTEXT_TOKENS, SETTING, allocator_choice, configure_allocator
 
 

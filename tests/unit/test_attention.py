@@ -10,13 +10,20 @@ import pytest
 import torch
 
 from hone.config import ConfigError, parse_config
-from hone.config.model import ModelConfig
 from hone.config import attention as capabilities
 from hone.config.attention import BACKENDS, installed_backends
+from hone.config.model import ModelConfig
 from hone.models.attention.packed_mask import document_ids, uses_own_document_mask
 from hone.models.attention.setup import attention_problems
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
-from hone.testing import document_logits_alone, packed_document_logits, random_documents, tiny_model, tiny_tokenizer, with_random_lora
+from hone.testing import (
+    document_logits_alone,
+    packed_document_logits,
+    random_documents,
+    tiny_model,
+    tiny_tokenizer,
+    with_random_lora,
+)
 
 INSTALLED = installed_backends()
 TRAINS_ON_CPU = [b for b in INSTALLED if BACKENDS[b].trains_on_cpu]
@@ -32,7 +39,9 @@ def tok():
 
 def _pretend_installed(monkeypatch):
     real = capabilities.importlib.util.find_spec
-    monkeypatch.setattr(capabilities.importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else real(name, *a))
+    monkeypatch.setattr(
+        capabilities.importlib.util, "find_spec", lambda name, *a: object() if name.startswith("flash_attn") else real(name, *a)
+    )
 
 
 # ---------------------------------------------------------------- config
@@ -50,7 +59,12 @@ def test_capabilities_are_computed_properties_of_the_config():
 
 def test_unknown_backend_lists_the_allowed_ones():
     with pytest.raises(ConfigError) as info:
-        parse_config({"model": {"preset": "tiny-llama", "attn_implementation": "flash2"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}})
+        parse_config(
+            {
+                "model": {"preset": "tiny-llama", "attn_implementation": "flash2"},
+                "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]},
+            }
+        )
     text = str(info.value)
     for name in BACKENDS:
         assert name in text
@@ -82,7 +96,10 @@ def test_packing_with_a_backend_that_does_not_isolate_is_refused(monkeypatch):
 
 
 def test_eval_packing_follows_training_packing_unless_set():
-    base = {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}}
+    base = {
+        "model": {"preset": "tiny-llama"},
+        "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True},
+    }
     assert parse_config(base).data.packs_eval
     base["data"]["eval_sample_packing"] = False
     assert not parse_config(base).data.packs_eval
@@ -91,7 +108,12 @@ def test_eval_packing_follows_training_packing_unless_set():
 def test_device_checks_name_what_works(monkeypatch):
     (problem,) = attention_problems(ModelConfig(preset="tiny-llama", attn_implementation="flex_attention"), torch.device("cpu"))
     assert re.search("no backward pass on the CPU.*train with sdpa", problem)
-    assert attention_problems(ModelConfig(preset="tiny-llama", attn_implementation="flex_attention"), torch.device("cpu"), training=False) == []
+    assert (
+        attention_problems(
+            ModelConfig(preset="tiny-llama", attn_implementation="flex_attention"), torch.device("cpu"), training=False
+        )
+        == []
+    )
     _pretend_installed(monkeypatch)
     flash = ModelConfig(preset="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_2")
     (problem,) = attention_problems(flash, torch.device("cpu"))
@@ -159,7 +181,9 @@ def test_packed_lora_gradients_equal_the_per_document_ones(tok, impl):
     model = with_random_lora(_model("tiny-qwen3", tok, impl, seed), seed)
     docs = random_documents(LENGTHS, seed + 1)
     # sum of per-position losses against random weights, so every position's logits matter
-    weights = {i: torch.randn(len(d["input_ids"]), 1, generator=torch.Generator().manual_seed(seed + i)) for i, d in enumerate(docs)}
+    weights = {
+        i: torch.randn(len(d["input_ids"]), 1, generator=torch.Generator().manual_seed(seed + i)) for i, d in enumerate(docs)
+    }
 
     def grads(loss):
         model.zero_grad(set_to_none=True)

@@ -49,7 +49,10 @@ def test_bad_search_arguments():
 SPEC = {
     "name": "t",
     "workload": {"preset": "tiny-llama", "sequence_len": 64},
-    "conditions": [{"name": "ref", "reference": "hf-peft"}, {"name": "hone", "set": {"memory.activation_checkpointing": "offload"}}],
+    "conditions": [
+        {"name": "ref", "reference": "hf-peft"},
+        {"name": "hone", "set": {"memory.activation_checkpointing": "offload"}},
+    ],
 }
 
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from hone.config import parse_config
+from hone.data.collate import collate
 from hone.models.attention.causal import CAUSAL_SDPA, causal_sdpa_attention
 from hone.models.attention.layout import layout_for
 from hone.models.attention.setup import select_attention_kernel
-from hone.testing import tiny_model, tiny_tokenizer
-from hone.data.collate import collate
 from hone.runtime.loss import forward_logits
+from hone.testing import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 from hone.errors import HoneError
 from hone.export.chat import Conversation, TextOut, chat_loop, load_chat_model, render
 from hone.testing import greedy_by_hand, save_tiny_model, tiny_tokenizer
-
 from tests.unit.test_models_generate import make_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ from hone.config.loader import dump_config
 from hone.config.memory import choose_auto_policy
 from hone.config.performance import PerformanceConfig
 from hone.models.attention.varlen import VARLEN_SDPA, register_varlen_sdpa
+from hone.models.structure import decoder_layers
 from hone.testing import offload_step, packed_document_logits, random_documents, tiny_model, with_random_lora
 from hone.transforms.checkpointing import (
     SAVED_OPS,
@@ -26,7 +27,6 @@ from hone.transforms.checkpointing import (
     selective_policy,
 )
 from hone.transforms.compile import compile_regional
-from hone.models.structure import decoder_layers
 from hone.transforms.offload import OffloadActivations
 
 POLICIES = ["full", "selective", "offload"]
@@ -37,18 +37,23 @@ GiB = 2**30
 
 
 def _cfg(memory):
-    return parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, "memory": memory})
+    return parse_config(
+        {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}, "memory": memory}
+    )
 
 
-@pytest.mark.parametrize(("memory", "policy"), [
-    ({}, "none"),
-    ({"gradient_checkpointing": True}, "full"),
-    ({"gradient_checkpointing": False}, "none"),
-    ({"activation_checkpointing": "selective"}, "selective"),
-    ({"activation_checkpointing": "auto"}, "auto"),
-    ({"activation_checkpointing": "full", "gradient_checkpointing": True}, "full"),
-    ({"activation_checkpointing": "none", "gradient_checkpointing": False}, "none"),
-])
+@pytest.mark.parametrize(
+    ("memory", "policy"),
+    [
+        ({}, "none"),
+        ({"gradient_checkpointing": True}, "full"),
+        ({"gradient_checkpointing": False}, "none"),
+        ({"activation_checkpointing": "selective"}, "selective"),
+        ({"activation_checkpointing": "auto"}, "auto"),
+        ({"activation_checkpointing": "full", "gradient_checkpointing": True}, "full"),
+        ({"activation_checkpointing": "none", "gradient_checkpointing": False}, "none"),
+    ],
+)
 def test_policy_and_alias(memory, policy):
     cfg = _cfg(memory)
     assert cfg.memory.checkpointing == policy
@@ -63,7 +68,13 @@ def test_policy_and_alias(memory, policy):
 def test_resolved_config_writes_the_policy_and_loads_back(memory):
     cfg = _cfg(memory)
     dumped = yaml.safe_load(dump_config(cfg))
-    expected = {"activation_checkpointing": cfg.memory.checkpointing, "selective_memory_budget": 0.5, "tiled_mlp": "auto", "tiled_layers": "auto", "offload_layers": "auto"}
+    expected = {
+        "activation_checkpointing": cfg.memory.checkpointing,
+        "selective_memory_budget": 0.5,
+        "tiled_mlp": "auto",
+        "tiled_layers": "auto",
+        "offload_layers": "auto",
+    }
     assert {k: dumped["memory"][k] for k in expected} == expected
     assert "gradient_checkpointing" not in dumped["memory"]  # the alias is written resolved
     assert parse_config(dumped).memory.checkpointing == cfg.memory.checkpointing
@@ -247,8 +258,14 @@ def test_selective_policy_saves_matmuls_and_attention_kernels():
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention.default,
-               aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default):
+    for op in (
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    ):
         assert selective_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
     for op in (aten.mul.Tensor, aten.rsqrt.default, aten.silu.default, aten.add.Tensor, aten._to_copy.default):
         assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
@@ -393,14 +410,22 @@ def test_the_memory_budget_context_reaches_inductor_compiled_code():
         return (h @ w3).relu().sum()
 
     gen = torch.Generator().manual_seed(random.randrange(1000))
-    inputs = [torch.randn(128, 32, generator=gen), torch.randn(32, 128, generator=gen), torch.randn(32, 128, generator=gen), torch.randn(128, 32, generator=gen)]
+    inputs = [
+        torch.randn(128, 32, generator=gen),
+        torch.randn(32, 128, generator=gen),
+        torch.randn(32, 128, generator=gen),
+        torch.randn(128, 32, generator=gen),
+    ]
 
     def run(budget):
         torch._dynamo.reset()
         compiled = torch.compile(layer, backend="inductor")
         leaves = [t.clone().requires_grad_(True) for t in inputs]
         saved = []
-        with memory_budget_context(budget), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with (
+            memory_budget_context(budget),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t),
+        ):
             compiled(*leaves).backward()
         return sum(saved), [t.grad for t in leaves]
 

@@ -48,7 +48,9 @@ def test_schema_prints_json(capsys, tmp_path):
     assert json.loads(out.read_text())["title"] == "HoneConfig"
 
 
-@pytest.mark.parametrize("command", ["validate", "schema", "preprocess", "train", "generate", "chat", "merge", "bench", "convert"])
+@pytest.mark.parametrize(
+    "command", ["validate", "schema", "preprocess", "train", "generate", "chat", "merge", "bench", "convert"]
+)
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([command, "--help"])

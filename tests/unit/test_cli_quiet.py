@@ -15,6 +15,8 @@ def test_optional_library_import_noise_is_quietened():
 
 
 def test_plan_prints_no_library_noise():
-    proc = subprocess.run([sys.executable, "-m", "hone.cli", "plan", "examples/quickstart.yml"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hone.cli", "plan", "examples/quickstart.yml"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Failed to load" not in proc.stderr and "register_constant" not in proc.stderr

@@ -82,7 +82,9 @@ def test_a_resolved_config_with_compile_off_loads_back():
 
 
 def test_options_with_auto_pass_validation():
-    perf = parse_config({**MINIMAL, "performance": {"torch_compile": "auto", "torch_compile_options": {"fx_graph_cache": False}}}).performance
+    perf = parse_config(
+        {**MINIMAL, "performance": {"torch_compile": "auto", "torch_compile_options": {"fx_graph_cache": False}}}
+    ).performance
     assert perf.torch_compile_options == {"fx_graph_cache": False}
 
 

@@ -137,7 +137,7 @@ def test_validation_does_not_rewrite_user_values():
 
 def test_config_is_frozen():
     cfg = parse_config(MINIMAL)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 -- pydantic's frozen-instance error class is its own business
         cfg.training.seed = 1  # type: ignore[misc]
 
 
@@ -174,7 +174,9 @@ def test_malformed_yaml_gives_line(tmp_path):
 
 
 def test_duplicate_keys_are_errors(tmp_path):
-    path = write(tmp_path, "model:\n  preset: tiny-llama\n  preset: tiny-qwen3\ndata: {datasets: [{path: d.jsonl, type: alpaca}]}\n")
+    path = write(
+        tmp_path, "model:\n  preset: tiny-llama\n  preset: tiny-qwen3\ndata: {datasets: [{path: d.jsonl, type: alpaca}]}\n"
+    )
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "duplicate key (first set on line 2)" in issues_of(info.value)["model.preset"]

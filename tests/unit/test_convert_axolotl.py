@@ -487,13 +487,28 @@ def test_converts_validates_and_lists_untranslated(name, tmp_path):
 
 def test_llama_lora_values():
     cfg = converted(LLAMA_LORA).config
-    assert cfg["model"] == {"path": "NousResearch/Meta-Llama-3.1-8B", "dtype": "bfloat16", **({"attn_implementation": "flash_attention_2"} if "attn_implementation" in cfg["model"] else {})}
+    assert cfg["model"] == {
+        "path": "NousResearch/Meta-Llama-3.1-8B",
+        "dtype": "bfloat16",
+        **({"attn_implementation": "flash_attention_2"} if "attn_implementation" in cfg["model"] else {}),
+    }
     assert cfg["data"]["datasets"] == [{"path": "data/alpaca_2k.jsonl", "type": "alpaca"}]
     assert cfg["data"]["sequence_len"] == 4096 and cfg["data"]["sample_packing"] is True
     assert cfg["data"]["eval_sample_packing"] is False and cfg["data"]["val_set_size"] == 0.05
     assert cfg["data"]["dataset_prepared_path"] == "last_run_prepared"
-    assert cfg["adapter"] == {"type": "lora", "lora_r": 32, "lora_alpha": 16, "lora_dropout": 0.05, "lora_target_modules": "all-linear"}
-    assert cfg["training"] == {"micro_batch_size": 2, "gradient_accumulation_steps": 4, "num_epochs": 4, "output_dir": "./outputs/lora-out"}
+    assert cfg["adapter"] == {
+        "type": "lora",
+        "lora_r": 32,
+        "lora_alpha": 16,
+        "lora_dropout": 0.05,
+        "lora_target_modules": "all-linear",
+    }
+    assert cfg["training"] == {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "num_epochs": 4,
+        "output_dir": "./outputs/lora-out",
+    }
     assert cfg["optimizer"] == {"learning_rate": 2e-4, "weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": 10}
     assert cfg["memory"] == {"activation_checkpointing": "full"}
     assert cfg["logging"] == {"logging_steps": 1}
@@ -583,7 +598,9 @@ def test_qlora_becomes_an_nf4_base():
 
 
 def test_wandb_and_mlflow_keys_become_trackers(tmp_path):
-    conversion = converted(LLAMA_LORA + """
+    conversion = converted(
+        LLAMA_LORA
+        + """
 wandb_project: my-proj
 wandb_entity: me
 wandb_name: run-1
@@ -591,7 +608,8 @@ wandb_mode: offline
 wandb_watch: gradients
 mlflow_tracking_uri: file:./mlruns
 mlflow_experiment_name: exp
-""")
+"""
+    )
     logging = conversion.config["logging"]
     assert logging["trackers"] == ["tensorboard", "wandb", "mlflow"]
     assert logging["wandb"] == {"project": "my-proj", "entity": "me", "name": "run-1", "mode": "offline"}

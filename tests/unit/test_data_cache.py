@@ -25,10 +25,12 @@ from hone.data.summary import render_summary
 def chat_rows(rng: random.Random, n: int) -> list[dict]:
     words = ["lemon", "yellow", "Veloria", "river", "capital", "sorumi"]
     return [
-        {"messages": [
-            {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(1, 6))) + "?"},
-            {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))},
-        ]}
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(1, 6))) + "?"},
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 4)))},
+            ]
+        }
         for _ in range(n)
     ]
 
@@ -113,7 +115,9 @@ def test_memoised_hash_is_used_only_for_files_older_than_the_hash(tmp_path):
         ({"dataset": {"file_format": "jsonl"}}, False),  # same as auto for a .jsonl file
     ],
 )
-def test_key_depends_on_exactly_the_options_that_change_the_output(dataset, make_data_config, tokenizer, tmp_path, change, changes_key):
+def test_key_depends_on_exactly_the_options_that_change_the_output(
+    dataset, make_data_config, tokenizer, tmp_path, change, changes_key
+):
     base = make_data_config([{"path": dataset, "type": "chat"}], sequence_len=512)
     entry = {"path": dataset, "type": "chat", **change.pop("dataset", {})}
     options = {"sequence_len": 512, **change}

@@ -64,7 +64,9 @@ def test_completion_trains_every_token_after_the_first(tmp_path, write_jsonl, ma
     rng = random.Random(1)
     texts = [random_text(rng, rng.randint(1, 30)) for _ in range(30)]
     path = write_jsonl(tmp_path, [{"body": t} for t in texts])
-    prepared = prepare_data(make_data_config([{"path": path, "type": "completion", "field_text": "body"}], sequence_len=1024), tokenizer)
+    prepared = prepare_data(
+        make_data_config([{"path": path, "type": "completion", "field_text": "body"}], sequence_len=1024), tokenizer
+    )
     by_text = rows_by_content(prepared, tokenizer)
     for text in texts:
         row = by_text[BOS + text + EOS]
@@ -160,18 +162,37 @@ def test_chat_trains_exactly_the_roles_in_train_on(tmp_path, write_jsonl, make_d
 def test_chat_role_map_and_field_names(tmp_path, write_jsonl, make_data_config, tokenizer, trained_spans):
     rows = [
         {"conversations": [{"from": "human", "value": "What color is a lemon?"}, {"from": "gpt", "value": "yellow"}]},
-        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}, {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Goodbye"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Hi"},
+                {"from": "gpt", "value": "Hello"},
+                {"from": "human", "value": "Bye"},
+                {"from": "gpt", "value": "Goodbye"},
+            ]
+        },
     ]
     path = write_jsonl(tmp_path, rows)
-    cfg = make_data_config([{
-        "path": path, "type": "chat", "field_messages": "conversations", "field_role": "from", "field_content": "value",
-        "role_map": {"human": "user", "gpt": "assistant"},
-    }])
+    cfg = make_data_config(
+        [
+            {
+                "path": path,
+                "type": "chat",
+                "field_messages": "conversations",
+                "field_role": "from",
+                "field_content": "value",
+                "role_map": {"human": "user", "gpt": "assistant"},
+            }
+        ]
+    )
     prepared = prepare_data(cfg, tokenizer)
     spans = sorted(trained_spans(tokenizer, r) for r in prepared.train)
     assert spans == [["Hello" + EOS, "Goodbye" + EOS], ["yellow" + EOS]]
     text = {tokenizer.decode(r["input_ids"]) for r in prepared.train}
-    assert BOS + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nGoodbye<|im_end|>\n" in text
+    assert (
+        BOS
+        + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nGoodbye<|im_end|>\n"  # noqa: E501
+        in text
+    )
 
 
 def test_chat_unknown_role_names_file_row_role_and_allowed_roles(tmp_path, write_jsonl, make_data_config, tokenizer):
@@ -196,9 +217,13 @@ def test_chat_role_map_to_unknown_target_is_reported_with_its_source(tmp_path, w
         prepare_data(cfg, tokenizer)
 
 
-def test_chat_template_that_renders_no_assistant_text_is_an_error_even_when_skipping(tmp_path, write_jsonl, make_data_config, tokenizer):
+def test_chat_template_that_renders_no_assistant_text_is_an_error_even_when_skipping(
+    tmp_path, write_jsonl, make_data_config, tokenizer
+):
     path = write_jsonl(tmp_path, [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}])
-    template = "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    )
     cfg = make_data_config([{"path": path, "type": "chat"}], chat_template=template, on_bad_row="skip")
     with pytest.raises(DataError) as info:
         prepare_data(cfg, tokenizer)
@@ -207,7 +232,9 @@ def test_chat_template_that_renders_no_assistant_text_is_an_error_even_when_skip
     assert "data.chat_template renders no text for message 2 (assistant)" in message
 
 
-def test_chat_with_a_plain_text_template_trains_reply_and_its_newline(tmp_path, write_jsonl, make_data_config, tokenizer, trained_spans):
+def test_chat_with_a_plain_text_template_trains_reply_and_its_newline(
+    tmp_path, write_jsonl, make_data_config, tokenizer, trained_spans
+):
     template = (
         "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}Assistant: {% endif %}"
@@ -215,7 +242,9 @@ def test_chat_with_a_plain_text_template_trains_reply_and_its_newline(tmp_path, 
     rng = random.Random(4)
     chats = [random_chat(rng, system=False) for _ in range(20)]
     path = write_jsonl(tmp_path, [{"messages": m} for m in chats])
-    prepared = prepare_data(make_data_config([{"path": path, "type": "chat"}], chat_template=template, sequence_len=1024), tokenizer)
+    prepared = prepare_data(
+        make_data_config([{"path": path, "type": "chat"}], chat_template=template, sequence_len=1024), tokenizer
+    )
     by_text = rows_by_content(prepared, tokenizer)
     for messages in chats:
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
@@ -239,11 +268,15 @@ def test_chat_template_raising_for_a_row_is_a_bad_row(tmp_path, write_jsonl, mak
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     ok = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}
+    bad = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]
+    }
     path = write_jsonl(tmp_path, [ok, bad, ok])
     with pytest.raises(DataError, match=r"row 2: the chat template refused this conversation: .*system message must come first"):
         prepare_data(make_data_config([{"path": path, "type": "chat"}], chat_template=template), tokenizer)
-    prepared = prepare_data(make_data_config([{"path": path, "type": "chat"}], chat_template=template, on_bad_row="skip"), tokenizer)
+    prepared = prepare_data(
+        make_data_config([{"path": path, "type": "chat"}], chat_template=template, on_bad_row="skip"), tokenizer
+    )
     assert len(prepared.train) == 2 and prepared.stats.sources[0].bad_rows_skipped == 1
 
 
@@ -254,7 +287,10 @@ def test_chat_template_raising_for_a_row_is_a_bad_row(tmp_path, write_jsonl, mak
         ([], "field 'messages' is an empty list"),
         (["hi"], "message 1 is a string ('hi') (expected an object with 'role' and 'content')"),
         ([{"role": "user"}], "message 1: 'content' is null (expected a string)"),
-        ([{"role": "user", "content": "a"}, {"role": 3, "content": "b"}], "message 2: 'role' is a number (3) (expected a string)"),
+        (
+            [{"role": "user", "content": "a"}, {"role": 3, "content": "b"}],
+            "message 2: 'role' is a number (3) (expected a string)",
+        ),
     ],
 )
 def test_chat_malformed_rows_name_the_row_and_message(tmp_path, write_jsonl, make_data_config, tokenizer, messages, expected):

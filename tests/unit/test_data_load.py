@@ -16,7 +16,11 @@ from hone.data.prepare import prepare_data
 def alpaca_rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [
-        {"instruction": f"q{i} " + " ".join(rng.choices(["red", "Veloria", "river", "naïve"], k=rng.randint(1, 5))), "input": "", "output": f"a{i}"}
+        {
+            "instruction": f"q{i} " + " ".join(rng.choices(["red", "Veloria", "river", "naïve"], k=rng.randint(1, 5))),
+            "input": "",
+            "output": f"a{i}",
+        }
         for i in range(n)
     ]
 
@@ -59,7 +63,9 @@ def test_missing_file(tmp_path, make_data_config, tokenizer):
 
 def test_missing_test_dataset_names_its_key(tmp_path, write_jsonl, make_data_config, tokenizer):
     good = write_jsonl(tmp_path, alpaca_rows(3, seed=1))
-    cfg = make_data_config([{"path": good, "type": "alpaca"}], test_datasets=[{"path": tmp_path / "eval.jsonl", "type": "alpaca"}])
+    cfg = make_data_config(
+        [{"path": good, "type": "alpaca"}], test_datasets=[{"path": tmp_path / "eval.jsonl", "type": "alpaca"}]
+    )
     with pytest.raises(DataError, match=r"data.test_datasets\[0\].path"):
         prepare_data(cfg, tokenizer)
 
@@ -118,10 +124,15 @@ def test_column_absent_from_the_whole_file_names_the_config_key(tmp_path, write_
         ({"instruction": "x", "output": None}, "field 'output' is missing or null (expected a string)"),
         ({"instruction": "x", "output": 7}, "field 'output' is a number (7) (expected a string)"),
         ({"instruction": ["x"], "output": "y"}, "field 'instruction' is a list of 1 item (expected a string)"),
-        ({"instruction": "x", "input": {"a": 1}, "output": "y"}, "field 'input' is an object with keys ['a'] (expected a string)"),
+        (
+            {"instruction": "x", "input": {"a": 1}, "output": "y"},
+            "field 'input' is an object with keys ['a'] (expected a string)",
+        ),
     ],
 )
-def test_bad_row_errors_with_row_number_or_is_skipped_and_counted(tmp_path, write_jsonl, make_data_config, tokenizer, bad, expected):
+def test_bad_row_errors_with_row_number_or_is_skipped_and_counted(
+    tmp_path, write_jsonl, make_data_config, tokenizer, bad, expected
+):
     rows = alpaca_rows(12, seed=3)
     bad_positions = [2, 7, 11]  # 0-based
     for position in bad_positions:

@@ -26,7 +26,9 @@ def tag_of(tokenizer, row) -> str:
 
 
 @pytest.mark.parametrize("strategy", ["drop", "truncate"])
-def test_rows_longer_than_sequence_len_are_dropped_or_truncated_and_counted(tmp_path, write_jsonl, make_data_config, tokenizer, strategy):
+def test_rows_longer_than_sequence_len_are_dropped_or_truncated_and_counted(
+    tmp_path, write_jsonl, make_data_config, tokenizer, strategy
+):
     rng = random.Random(10)
     rows = completion_rows(rng, 60)
     full_lengths = {r["text"]: len(tokenizer(r["text"])["input_ids"]) + 1 for r in rows}  # + EOS
@@ -112,7 +114,9 @@ def test_val_split_is_deterministic_disjoint_and_sized(tmp_path, write_jsonl, ma
     datasets = [{"path": path_a, "type": "completion"}, {"path": path_b, "type": "completion", "weight": 2}]
 
     def split(seed: int, cache: str):
-        prepared = prepare_data(make_data_config(datasets, seed=seed, val_set_size=0.25, dataset_prepared_path=str(tmp_path / cache)), tokenizer)
+        prepared = prepare_data(
+            make_data_config(datasets, seed=seed, val_set_size=0.25, dataset_prepared_path=str(tmp_path / cache)), tokenizer
+        )
         return [tag_of(tokenizer, r) for r in prepared.train], [tag_of(tokenizer, r) for r in prepared.eval], prepared
 
     train, evaluation, prepared = split(7, "c1")
@@ -130,7 +134,13 @@ def test_val_split_is_deterministic_disjoint_and_sized(tmp_path, write_jsonl, ma
 def test_train_is_shuffled_by_seed(tmp_path, write_jsonl, make_data_config, tokenizer):
     rows = completion_rows(random.Random(13), 50, max_words=4)
     path = write_jsonl(tmp_path, rows)
-    order = lambda seed: [tag_of(tokenizer, r) for r in prepare_data(make_data_config([{"path": path, "type": "completion"}], seed=seed), tokenizer).train]  # noqa: E731
+
+    def order(seed):
+        return [
+            tag_of(tokenizer, r)
+            for r in prepare_data(make_data_config([{"path": path, "type": "completion"}], seed=seed), tokenizer).train
+        ]
+
     first = order(1)
     assert sorted(first) == sorted(f"row{i}" for i in range(50))
     assert first != [f"row{i}" for i in range(50)]
@@ -141,7 +151,9 @@ def test_test_datasets_are_the_eval_split(tmp_path, write_jsonl, make_data_confi
     rng = random.Random(14)
     train = write_jsonl(tmp_path, completion_rows(rng, 30, tag="t", max_words=4), name="train.jsonl")
     evaluation = write_jsonl(tmp_path, completion_rows(rng, 12, tag="e", max_words=4), name="eval.jsonl")
-    cfg = make_data_config([{"path": train, "type": "completion"}], test_datasets=[{"path": evaluation, "type": "completion", "weight": 0.5}])
+    cfg = make_data_config(
+        [{"path": train, "type": "completion"}], test_datasets=[{"path": evaluation, "type": "completion", "weight": 0.5}]
+    )
     prepared = prepare_data(cfg, tokenizer)
     assert len(prepared.train) == 30 and len(prepared.eval) == 6
     assert all(tag_of(tokenizer, r).startswith("e") for r in prepared.eval)

@@ -48,7 +48,11 @@ def test_bundled_tokenizer_round_trips_any_text_and_adds_bos(tokenizer):
 
 
 def test_bundled_chat_template_is_chatml_with_generation_prompt(tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == (
         "<|begin_of_text|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"

@@ -22,14 +22,24 @@ ALL7 = [*QKVO, "gate_proj", "up_proj", "down_proj"]
 TOKENS = 64
 
 
-def _cfg(preset: str, dtype: str = "bfloat16", adapter: Any = None, seq: int = 2048, mbs: int = 1, attention: str = "sdpa", **extra: Any):
+def _cfg(
+    preset: str,
+    dtype: str = "bfloat16",
+    adapter: Any = None,
+    seq: int = 2048,
+    mbs: int = 1,
+    attention: str = "sdpa",
+    **extra: Any,
+):
     model = {"preset": preset, "dtype": dtype, "attn_implementation": attention}
     if preset.startswith("tiny"):
         model["preset_overrides"] = {"num_hidden_layers": 3}
     raw = {
         "model": model,
         "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": seq},
-        "adapter": adapter if adapter is not None else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
+        "adapter": adapter
+        if adapter is not None
+        else {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
         "training": {"micro_batch_size": mbs},
     }
     for key, value in extra.items():
@@ -87,10 +97,20 @@ def _formula(cfg, compiled: bool = False) -> int:
 
 CASES = {
     "llama fp32 full": ("tiny-llama", "float32", {"type": "none"}, "sdpa"),
-    "llama fp32 lora all-linear dropout": ("tiny-llama", "float32", {"type": "lora", "lora_target_modules": "all-linear", "lora_dropout": 0.1}, "sdpa"),
+    "llama fp32 lora all-linear dropout": (
+        "tiny-llama",
+        "float32",
+        {"type": "lora", "lora_target_modules": "all-linear", "lora_dropout": 0.1},
+        "sdpa",
+    ),
     "llama bf16 full": ("tiny-llama", "bfloat16", {"type": "none"}, "sdpa"),
     "llama bf16 lora all 7": ("tiny-llama", "bfloat16", {"type": "lora", "lora_target_modules": ALL7}, "sdpa"),
-    "llama bf16 lora q,v dropout": ("tiny-llama", "bfloat16", {"type": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1}, "sdpa"),
+    "llama bf16 lora q,v dropout": (
+        "tiny-llama",
+        "bfloat16",
+        {"type": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1},
+        "sdpa",
+    ),
     "llama fp32 lora eager attention": ("tiny-llama", "float32", {"type": "lora"}, "eager"),
     "qwen3 fp32 lora q,k,v,o": ("tiny-qwen3", "float32", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
     "qwen3 bf16 lora q,k,v,o": ("tiny-qwen3", "bfloat16", {"type": "lora", "lora_target_modules": QKVO}, "sdpa"),
@@ -206,7 +226,9 @@ def test_fused_loss_holds_one_chunk():
 
 def test_gradient_accumulation_keeps_gradients_through_the_loss():
     one = estimate_memory(_cfg("qwen3-8b"), Knobs(checkpointing="none", loss="standard"))
-    accumulating = estimate_memory(_cfg("qwen3-8b", training__gradient_accumulation_steps=4), Knobs(checkpointing="none", loss="standard"))
+    accumulating = estimate_memory(
+        _cfg("qwen3-8b", training__gradient_accumulation_steps=4), Knobs(checkpointing="none", loss="standard")
+    )
     assert accumulating.trainable_state > one.trainable_state == 0
 
 
@@ -277,8 +299,8 @@ def test_fp8_lora_base_counts_two_float8_copies_of_each_wrapped_weight(small):
     """Against the built model: the float8 copies the fp8 transform keeps (two uint8 buffers a
     converted weight) are what the estimate adds to the weights; with small linears kept in bf16
     (every layer of this tiny model is small) there are none."""
-    from hone.transforms.memory.estimate import estimate_memory
     from hone.transforms.fp8 import convert_frozen_base
+    from hone.transforms.memory.estimate import estimate_memory
 
     cfg = _cfg("tiny-llama", performance__fp8="rowwise", performance__fp8_small_linears=small)
     plain = estimate_memory(_cfg("tiny-llama"), Knobs(checkpointing="full", loss="standard", device="cpu"))

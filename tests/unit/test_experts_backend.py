@@ -36,7 +36,9 @@ def test_hone_on_a_cpu_run_is_refused_by_the_plan_check(tmp_path):
     problems = EXPERTS.check(ctx(cfg, RunFacts(device=torch.device("cpu"))))
     if os.environ.get("TRITON_INTERPRET") != "1":
         assert problems and "CUDA devices only" in problems[0] and "grouped_mm or eager" in problems[0]
-    assert not EXPERTS.wanted(ctx(tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe"}), RunFacts(device=torch.device("cpu"))))
+    assert not EXPERTS.wanted(
+        ctx(tiny_config(tmp_path, model={"preset": "tiny-qwen3-moe"}), RunFacts(device=torch.device("cpu")))
+    )
 
 
 def test_layouts_are_read_from_the_modules():

@@ -98,8 +98,11 @@ def _cfg_file(tmp_path, model: dict, steps: int = 2, data: str | None = None) ->
         Path(data).write_text(_rows())
     raw = {
         "model": {"dtype": "float32", **model},
-        "data": {"datasets": [{"path": data, "type": "completion"}], "sequence_len": 32,
-                 "dataset_prepared_path": str(tmp_path / "prep")},
+        "data": {
+            "datasets": [{"path": data, "type": "completion"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(tmp_path / "prep"),
+        },
         "adapter": {"type": "lora", "lora_r": 2},
         "training": {"max_steps": steps, "micro_batch_size": 2, "output_dir": str(tmp_path / "run")},
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
@@ -126,10 +129,14 @@ def test_validate_with_allow_download_warns_instead(hub_cache, tmp_path, capsys)
 
 
 def test_tokenizer_path_as_id(hub_cache, saved_models):
-    tok = load_tokenizer(parse_config(
-        {"model": {"path": str(saved_models[0]), "tokenizer_path": "Org/Tiny"},
-         "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}}
-    ).model)
+    tok = load_tokenizer(
+        parse_config(
+            {
+                "model": {"path": str(saved_models[0]), "tokenizer_path": "Org/Tiny"},
+                "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+            }
+        ).model
+    )
     assert len(tok) == len(tiny_tokenizer())
 
 
@@ -196,5 +203,9 @@ def test_allow_download_needs_an_id_or_path():
     from hone.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="allow_download"):
-        parse_config({"model": {"preset": "tiny-llama", "allow_download": True},
-                      "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}})
+        parse_config(
+            {
+                "model": {"preset": "tiny-llama", "allow_download": True},
+                "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+            }
+        )

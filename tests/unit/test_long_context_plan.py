@@ -6,6 +6,7 @@ import pytest
 
 from hone.config import parse_config
 from hone.transforms.auto_policy import decide_memory, offload_layers_choice
+from hone.transforms.long_context import best_row, longest_table, render_longest
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs
@@ -13,7 +14,6 @@ from hone.transforms.memory.longest import longest_sequence
 from hone.transforms.memory.terms.offload import HOST_BASE_BYTES, HOST_MARGIN, host_process_bytes, offload_split, pinned_block
 from hone.transforms.memory.terms.tiled_layers import auto_layer_chunks, tiled_layer_state_bytes
 from hone.units import GIB
-from hone.transforms.long_context import best_row, longest_table, render_longest
 
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -60,7 +60,10 @@ def test_a_split_moves_memory_from_the_host_to_the_gpu():
     full = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
     assert est[0].total == full.total and full.host == 0  # nothing offloaded is full
     # the config's key is the default
-    assert estimate_memory(_cfg(seq=8192, offload_layers=2), Knobs(checkpointing="offload", loss="fused_linear_ce")).offloaded_layers == 2
+    assert (
+        estimate_memory(_cfg(seq=8192, offload_layers=2), Knobs(checkpointing="offload", loss="fused_linear_ce")).offloaded_layers
+        == 2
+    )
 
 
 def test_auto_split_follows_the_host_budget():
@@ -105,10 +108,19 @@ def test_tiled_auto_accounts_for_fsdp_sharding():
 def test_longest_sequence_respects_the_host():
     cfg = _cfg("qwen3-8b", seq=4096)
     unlimited = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto"), 80 * GIB, multiple=4096)
-    host = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB), 80 * GIB, multiple=4096)
-    all_offloaded = longest_sequence(cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB, offload_layers=36), 80 * GIB, multiple=4096)
+    host = longest_sequence(
+        cfg, Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB), 80 * GIB, multiple=4096
+    )
+    all_offloaded = longest_sequence(
+        cfg,
+        Knobs("offload", "fused_linear_ce", tiled_mlp="auto", host_budget=128 * GIB, offload_layers=36),
+        80 * GIB,
+        multiple=4096,
+    )
     assert unlimited > host > all_offloaded > 0
-    at = estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", sequence_len=host, tiled_mlp="auto", host_budget=128 * GIB))
+    at = estimate_memory(
+        cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", sequence_len=host, tiled_mlp="auto", host_budget=128 * GIB)
+    )
     assert at.total <= 80 * GIB and at.host_total <= 128 * GIB and at.offloaded_layers < 36
 
 
@@ -154,7 +166,12 @@ def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
 
 def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
     cfg = _cfg("qwen3-8b", seq=524288)
-    est = {k: estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", tiled_mlp="auto", tiled_layers=k, host_budget=128 * GIB)) for k in (0, 4, 16, "auto")}
+    est = {
+        k: estimate_memory(
+            cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", tiled_mlp="auto", tiled_layers=k, host_budget=128 * GIB)
+        )
+        for k in (0, 4, 16, "auto")
+    }
     assert est[0].tiled_layers == 0 and est[4].tiled_layers == 4 and est["auto"].tiled_layers == auto_layer_chunks(524288) == 16
     assert est[0].recompute > est[4].recompute > est[16].recompute > tiled_layer_state_bytes(model_facts(cfg), 524288)
     assert est[16].total < est[4].total < est[0].total
@@ -164,7 +181,12 @@ def test_tiled_layers_rebuild_one_chunk_plus_the_key_value_state():
     assert tiled_layer_state_bytes(model_facts(cfg), 1000) == 1000 * 2 * kv * (2 + 4 + 2 + 5 * 2)
     # a tiled layer is a checkpoint: other policies are estimated whole
     for policy in ("none", "selective"):
-        assert estimate_memory(cfg, Knobs(checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096)).tiled_layers == 0
+        assert (
+            estimate_memory(
+                cfg, Knobs(checkpointing=policy, loss="fused_linear_ce", tiled_layers=8, sequence_len=4096)
+            ).tiled_layers
+            == 0
+        )
 
 
 def _tiled_layers_decision(cfg, card_gib: float):
@@ -182,7 +204,11 @@ def test_tiled_layers_auto_chunks_only_what_does_not_fit_whole():
         return parse_config(
             {
                 "model": {"preset": "qwen3-8b", "dtype": "bfloat16"},
-                "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 262144, "allow_longer_than_model": True},
+                "data": {
+                    "datasets": [{"path": "unused.jsonl", "type": "pretokenized"}],
+                    "sequence_len": 262144,
+                    "allow_longer_than_model": True,
+                },
                 "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
                 "memory": {"activation_checkpointing": "offload", "tiled_mlp": "off", **memory},
             }

@@ -25,12 +25,14 @@ def tokenizer():
 
 def make_run(run_dir: Path, tokenizer, model: dict, adapter="lora", data_type="completion", dtype="float32"):
     """What ``hone train`` leaves: the resolved config and final/, with moved trainable weights."""
-    cfg = parse_config({
-        "model": {"dtype": dtype, **model},
-        "data": {"datasets": [{"path": "d.jsonl", "type": data_type}]},
-        "adapter": adapter,
-        "training": {"output_dir": str(run_dir), "seed": 21},
-    })
+    cfg = parse_config(
+        {
+            "model": {"dtype": dtype, **model},
+            "data": {"datasets": [{"path": "d.jsonl", "type": data_type}]},
+            "adapter": adapter,
+            "training": {"output_dir": str(run_dir), "seed": 21},
+        }
+    )
     trained = load_model(cfg, tokenizer, "cpu").model
     with torch.no_grad():
         for param in trained.parameters():
@@ -137,9 +139,7 @@ def test_bad_run_directories(tmp_path):
         load_for_inference(tmp_path / "nope", "cpu")
     with pytest.raises(HoneError, match="no config.yml"):
         load_for_inference(tmp_path, "cpu")
-    (tmp_path / "config.yml").write_text(
-        "model: {preset: tiny-llama}\ndata: {datasets: [{path: d.jsonl, type: completion}]}\n"
-    )
+    (tmp_path / "config.yml").write_text("model: {preset: tiny-llama}\ndata: {datasets: [{path: d.jsonl, type: completion}]}\n")
     with pytest.raises(HoneError, match="no final/ directory: the run has not finished"):
         load_for_inference(tmp_path, "cpu")
     (tmp_path / "final").mkdir()

@@ -38,32 +38,77 @@ def test_tiny_presets_cover_distinct_architectures():
     [
         (
             "llama3-8b",
-            dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+            dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                tie_word_embeddings=False,
+            ),
         ),
         (
             "llama3.2-3b",
-            dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                 num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+            dict(
+                vocab_size=128256,
+                hidden_size=3072,
+                intermediate_size=8192,
+                num_hidden_layers=28,
+                num_attention_heads=24,
+                num_key_value_heads=8,
+                head_dim=128,
+                tie_word_embeddings=True,
+            ),
         ),
         (
             "qwen3-8b",
-            dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+            dict(
+                vocab_size=151936,
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                tie_word_embeddings=False,
+            ),
         ),
         (
             "qwen3-30b-a3b",
-            dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
-                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                 num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
+            dict(
+                vocab_size=151936,
+                hidden_size=2048,
+                moe_intermediate_size=768,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+            ),
         ),
         (
             "gpt-oss-20b",
-            dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
-                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                 num_experts_per_tok=4, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
-                 max_position_embeddings=131072, tie_word_embeddings=False,
-                 layer_types=["sliding_attention", "full_attention"] * 12),
+            dict(
+                vocab_size=201088,
+                hidden_size=2880,
+                intermediate_size=2880,
+                num_hidden_layers=24,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                head_dim=64,
+                num_local_experts=32,
+                num_experts_per_tok=4,
+                sliding_window=128,
+                attention_bias=True,
+                swiglu_limit=7.0,
+                max_position_embeddings=131072,
+                tie_word_embeddings=False,
+                layer_types=["sliding_attention", "full_attention"] * 12,
+            ),
         ),
     ],
 )
@@ -88,10 +133,18 @@ def test_real_presets_count_their_published_parameters():
 def test_gpt_oss_20b_rope_is_its_yarn_and_depth_overrides_keep_alternating_layers():
     config = build_preset_config("gpt-oss-20b", {}, vocab_size=2048)
     assert config.rope_parameters == {
-        "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "rope_theta": 150_000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
     }
-    assert build_preset_config("gpt-oss-20b", {"num_hidden_layers": 6}, 2048).layer_types == ["sliding_attention", "full_attention"] * 3
+    assert (
+        build_preset_config("gpt-oss-20b", {"num_hidden_layers": 6}, 2048).layer_types
+        == ["sliding_attention", "full_attention"] * 3
+    )
 
 
 def test_real_preset_keeps_its_vocab_but_refuses_a_larger_tokenizer():
@@ -157,8 +210,15 @@ def test_tiny_preset_in_bf16_is_the_fp32_init_rounded(tokenizer):
 
 
 def test_big_preset_is_built_in_the_target_dtype_with_tokenizer_special_tokens(tokenizer):
-    overrides = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 4096}
+    overrides = {
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 4096,
+    }
     cfg = ModelConfig(preset="llama3-8b", preset_overrides=overrides)
     model = build_preset_model(cfg, tokenizer, torch.device("cpu"), torch.bfloat16, seed=0)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -170,10 +230,19 @@ def test_big_preset_is_built_in_the_target_dtype_with_tokenizer_special_tokens(t
 def test_gpt_oss_preset_is_built_in_the_target_dtype_with_the_sink_attention(tokenizer):
     from hone.models.attention.sinks import SINK_ATTENTION
 
-    overrides = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "vocab_size": 4096}
-    model = build_preset_model(ModelConfig(preset="gpt-oss-20b", preset_overrides=overrides), tokenizer,
-                               torch.device("cpu"), torch.bfloat16, seed=0)
+    overrides = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "vocab_size": 4096,
+    }
+    model = build_preset_model(
+        ModelConfig(preset="gpt-oss-20b", preset_overrides=overrides), tokenizer, torch.device("cpu"), torch.bfloat16, seed=0
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # sinks and expert biases too
     assert model.config._attn_implementation == SINK_ATTENTION
     assert model.config.layer_types == ["sliding_attention", "full_attention"]

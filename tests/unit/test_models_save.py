@@ -26,11 +26,13 @@ def base_dir(tmp_path_factory, tokenizer) -> Path:
 
 
 def loaded(base_dir, tokenizer, adapter="lora"):
-    cfg = parse_config({
-        "model": {"path": str(base_dir), "dtype": "float32"},
-        "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
-        "adapter": adapter,
-    })
+    cfg = parse_config(
+        {
+            "model": {"path": str(base_dir), "dtype": "float32"},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+            "adapter": adapter,
+        }
+    )
     model = load_model(cfg, tokenizer, "cpu").model
     with torch.no_grad():  # stand-in for training: move every trainable weight
         for param in model.parameters():
@@ -74,7 +76,9 @@ def test_full_final_is_a_model_directory_with_identical_logits(tmp_path, base_di
 
 def test_adapter_type_must_match_the_model(tmp_path, base_dir, tokenizer):
     model, _ = loaded(base_dir, tokenizer, adapter="none")
-    lora_cfg = parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}}).adapter
+    lora_cfg = parse_config(
+        {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}}
+    ).adapter
     with pytest.raises(HoneError, match="adapter.type is 'lora' but the model is a plain model"):
         save_final(model, tokenizer, tmp_path / "final", lora_cfg)
 

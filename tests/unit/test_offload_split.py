@@ -90,7 +90,11 @@ def test_the_planner_applies_the_configured_split(asked, host, want, tokenizer, 
     from hone.transforms.checkpointing import CHECKPOINTING
     from hone.transforms.decide import decide
 
-    cfg = tiny_config(tmp_path, memory={"activation_checkpointing": "offload", "offload_layers": asked}, model={"preset_overrides": {"num_hidden_layers": LAYERS}})
+    cfg = tiny_config(
+        tmp_path,
+        memory={"activation_checkpointing": "offload", "offload_layers": asked},
+        model={"preset_overrides": {"num_hidden_layers": LAYERS}},
+    )
     facts = RunFacts(torch.device("cpu"), host_memory_bytes=host)
     model = _model(tokenizer, "full")
     details = CHECKPOINTING.model(model, PlanContext(cfg, facts, decide(cfg, facts)))

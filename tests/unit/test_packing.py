@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hone.config.training import TrainingConfig
+from hone.data.collate import IGNORE_INDEX, collate, collate_packed
 from hone.data.packing import pack, row_lengths
 from hone.errors import HoneError
-from hone.train.batches import BatchStream, DataPosition, micro_batches, plan_steps
-from hone.data.collate import IGNORE_INDEX, collate, collate_packed
 from hone.testing import random_rows
+from hone.train.batches import BatchStream, DataPosition, micro_batches, plan_steps
 
 
 def lognormal_lengths(n: int, seed: int, median: int = 300, sigma: float = 1.0, cap: int = 4096) -> np.ndarray:
@@ -57,7 +57,7 @@ def test_too_long_rows_are_refused_with_the_row():
 
 def _doc(length: int, gen: torch.Generator, masked_prompt: int = 0) -> dict[str, list[int]]:
     ids = torch.randint(1, 90, (length,), generator=gen).tolist()
-    labels = [IGNORE_INDEX] * max(1, masked_prompt) + ids[max(1, masked_prompt):]
+    labels = [IGNORE_INDEX] * max(1, masked_prompt) + ids[max(1, masked_prompt) :]
     return {"input_ids": ids, "labels": labels}
 
 
@@ -149,7 +149,9 @@ def _completion_rows(n: int, seed: int) -> list[dict[str, str]]:
     return [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))} for _ in range(n)]
 
 
-def test_splits_are_packed_once_and_the_saved_bins_are_what_the_loop_gets(tmp_path, tokenizer, write_jsonl, make_data_config, monkeypatch):
+def test_splits_are_packed_once_and_the_saved_bins_are_what_the_loop_gets(
+    tmp_path, tokenizer, write_jsonl, make_data_config, monkeypatch
+):
     """prepare_data packs each split once and saves the bins with the cached data; a cache hit,
     the loop's train split and its eval split load those bins (no second packing), and they
     equal packing the rows afresh with the config's seed."""
@@ -159,8 +161,14 @@ def test_splits_are_packed_once_and_the_saved_bins_are_what_the_loop_gets(tmp_pa
 
     seed = random.randrange(10_000)
     path = write_jsonl(tmp_path, _completion_rows(40, seed))
-    cfg = make_data_config([{"path": path, "type": "completion"}], seed=seed, sequence_len=64, sample_packing=True,
-                           val_set_size=0.25, sample_packing_group_size=7)
+    cfg = make_data_config(
+        [{"path": path, "type": "completion"}],
+        seed=seed,
+        sequence_len=64,
+        sample_packing=True,
+        val_set_size=0.25,
+        sample_packing_group_size=7,
+    )
     first = prepare_data(cfg, tokenizer)
     assert set(first.packing) == {"train", "eval"}
     for name in ("train", "eval"):
@@ -201,5 +209,7 @@ def test_unpacked_splits_have_no_bins(tmp_path, make_data_config):
     rows = random_rows(10, seed=1, as_list=True)
     cfg = make_data_config([{"path": tmp_path / "x.jsonl", "type": "completion"}], sequence_len=64)
     assert packing_for(rows, cfg, "train") is None and packing_for(rows, cfg, "eval") is None
-    packed_eval_only = make_data_config([{"path": tmp_path / "x.jsonl", "type": "completion"}], sequence_len=64, eval_sample_packing=True)
+    packed_eval_only = make_data_config(
+        [{"path": tmp_path / "x.jsonl", "type": "completion"}], sequence_len=64, eval_sample_packing=True
+    )
     assert packing_for(rows, packed_eval_only, "train") is None and packing_for(rows, packed_eval_only, "eval").rows == 10

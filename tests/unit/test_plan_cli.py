@@ -7,8 +7,8 @@ import pytest
 
 from hone.cli import build_parser, main
 from hone.errors import HoneError
-from hone.units import GIB
 from hone.transforms.plan_report import DEFAULT_GPU_MEMORY, device_memory, parse_size, plan_view, render_plan
+from hone.units import GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yml"))
@@ -66,7 +66,14 @@ def test_plan_needs_the_model_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("80GiB", 80 * GIB), ("24GB", 24 * 10**9), ("141 GiB", 141 * GIB), ("81559MiB", 81559 * 2**20), ("40", 40 * GIB), ("0.5TiB", 2**39)],
+    [
+        ("80GiB", 80 * GIB),
+        ("24GB", 24 * 10**9),
+        ("141 GiB", 141 * GIB),
+        ("81559MiB", 81559 * 2**20),
+        ("40", 40 * GIB),
+        ("0.5TiB", 2**39),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected

@@ -11,14 +11,14 @@ from hone.config import parse_config
 from hone.config.adapter import AdapterConfig
 from hone.config.performance import PerformanceConfig
 from hone.models.adapters import apply_adapter
-from hone.testing import tiny_model
-from hone.transforms.compile import compile_regional
 from hone.models.structure import decoder_layers
-from hone.transforms.base import RunFacts, Transform
-from hone.transforms.planner import TRANSFORMS, PlanError, plan_optimizations, write_record
 from hone.run_files import OPTIMIZATIONS_FILE
-from hone.transforms.watch import CompileEvent, CompileWatch
+from hone.testing import tiny_model
 from hone.train.run import shape_note
+from hone.transforms.base import RunFacts, Transform
+from hone.transforms.compile import compile_regional
+from hone.transforms.planner import TRANSFORMS, PlanError, plan_optimizations, write_record
+from hone.transforms.watch import CompileEvent, CompileWatch
 
 CPU, CUDA = RunFacts(torch.device("cpu")), RunFacts(torch.device("cuda"))
 VARYING = RunFacts(torch.device("cuda"), shape_note="the training rows are 3 to 9 tokens long")
@@ -45,21 +45,37 @@ def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
     assert plan_optimizations(cfg(torch_compile="auto"), CUDA).names == ALWAYS + ["compile"]
     plan = plan_optimizations(cfg(torch_compile="auto"), CPU)
     assert plan.names == ALWAYS and plan.skipped == [
-        {"name": "compile", "switch": "performance.torch_compile", "reason": "torch_compile: auto compiles on CUDA only; this run trains on cpu"}
+        {
+            "name": "compile",
+            "switch": "performance.torch_compile",
+            "reason": "torch_compile: auto compiles on CUDA only; this run trains on cpu",
+        }
     ]
     assert "skipped compile: torch_compile: auto compiles on CUDA only" in plan.describe()
 
 
 def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled_layers_compile_then_data_parallel():
     assert [t.name for t in TRANSFORMS] == [
-        "allocator", "attention", "quantize", "experts", "fp8", "tiled_mlp", "loss", "activation_checkpointing", "tiled_layers", "compile",
-        "ddp", "fsdp",
+        "allocator",
+        "attention",
+        "quantize",
+        "experts",
+        "fp8",
+        "tiled_mlp",
+        "loss",
+        "activation_checkpointing",
+        "tiled_layers",
+        "compile",
+        "ddp",
+        "fsdp",
     ]
 
 
 def test_attention_the_device_cannot_run_is_refused_by_the_plan():
     with pytest.raises(PlanError, match="'flex_attention' has no backward pass on the CPU"):
-        plan_optimizations(parse_config({**_RAW, "model": {"preset": "tiny-llama", "attn_implementation": "flex_attention"}}), CPU)
+        plan_optimizations(
+            parse_config({**_RAW, "model": {"preset": "tiny-llama", "attn_implementation": "flex_attention"}}), CPU
+        )
 
 
 def test_cudagraphs_need_cuda_and_one_shape():
@@ -109,7 +125,13 @@ def test_hooks_collect_step_contexts_and_after_step_actions_in_plan_order(tokeni
         events.append(f"exit {tag}")
 
     extra = (
-        Transform("a", "x.a", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("a", b), after_optimizer_step=lambda m: events.append("after a")),
+        Transform(
+            "a",
+            "x.a",
+            lambda ctx: True,
+            step_context=lambda m, ctx: lambda b: around("a", b),
+            after_optimizer_step=lambda m: events.append("after a"),
+        ),
         Transform("b", "x.b", lambda ctx: True, step_context=lambda m, ctx: lambda b: around("b", b)),
     )
     plan = plan_optimizations(cfg(), CPU, TRANSFORMS + extra)
@@ -134,7 +156,9 @@ def test_record_lists_applied_in_plan_order_then_skipped_then_compile_counts(tmp
     assert record["applied"][1]["details"]["loss"] == "fused_linear_ce"
     assert record["applied"][0]["details"]["packed_batches_carry"] == "dense_mask"
     assert record["skipped"][0]["name"] == "compile" and record["compile"] == {"recompiles": 0}
-    assert plan.describe().startswith("optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce); skipped compile")
+    assert plan.describe().startswith(
+        "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce); skipped compile"
+    )
 
 
 @pytest.mark.parametrize(("preset", "layers"), [("tiny-llama", 2), ("tiny-gemma", 2), ("tiny-qwen3-moe", 2)])
@@ -167,7 +191,9 @@ def test_shape_note_tells_fixed_from_varying_lengths():
     assert shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8))) is None
     note = shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=3, max_length=9)))
     assert "3 to 9 tokens" in note and "padded" in note
-    packed = parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}})
+    packed = parse_config(
+        {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}}
+    )
     assert "sample_packing" in shape_note(packed, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8)))
 
 
@@ -226,13 +252,20 @@ def test_checkpointing_auto_picks_the_fastest_policy_that_fits_the_card_and_says
     from hone.transforms.memory.knobs import Knobs
 
     config = parse_config(
-        {"model": {"preset": "qwen3-8b", "dtype": "bfloat16"}, "data": {**_RAW["data"], "sequence_len": 8192}, "memory": {"activation_checkpointing": "auto"}}
+        {
+            "model": {"preset": "qwen3-8b", "dtype": "bfloat16"},
+            "data": {**_RAW["data"], "sequence_len": 8192},
+            "memory": {"activation_checkpointing": "auto"},
+        }
     )  # an 8B config: planned on the meta device, nothing allocated
     est = {p: estimate_memory(config, Knobs(p, "fused_linear_ce", device="cpu")).total for p in ("none", "selective", "full")}
     assert est["full"] < est["none"]
     roomy = plan_optimizations(config, RunFacts(torch.device("cpu"), memory_bytes=10 * est["none"]))
     assert "activation_checkpointing" not in roomy.names  # auto chose none: nothing to apply
-    assert roomy.skipped[0]["name"] == "activation_checkpointing" and "none: the fastest policy that fits" in roomy.skipped[0]["reason"]
+    assert (
+        roomy.skipped[0]["name"] == "activation_checkpointing"
+        and "none: the fastest policy that fits" in roomy.skipped[0]["reason"]
+    )
     from hone.transforms.planner import decisions
 
     assert est["full"] < est["selective"] < est["none"]

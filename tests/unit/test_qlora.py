@@ -19,7 +19,14 @@ from hone.models.nf4 import NF4Linear, NF4LoraLinear, quantize_linears  # noqa: 
 from hone.testing import tiny_tokenizer  # noqa: E402
 
 #: Tiny shapes whose linear layers are multiples of 16,384 weights (NF4's double quantization).
-OVERRIDES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 2}
+OVERRIDES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+}
 
 
 def _cfg(tmp_path, dtype="float32", **extra):
@@ -131,7 +138,9 @@ def test_qlora_model_forward_and_lora_grads_match_the_dequantized_reference(tmp_
     assert grads.keys() == ref_grads.keys() and len(grads) == 28
     for name in grads:
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=tol, atol=tol * 10 if dtype == "bfloat16" else tol, msg=name)
+        torch.testing.assert_close(
+            grads[name], ref_grads[name], rtol=tol, atol=tol * 10 if dtype == "bfloat16" else tol, msg=name
+        )
 
 
 def test_lora_on_a_4bit_base_cannot_merge_in_place(tmp_path):
@@ -147,12 +156,14 @@ def test_lora_on_a_4bit_base_cannot_merge_in_place(tmp_path):
 def test_layers_that_do_not_fit_the_blocks_stay_full_precision_and_none_at_all_is_an_error(tmp_path):
     from hone.models.loader import build_base_model
 
-    cfg = parse_config({
-        "model": {"preset": "tiny-llama", "dtype": "float32", "quantize": "nf4"},
-        "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 32},
-        "adapter": {"type": "lora"},
-        "training": {"output_dir": str(tmp_path)},
-    })
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-llama", "dtype": "float32", "quantize": "nf4"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 32},
+            "adapter": {"type": "lora"},
+            "training": {"output_dir": str(tmp_path)},
+        }
+    )
     base = build_base_model(cfg.model, tiny_tokenizer(), torch.device("cpu"), torch.float32, seed=0)
     with pytest.raises(HoneError, match="model.quantize: nf4 found no linear layer"):
         quantize_linears(base, "cpu")
@@ -186,11 +197,15 @@ def test_plan_applies_quantize_after_attention_and_loader_never_puts_full_weight
     plan = plan_optimizations(cfg, facts)
     assert plan.names[:2] == ["attention", "quantize"]
     applied = []
-    loaded = load_model(cfg, tiny_tokenizer(), "cpu", before_adapter=lambda base: applied.extend(plan.apply(base, "base", cfg, facts)))
+    loaded = load_model(
+        cfg, tiny_tokenizer(), "cpu", before_adapter=lambda base: applied.extend(plan.apply(base, "base", cfg, facts))
+    )
     quant = [a for a in applied if a.name == "quantize"][0]
     assert quant.details["quantized_layers"] == 14 and 0 < quant.details["nf4_mib"] < quant.details["weights_mib"] / 3
-    assert all(not isinstance(m, nn.Linear) or m is loaded.model.get_output_embeddings() or "lora_" in n
-               for n, m in loaded.model.named_modules())
+    assert all(
+        not isinstance(m, nn.Linear) or m is loaded.model.get_output_embeddings() or "lora_" in n
+        for n, m in loaded.model.named_modules()
+    )
     assert loaded.trainable_params > 0
 
 

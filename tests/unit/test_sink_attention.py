@@ -183,7 +183,10 @@ def test_the_attention_transform_keeps_the_sink_backend():
     from hone.testing import tiny_tokenizer
 
     cfg = parse_config(
-        {"model": {"preset": "tiny-gpt-oss", "dtype": "float32"}, "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]}}
+        {
+            "model": {"preset": "tiny-gpt-oss", "dtype": "float32"},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+        }
     )
     model = build_base_model(cfg.model, tiny_tokenizer(), torch.device("cpu"), torch.float32, seed=0)
     assert model.config._attn_implementation == SINK_ATTENTION
@@ -197,10 +200,12 @@ def test_plan_says_a_model_with_sinks_gets_the_sink_backend(tmp_path):
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import decisions
 
-    cfg = parse_config({
-        "model": {"preset": "tiny-gpt-oss"},
-        "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
-        "training": {"output_dir": str(tmp_path)},
-    })
+    cfg = parse_config(
+        {
+            "model": {"preset": "tiny-gpt-oss"},
+            "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+            "training": {"output_dir": str(tmp_path)},
+        }
+    )
     why = {name: reason for name, _, _, reason in decisions(cfg, RunFacts(torch.device("cpu")))}["attention"]
     assert "attention sinks" in why and "causal rows" not in why

@@ -29,7 +29,10 @@ def test_guard_undoes_new_files_and_restores_overwritten_ones(tmp_path):
     assert "KeyError: 'no such column'" in str(info.value) and "--verbose" in str(info.value)
     assert isinstance(info.value.__cause__, KeyError)
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
-        "checkpoints", "checkpoints/step-2", "checkpoints/step-2/COMPLETE", "config.yml",
+        "checkpoints",
+        "checkpoints/step-2",
+        "checkpoints/step-2/COMPLETE",
+        "config.yml",
     ]
     assert (run / "config.yml").read_text() == "the resumed run's config"
 

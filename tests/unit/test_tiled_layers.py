@@ -21,10 +21,10 @@ from hone.config.adapter import AdapterConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.causal import register_causal_sdpa
 from hone.models.attention.tiled import TILED_SDPA, causal_chunk_attention
+from hone.models.structure import decoder_layers
 from hone.testing import counting_grad_accumulations, hook_count, offload_step, tiny_lora_run, tiny_model, with_random_lora
 from hone.transforms.base import RunFacts
 from hone.transforms.checkpointing import apply_activation_checkpointing, offloader_for
-from hone.models.structure import decoder_layers
 from hone.transforms.tiled_layers import TiledDecoderLayer, TiledLayersError, apply_tiled_layers, chunk_bounds
 from hone.transforms.tiled_mlp import TiledMLP, apply_tiled_mlp
 
@@ -275,7 +275,9 @@ def test_dropout_masks_of_the_forward_are_reproduced_in_the_recompute(tokenizer)
     def chained(layer: nn.Module) -> torch.Tensor:
         _CHAINED.clear()
         outs = [
-            layer(x[:, s:e], position_embeddings=tuple(t[:, s:e] for t in rope), position_ids=positions[:, s:e], attention_mask=None)
+            layer(
+                x[:, s:e], position_embeddings=tuple(t[:, s:e] for t in rope), position_ids=positions[:, s:e], attention_mask=None
+            )
             for s, e in chunk_bounds(ROW, 3)
         ]
         _CHAINED.clear()
@@ -349,7 +351,9 @@ def test_bad_tiled_layers_values_are_refused_with_what_is_allowed(value, message
     assert "memory.tiled_layers" in text and message in text and "auto, off, or a number of chunks" in text
 
 
-@pytest.mark.parametrize(("value", "want", "chunks"), [("off", "off", 0), (False, "off", 0), ("auto", "auto", None), (4, 4, 4), ("8", 8, 8)])
+@pytest.mark.parametrize(
+    ("value", "want", "chunks"), [("off", "off", 0), (False, "off", 0), ("auto", "auto", None), (4, 4, 4), ("8", 8, 8)]
+)
 def test_good_tiled_layers_values(value, want, chunks):
     memory = _cfg({"tiled_layers": value, "activation_checkpointing": "full"}).memory
     assert memory.tiled_layers == want and memory.tiled_layers_chunks == chunks
@@ -363,7 +367,11 @@ def test_good_tiled_layers_values(value, want, chunks):
         ({"activation_checkpointing": "selective"}, {}, "got selective; allowed: full, offload"),
         ({"activation_checkpointing": "full"}, {"data": {"sample_packing": True}}, "data.sample_packing"),
         ({"activation_checkpointing": "full"}, {"model": {"attn_implementation": "eager"}}, "allowed: sdpa"),
-        ({"activation_checkpointing": "offload"}, {"distributed": {"strategy": "fsdp"}}, "untested under distributed.strategy: fsdp"),
+        (
+            {"activation_checkpointing": "offload"},
+            {"distributed": {"strategy": "fsdp"}},
+            "untested under distributed.strategy: fsdp",
+        ),
     ],
 )
 def test_combinations_it_cannot_run_are_refused_by_the_config(memory, sections, message):
@@ -377,7 +385,9 @@ def test_the_plan_refuses_what_auto_resolves_to_and_auto_stays_whole_where_the_r
 
     cpu = torch.device("cpu")
     roomy = RunFacts(cpu, memory_bytes=1 << 40)  # checkpointing auto picks none here
-    with pytest.raises(PlanError, match="memory.tiled_layers: 3 needs memory.activation_checkpointing full or offload.*resolves to none"):
+    with pytest.raises(
+        PlanError, match="memory.tiled_layers: 3 needs memory.activation_checkpointing full or offload.*resolves to none"
+    ):
         plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "auto"}), roomy)
     plan = plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)
     assert plan.names.index("activation_checkpointing") < plan.names.index("tiled_layers")
@@ -385,7 +395,9 @@ def test_the_plan_refuses_what_auto_resolves_to_and_auto_stays_whole_where_the_r
     assert "tiled_layers" not in auto.names and auto.skipped == []  # fitting whole is no news
     why = {name: w for name, _, on, w in decisions(_cfg({"tiled_layers": "auto", "activation_checkpointing": "full"}), roomy)}
     assert why["tiled_layers"].startswith("tiled_layers: auto: off, the run fits with whole layers")
-    lines = {name: (on, why) for name, _, on, why in decisions(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)}
+    lines = {
+        name: (on, why) for name, _, on, why in decisions(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)
+    }
     assert lines["tiled_layers"] == (True, "memory.tiled_layers: 3")
 
 
@@ -418,7 +430,9 @@ def test_regional_compile_compiles_the_inner_layer_with_equal_gradients_and_no_r
     with torch._dynamo.config.patch(error_on_recompile=True):
         _assert_same(_run(tiled, ids), want)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
-    breaks = [reason for reason in dynamo_utils.counters["graph_break"] if "tiled_sdpa_attention" in reason or "disable" in reason]
+    breaks = [
+        reason for reason in dynamo_utils.counters["graph_break"] if "tiled_sdpa_attention" in reason or "disable" in reason
+    ]
     assert breaks, dict(dynamo_utils.counters["graph_break"])
 
 
@@ -427,12 +441,14 @@ def test_a_training_run_through_the_planner_records_and_matches_the_untiled_run(
     wraps the layers, tiled_layers replaces them, and the run trains like the untiled one."""
     gen = torch.Generator().manual_seed(5)
     rows = []
-    for i in range(8):
+    for _ in range(8):
         ids = torch.randint(5, 300, (31,), generator=gen).tolist()
         rows.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
     data = write_jsonl(tmp_path, rows)
 
-    plain, plain_record = tiny_lora_run(data, tmp_path / "plain", memory={"tiled_layers": "off"}, performance={"loss": "standard"})
+    plain, plain_record = tiny_lora_run(
+        data, tmp_path / "plain", memory={"tiled_layers": "off"}, performance={"loss": "standard"}
+    )
     steps, record = tiny_lora_run(data, tmp_path / "tiled", memory={"tiled_layers": 3}, performance={"loss": "standard"})
     names = [a["name"] for a in record["applied"]]
     assert "tiled_layers" not in [a["name"] for a in plain_record["applied"]]

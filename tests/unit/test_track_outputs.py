@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hone.config.logging import LoggingConfig
 from hone.atomic import atomic_write_text, atomic_write_with
+from hone.config.logging import LoggingConfig
 from hone.track.metrics import MetricsLog, read_metrics
 from hone.track.plot import plot_losses
 from hone.track.report import format_report

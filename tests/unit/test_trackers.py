@@ -24,8 +24,12 @@ def _raw(tmp_path, logging: dict) -> dict:
     data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(8))}) + "\n" for _ in range(16)))
     return {
         "model": {"preset": "tiny-llama", "dtype": "float32"},
-        "data": {"datasets": [{"path": str(data), "type": "completion"}], "sequence_len": 32, "val_set_size": 0.25,
-                 "dataset_prepared_path": str(tmp_path / "prep")},
+        "data": {
+            "datasets": [{"path": str(data), "type": "completion"}],
+            "sequence_len": 32,
+            "val_set_size": 0.25,
+            "dataset_prepared_path": str(tmp_path / "prep"),
+        },
         "adapter": {"type": "lora", "lora_r": 2},
         "training": {"max_steps": 3, "micro_batch_size": 2, "eval_steps": 2, "output_dir": str(tmp_path / "run")},
         "logging": {"progress_bar": False, **logging},
@@ -34,8 +38,13 @@ def _raw(tmp_path, logging: dict) -> dict:
 
 def _config_error(logging: dict) -> str:
     with pytest.raises(ConfigError) as info:
-        parse_config({"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
-                      "logging": logging})
+        parse_config(
+            {
+                "model": {"preset": "tiny-llama"},
+                "data": {"datasets": [{"path": "d.jsonl", "type": "completion"}]},
+                "logging": logging,
+            }
+        )
     return str(info.value)
 
 
@@ -215,8 +224,14 @@ def _tracker(tmp_path, external, enabled=True):
     from hone.track.tracker import Tracker
 
     (tmp_path / "optimizations.json").write_text(json.dumps({"applied": [{"name": "attention"}]}))
-    return Tracker(LoggingConfig(tensorboard=False, progress_bar=False), tmp_path, Console(quiet=True),
-                   total_steps=2, enabled=enabled, external=external)
+    return Tracker(
+        LoggingConfig(tensorboard=False, progress_bar=False),
+        tmp_path,
+        Console(quiet=True),
+        total_steps=2,
+        enabled=enabled,
+        external=external,
+    )
 
 
 def test_rank_zero_trackers_get_rows_optimizations_and_plot(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 
 import hone.train.checkpoint as ckpt
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 from hone.train.checkpoint import (
     COMPLETE,
     CheckpointError,
@@ -19,7 +20,6 @@ from hone.train.checkpoint import (
     restore_rng,
 )
 from hone.train.loop import train_loop
-from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -27,8 +27,16 @@ CPU = torch.device("cpu")
 def _train(cfg, data, *, seed=0, resume_from=None, **kw):
     model = tiny_llama(seed)
     return train_loop(
-        model, data, None, cfg, device=CPU, pad_id=0, console=Console(quiet=True), resume_from=resume_from,
-        hooks=plan_hooks(model, cfg), **kw
+        model,
+        data,
+        None,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        resume_from=resume_from,
+        hooks=plan_hooks(model, cfg),
+        **kw,
     )
 
 
@@ -108,8 +116,17 @@ def test_resuming_into_another_model_is_a_clear_error(tmp_path):
     other = tiny_llama(0, freeze_embeddings=False)  # trains one more tensor than the checkpoint has
     cfg2 = tiny_config(tmp_path / "b", training={"max_steps": 2})
     with pytest.raises(CheckpointError, match="not match"):
-        train_loop(other, random_rows(4, seed=3), None, cfg2, device=CPU, pad_id=0,
-                   console=Console(quiet=True), resume_from=result.last_checkpoint, hooks=plan_hooks(other, cfg2))
+        train_loop(
+            other,
+            random_rows(4, seed=3),
+            None,
+            cfg2,
+            device=CPU,
+            pad_id=0,
+            console=Console(quiet=True),
+            resume_from=result.last_checkpoint,
+            hooks=plan_hooks(other, cfg2),
+        )
 
 
 def test_rng_states_round_trip_through_a_weights_only_file():
@@ -159,18 +176,22 @@ def test_the_plans_state_dict_hooks_map_weights_on_save_and_back_on_load(tmp_pat
     way into the checkpoint and on their way back; the round trip restores them exactly."""
     from safetensors.torch import load_file
 
-    from hone.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
     from hone.runtime.checkpoints import StateDictHooks
+    from hone.train.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
 
     model = tiny_llama(random.randrange(1000))
     hooks = [
         StateDictHooks(save=lambda sd: {k: v * 2 for k, v in sd.items()}, load=lambda sd: {k: v / 2 for k, v in sd.items()}),
-        StateDictHooks(save=lambda sd: {"x." + k: v for k, v in sd.items()}, load=lambda sd: {k.removeprefix("x."): v for k, v in sd.items()}),
+        StateDictHooks(
+            save=lambda sd: {"x." + k: v for k, v in sd.items()}, load=lambda sd: {k.removeprefix("x."): v for k, v in sd.items()}
+        ),
     ]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     want = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    path = save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, state={"step": 1}, state_dict_hooks=hooks)
+    path = save_checkpoint(
+        tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler, state={"step": 1}, state_dict_hooks=hooks
+    )
     stored = load_file(str(path / WEIGHTS_FILE))
     assert stored and all(k.startswith("x.") for k in stored)  # applied in plan order: scaled, then renamed
     with torch.no_grad():

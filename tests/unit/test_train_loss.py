@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from hone.data.collate import collate, rows_at
-from hone.train.loop import train_loop
-from hone.train.train_step import forward_backward
 from hone.runtime.loss import token_loss_sum
 from hone.testing import plan_hooks, random_rows, run_hooks, tiny_config, tiny_llama
+from hone.train.loop import train_loop
+from hone.train.train_step import forward_backward
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -76,7 +76,13 @@ def test_training_runs_with_different_splits_give_the_same_weights(tmp_path):
         )
         model = tiny_llama(seed)
         out = train_loop(
-            model, data, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+            model,
+            data,
+            None,
+            cfg,
+            device=torch.device("cpu"),
+            pad_id=0,
+            console=Console(quiet=True),
             hooks=plan_hooks(model, cfg),
         )
         assert out.steps == 3

@@ -9,10 +9,10 @@ from rich.console import Console
 from torch import nn
 
 from hone.errors import HoneError
+from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 from hone.track.metrics import read_metrics
 from hone.train.loop import NonFiniteLossError, train_loop
 from hone.train.train_step import UnsupportedPrecision
-from hone.testing import plan_hooks, random_rows, tiny_config, tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -51,7 +51,14 @@ def test_one_nan_loss_is_skipped_counted_and_training_goes_on(tmp_path):
 
     out = io.StringIO()
     result = train_loop(
-        model, random_rows(12, seed=4), None, cfg, device=CPU, pad_id=0, console=Console(file=out), step_callback=observe,
+        model,
+        random_rows(12, seed=4),
+        None,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(file=out),
+        step_callback=observe,
         hooks=plan_hooks(model, cfg),
     )
     assert (result.steps, result.skipped_steps) == (5, 1)
@@ -79,8 +86,17 @@ def test_a_nan_gradient_is_skipped_too(tmp_path):
         seen.append((metrics.skipped, metrics.grad_norm))
         poison["on"] = metrics.step == 1  # poison step 2's backward
 
-    result = train_loop(model, random_rows(8, seed=5), None, cfg, device=CPU, pad_id=0,
-                        console=Console(quiet=True), step_callback=observe, hooks=plan_hooks(model, cfg))
+    result = train_loop(
+        model,
+        random_rows(8, seed=5),
+        None,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        step_callback=observe,
+        hooks=plan_hooks(model, cfg),
+    )
     assert result.skipped_steps == 1
     assert seen[1][0] and seen[1][1] != seen[1][1]  # skipped with a NaN norm
     assert not seen[0][0] and not seen[2][0]
@@ -91,8 +107,17 @@ def test_nan_on_every_step_stops_after_the_configured_streak(tmp_path):
     model = poisoned(tiny_llama(0), bad_calls=None)
     steps = []
     with pytest.raises(NonFiniteLossError, match=r"3 optimizer steps in a row.*learning_rate") as info:
-        train_loop(model, random_rows(8, seed=6), None, cfg, device=CPU, pad_id=0,
-                   console=Console(quiet=True), step_callback=lambda m: steps.append(m.step), hooks=plan_hooks(model, cfg))
+        train_loop(
+            model,
+            random_rows(8, seed=6),
+            None,
+            cfg,
+            device=CPU,
+            pad_id=0,
+            console=Console(quiet=True),
+            step_callback=lambda m: steps.append(m.step),
+            hooks=plan_hooks(model, cfg),
+        )
     assert isinstance(info.value, HoneError)
     assert steps == [1, 2, 3]  # the third skipped step is reported, then the run stops
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -113,7 +138,16 @@ def test_after_step_actions_run_only_after_steps_that_update(tmp_path):
     hooks = plan_hooks(model, cfg)
     ran, steps = [], []
     hooks.after_step.append(lambda: ran.append(len(steps)))  # registered on the optimizer by the loop
-    result = train_loop(model, random_rows(12, seed=8), None, cfg, device=CPU, pad_id=0, console=Console(quiet=True),
-                        step_callback=lambda m: steps.append(m.skipped), hooks=hooks)
+    result = train_loop(
+        model,
+        random_rows(12, seed=8),
+        None,
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        step_callback=lambda m: steps.append(m.skipped),
+        hooks=hooks,
+    )
     assert result.skipped_steps == 2 and steps == [False, True, True, False]
     assert ran == [0, 3]  # during steps 1 and 4 (before their callbacks), never during the skipped ones

@@ -3,8 +3,8 @@
 import pytest
 
 from hone.config.loader import load_config
-from hone.train.run import OutputDirInUse, prepare_output_dir
 from hone.testing import tiny_config
+from hone.train.run import OutputDirInUse, prepare_output_dir
 
 
 def test_a_new_directory_gets_the_resolved_config(tmp_path):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hone.config import ConfigError, parse_config
+from hone.data.collate import collate
 from hone.errors import HoneError
 from hone.models.attention import setup, varlen
 from hone.models.attention.setup import select_packed_kernel
@@ -19,9 +20,8 @@ from hone.models.attention.varlen import (
     reference_varlen_attention,
     register_varlen_sdpa,
 )
-from hone.testing import tiny_model, tiny_tokenizer
-from hone.data.collate import collate
 from hone.runtime.loss import forward_logits
+from hone.testing import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
