@@ -69,7 +69,7 @@ def decide_memory(
     kind, budget, source = _budget(device, budget)
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    usable = int(budget * (1 - MARGIN))
+    usable, _ = auto_limit(budget, source)
     configured = cfg.memory.tiled_mlp_shards  # None: auto
     policy = cfg.memory.checkpointing
     loss = loss_of(cfg)

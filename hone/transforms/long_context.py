@@ -10,7 +10,7 @@ GPU, and ``hone bench``'s ``longest`` kind measures the same thing.
 
 from dataclasses import dataclass, replace
 
-from hone.config.memory import POLICIES_BY_SPEED
+from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.knobs import Knobs, LossKind
@@ -57,7 +57,7 @@ def longest_table(
         if policy == "offload" and device != "cuda":
             continue
         combos += [(policy, tiled, loss, False) for tiled in (False, True) for loss in losses]
-        if policy in ("full", "offload"):  # tiled layers: the furthest combination only
+        if policy in INPUT_ONLY_POLICIES:  # tiled layers: the furthest combination only
             combos.append((policy, True, losses[-1], True))
     rows = []
     for policy, tiled, loss, layers_tiled in combos:

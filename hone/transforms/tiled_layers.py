@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hone.config.memory import INPUT_ONLY_POLICIES
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.models.attention.causal import CAUSAL_SDPA
@@ -486,7 +487,7 @@ def _check(ctx: PlanContext) -> list[str]:
     key = f"memory.tiled_layers: {ctx.cfg.memory.tiled_layers}"
     problems = []
     policy = ctx.decided.checkpointing
-    if policy not in ("full", "offload"):
+    if policy not in INPUT_ONLY_POLICIES:
         problems.append(
             f"{key} needs memory.activation_checkpointing full or offload (a tiled layer is the layer's checkpoint), "
             f"but it resolves to {policy}: set activation_checkpointing: full or offload"

@@ -3,7 +3,7 @@ and the tiled layers, each within :data:`AUTO_MARGIN` of the card (:func:`auto_l
 
 from dataclasses import dataclass, replace
 
-from hone.config.memory import POLICIES_BY_SPEED
+from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.loss import loss_decision
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
@@ -85,7 +85,7 @@ def decide_tiled_layers(cfg: HoneConfig, knobs: Knobs, budget: int, source: str)
     if configured is not None:
         return TiledDecision(configured, f"memory.tiled_layers: {cfg.memory.tiled_layers}")
     policy = knobs.checkpointing
-    if policy not in ("full", "offload"):
+    if policy not in INPUT_ONLY_POLICIES:
         why = f"tiled_layers: auto: off, checkpointing {policy} (tiled layers are a form of full checkpointing)"
         return TiledDecision(0, why)
     usable, limit = auto_limit(budget, source)

@@ -3,6 +3,7 @@ the backward holds one chunk's activations plus the whole sequence's key/value s
 
 from typing import Literal
 
+from hone.config.memory import INPUT_ONLY_POLICIES
 from hone.transforms.memory.facts import ModelFacts
 from hone.transforms.memory.layers import step_layer_bytes
 from hone.transforms.memory.step import Step
@@ -38,7 +39,7 @@ def layer_chunks(asked: int | Literal["auto"], policy: str, sequence_len: int) -
     0 (whole) below 2 and under any policy but ``full`` and ``offload`` (tiled layers are a form
     of full checkpointing)."""
     chunks = auto_layer_chunks(sequence_len) if asked == "auto" else int(asked)
-    return 0 if chunks < 2 or policy not in ("full", "offload") else chunks
+    return 0 if chunks < 2 or policy not in INPUT_ONLY_POLICIES else chunks
 
 
 def rebuilt_chunk_bytes(m: ModelFacts, step: Step) -> int:
