@@ -15,6 +15,7 @@ from hone.atomic import atomic_directory
 from hone.config.adapter import AdapterConfig
 from hone.models.adapters import unwrap_compiled
 from hone.models.errors import ModelError
+from hone.models.structure import is_sharded
 
 
 def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig) -> Path:
@@ -26,7 +27,7 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterC
     rank 0 (:func:`save_final_sharded`): then every rank must call this.
     """
     model = unwrap_compiled(model)
-    if _is_sharded(model):  # FSDP2: every rank must call this; rank 0 writes
+    if is_sharded(model):  # FSDP2: every rank must call this; rank 0 writes
         import torch.distributed as dist
 
         return save_final_sharded(model, tokenizer, out_dir, adapter_cfg, is_main=dist.get_rank() == 0)
@@ -131,9 +132,3 @@ def save_final_sharded(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: 
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return out_dir
-
-
-def _is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())

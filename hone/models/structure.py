@@ -47,3 +47,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             layers.append(module)
             inside.append(path)
     return layers
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards ``model`` (any parameter is a DTensor): its checkpoints are then
+    Distributed Checkpoint's, and saving it gathers the shards on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

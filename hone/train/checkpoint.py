@@ -48,6 +48,7 @@ from hone.atomic import fsync_path
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
+from hone.models.structure import is_sharded
 from hone.run_files import CHECKPOINTS_DIR, METRICS_FILE
 from hone.track.metrics import is_eval_row, read_metrics
 from hone.train.checkpoint_layout import (  # noqa: F401  (re-exported: the layout is part of this module's API)
@@ -108,13 +109,6 @@ def resolve_resume(training: TrainingConfig, warn: Callable[[str], None] = print
 # ---------------------------------------------------------------- saving
 
 
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 shards ``model`` (its parameters are DTensors): its checkpoints are DCP's."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
@@ -158,7 +152,7 @@ def save_checkpoint(
 ) -> Path:
     """Write ``checkpoints/step-<step>`` atomically, then keep only the newest ``keep``.
     ``state_dict_hooks`` (the plan's) map the trainable weights on their way to the file."""
-    if _is_sharded(model):  # FSDP2: every rank writes its shards (hone.train.sharded_checkpoint)
+    if is_sharded(model):  # FSDP2: every rank writes its shards (hone.train.sharded_checkpoint)
         from hone.train.sharded_checkpoint import save_sharded_checkpoint
 
         if any(h.save is not None for h in state_dict_hooks):
@@ -264,7 +258,7 @@ def load_checkpoint(
 
     if is_sharded_checkpoint(path):  # written by sharded ranks; DCP reshards for this world
         return load_sharded_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
-    if _is_sharded(model):  # a one-process checkpoint resumed on several ranks
+    if is_sharded(model):  # a one-process checkpoint resumed on several ranks
         from hone.train.sharded_checkpoint import load_full_checkpoint_sharded
 
         return load_full_checkpoint_sharded(path, model=model, optimizer=optimizer, scheduler=scheduler)

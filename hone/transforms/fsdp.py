@@ -241,13 +241,6 @@ def wrap_fsdp_step(step: StepModule) -> StepModule:
     return StepModule(RootStep(root, inner.loss_fn, inner.autocast_dtype))
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (FSDP2 has sharded it)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def _skipped(ctx: PlanContext) -> str | None:
     if ctx.cfg.distributed.strategy == "fsdp" and not ctx.facts.world.distributed:
         return "distributed.strategy: fsdp on a single process (launch with --nproc-per-node N or torchrun to shard)"
