@@ -348,13 +348,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from hone.runtime.world import World
-    from hone.transforms.base import RunFacts
+    from hone.transforms.base import PACKED_SHAPES, RunFacts
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
 
     processes = args.nproc_per_node or 1
-    facts = RunFacts(torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget)
     for title, cfg in configs:
+        facts = RunFacts(
+            torch.device(args.device),
+            shape_note=PACKED_SHAPES if cfg.data.sample_packing else None,
+            shapes_known=False,
+            memory_bytes=budget,
+            world=World(0, processes, 0),
+            host_memory_bytes=host_budget,
+        )
         decided = decide(cfg, facts)
         view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided)), flush=True)

@@ -27,7 +27,7 @@ PresetName = Literal[
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
-ExpertsImplementation = Literal["grouped_mm", "eager", "hone"]
+ExpertsImplementation = Literal["auto", "grouped_mm", "eager", "hone"]
 Quantize = Literal["none", "nf4"]
 
 
@@ -74,13 +74,15 @@ class ModelConfig(Section):
     soft-capping; elsewhere through hone's block-diagonal mask. ``false``: always the mask.
     ``true``: the kernel or a clear error before training. Read only with ``sample_packing``."""
 
-    experts_implementation: ExpertsImplementation = "grouped_mm"
+    experts_implementation: ExpertsImplementation = "auto"
     """How mixture-of-experts layers compute their experts (transformers' experts interface):
-    ``grouped_mm`` (transformers' default: one grouped matmul per projection), ``eager`` (a loop
-    over experts), or ``hone`` (hone's Triton grouped GEMMs with LoRA on the experts fused in, no
-    host syncs; CUDA, needs triton). LoRA on the experts (``adapter.lora_target_modules``
-    naming ``experts``, ``gate_up_proj`` or ``down_proj``) runs inside hone's kernels only
-    under ``hone``; see docs/moe.md. Read only for MoE models."""
+    ``hone`` (hone's Triton grouped GEMMs with LoRA on the experts fused in, no host syncs; CUDA,
+    needs triton), ``grouped_mm`` (transformers' default: one grouped matmul per projection) or
+    ``eager`` (a loop over experts). ``auto``: ``hone`` where its kernels run (training on CUDA,
+    experts of a layout they know: gated SiLU or gpt_oss' clamped SwiGLU, no post-expert norm),
+    ``grouped_mm`` elsewhere (``hone plan`` prints the choice and why). LoRA on the experts
+    (``adapter.lora_target_modules`` naming ``experts``, ``gate_up_proj`` or ``down_proj``) runs
+    inside hone's kernels only under ``hone``; see docs/moe.md. Read only for MoE models."""
 
     quantize: Quantize = "none"
     """Store the frozen base model's linear layers in 4 bits for LoRA (QLoRA): ``nf4`` keeps each

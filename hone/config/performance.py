@@ -50,8 +50,10 @@ _FP8_KEYS = ("fp8_base_linears", "fp8_small_linears")
 class PerformanceConfig(Section):
     """``torch.compile``: whether, what (each decoder layer or the whole model), backend, mode and allowlisted Inductor options (docs/compile.md); the loss computation."""  # noqa: E501 - one line: the text goes verbatim into docs/config.md, and ruff format re-joins a split docstring
 
-    torch_compile: bool | Literal["auto"] = False
-    """Compile the model with ``torch.compile``; ``auto`` compiles when training on CUDA."""
+    torch_compile: bool | Literal["auto"] = "auto"
+    """Compile the model with ``torch.compile``. ``auto`` (the default): compile when training
+    on CUDA (each decoder layer, ``torch_compile_scope: regional``: a cold start of seconds),
+    run eagerly elsewhere (on CPU compiling costs more than it saves on small models)."""
 
     torch_compile_scope: Literal["regional", "model"] = "regional"
     """``regional`` compiles each decoder layer (all layers share one compiled graph: a short
@@ -70,6 +72,16 @@ class PerformanceConfig(Section):
     coordinate_descent_tuning, coordinate_descent_check_all_directions, shape_padding,
     epilogue_fusion, max_autotune_gemm, fx_graph_cache, assume_aligned_inputs,
     comprehensive_padding, decompose_mem_bound_mm, triton.cudagraphs (all true/false)."""
+
+    cuda_graphs: bool | Literal["auto"] = "auto"
+    """Replay each compiled layer's kernels as a CUDA graph (Inductor's ``triton.cudagraphs``):
+    one launch instead of hundreds, for steps whose GPU work is short beside the host's launch
+    time. Needs compilation with Inductor on CUDA and one fixed micro-batch shape. ``auto``: on
+    where the step is host-bound without them and they are safe: MoE experts on hone's kernels
+    (no host syncs), one process, regional compile, no checkpointing or ``selective`` (the
+    qwen3-30b-a3b slice: 73 -> 37 ms on an H100); off elsewhere, e.g. a dense 8B step, which
+    the GPU bounds (``hone plan`` prints the choice and why). Setting ``triton.cudagraphs`` in
+    ``torch_compile_options`` or a ``torch_compile_mode`` that uses CUDA graphs decides it too."""
 
     loss: Literal["auto", "fused_linear_ce", "standard"] = "auto"
     """How the training and eval loss is computed from the last hidden states. ``fused_linear_ce``
@@ -134,6 +146,12 @@ class PerformanceConfig(Section):
                     f"{', '.join(stray)} only apply when compiling but performance.torch_compile is false: "
                     "set torch_compile: true (or auto), or remove them"
                 )
+        if self.cuda_graphs is True and self.torch_compile is False:
+            raise ValueError(
+                "performance.cuda_graphs: true records Inductor's compiled kernels, but performance.torch_compile is "
+                "false: set torch_compile: true (or auto), or cuda_graphs: auto"
+            )
+        self._cuda_graphs_agree()
         if self.fp8 == "off":
             stray = [
                 f"{k}: {getattr(self, k)}" for k in _FP8_KEYS if getattr(self, k) != type(self).model_fields[k].get_default()
@@ -145,12 +163,31 @@ class PerformanceConfig(Section):
                 )
         if self.torch_compile_backend != "inductor":
             inductor_only = [k for k in ("torch_compile_mode", "torch_compile_options") if getattr(self, k)]
+            if self.cuda_graphs is True:
+                inductor_only.append("cuda_graphs")
             if inductor_only:
                 raise ValueError(
                     f"{', '.join(inductor_only)} configure Inductor but torch_compile_backend is "
                     f"'{self.torch_compile_backend}': use torch_compile_backend: inductor, or remove them"
                 )
         return self
+
+    def _cuda_graphs_agree(self) -> None:
+        """``cuda_graphs`` written beside a mode or an Inductor option that says the opposite."""
+        if self.cuda_graphs == "auto":
+            return
+        said = {}
+        if "triton.cudagraphs" in self.torch_compile_options:
+            said["torch_compile_options.triton.cudagraphs"] = bool(self.torch_compile_options["triton.cudagraphs"])
+        if self.torch_compile_mode not in (None, "default"):
+            said[f"torch_compile_mode: {self.torch_compile_mode}"] = COMPILE_MODES[self.torch_compile_mode]
+        against = [key for key, value in said.items() if value != self.cuda_graphs]
+        if against:
+            word = "true" if self.cuda_graphs else "false"
+            raise ValueError(
+                f"performance.cuda_graphs: {word} disagrees with performance.{', '.join(against)}; "
+                "set CUDA graphs in one place (cuda_graphs), or leave cuda_graphs: auto"
+            )
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether a run on ``device_type`` (``cuda``, ``cpu``, ...) compiles."""
@@ -164,15 +201,26 @@ class PerformanceConfig(Section):
         return self.torch_compile is not False
 
     @property
-    def uses_cudagraphs(self) -> bool:
-        """CUDA graphs, asked for directly (``triton.cudagraphs``) or through the mode."""
+    def cudagraphs_setting(self) -> bool | None:
+        """CUDA graphs as the config decides them (``triton.cudagraphs``, a mode that names them
+        or ``cuda_graphs``); None where ``cuda_graphs: auto`` leaves them to the planner."""
         if "triton.cudagraphs" in self.torch_compile_options:
             return bool(self.torch_compile_options["triton.cudagraphs"])
-        return COMPILE_MODES.get(self.torch_compile_mode or "default", False)
+        if self.torch_compile_mode not in (None, "default"):
+            return COMPILE_MODES[self.torch_compile_mode]
+        return None if self.cuda_graphs == "auto" else self.cuda_graphs
+
+    @property
+    def uses_cudagraphs(self) -> bool:
+        """CUDA graphs asked for by the config itself (``cuda_graphs: true``, ``triton.cudagraphs``
+        or the mode); what ``auto`` decides is the plan's (``Decisions.cuda_graphs``)."""
+        return bool(self.cudagraphs_setting)
 
     @property
     def cudagraphs_source(self) -> str:
         """The key that turned CUDA graphs on, for messages."""
         if self.torch_compile_options.get("triton.cudagraphs"):
             return "performance.torch_compile_options.triton.cudagraphs"
-        return f"performance.torch_compile_mode '{self.torch_compile_mode}'"
+        if COMPILE_MODES.get(self.torch_compile_mode or "default"):
+            return f"performance.torch_compile_mode '{self.torch_compile_mode}'"
+        return "performance.cuda_graphs: true"

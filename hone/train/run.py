@@ -38,7 +38,7 @@ from hone.train.loop import LoopResult, train_loop
 from hone.train.seed import seed_everything
 from hone.train.step_log import StepMetrics
 from hone.transforms.allocator import configure_allocator
-from hone.transforms.base import RunFacts, RunHooks
+from hone.transforms.base import PACKED_SHAPES, RunFacts, RunHooks
 from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 
@@ -161,9 +161,11 @@ def _run_training(
     resume_from, tokenizer, data, facts, plan = _data_and_plan(cfg, world, device, console, warn, trackers)
     loaded, hooks = _model(cfg, world, device, tokenizer, plan, facts, console)
     console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
+    for line in plan.auto_choices(cfg):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
     if world.is_main:
         write_record(out, plan)
-    watch = CompileWatch(warn).start() if cfg.performance.compiles_on(device.type) else None
+    watch = CompileWatch(warn).start() if plan.decided.compile else None
     record = _PlanRecord(out, plan, watch, world)
     try:
         loop = train_loop(
@@ -347,7 +349,7 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
     """None when every training micro-batch has one shape; otherwise why not (for the planner:
     CUDA graphs need a single shape)."""
     if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
-        return "data.sample_packing packs documents whose boundaries differ from step to step"
+        return PACKED_SHAPES
     train = getattr(stats, "train", None)
     if train is not None and train.min_length != train.max_length:
         return (

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 Stage = Literal["base", "adapted"]
 
 
+#: ``RunFacts.shape_note`` of packed micro-batches.
+PACKED_SHAPES = "data.sample_packing packs documents whose boundaries differ from step to step"
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """What the planner needs to know about the run beyond its config."""
@@ -57,6 +61,9 @@ class RunFacts:
     (packing: fixed width but document boundaries that move; rows of different lengths)."""
     lengths_vary: bool = False
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
+    shapes_known: bool = True
+    """False where the data has not been read (``hone plan``): ``shape_note`` then says only what
+    the config itself implies, and the run decides again from its data."""
     memory_bytes: int | None = None
     """The device memory to plan for (``hone plan --gpu-memory``); None: the device's own."""
     host_memory_bytes: int | None = None
@@ -84,6 +91,15 @@ class Decisions:
     allocator_why: str
     allocator_environment: str | None
     """What the environment already set for the allocator (left as it is), if anything."""
+    compile: bool
+    """``torch.compile`` of the model (``performance.torch_compile``; ``auto``: on CUDA)."""
+    compile_why: str
+    experts_implementation: str
+    """The MoE experts implementation: ``hone``, ``grouped_mm`` or ``eager`` (``auto`` resolved)."""
+    experts_why: str
+    cuda_graphs: bool
+    """Inductor's CUDA graphs around the compiled layers (:mod:`hone.transforms.cuda_graphs`)."""
+    cuda_graphs_why: str
     checkpointing: str
     """The activation checkpointing policy in force: none, selective, full or offload."""
     checkpointing_why: str
@@ -94,6 +110,8 @@ class Decisions:
     compiler_memory_budget: float | None
     """``selective`` on layers Inductor compiles is the compiler's activation memory budget (this
     fraction of the activations kept) instead of torch's selective checkpoint; None otherwise."""
+    compiler_memory_budget_why: str | None
+    """Why that budget (``memory.selective_memory_budget``); None when there is none."""
     tiled_mlp_shards: int
     """Shards of the tiled MLP; 0: untiled."""
     tiled_mlp_why: str

@@ -234,7 +234,7 @@ COMPILER_BUDGET = (
 
 def _check(ctx: PlanContext) -> list[str]:
     perf = ctx.cfg.performance
-    if ctx.decided.checkpointing == "offload" and perf.compiles_on(ctx.facts.device.type) and perf.torch_compile_scope == "model":
+    if ctx.decided.checkpointing == "offload" and ctx.decided.compile and perf.torch_compile_scope == "model":
         return [
             "memory.activation_checkpointing: offload needs torch_compile_scope: regional (a whole-model graph saves "
             "the layers' inputs inside itself, out of the offload hooks' reach)"
@@ -273,8 +273,15 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
 
 
 def _skipped(ctx: PlanContext) -> str | None:
-    """``auto`` that picked ``none``: why (the run fits without checkpointing)."""
-    return ctx.decided.checkpointing_why if ctx.cfg.memory.checkpointing == "auto" else None
+    """``auto`` written in the config that picked ``none``: why (the run fits without
+    checkpointing). The default ``auto`` is no request to skip: its choice is in the record's
+    decisions and the run's ``auto`` lines."""
+    memory = ctx.cfg.memory
+    return (
+        ctx.decided.checkpointing_why
+        if memory.checkpointing == "auto" and memory.explicitly_set("activation_checkpointing")
+        else None
+    )
 
 
 def _label(d: dict[str, Any]) -> str:

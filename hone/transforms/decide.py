@@ -2,17 +2,23 @@
 
 The planner calls :func:`decide` once per plan, before it asks any transform anything; each
 transform then reads its setting from the plan (``ctx.decided``), and so do ``hone plan``'s
-lines and the record. The order below is the order of their dependencies: the data-parallel
-strategy says how many processes share the weights (the memory each card has left), the
-checkpointing policy and the MLP tiling are decided together on that memory, the offload split
-over the model's decoder layers and the host, and the tiled layers under both.
+lines and the record. The order below is the order of their dependencies: whether the model
+compiles and which experts implementation it runs (the device and the model), the
+data-parallel strategy, which says how many processes share the weights (the memory each card
+has left), the checkpointing policy and the MLP tiling, decided together on that memory, the
+compiler's memory budget for ``selective``, the offload split over the model's decoder layers
+and the host, the tiled layers under both, and last CUDA graphs, which are safe and worth it
+only under some of those choices.
 """
 
 from hone.config.root import HoneConfig
 from hone.transforms.allocator import allocator_choice
-from hone.transforms.auto_policy import offload_layers_choice, plan_memory
+from hone.transforms.auto_policy import offload_layers_choice, plan_memory, selective_budget_choice
 from hone.transforms.base import Decisions, RunFacts
+from hone.transforms.compile import compile_choice
+from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
+from hone.transforms.experts import experts_choice
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.tiled_layers import decide_chunks
 
@@ -20,6 +26,8 @@ from hone.transforms.tiled_layers import decide_chunks
 def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
     """Resolve every ``auto`` setting of ``cfg`` for the run ``facts`` describe."""
     allocator = allocator_choice(cfg, facts.device.type)
+    compiles, compile_why = compile_choice(cfg, facts)
+    experts, experts_why = experts_choice(cfg, facts)
     strategy, strategy_why = resolve_strategy(cfg, facts)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     memory = plan_memory(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards)
@@ -27,9 +35,20 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
     offload_layers, offload_why = None, None
     if memory.policy == "offload":  # the split over the model's decoder layers, as the run finds them
         offload_layers, offload_why = offload_layers_choice(cfg, len(model_facts(cfg).layers), facts.host_memory_bytes)
-    perf = cfg.performance
-    inductor = perf.compiles_on(facts.device.type) and perf.torch_compile_backend == "inductor"
-    by_compiler = memory.policy == "selective" and inductor
+    budget, budget_why = None, None
+    if memory.policy == "selective" and compiles and cfg.performance.torch_compile_backend == "inductor":
+        budget, budget_why = selective_budget_choice(
+            cfg, facts.device, memory.shards, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards
+        )
+    cuda_graphs, cuda_graphs_why = cuda_graphs_choice(
+        cfg,
+        facts,
+        compiles=compiles,
+        experts=experts,
+        strategy=strategy,
+        policy=memory.policy,
+        tiled=bool(memory.shards or chunks),
+    )
     return Decisions(
         strategy=strategy,
         strategy_why=strategy_why,
@@ -37,11 +56,18 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
         expandable_segments=allocator.expandable,
         allocator_why=allocator.why,
         allocator_environment=allocator.user_setting,
+        compile=compiles,
+        compile_why=compile_why,
+        experts_implementation=experts,
+        experts_why=experts_why,
+        cuda_graphs=cuda_graphs,
+        cuda_graphs_why=cuda_graphs_why,
         checkpointing=memory.policy,
         checkpointing_why=memory.policy_why,
         offload_layers=offload_layers,
         offload_why=offload_why,
-        compiler_memory_budget=cfg.memory.selective_memory_budget if by_compiler else None,
+        compiler_memory_budget=budget,
+        compiler_memory_budget_why=budget_why,
         tiled_mlp_shards=memory.shards,
         tiled_mlp_why=memory.tiled_why,
         tiled_mlp_skipped=memory.tiled_why if cfg.memory.tiled_mlp == "auto" and memory.does_not_fit else None,

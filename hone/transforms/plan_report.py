@@ -61,27 +61,42 @@ class PlanView:
     """The longest sequence of every policy x tiling x loss (:mod:`hone.transforms.long_context`)."""
 
 
-def resolved_optimizations(cfg: HoneConfig, device: str) -> list[tuple[str, str, str]]:
-    """What the config asks for, resolved for ``device`` (the planner's transform list, with
-    reasons, comes later through ``render_plan(transforms=...)``)."""
-    perf, model = cfg.performance, cfg.model
-    policy = checkpointing_of(cfg)
-    compiles = perf.compiles_on(device)
-    compile_value = f"on ({perf.torch_compile_scope})" if compiles else "off"
-    if perf.torch_compile == "auto":
-        compile_value += f" (auto on {device})"
+def _auto(value: str, asked: object) -> str:
+    """A decided value, marked where ``auto`` chose it."""
+    return f"{value} (auto)" if asked == "auto" else value
+
+
+def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> list[tuple[str, str, str]]:
+    """What the config asks for, resolved for ``device`` by the plan's ``decided`` settings (the
+    planner's transform list, with reasons, comes later through ``render_plan(transforms=...)``)."""
+    perf, model, memory = cfg.performance, cfg.model, cfg.memory
+    compile_value = _auto(f"on ({perf.torch_compile_scope})" if decided.compile else "off", perf.torch_compile)
+    graphs = _auto("on" if decided.cuda_graphs else "off", "auto" if perf.cudagraphs_setting is None else None)
+    policy = decided.checkpointing
+    if decided.compiler_memory_budget is not None:
+        policy += f", Inductor memory budget {decided.compiler_memory_budget}"
     attention = model.attn_implementation
     if cfg.data.sample_packing and attention == "sdpa":
         attention += f" (packed rows: sdpa_varlen {model.sdpa_varlen})"
-    return [
+    rows = [
         ("attention", attention, "model.attn_implementation"),
-        ("checkpointing", policy, "memory.activation_checkpointing"),
+        ("checkpointing", _auto(policy, memory.checkpointing), "memory.activation_checkpointing"),
         ("compile", compile_value, "performance.torch_compile"),
-        ("tiled MLP", str(cfg.memory.tiled_mlp), "memory.tiled_mlp"),
+        ("CUDA graphs", graphs, "performance.cuda_graphs"),
+        (
+            "tiled MLP",
+            _auto(f"{decided.tiled_mlp_shards} shards" if decided.tiled_mlp_shards else "off", memory.tiled_mlp),
+            "memory.tiled_mlp",
+        ),
         ("loss", loss_of(cfg), "performance.loss"),
         ("fp8", perf.fp8, "performance.fp8"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
+    if model_facts(cfg).experts:
+        rows.insert(
+            1, ("experts", _auto(decided.experts_implementation, model.experts_implementation), "model.experts_implementation")
+        )
+    return rows
 
 
 def plan_view(
@@ -139,7 +154,7 @@ def plan_view(
         device=device,
         budget=budget,
         budget_source=budget_source,
-        optimizations=resolved_optimizations(cfg, device),
+        optimizations=resolved_optimizations(cfg, device, decided),
         chosen=checkpointing_of(cfg),
         loss=loss,
         estimates=estimates,

@@ -189,6 +189,23 @@ class Plan:
         rank = {t.name: i for i, t in enumerate(self.transforms)}
         return sorted(self.applied, key=lambda a: rank.get(a.name, len(rank)))
 
+    def auto_choices(self, cfg: HoneConfig) -> list[str]:
+        """The speed and memory settings ``cfg`` leaves to ``auto``, each as decided with its
+        reason (the run prints them at its start; ``hone plan`` shows the same reasons)."""
+        d, perf, memory = self.decided, cfg.performance, cfg.memory
+        lines = []
+        if perf.torch_compile == "auto":
+            lines.append(d.compile_why)
+        if d.compile and perf.cudagraphs_setting is None:
+            lines.append(d.cuda_graphs_why)
+        if cfg.model.experts_implementation == "auto" and d.experts_implementation != "grouped_mm":
+            lines.append(d.experts_why)
+        if memory.checkpointing == "auto":
+            lines.append(d.checkpointing_why)
+        if memory.selective_memory_budget == "auto" and d.compiler_memory_budget_why is not None:
+            lines.append(d.compiler_memory_budget_why)
+        return lines
+
     def describe(self) -> str:
         """One console line: what was applied (and what the config mentions but this run skips)."""
         by_name = {t.name: t for t in self.transforms}
@@ -254,10 +271,12 @@ def decisions(
 
 
 def write_record(out_dir: Path, plan: Plan, compile_stats: dict[str, Any] | None = None) -> Path:
-    """``optimizations.json``: applied transforms in order, skipped ones, compile counts."""
+    """``optimizations.json``: applied transforms in order, skipped ones, every ``auto`` setting as
+    decided (with its reason), compile counts."""
     record: dict[str, Any] = {
         "applied": [asdict(a) for a in plan.in_order()],
         "skipped": plan.skipped,
+        "decided": asdict(plan.decided),
         "torch": torch.__version__,
     }
     if compile_stats is not None:

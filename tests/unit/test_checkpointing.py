@@ -45,7 +45,7 @@ def _cfg(memory):
 @pytest.mark.parametrize(
     ("memory", "policy"),
     [
-        ({}, "none"),
+        ({}, "auto"),
         ({"gradient_checkpointing": True}, "full"),
         ({"gradient_checkpointing": False}, "none"),
         ({"activation_checkpointing": "selective"}, "selective"),
@@ -57,7 +57,7 @@ def _cfg(memory):
 def test_policy_and_alias(memory, policy):
     cfg = _cfg(memory)
     assert cfg.memory.checkpointing == policy
-    assert cfg.memory.activation_checkpointing == memory.get("activation_checkpointing", "none")  # not rewritten
+    assert cfg.memory.activation_checkpointing == memory.get("activation_checkpointing", "auto")  # not rewritten
     if "gradient_checkpointing" in memory:
         assert cfg.memory.alias_note == f"memory.gradient_checkpointing is an alias of memory.activation_checkpointing: {policy}"
     else:
@@ -70,7 +70,7 @@ def test_resolved_config_writes_the_policy_and_loads_back(memory):
     dumped = yaml.safe_load(dump_config(cfg))
     expected = {
         "activation_checkpointing": cfg.memory.checkpointing,
-        "selective_memory_budget": 0.5,
+        "selective_memory_budget": "auto",
         "tiled_mlp": "auto",
         "tiled_layers": "auto",
         "offload_layers": "auto",

@@ -22,11 +22,12 @@ def issues(performance=None, **sections):
     return {i.path: i.message for i in info.value.issues}
 
 
-def test_defaults_compile_nothing():
+def test_defaults_compile_regionally_on_cuda_only_and_leave_cuda_graphs_to_the_plan():
     perf = parse_config(MINIMAL).performance
-    assert perf.torch_compile is False and perf.torch_compile_scope == "regional"
+    assert perf.torch_compile == "auto" and perf.torch_compile_scope == "regional"
     assert perf.torch_compile_options == {} and not perf.uses_cudagraphs
-    assert not perf.compiles_on("cuda")
+    assert perf.cuda_graphs == "auto" and perf.cudagraphs_setting is None
+    assert perf.compiles_on("cuda") and not perf.compiles_on("cpu")
 
 
 def test_auto_compiles_on_cuda_only():

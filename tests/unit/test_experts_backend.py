@@ -17,7 +17,7 @@ from hone.testing import tiny_model, tiny_tokenizer
 
 
 def test_config_key_is_validated():
-    assert ModelConfig(preset="tiny-qwen3-moe").experts_implementation == "grouped_mm"
+    assert ModelConfig(preset="tiny-qwen3-moe").experts_implementation == "auto"
     with pytest.raises(ValidationError, match="experts_implementation"):
         ModelConfig(preset="tiny-qwen3-moe", experts_implementation="scattermoe")
 

@@ -105,13 +105,14 @@ def test_render_plan_shows_transforms_and_warns_when_the_policy_does_not_fit():
         {
             "model": {"preset": "qwen3-8b"},
             "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 8192},
+            "memory": {"activation_checkpointing": "none"},
         }
     )
     view = plan_view(cfg, "qwen3-8b", "cuda", 40 * GIB, "--gpu-memory")
     text = render_plan(view, transforms=[("compile", "performance.torch_compile", False, "off in the config")])
     assert "Transforms, in the order" in text and "off in the config" in text
     assert "warning: checkpointing 'none' does not fit" in text
-    assert "fits with: full, offload" in text
+    assert "fits with: selective, full, offload" in text  # compiled by default: selective down to its floor budget
     assert render_plan(view).count("Transforms") == 0
 
 

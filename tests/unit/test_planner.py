@@ -34,10 +34,15 @@ def cfg(**performance):
 ALWAYS = ["attention", "loss"]  # every run picks an attention kernel and a loss
 
 
-def test_nothing_asked_only_the_attention_kernel_and_the_loss_planned():
-    plan = plan_optimizations(cfg(), CUDA)
-    assert plan.names == ALWAYS and plan.skipped == []
+def test_nothing_asked_plans_the_attention_kernel_and_the_loss_and_compiles_on_cuda_only():
+    plan = plan_optimizations(cfg(), CPU)
+    assert plan.names == ALWAYS and plan.skipped == []  # the defaults' auto choices are no skipped requests
     assert plan.describe() == "optimizations: none"  # nothing applied yet
+    assert plan.decided.compile is False and plan.decided.checkpointing == "none"
+    assert plan.auto_choices(cfg())[0] == "torch_compile: auto compiles on CUDA only; this run trains on cpu"
+    plan = plan_optimizations(cfg(), CUDA)
+    assert plan.names == ALWAYS + ["compile"] and plan.skipped == []
+    assert plan.decided.compile_why == "torch_compile: auto: on, training on CUDA (regional)"
 
 
 def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():

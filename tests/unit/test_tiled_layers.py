@@ -380,15 +380,38 @@ def test_combinations_it_cannot_run_are_refused_by_the_config(memory, sections, 
     assert "memory.tiled_layers: 3" in str(caught.value) and message in str(caught.value)
 
 
-def test_the_plan_refuses_what_auto_resolves_to_and_auto_stays_whole_where_the_run_fits():
-    from hone.transforms.planner import PlanError, decisions, plan_optimizations
+def test_the_default_auto_falls_back_to_none_where_the_estimate_fails_and_tiled_layers_are_refused(monkeypatch):
+    from hone.transforms import auto_policy
+    from hone.transforms.planner import PlanError, plan_optimizations
 
-    cpu = torch.device("cpu")
-    roomy = RunFacts(cpu, memory_bytes=1 << 40)  # checkpointing auto picks none here
+    def broken(*args, **kwargs):
+        raise ValueError("cannot read this model")
+
+    monkeypatch.setattr(auto_policy, "decide_memory", broken)
+    roomy = RunFacts(torch.device("cpu"), memory_bytes=1 << 40)
+    plan = plan_optimizations(_cfg({}), roomy)
+    assert plan.decided.checkpointing == "none"
+    assert (
+        plan.decided.checkpointing_why
+        == "activation_checkpointing: auto: none, the memory estimate failed (ValueError: cannot read this model)"
+    )
+    with pytest.raises(ValueError, match="cannot read this model"):  # written by the user: auto needs the estimate
+        plan_optimizations(_cfg({"activation_checkpointing": "auto"}), roomy)
     with pytest.raises(
         PlanError, match="memory.tiled_layers: 3 needs memory.activation_checkpointing full or offload.*resolves to none"
     ):
-        plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "auto"}), roomy)
+        plan_optimizations(_cfg({"tiled_layers": 3}), roomy)
+
+
+def test_auto_checkpointing_keeps_the_input_only_for_explicit_tiled_layers_and_auto_stays_whole_where_the_run_fits():
+    from hone.transforms.planner import decisions, plan_optimizations
+
+    cpu = torch.device("cpu")
+    roomy = RunFacts(cpu, memory_bytes=1 << 40)  # checkpointing auto picks none here, unless the layers are tiled
+    plan = plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "auto"}), roomy)
+    assert plan.decided.checkpointing == "full" and "tiled_layers: 3 needs full or offload" in plan.decided.checkpointing_why
+    assert "tiled_layers" in plan.names
+    plan = plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)
     plan = plan_optimizations(_cfg({"tiled_layers": 3, "activation_checkpointing": "full"}), roomy)
     assert plan.names.index("activation_checkpointing") < plan.names.index("tiled_layers")
     auto = plan_optimizations(_cfg({"tiled_layers": "auto", "activation_checkpointing": "full"}), roomy)

@@ -49,7 +49,7 @@ def _uses_default_gate(module: nn.Module) -> bool:
 
 def layout_of(module: nn.Module) -> ExpertsLayout:
     """The kernels' description of ``module``'s weights and gate; ModelError where they cannot run it."""
-    problem = _layout_problem(module)
+    problem = layout_problem(module)
     if problem:
         raise ModelError(f"model.experts_implementation: hone cannot run {type(module).__name__}: {problem}")
     transposed = bool(module.is_transposed)
@@ -65,7 +65,9 @@ def layout_of(module: nn.Module) -> ExpertsLayout:
     )
 
 
-def _layout_problem(module: nn.Module) -> str | None:
+def layout_problem(module: nn.Module) -> str | None:
+    """Why hone's kernels cannot compute ``module``'s experts (None: they can). Reads only the
+    module's flags and classes, so it works on a meta-device model before any weight loads."""
     if not getattr(module, "has_gate", False):
         return "its experts have no gate (up_proj only); the kernels compute gated experts"
     if getattr(module, "has_post_expert_norm", False):
@@ -98,7 +100,7 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
         )
     seen = set()
     for _, module in modules:
-        problem = _layout_problem(module)
+        problem = layout_problem(module)
         if problem and type(module) not in seen:
             seen.add(type(module))
             problems.append(

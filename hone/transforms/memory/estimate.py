@@ -15,7 +15,7 @@ phases), where every other term is called.
 
 from dataclasses import dataclass, field
 
-from hone.config.memory import POLICIES_BY_SPEED
+from hone.config.memory import POLICIES_BY_SPEED, SELECTIVE_BUDGET_FLOOR
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs
@@ -154,6 +154,15 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     )
 
 
+def selective_budget(cfg: HoneConfig, knobs: Knobs) -> float:
+    """The compiler's activation memory budget ``selective`` is estimated at: the knob's, else the
+    config's (``auto``: the floor it may go down to, where the policy choice is made)."""
+    if knobs.selective_budget is not None:
+        return knobs.selective_budget
+    budget = cfg.memory.selective_memory_budget
+    return SELECTIVE_BUDGET_FLOOR if budget == "auto" else budget
+
+
 def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
     """``knobs`` with the config's defaults filled in: the sequence and micro-batch, whether the
     step compiles on the device (``torch_compile: auto`` compiles on CUDA), the attention, the
@@ -180,7 +189,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         offload_layers=cfg.memory.offload_layers if knobs.offload_layers is None else knobs.offload_layers,
         host_budget=knobs.host_budget,
         param_shards=knobs.param_shards,
-        selective_budget=cfg.memory.selective_memory_budget if compiled and perf.torch_compile_backend == "inductor" else None,
+        selective_budget=selective_budget(cfg, knobs) if compiled and perf.torch_compile_backend == "inductor" else None,
         accumulating=cfg.training.gradient_accumulation_steps > 1,
     )
 

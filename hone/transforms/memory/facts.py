@@ -82,6 +82,9 @@ class ModelFacts:
     """``(in, out)`` of each linear LoRA wraps (``performance.fp8: ... lora_targets`` keeps float8 copies of these)."""
     frozen_layer_linear_shapes: tuple[tuple[int, int], ...] = ()
     """``(in, out)`` of every frozen linear inside the decoder layers (``fp8_base_linears: all``)."""
+    experts_layout_problems: tuple[str, ...] = ()
+    """Why hone's experts kernels cannot run this model's experts modules, one line per module
+    class (empty: they can, or the model has none); ``experts_implementation: auto`` reads it."""
 
 
 def _elem_bytes(dtype: Any) -> int:
@@ -166,6 +169,17 @@ def _nf4_weights(base: Any) -> int:
     return sum(linear.weight.numel() for _, _, linear, _ in quantizable_linears(base) if can_quantize(linear))
 
 
+def _experts_layout_problems(base: Any) -> tuple[str, ...]:
+    from hone.models.experts.backend import experts_modules, layout_problem
+
+    problems = {}
+    for _, module in experts_modules(base):
+        problem = layout_problem(module)
+        if problem:
+            problems.setdefault(type(module).__name__, f"{type(module).__name__}: {problem}")
+    return tuple(problems.values())
+
+
 @lru_cache(maxsize=32)
 def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
     import torch
@@ -236,6 +250,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         trainable_elem_bytes=tbytes,
         lora_base_shapes=tuple(lora_base),
         frozen_layer_linear_shapes=tuple(layer_linears),
+        experts_layout_problems=_experts_layout_problems(base),
     )
 
 

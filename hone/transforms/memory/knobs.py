@@ -31,6 +31,10 @@ class Knobs:
     """Bytes of host memory an ``auto`` offload split is decided on (None: unlimited)."""
     param_shards: int = 1
     """Processes FSDP shards the weights, gradients and optimizer state over."""
+    selective_budget: float | None = None
+    """``selective`` under Inductor: the compiler's activation memory budget to estimate at
+    (default ``memory.selective_memory_budget``; its ``auto`` is estimated at the floor,
+    :data:`hone.config.memory.SELECTIVE_BUDGET_FLOOR`, the least memory it may choose)."""
     tiled_layers: int | Literal["auto"] = 0
     """``full``/``offload``: each layer in that many chunks of the sequence (``auto``:
     :func:`.terms.tiled_layers.auto_layer_chunks`; 0: whole)."""

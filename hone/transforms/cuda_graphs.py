@@ -1,0 +1,79 @@
+"""``performance.cuda_graphs``: whether each compiled layer's kernels replay as one CUDA graph.
+
+A CUDA graph replaces a layer's hundreds of kernel launches by one, which pays where the host's
+launches take longer than the GPU's work (the step is host-bound) and costs nothing elsewhere
+but a recording per shape and the memory the recording keeps. The rule of ``auto``, in words
+(``hone plan`` prints the outcome and the first reason it is off):
+
+- only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
+  measured setting), every training micro-batch of one shape (a new shape records a new graph),
+  one process, and no checkpointing that re-runs a layer's forward in the backward (``full``,
+  ``offload``, tiled layers) or moves its activations (offload);
+- only where it pays: MoE experts on hone's kernels, whose step is host-bound (the qwen3-30b-a3b
+  slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
+  is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
+
+Not measured yet, so not chosen by ``auto``: data-parallel steps, a quantized base and float8;
+``cuda_graphs: true`` turns them on where the user has measured them.
+"""
+
+from hone.config.memory import INPUT_ONLY_POLICIES
+from hone.config.root import HoneConfig
+from hone.transforms.base import RunFacts
+
+#: The measurement ``auto`` rests on (benchmarks/2026-11-26-h100-moe-lora-model.md).
+_MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
+
+
+def _explicit_why(cfg: HoneConfig, on: bool) -> str:
+    perf = cfg.performance
+    if "triton.cudagraphs" in perf.torch_compile_options:
+        return f"performance.torch_compile_options.triton.cudagraphs: {str(on).lower()}"
+    if perf.torch_compile_mode not in (None, "default"):
+        return f"performance.torch_compile_mode: {perf.torch_compile_mode}"
+    return f"performance.cuda_graphs: {str(on).lower()}"
+
+
+def _blocker(
+    cfg: HoneConfig, facts: RunFacts, *, compiles: bool, experts: str, strategy: str, policy: str, tiled: bool
+) -> str | None:
+    """The first reason ``auto`` leaves CUDA graphs off on this run (None: it turns them on)."""
+    perf = cfg.performance
+    if not compiles:
+        return "the model is not compiled (CUDA graphs record Inductor's compiled layers)"
+    if perf.torch_compile_backend != "inductor":
+        return f"torch_compile_backend is {perf.torch_compile_backend}, not inductor"
+    if facts.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (this run: {facts.device.type})"
+    if perf.torch_compile_scope != "regional":
+        return "torch_compile_scope: model (measured with regional compile only)"
+    if facts.shape_note is not None:
+        return f"{facts.shape_note} (every new shape would record another graph)"
+    if strategy != "none":
+        return f"data parallelism ({strategy}) is not measured with CUDA graphs yet"
+    if policy in INPUT_ONLY_POLICIES or tiled:
+        return f"checkpointing {policy}{' with tiled layers/MLP' if tiled else ''} re-runs each layer's forward in the backward"
+    if cfg.model.quantize != "none" or perf.fp8 != "off":
+        return "a quantized or float8 base is not measured with CUDA graphs yet"
+    if experts != "hone":
+        return "the step is bound by the GPU, not by the host's launches (only MoE experts on hone's kernels are)"
+    return None
+
+
+def cuda_graphs_choice(
+    cfg: HoneConfig, facts: RunFacts, *, compiles: bool, experts: str, strategy: str, policy: str, tiled: bool
+) -> tuple[bool, str]:
+    """(on, why) of CUDA graphs for this run: as the config sets them (``cuda_graphs``,
+    ``triton.cudagraphs`` or the compile mode), else by the rule of the module doc from the
+    plan's other decisions (``compiles``, the ``experts`` implementation, the data-parallel
+    ``strategy``, the checkpointing ``policy`` and whether anything is ``tiled``)."""
+    explicit = cfg.performance.cudagraphs_setting
+    if explicit is not None:
+        return explicit and compiles, _explicit_why(cfg, explicit)
+    blocker = _blocker(cfg, facts, compiles=compiles, experts=experts, strategy=strategy, policy=policy, tiled=tiled)
+    if blocker is not None:
+        return False, f"cuda_graphs: auto: off, {blocker}"
+    why = f"cuda_graphs: auto: on, MoE experts on hone's kernels are host-bound without them ({_MEASURED})"
+    if not facts.shapes_known:
+        why += "; if every training micro-batch has one shape (the run checks its data: rows of different lengths turn them off)"
+    return True, why
