@@ -154,3 +154,45 @@ def test_bench_qlora_reference_base_is_drawn_layer_by_layer_without_bitsandbytes
     assert type(model.get_output_embeddings()) is nn.Linear and not model.get_output_embeddings().weight.is_meta
     ordinary = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert all(torch.equal(b, ordinary.get_buffer(n)) for n, b in model.named_buffers() if "rotary" in n)
+
+
+def test_load_model_of_a_quantized_big_preset_arrives_quantized_and_the_plan_records_it(tmp_path):
+    pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
+    from hone.config import parse_config
+    from hone.models.loader import load_model
+    from hone.models.nf4 import NF4Linear
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    model_cfg = _quantizable_big_preset()
+    cfg = parse_config(
+        {
+            "model": {
+                "preset": "qwen3-8b",
+                "preset_overrides": model_cfg.preset_overrides,
+                "dtype": "bfloat16",
+                "quantize": "nf4",
+            },
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "pretokenized"}], "sequence_len": 32},
+            "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"},
+            "training": {"output_dir": str(tmp_path)},
+        }
+    )
+    facts = RunFacts(torch.device("cpu"))
+    plan = plan_optimizations(cfg, facts)
+    arrived = []
+
+    def base_stage(base):
+        arrived.append(sum(isinstance(m, NF4Linear) for m in base.modules()))
+        return plan.apply(base, "base", cfg, facts)
+
+    applied = []
+    loaded = load_model(cfg, tiny_tokenizer(), "cpu", before_adapter=lambda base: applied.extend(base_stage(base)))
+    assert arrived == [14]  # quantized by the builder, before any transform ran
+    record = next(a for a in applied if a.name == "quantize").details
+    assert record["quantized_layers"] == 14 and record["kept_layers"] == []
+    ids = torch.randint(1, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loaded.model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in loaded.model.parameters() if p.requires_grad)
