@@ -10,9 +10,12 @@ layer but the head in bitsandbytes 4-bit (``BitsAndBytesConfig(load_in_4bit=True
 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16)``),
 then PEFT's ``prepare_model_for_kbit_training`` (norms, embedding and head upcast to float32),
 then LoRA. A preset has no files to ``from_pretrained`` with a quantization config, so the
-random model is built on the CPU and its linear layers are swapped for ``bnb.nn.Linear4bit``
-holding ``Params4bit`` weights, which quantize as they move to the GPU: what transformers'
-bitsandbytes integration does while loading.
+random model is drawn the way ``from_pretrained`` fills a checkpoint's tensors: a meta-device
+skeleton materialised on the GPU one module at a time (:mod:`hone.models.materialize`), each
+linear layer but the head swapped, as soon as it is drawn, for a ``bnb.nn.Linear4bit`` whose
+``Params4bit`` weight bitsandbytes quantizes where the weight lies (transformers' bitsandbytes
+integration: ``Params4bit(value, **old.__dict__).to(value.device)``). So the bf16 model never
+exists whole, and the row starts in seconds rather than after minutes of CPU initialisation.
 """
 
 import time
@@ -51,31 +54,48 @@ def build_qlora_reference_model(config: object, dtype: str, device: torch.device
             "QLoRA reference stack): pip install 'hone[bench-qlora]' (or pip install bitsandbytes)"
         ) from None
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM
 
     compute = getattr(torch, dtype)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=compute, attn_implementation="sdpa")  # on the CPU
-    head = model.get_output_embeddings()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and child is not head:
-                quantized = bnb.nn.Linear4bit(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    compute_dtype=compute,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                )
-                quantized.weight = bnb.nn.Params4bit(
-                    child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-                )
-                if child.bias is not None:
-                    quantized.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-                setattr(parent, name, quantized.to(device))  # quantized on the way to the GPU
-    model.to(device)
+    model = build_quantized_reference_base(config, dtype, device, seed, lambda linear: bnb_linear4bit(bnb, linear, compute))
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def build_quantized_reference_base(
+    config: object, dtype: str, device: torch.device, seed: int, quantize: Callable[[torch.nn.Linear], torch.nn.Module]
+) -> torch.nn.Module:
+    """The reference model (sdpa attention, ``dtype``) drawn on ``device`` one module at a time,
+    each linear layer but the head replaced by ``quantize(layer)`` as soon as it is drawn."""
+    from hone.models.materialize import build_skeleton, materialize
+
+    skeleton = build_skeleton(config, getattr(torch, dtype), attn_implementation="sdpa")
+    head = skeleton.get_output_embeddings()
+
+    def replace(module: torch.nn.Module) -> torch.nn.Module | None:
+        return quantize(module) if isinstance(module, torch.nn.Linear) and module is not head else None
+
+    torch.manual_seed(seed)
+    return materialize(skeleton, device, replace)
+
+
+def bnb_linear4bit(bnb, linear: torch.nn.Linear, compute: torch.dtype) -> torch.nn.Module:
+    """``linear`` as transformers' bitsandbytes integration holds it: a ``Linear4bit`` built on the
+    meta device (``replace_with_bnb_linear``) whose weight becomes ``Params4bit`` and is quantized
+    where it lies (``Bnb4bitQuantize``)."""
+    with torch.device("meta"):
+        quantized = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=compute,
+            compress_statistics=True,
+            quant_type="nf4",
+        )
+    weight = linear.weight.data
+    quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, **quantized.weight.__dict__).to(weight.device)
+    if linear.bias is not None:
+        quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+    quantized.requires_grad_(False)
+    return quantized
 
 
 def run_reference(

@@ -70,16 +70,13 @@ def load_for_inference(
     tokenizer = load_run_tokenizer(run)
     if run.is_adapter:
         trained_dtype = precision_for(cfg.model.dtype, full_finetune=False).weights
-        quantized = cfg.model.quantize != "none"
-        # QLoRA: built where training built it (the CPU: a big preset's random draw depends on
-        # the device), then every 4-bit weight is replaced by its NF4 round trip
-        built_on = torch.device("cpu") if quantized else device
-        base = build_base_model(cfg.model, tokenizer, built_on, trained_dtype, seed=cfg.training.seed)
-        if quantized:
+        # QLoRA: the same draws as training's (which quantized each layer as it was drawn), in full
+        # precision, then every 4-bit weight is replaced by its NF4 round trip
+        base = build_base_model(cfg.model, tokenizer, device, trained_dtype, seed=cfg.training.seed)
+        if cfg.model.quantize != "none":
             from hone.models.nf4 import nf4_roundtrip_
 
             nf4_roundtrip_(base, trained_dtype)
-            base.to(device)
         model: nn.Module = PeftModel.from_pretrained(base, str(run.final), is_trainable=False)
     else:
         model = load_pretrained(run.final, cfg.model, device, target, key=f"{run.directory}/final")

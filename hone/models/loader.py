@@ -23,6 +23,7 @@ from hone.models.adapters import apply_adapter
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
 from hone.models.hub import local_model_dir
+from hone.models.materialize import build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
 from hone.models.presets import build_preset_config, get_preset
@@ -60,10 +61,13 @@ def load_model(
     base-stage transforms, e.g. the attention kernel)."""
     device = torch.device(device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
-    # A quantized base (model.quantize) is built on the CPU: the plan's quantize transform moves
-    # one full-precision layer at a time to the device, so the device never holds the whole of it.
-    build_on = torch.device("cpu") if cfg.model.quantize != "none" else device
-    base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed)
+    # A quantized base (model.quantize) never sits whole on the device in full precision: a big
+    # preset is drawn on the device one module at a time, each linear layer quantized as soon as it
+    # is drawn; a tiny preset or a model directory is built on the CPU and the plan's quantize
+    # transform moves one full-precision layer at a time to the device.
+    quantized = cfg.model.quantize != "none"
+    build_on = torch.device("cpu") if quantized and not drawn_on_device(cfg.model) else device
+    base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed, quantized=quantized)
     if before_adapter is not None:
         before_adapter(base)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
@@ -77,37 +81,60 @@ def load_model(
     return LoadedModel(model, trainable, total, description, precision)
 
 
-def build_base_model(model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+def build_base_model(
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, quantized: bool = False
+) -> PreTrainedModel:
     """The base model, frozen-or-not as transformers leaves it, in ``dtype`` on ``device``.
 
     Also used by generation and merging: a preset rebuilt with the run's seed gives exactly the
-    random weights the run trained on.
+    random weights the run trained on. With ``quantized``, a big preset's linear layers (all but
+    the head) are quantized (``model.quantize``) as they are drawn, from the same draws as without
+    it; other sources come in full precision, for the plan's quantize transform.
     """
     if model_cfg.preset is not None:
-        model = build_preset_model(model_cfg, tokenizer, device, dtype, seed)
+        model = build_preset_model(model_cfg, tokenizer, device, dtype, seed, quantized=quantized)
     else:
         model = load_pretrained(local_model_dir(model_cfg.path), model_cfg, device, dtype)
     check_vocab_fits(model, tokenizer, model_cfg)
     return model
 
 
-def build_preset_model(model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int) -> PreTrainedModel:
-    """Random weights drawn from ``seed``, without touching the caller's random state."""
+def build_preset_model(
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, quantized: bool = False
+) -> PreTrainedModel:
+    """Random weights drawn from ``seed``, without touching the caller's random state.
+
+    Tiny presets: built on the CPU in float32, so the weights are the same on every machine and
+    dtype. Big presets: drawn where they will live, in their dtype, one module at a time from a
+    meta-device skeleton (:mod:`hone.models.materialize`), or an 8B model spends minutes
+    initialising on the CPU; with ``quantized``, each linear layer but the head becomes 4-bit as
+    soon as it is drawn, so the full-precision model never exists whole."""
     preset = get_preset(model_cfg.preset)
     config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(config, attr, getattr(tokenizer, attr, None))
-    # Tiny presets: init on the CPU in float32 so weights are the same on every machine and
-    # dtype. Big presets: init where they will live, in their dtype, or an 8B model spends
-    # minutes initialising on the CPU and copying.
-    init_device, init_dtype = (torch.device("cpu"), torch.float32) if preset.tiny else (device, dtype)
-    with seeded(seed, init_device):
-        with init_device:
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=init_dtype, attn_implementation=sink_backend_for(config, model_cfg.attn_implementation)
-            )
+    attn = sink_backend_for(config, model_cfg.attn_implementation)
+    if preset.tiny:
+        cpu = torch.device("cpu")
+        with seeded(seed, cpu), cpu:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    else:
+        skeleton = build_skeleton(config, dtype, attn_implementation=attn)
+        replace = None
+        if quantized:
+            from hone.models.nf4 import quantize_as_drawn  # torchao: only for a run that quantizes
+
+            replace = quantize_as_drawn(skeleton)
+        with seeded(seed, device):
+            model = materialize(skeleton, device, replace)
     cast_parameters(model, dtype)
     return model.to(device)
+
+
+def drawn_on_device(model_cfg: ModelConfig) -> bool:
+    """Whether :func:`build_base_model` draws the base on the device it is asked for (a big
+    preset), rather than building it on the CPU (a tiny preset) or reading it from files."""
+    return model_cfg.preset is not None and not get_preset(model_cfg.preset).tiny
 
 
 @contextmanager

@@ -18,6 +18,7 @@ backward dequantizes again: a bf16 copy of a weight lives only inside one matmul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -170,21 +171,42 @@ def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linea
     return found
 
 
+def quantize_as_drawn(model: nn.Module) -> Callable[[nn.Module], nn.Module | None]:
+    """The replacement :func:`hone.models.materialize.materialize` applies to each module of
+    ``model`` (a meta skeleton) as soon as it is drawn: every linear layer QLoRA quantizes (all but
+    the head, sizes that fit the blocks) becomes an :class:`NF4Linear` on the device it was drawn
+    on, so only one layer's full-precision weight exists at a time. :func:`quantize_linears` (the
+    plan's transform) then finds the base quantized and records it."""
+    require_torchao()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def replace(module: nn.Module) -> nn.Module | None:
+        if not isinstance(module, nn.Linear) or module is head or not can_quantize(module):
+            return None
+        return NF4Linear.from_linear(module, module.weight.device)
+
+    return replace
+
+
 def quantize_linears(model: nn.Module, device: torch.device | str) -> dict[str, Any]:
     """Replace the linear layers of ``model`` (except the head) by :class:`NF4Linear` on ``device``,
     one at a time: each full-precision weight is moved to ``device``, quantized there and dropped,
-    so the device never holds more than one layer's full-precision weight. Returns the record."""
+    so the device never holds more than one layer's full-precision weight. Layers already in NF4
+    (a big preset quantized as it was drawn, :func:`quantize_as_drawn`) stay as they are. Returns
+    the record (every NF4 layer of the model, whoever quantized it)."""
     require_torchao()
-    quantized, kept, full_bytes, nf4_bytes = 0, [], 0, 0
+    kept = []
     for parent, attr, linear, name in quantizable_linears(model):
-        if not can_quantize(linear):
+        if can_quantize(linear):
+            setattr(parent, attr, NF4Linear.from_linear(linear, device))
+        else:
             kept.append(name)
-            continue
-        new = NF4Linear.from_linear(linear, device)
-        full_bytes += linear.weight.numel() * linear.weight.element_size()
-        nf4_bytes += sum(b.numel() * b.element_size() for n, b in new.named_buffers() if n != "bias")
-        setattr(parent, attr, new)
-        quantized += 1
+    quantized, full_bytes, nf4_bytes = 0, 0, 0
+    for module in model.modules():
+        if isinstance(module, NF4Linear):
+            quantized += 1
+            full_bytes += module.in_features * module.out_features * module.quantization_factor.element_size()
+            nf4_bytes += sum(b.numel() * b.element_size() for n, b in module.named_buffers() if n != "bias")
     if quantized == 0:
         raise ModelError(
             f"model.quantize: nf4 found no linear layer it can quantize in {type(model).__name__}: a layer "

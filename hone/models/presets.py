@@ -58,8 +58,9 @@ class Preset:
     tiny: bool
     """Tiny presets take the tokenizer's vocabulary and are initialised on the CPU in float32,
     so the same seed gives the same weights on every machine (generation on a laptop sees
-    exactly the base a GPU run trained on). Big presets are built on the target device in the
-    target dtype, which is what makes a random 8B model appear in seconds."""
+    exactly the base a GPU run trained on). Big presets are drawn on the target device in the
+    target dtype, one module at a time from a meta-device skeleton (:mod:`hone.models.materialize`),
+    which is what makes a random 8B model (or its 4-bit form) appear in seconds."""
 
 
 PRESETS: dict[str, Preset] = {

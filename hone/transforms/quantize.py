@@ -6,10 +6,12 @@ but the output head for an :class:`~hone.models.nf4.NF4Linear`, which the adapte
 with LoRA (PEFT's custom-module mapping) and the compiler traces through hone's dequantization
 op without a graph break.
 
-The loader builds a quantized run's base model on the CPU (:func:`hone.models.loader.load_model`),
-so this transform moves one full-precision weight at a time to the device, quantizes it there
-and drops it: the device never holds the full-precision model. The rest of the model (embedding,
-norms, head) follows once the adapter is attached.
+The full-precision model never exists whole. A big preset arrives already quantized: the
+loader draws it on the device one module at a time and quantizes each linear layer as soon as it
+is drawn (:func:`hone.models.nf4.quantize_as_drawn`), so this transform only records it. A tiny
+preset or a model directory arrives on the CPU (:func:`hone.models.loader.load_model`): this
+transform moves one full-precision weight at a time to the device, quantizes it there and drops
+it, and the rest of the model (embedding, norms, head) follows once the adapter is attached.
 
 Checkpoints need no state-dict hook: the 4-bit weights are buffers, not trainable parameters,
 and hone's step checkpoints hold only the trainable weights and the optimizer (LoRA), never the
