@@ -50,14 +50,16 @@ class ProgressDisplay:
     def live(self) -> bool:
         return self._progress is not None
 
-    def eta_s(self, step: int) -> float | None:
+    def eta_s(self, step: int, at: float | None = None) -> float | None:
+        """Time left after ``step``, at the ``time.perf_counter()`` reading ``at`` (default: now)."""
         done = step - self.start_step
         if done <= 0:
             return None
-        return (time.perf_counter() - self._t0) / done * (self.total - step)
+        return ((time.perf_counter() if at is None else at) - self._t0) / done * (self.total - step)
 
-    def step(self, row: dict[str, Any]) -> None:
-        """Show a train metrics row (called for every logged step)."""
+    def step(self, row: dict[str, Any], at: float | None = None) -> None:
+        """Show a train metrics row (called for every logged step); ``at``: when the step ended,
+        if the row is shown later (the loop writes it while the next step computes)."""
         step = row["step"]
         loss = _fmt(row.get("loss"), ".4f")
         lr = _fmt(row.get("lr"), ".2e")
@@ -69,7 +71,7 @@ class ProgressDisplay:
         grad = _fmt(row.get("grad_norm"), ".3f")
         self.console.print(
             f"step {step}/{self.total} | loss {loss} | lr {lr} | grad {grad} | {tps} tok/s"
-            f" | eta {format_eta(self.eta_s(step))}{skipped}",
+            f" | eta {format_eta(self.eta_s(step, at))}{skipped}",
             highlight=False,
             markup=False,
             soft_wrap=True,

@@ -78,12 +78,14 @@ class Tracker:
     def rows(self) -> list[dict[str, Any]]:
         return self.metrics.rows
 
-    def log_train(self, row: dict[str, Any]) -> None:
+    def log_train(self, row: dict[str, Any], at: float | None = None) -> None:
+        """A train row to every sink; ``at``: the ``time.perf_counter()`` reading when its step
+        ended, for the console's ETA when the row is written later (default: now)."""
         self.metrics.append(row)
         if self.tensorboard:
             self.tensorboard.write(row)
         self._to_external(row)
-        self.display.step(row)
+        self.display.step(row, at)
 
     def log_eval(self, row: dict[str, Any]) -> None:
         self.metrics.append(row)

@@ -15,6 +15,16 @@ then runs :func:`run_steps` until the plan's last step or a stop signal. Each it
    ``training.save_steps``; all of them after the last step), and stops cleanly on
    SIGINT/SIGTERM: the step in progress finishes, a checkpoint is saved, the loop returns.
 
+**The host's share of the step boundary overlaps the device's work.** The step's one sync is
+where the host waits for the device; whatever the host does after it, the device waits for. So
+the boundary's bookkeeping runs *before* that sync, while step N's forward and backward still
+run on the device: the host builds step N+1's window (collate, pinned copies, attention inputs;
+:mod:`hone.train.prefetch`) and writes step N-1's metrics row (:mod:`hone.train.step_log`).
+After the sync only the update, the counting and the cadence checks remain before step N+1's
+forward. What the run computes and writes is unchanged: the same data order, each row with its
+own step's values, written before an eval, a checkpoint, a stop, the end or an error; the
+position a checkpoint saves is that of the window its step trained, never the one prefetched.
+
 A fresh run with eval data evaluates once before the first step (step 0), so the report can
 compare the final eval loss with the untrained model's.
 
@@ -28,7 +38,9 @@ checkpoints (:mod:`hone.train.checkpoint_io`).
 import math
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +53,11 @@ from hone.errors import HoneError
 from hone.runtime.world import World, current_world
 from hone.train.batches import StepPlan
 from hone.train.device import peak_memory_gib
+from hone.train.prefetch import WindowFeed
 from hone.train.setup import Trainer, set_up
 from hone.train.signals import StopRequest, graceful_stop
-from hone.train.step_log import StepMetrics
-from hone.train.train_step import StepResult, take_window, train_step
+from hone.train.step_log import StepLog, StepMetrics
+from hone.train.train_step import StepResult, train_step
 from hone.transforms.base import RunHooks
 
 
@@ -163,29 +176,52 @@ def train_loop(
 
 def run_steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Callable[[StepMetrics], None] | None) -> None:
     """Optimizer steps until the plan's last one, or until a signal stops the run (then
-    ``tally.interrupted`` names it, after the step in progress and its checkpoint)."""
-    state, plan = trainer.state, trainer.plan
+    ``tally.interrupted`` names it, after the step in progress and its checkpoint). The last
+    step's metrics row is written before this returns or raises."""
+    try:
+        _steps(trainer, stop, tally, step_callback)
+    except BaseException:
+        with suppress(Exception):  # the error that stopped the run is the one to report
+            trainer.log.flush()
+        raise
+    trainer.log.flush()
+
+
+def _steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Callable[[StepMetrics], None] | None) -> None:
+    state, plan, log = trainer.state, trainer.plan, trainer.log
+    feed = WindowFeed(trainer.stream, trainer.batches, trainer.device, trainer.parts.hooks, trainer.world)
     while state.step < plan.total_steps:
         step_start = time.perf_counter()
         lr = trainer.parts.optimizer.param_groups[0]["lr"]
-        window = take_window(trainer.stream, trainer.batches, trainer.device, trainer.parts.hooks, trainer.world)
-        state.position = trainer.stream.position
-        result = train_step(trainer.parts, window, stop)
+        window = feed.next()
+        state.position = window.position  # this window's end, not the prefetched one's
+        more = state.step + 1 < plan.total_steps  # the same on every rank: a stop is known only after the sync
+        result = train_step(trainer.parts, window, stop, partial(_while_device_works, feed if more else None, log))
         metrics = _count(trainer, tally, result, lr, step_start)
         last = state.step == plan.total_steps
-        trainer.log.log(metrics, last)
+        log.hold(metrics, last)  # written while the next step computes, or below
         if step_callback is not None:
             step_callback(metrics)
         if state.consecutive_nonfinite >= trainer.max_consecutive_nonfinite:
             raise _diverged(state.step, state.consecutive_nonfinite, trainer.max_consecutive_nonfinite)
         if trainer.evaluator.due(state.step, last):
+            log.flush()  # the step's row before its eval row
             trainer.evaluator.run(state.step)
         stopping = result.any_rank_stopping if trainer.world.distributed else stop.requested
         if trainer.checkpointer.due(state.step, last, stopping):
+            log.flush()  # metrics.jsonl holds the checkpoint's step when the checkpoint exists
             tally.last_checkpoint = trainer.checkpointer.save(state, trainer.tracker.rows)
         if stopping and not last:
             tally.interrupted = stop.signal_name or "SIGTERM"  # another rank saw the signal
             return
+
+
+def _while_device_works(feed: WindowFeed | None, log: StepLog) -> None:
+    """The step boundary's host work, done before the step's sync: the next window (when there
+    is a next step) and the previous step's metrics row."""
+    if feed is not None:
+        feed.prefetch()
+    log.flush()
 
 
 def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_start: float) -> StepMetrics:

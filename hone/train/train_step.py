@@ -4,10 +4,13 @@ Each optimizer step (:func:`train_step`):
 
 1. takes the next accumulation window (``gradient_accumulation_steps`` micro-batches) from
    the seeded data order and counts its trained tokens *before* any backward pass
-   (:func:`take_window`);
+   (:func:`take_window`; the loop collates and copies it one step ahead,
+   :mod:`hone.train.prefetch`);
 2. for each micro-batch: forward, ``sum of token losses / window's trained tokens``,
    backward (:func:`forward_backward_step`; so the window's gradient is the mean over all its
-   tokens, whatever the split);
+   tokens, whatever the split); then, while the device still computes, the caller's host work
+   (``while_device_works``: the next window, the previous step's metrics row), and only then
+   the step's one sync;
 3. skips the update if the loss or the gradient norm is not finite (grads zeroed, optimizer
    and schedule untouched, the step counted; the loop stops with an error after
    ``training.max_consecutive_nonfinite`` of those in a row);
@@ -38,8 +41,9 @@ skipped step but not towards the consecutive limit.
 """
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -52,7 +56,7 @@ from hone.data.collate import MicroBatch
 from hone.errors import HoneError
 from hone.runtime.step import StepModule
 from hone.runtime.world import World
-from hone.train.batches import BatchStream, PackedBatches, PaddedBatches
+from hone.train.batches import BatchStream, DataPosition, PackedBatches, PaddedBatches
 from hone.train.grad_norm import global_grad_norm
 from hone.train.signals import StopRequest
 from hone.transforms.base import RunHooks
@@ -148,6 +152,7 @@ class Window:
     trained_tokens: int  # this rank's
     tokens: int  # this rank's real input tokens
     divisor: int | torch.Tensor  # the trained tokens every micro-batch's loss sum is divided by
+    position: DataPosition  # where the data stands after this window: what a checkpoint after its step saves
     global_counts: torch.Tensor | None = None  # several processes: (trained, real) over all ranks, on the device
 
 
@@ -157,14 +162,27 @@ def take_window(
     """The next window from the seeded data order (advancing ``stream``), with its counts taken
     before any backward. With several processes every rank divides by the global count (0 -> 1:
     the loss stays 0)."""
+    return with_global_counts(collate_window(stream, batches, device, hooks), device, world)
+
+
+def collate_window(stream: BatchStream, batches: PaddedBatches | PackedBatches, device: torch.device, hooks: RunHooks) -> Window:
+    """The next window's micro-batches on ``device`` (copies queued, not waited for) with this
+    rank's counts; advances ``stream``. Nothing here talks to other ranks, so it may run a step
+    ahead of the one that trains it (:mod:`hone.train.prefetch`)."""
     with record_function("hone: batches"):
         micro = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
     trained = sum(b.trained_tokens for b in micro)
-    real = sum(b.tokens for b in micro)
+    return Window(micro, trained, sum(b.tokens for b in micro), divisor=trained, position=stream.position)
+
+
+def with_global_counts(window: Window, device: torch.device, world: World) -> Window:
+    """``window`` ready to train: with several processes, its counts all-reduced (SUM) on the
+    device and the divisor the global trained count. Called for each window in step order, so
+    every rank issues this collective at the same point."""
     if not world.distributed:
-        return Window(micro, trained, real, divisor=trained)
-    counts = _global_counts(trained, real, device)
-    return Window(micro, trained, real, divisor=counts[0].clamp(min=1), global_counts=counts)
+        return window
+    counts = _global_counts(window.trained_tokens, window.tokens, device)
+    return replace(window, divisor=counts[0].clamp(min=1), global_counts=counts)
 
 
 def _global_counts(trained: int, real: int, device: torch.device) -> torch.Tensor:
@@ -221,25 +239,38 @@ def forward_backward(
     return total / divisor
 
 
-def train_step(parts: StepParts, window: Window, stop: StopRequest) -> StepResult:
+def train_step(
+    parts: StepParts, window: Window, stop: StopRequest, while_device_works: Callable[[], None] | None = None
+) -> StepResult:
     """One optimizer step on ``window``: forward/backward, the step's one sync, and the update
-    if the loss and the gradients are usable; the gradients are zeroed either way."""
+    if the loss and the gradients are usable; the gradients are zeroed either way.
+
+    ``while_device_works`` is called once, after the forward and backward (and the clipping) are
+    queued and before the sync: host work placed there overlaps the device's."""
+    meanwhile = while_device_works or _nothing
     if window.trained_tokens == 0 and window.global_counts is None:  # nothing to learn from: no forward
+        meanwhile()
         result = StepResult(StepOutcome.NO_TRAINED_TOKENS, math.nan, None, 0, window.tokens)
     elif parts.scaler is None:
-        result = _plain_step(parts, window, stop)
+        result = _plain_step(parts, window, stop, meanwhile)
     else:
-        result = _float16_step(parts, window, stop, parts.scaler)
+        result = _float16_step(parts, window, stop, parts.scaler, meanwhile)
     with record_function("hone: after step"):
         parts.optimizer.zero_grad(set_to_none=True)
     return result
 
 
-def _plain_step(parts: StepParts, window: Window, stop: StopRequest) -> StepResult:
+def _nothing() -> None:
+    pass
+
+
+def _plain_step(parts: StepParts, window: Window, stop: StopRequest, meanwhile: Callable[[], None]) -> StepResult:
     """Clip on the device, then the step's one sync: loss and norm together."""
     loss_t = forward_backward(parts.step_module, window.batches, window.divisor, parts.hooks, None)
     with record_function("hone: grad norm"):
         norm_t = global_grad_norm(parts.params, parts.max_grad_norm)  # over every rank's shard under FSDP2
+    with record_function("hone: while the device works"):
+        meanwhile()
     with record_function("hone: read loss and norm"):
         read = read_step(loss_t, norm_t, window, stop)
     outcome = classify(read.trained_tokens, read.loss, read.grad_norm, scaled=False)
@@ -251,10 +282,14 @@ def _plain_step(parts: StepParts, window: Window, stop: StopRequest) -> StepResu
     return StepResult(outcome, read.loss, grad_norm, read.trained_tokens, read.tokens, read.any_rank_stopping)
 
 
-def _float16_step(parts: StepParts, window: Window, stop: StopRequest, scaler: torch.amp.GradScaler) -> StepResult:
+def _float16_step(
+    parts: StepParts, window: Window, stop: StopRequest, scaler: torch.amp.GradScaler, meanwhile: Callable[[], None]
+) -> StepResult:
     """float16: the scaler unscales only a finite loss's gradients (its bookkeeping allows one
     unscale per update), so the loss is read first, the norm after unscaling."""
     loss_t = forward_backward(parts.step_module, window.batches, window.divisor, parts.hooks, scaler)
+    with record_function("hone: while the device works"):
+        meanwhile()
     read = read_step(loss_t, None, window, stop)
     grad_norm = None
     if classify(read.trained_tokens, read.loss, None, scaled=True) is StepOutcome.UPDATED:

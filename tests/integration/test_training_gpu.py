@@ -89,3 +89,29 @@ def test_low_precision_training_learns(tmp_path, layout):
     if layout == "fp16-scaled":
         assert (result.last_checkpoint / SCALER_FILE).exists()
         assert result.skipped_steps <= 3  # overflow skips while the scale settles, at most
+
+
+def test_windows_prefetched_through_pinned_memory_train_what_the_cpu_trains(tmp_path):
+    """Each window is copied (non-blocking, from pinned memory) while the previous step computes;
+    the weights after a few steps are the CPU run's, so every step trained its own rows."""
+    seed = random.randrange(1000)
+    rows = random_rows(24, seed=seed, as_list=True)
+    training = {"max_steps": 5, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+    cuda_model = _model(seed)
+    _run(cuda_model, tiny_config(tmp_path / "cuda", training=training), rows)
+    cpu_model = tiny_llama(seed)
+    cfg = tiny_config(tmp_path / "cpu", training=training)
+    hooks = plan_hooks(cpu_model, cfg)
+    train_loop(cpu_model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), hooks=hooks)
+    moved = tiny_llama(seed).state_dict()
+    assert any(not torch.equal(moved[n], p) for n, p in cpu_model.state_dict().items())
+    for (name, a), (_, b) in zip(cpu_model.named_parameters(), cuda_model.named_parameters(), strict=True):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_peak_memory_is_max_memory_allocated():
+    from hone.train.device import peak_memory_gib
+
+    blocks = [torch.empty(random.randrange(1, 64) << 20, dtype=torch.uint8, device=CUDA) for _ in range(3)]
+    del blocks[1]
+    assert peak_memory_gib(CUDA) == torch.cuda.max_memory_allocated(CUDA) / 2**30 > 0
