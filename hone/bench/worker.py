@@ -95,14 +95,14 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
 def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
     """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
     every bench checks the estimate. A failing estimate must not cost the measurement."""
-    from hone.transforms.memory.decide import estimate_for_config
+    from hone.transforms.decide import decided_estimate
 
     try:
-        est = estimate_for_config(cfg, device.type)
+        est = decided_estimate(cfg, device.type)
     except Exception as exc:  # noqa: BLE001 - reported on stderr, the row goes on
         print(f"hone bench: no memory estimate for this row: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-    return round(est.total / GIB, 2) if est is not None else None
+    return round(est.total / GIB, 2)
 
 
 def _write_random_dataset(path: Path, batches: list[torch.Tensor]) -> None:

@@ -11,6 +11,8 @@ and the host, the tiled layers under both, and last CUDA graphs, which are safe 
 only under some of those choices.
 """
 
+import torch
+
 from hone.config.root import HoneConfig
 from hone.transforms.allocator import allocator_choice
 from hone.transforms.auto_policy import offload_layers_choice, plan_memory, selective_budget_choice
@@ -19,7 +21,11 @@ from hone.transforms.compile import compile_choice
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.experts import experts_choice
+from hone.transforms.card import host_memory
+from hone.transforms.memory.decide import loss_of
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.knobs import Knobs
 from hone.transforms.tiled_layers import decide_chunks
 
 
@@ -75,3 +81,24 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
         tiled_layers_why=chunks_why,
         tiled_layers_skipped=chunks_why if cfg.memory.tiled_layers == "auto" and chunks_do_not_fit and not chunks else None,
     )
+
+
+def decided_estimate(cfg: HoneConfig, device: str = "cuda", host_budget: int | None = None) -> MemoryEstimate:
+    """The memory estimate of the step ``cfg`` runs on ``device`` (one process; the card is the
+    local one, the host ``host_budget`` or this machine's RAM), every ``auto`` setting as the plan
+    decides it: the bench records it beside each measured peak, so it must estimate what runs."""
+    if host_budget is None:
+        host_budget = host_memory(None)[0]
+    decided = decide(cfg, RunFacts(torch.device(device), host_memory_bytes=host_budget))
+    knobs = Knobs(
+        decided.checkpointing,
+        loss_of(cfg),
+        device=device,
+        compiled=decided.compile,
+        tiled_mlp=decided.tiled_mlp_shards,
+        tiled_layers=decided.tiled_layers_chunks,
+        offload_layers=decided.offload_layers,
+        selective_budget=decided.compiler_memory_budget,
+        host_budget=host_budget,
+    )
+    return estimate_memory(cfg, knobs)

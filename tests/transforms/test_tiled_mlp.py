@@ -489,10 +489,10 @@ def test_tiled_layer_formula_matches_what_autograd_saves(case):
 
 
 def test_the_estimate_of_the_config_follows_its_tiling():
-    """The bench records ``estimate_for_config`` beside each measured peak: it must estimate
+    """The bench records ``decided_estimate`` beside each measured peak: it must estimate
     the tiling the run applies (a shard count as written, ``auto`` as the planner decides)."""
-    from hone.transforms.memory.decide import estimate_for_config
+    from hone.transforms.decide import decided_estimate
 
-    assert estimate_for_config(_plan_cfg(3), "cpu").tiled_mlp == 3
-    assert estimate_for_config(_plan_cfg("off"), "cpu").tiled_mlp == 0
-    assert estimate_for_config(_plan_cfg("auto"), "cpu").tiled_mlp == 0  # a tiny model fits this machine's RAM
+    assert decided_estimate(_plan_cfg(3), "cpu").tiled_mlp == 3
+    assert decided_estimate(_plan_cfg("off"), "cpu").tiled_mlp == 0
+    assert decided_estimate(_plan_cfg("auto"), "cpu").tiled_mlp == 0  # a tiny model fits this machine's RAM

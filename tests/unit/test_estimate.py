@@ -257,14 +257,15 @@ def test_model_directory_config_needs_no_weights(tmp_path):
 
 def test_policy_and_loss_follow_the_config_with_or_without_the_new_keys():
 
-    from hone.transforms.memory.decide import checkpointing_of, estimate_for_config, loss_of
+    from hone.transforms.decide import decided_estimate
+    from hone.transforms.memory.decide import checkpointing_of, loss_of
 
     cfg = _cfg("tiny-llama", memory__gradient_checkpointing=True)
     assert checkpointing_of(cfg) == "full" and loss_of(cfg) == "fused_linear_ce"  # auto: a plain head
-    assert estimate_for_config(cfg).checkpointing == "full"
+    assert decided_estimate(cfg).checkpointing == "full"
     standard = _cfg("tiny-llama", memory__activation_checkpointing="offload", performance__loss="standard")
     assert checkpointing_of(standard) == "offload" and loss_of(standard) == "standard"
-    assert estimate_for_config(_cfg("tiny-llama", memory__activation_checkpointing="auto")) is None
+    assert decided_estimate(_cfg("tiny-llama", memory__activation_checkpointing="auto")).checkpointing == "none"  # as decided
 
 
 # selective under Inductor (the compiler's activation memory budget), H100, 2026-11-26

@@ -105,28 +105,3 @@ def decide_tiled_layers(cfg: HoneConfig, knobs: Knobs, budget: int, source: str)
         f"in {chunked.tiled_layers} chunks, > {limit})",
         does_not_fit=True,
     )
-
-
-def estimate_for_config(cfg: HoneConfig, device: str = "cuda", host_budget: int | None = None) -> MemoryEstimate | None:
-    """The estimate of the step ``cfg`` runs as written (its checkpointing policy, loss and MLP
-    tiling, ``tiled_mlp: auto`` decided as the planner decides it on ``device``'s memory, an
-    ``offload_layers: auto`` split on ``host_budget``, default this machine's RAM); None for
-    ``activation_checkpointing: auto``, whose policy the planner picks later."""
-    policy = checkpointing_of(cfg)
-    if policy not in POLICIES_BY_SPEED:
-        return None
-    if host_budget is None:
-        from hone.transforms.card import host_memory
-
-        host_budget = host_memory(None)[0]
-    knobs = Knobs(policy, loss_of(cfg), device=device, host_budget=host_budget)
-    shards, chunks = cfg.memory.tiled_mlp_shards, cfg.memory.tiled_layers_chunks
-    if shards is None or chunks is None:  # auto: decided on this device's card, as the planner decides it
-        from hone.transforms.card import device_memory
-
-        budget, source = device_memory(device, None)
-        if shards is None:
-            shards = decide_tiled_mlp(cfg, knobs, budget, source).shards
-        if chunks is None:
-            chunks = decide_tiled_layers(cfg, replace(knobs, tiled_mlp=shards), budget, source).shards
-    return estimate_memory(cfg, replace(knobs, tiled_mlp=shards, tiled_layers=chunks))
