@@ -17,11 +17,11 @@ from hone.config.root import HoneConfig
 from hone.transforms.allocator import allocator_choice
 from hone.transforms.auto_policy import offload_layers_choice, plan_memory, selective_budget_choice
 from hone.transforms.base import Decisions, RunFacts
+from hone.transforms.card import host_memory
 from hone.transforms.compile import compile_choice
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.experts import experts_choice
-from hone.transforms.card import host_memory
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts

@@ -3,10 +3,10 @@ and the tiled layers, each within :data:`AUTO_MARGIN` of the card (:func:`auto_l
 
 from dataclasses import dataclass, replace
 
-from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED
+from hone.config.memory import INPUT_ONLY_POLICIES
 from hone.config.root import HoneConfig
 from hone.transforms.loss import loss_decision
-from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
+from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.units import gib
 
