@@ -139,3 +139,15 @@ def test_triton_kernel_equals_torchao_bit_for_bit(interpreted, name, dtype):
     result = interpreted[name]
     assert result["dtype"] == dtype and result["numel"] == 5 * 16384
     assert result["mismatches"] == 0
+
+
+def test_the_lookup_table_is_made_once_per_dtype_and_device():
+    """Building it copies a list to the device (a host sync on CUDA): every dequantization must
+    reuse one table, and a table first made under inference mode must still serve training."""
+    from hone.kernels.nf4_dequant import NF4_LEVELS, nf4_code
+
+    with torch.inference_mode():
+        first = nf4_code(torch.bfloat16, "cpu")
+    assert nf4_code(torch.bfloat16, torch.device("cpu")) is first and not first.is_inference()
+    assert nf4_code(torch.float32, "cpu") is not first
+    assert torch.equal(nf4_code(torch.float32, "cpu"), torch.tensor(NF4_LEVELS))
