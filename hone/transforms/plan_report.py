@@ -191,7 +191,7 @@ def _fits_row(label: str, estimates: dict[str, MemoryEstimate], budget: int) -> 
 def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = None) -> str:
     """The report. ``transforms``: the planner's lines (name, switch, on, why), shown in order."""
     out = [f"hone plan: {view.title}", f"  {view.model_line}", ""]
-    out.append("Optimizations the config asks for:")
+    out.append("Optimizations this run uses (auto: decided here from the model and the device):")
     out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations], numeric=False)
     if transforms:
         out += ["", "Transforms, in the order the planner applies them:"]
