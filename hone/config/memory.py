@@ -66,8 +66,8 @@ class MemoryConfig(Section):
     ``offload``: ``full``, with the layer inputs held in pinned host memory and copied back ahead
     of the backward (least device memory). ``auto`` (the default): the fastest of these whose
     estimated peak fits the device with a margin; with a quantized base (``model.quantize``),
-    which asks for the least memory, the fastest of ``full`` and ``offload`` that fits (the QLoRA
-    recipe). ``none`` where the estimate cannot read the model. ``hone plan`` prints the choice
+    which asks for little memory, never ``none`` (``selective`` then keeps the least it may).
+    ``none`` where the estimate cannot read the model. ``hone plan`` prints the choice
     and why."""
 
     selective_memory_budget: Literal["auto"] | float = "auto"
@@ -75,8 +75,8 @@ class MemoryConfig(Section):
     compiler may keep for the backward (torch's activation memory budget); it recomputes the
     cheapest ops first to stay under it. 1 keeps what runs fastest, lower saves more memory.
     ``auto``: the largest budget (in steps of 0.05, at least 0.2) whose estimated peak fits the
-    device with a margin. Without Inductor, ``selective`` keeps matmul and attention outputs and
-    this is unused."""
+    device with a margin; 0.2 with a quantized base (``model.quantize``: little memory).
+    Without Inductor, ``selective`` keeps matmul and attention outputs and this is unused."""
 
     tiled_mlp: Literal["auto", "off"] | int = "auto"
     """Compute each decoder layer's MLP (dense or MoE block) in this many shards of tokens, under

@@ -180,15 +180,18 @@ def test_the_selective_budget_is_the_largest_that_fits():
     assert decide(config(), CPU).compiler_memory_budget is None  # eager: no compiler budget
 
 
-def test_a_quantized_base_checkpoints_every_layer_for_the_least_memory():
+def test_a_quantized_base_never_keeps_every_activation_and_selective_keeps_the_least():
     qlora = config(targets=ALL_SEVEN, model={"quantize": "nf4"})
-    chosen = decide(qlora, H100)
-    assert chosen.checkpointing == "full" and "a quantized base (model.quantize: nf4) asks for the least memory" in (
-        chosen.checkpointing_why
-    )
-    assert chosen.compile is True and chosen.cuda_graphs is False
+    for card in (H100, CARD_24GB):
+        chosen = decide(qlora, card)
+        assert chosen.checkpointing == "selective" and chosen.compiler_memory_budget == SELECTIVE_BUDGET_FLOOR
+        assert "a quantized base (model.quantize: nf4) asks for little memory" in chosen.checkpointing_why
+        assert chosen.compile is True and chosen.cuda_graphs is False
+    assert decide(config(), H100).checkpointing == "none"  # the same model unquantized keeps everything
     written = config(targets=ALL_SEVEN, model={"quantize": "nf4"}, memory={"activation_checkpointing": "none"})
     assert decide(written, H100).checkpointing == "none"
+    budget = config(targets=ALL_SEVEN, model={"quantize": "nf4"}, memory={"selective_memory_budget": 0.5})
+    assert decide(budget, H100).compiler_memory_budget == 0.5
 
 
 def test_a_32k_step_fits_an_80gb_card_with_the_policy_auto_chooses():
