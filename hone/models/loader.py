@@ -23,7 +23,7 @@ from hone.models.adapters import apply_adapter
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
 from hone.models.hub import local_model_dir
-from hone.models.materialize import build_skeleton, materialize
+from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
 from hone.models.presets import build_preset_config, get_preset
@@ -54,20 +54,22 @@ def load_model(
     tokenizer,
     device: torch.device | str,
     before_adapter: Callable[[PreTrainedModel], object] | None = None,
+    as_drawn: AsDrawn | None = None,
 ) -> LoadedModel:
     """The model of ``cfg`` on ``device``, with its adapter, in train mode.
 
     ``before_adapter(base)`` runs on the base model before the adapter is attached (the plan's
-    base-stage transforms, e.g. the attention kernel)."""
+    base-stage transforms, e.g. the attention kernel); ``as_drawn``: the plan's replacement of
+    each module of a big preset as it is drawn (:meth:`hone.transforms.planner.Plan.as_drawn`)."""
     device = torch.device(device)
     precision = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora)
     # A quantized base (model.quantize) never sits whole on the device in full precision: a big
-    # preset is drawn on the device one module at a time, each linear layer quantized as soon as it
-    # is drawn; a tiny preset or a model directory is built on the CPU and the plan's quantize
-    # transform moves one full-precision layer at a time to the device.
-    quantized = cfg.model.quantize != "none"
-    build_on = torch.device("cpu") if quantized and not drawn_on_device(cfg.model) else device
-    base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed, quantized=quantized)
+    # preset is drawn on the device one module at a time and the plan quantizes each linear layer
+    # as soon as it is drawn (as_drawn); a tiny preset or a model directory is built on the CPU and
+    # the plan's quantize transform moves one full-precision layer at a time to the device.
+    quantized_as_drawn = as_drawn is not None and drawn_on_device(cfg.model)
+    build_on = torch.device("cpu") if cfg.model.quantize != "none" and not quantized_as_drawn else device
+    base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed, as_drawn=as_drawn)
     if before_adapter is not None:
         before_adapter(base)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
@@ -82,17 +84,17 @@ def load_model(
 
 
 def build_base_model(
-    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, quantized: bool = False
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, as_drawn: AsDrawn | None = None
 ) -> PreTrainedModel:
     """The base model, frozen-or-not as transformers leaves it, in ``dtype`` on ``device``.
 
     Also used by generation and merging: a preset rebuilt with the run's seed gives exactly the
-    random weights the run trained on. With ``quantized``, a big preset's linear layers (all but
-    the head) are quantized (``model.quantize``) as they are drawn, from the same draws as without
-    it; other sources come in full precision, for the plan's quantize transform.
+    random weights the run trained on. ``as_drawn`` (a big preset only): given the meta skeleton,
+    the replacement of each module as soon as it is drawn (the plan's: e.g. a linear layer made
+    4-bit), from the same draws as without it; other sources come as they are.
     """
     if model_cfg.preset is not None:
-        model = build_preset_model(model_cfg, tokenizer, device, dtype, seed, quantized=quantized)
+        model = build_preset_model(model_cfg, tokenizer, device, dtype, seed, as_drawn=as_drawn)
     else:
         model = load_pretrained(local_model_dir(model_cfg.path), model_cfg, device, dtype)
     check_vocab_fits(model, tokenizer, model_cfg)
@@ -100,15 +102,15 @@ def build_base_model(
 
 
 def build_preset_model(
-    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, quantized: bool = False
+    model_cfg: ModelConfig, tokenizer, device: torch.device, dtype: torch.dtype, seed: int, as_drawn: AsDrawn | None = None
 ) -> PreTrainedModel:
     """Random weights drawn from ``seed``, without touching the caller's random state.
 
     Tiny presets: built on the CPU in float32, so the weights are the same on every machine and
     dtype. Big presets: drawn where they will live, in their dtype, one module at a time from a
     meta-device skeleton (:mod:`hone.models.materialize`), or an 8B model spends minutes
-    initialising on the CPU; with ``quantized``, each linear layer but the head becomes 4-bit as
-    soon as it is drawn, so the full-precision model never exists whole."""
+    initialising on the CPU; ``as_drawn(skeleton)`` replaces each module as soon as it is drawn
+    (a quantized base: the full-precision model never exists whole)."""
     preset = get_preset(model_cfg.preset)
     config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -120,13 +122,8 @@ def build_preset_model(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     else:
         skeleton = build_skeleton(config, dtype, attn_implementation=attn)
-        replace = None
-        if quantized:
-            from hone.models.nf4 import quantize_as_drawn  # torchao: only for a run that quantizes
-
-            replace = quantize_as_drawn(skeleton)
         with seeded(seed, device):
-            model = materialize(skeleton, device, replace)
+            model = materialize(skeleton, device, as_drawn(skeleton) if as_drawn is not None else None)
     cast_parameters(model, dtype)
     return model.to(device)
 

@@ -34,6 +34,8 @@ from hone.models.errors import ModelError
 
 #: Swaps a module just drawn for another (returned), or keeps it (``None``).
 Replace = Callable[[nn.Module], nn.Module | None]
+#: Given a meta skeleton, the :data:`Replace` to apply while drawing it (None: keep every module).
+AsDrawn = Callable[[nn.Module], Replace | None]
 
 
 def build_skeleton(config, dtype: torch.dtype, **kwargs) -> PreTrainedModel:

@@ -266,7 +266,13 @@ def _model(
                 before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
             )
         else:
-            loaded = load_model(cfg, tokenizer, device, before_adapter=lambda base: plan.apply(base, "base", cfg, facts))
+            loaded = load_model(
+                cfg,
+                tokenizer,
+                device,
+                before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
+                as_drawn=plan.as_drawn(cfg, facts),
+            )
     console.print(f"model: {loaded.description}", highlight=False, markup=False, soft_wrap=True)
     console.print(
         f"trainable parameters: {loaded.trainable_params:,} of {loaded.total_params:,} "

@@ -43,6 +43,7 @@ from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
     from hone.models.attention.layout import AttentionLayout
+    from hone.models.materialize import Replace
 
 Stage = Literal["base", "adapted"]
 
@@ -168,6 +169,11 @@ class Transform:
     """Why it is on for this config, in words (``hone plan``); default: its switch's value."""
     label: Callable[[dict[str, Any]], str] | None = None
     """The console text of the applied transform from its recorded details (default: the name)."""
+    as_drawn: Callable[[nn.Module, PlanContext], "Replace"] | None = None
+    """A base-stage transform's work done while a big preset is drawn one module at a time
+    (:mod:`hone.models.materialize`): given the meta skeleton, the replacement of each module as
+    soon as it is drawn (the quantized base: each linear becomes 4-bit before the next is drawn,
+    so the full-precision model never exists whole). Its ``model`` hook then finds it done."""
     shards_parameters: bool = False
     """Its adapted-stage ``model`` hook spreads the parameters over the ranks (FSDP2): such a plan
     can be applied to a model built on the meta device, before its weights are read, so that no

@@ -23,6 +23,7 @@ from torch import nn
 from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.models.materialize import AsDrawn, Replace
 from hone.run_files import OPTIMIZATIONS_FILE
 from hone.runtime.step import StepModule
 from hone.transforms.allocator import ALLOCATOR
@@ -135,6 +136,27 @@ class Plan:
             details = transform.model(model, ctx) if transform.model is not None else {}
             done.append(self._record(transform, details))
         return done
+
+    def as_drawn(self, cfg: HoneConfig, facts: RunFacts) -> AsDrawn | None:
+        """What the loader applies to each module of a big preset as it draws it (the base-stage
+        transforms' ``as_drawn`` hooks, in plan order); None when no transform has one."""
+        hooks = [t.as_drawn for t in self.transforms if t.as_drawn is not None and t.stage == "base"]
+        if not hooks:
+            return None
+        ctx = PlanContext(cfg, facts, self.decided)
+
+        def for_skeleton(skeleton: nn.Module) -> Replace:
+            replaces = [hook(skeleton, ctx) for hook in hooks]
+
+            def replace(module: nn.Module) -> nn.Module | None:
+                current = module
+                for each in replaces:
+                    current = each(current) or current
+                return None if current is module else current
+
+            return replace
+
+        return for_skeleton
 
     def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""

@@ -7,8 +7,9 @@ with LoRA (PEFT's custom-module mapping) and the compiler traces through hone's 
 op without a graph break.
 
 The full-precision model never exists whole. A big preset arrives already quantized: the
-loader draws it on the device one module at a time and quantizes each linear layer as soon as it
-is drawn (:func:`hone.models.nf4.quantize_as_drawn`), so this transform only records it. A tiny
+loader draws it on the device one module at a time and this transform's ``as_drawn`` hook
+quantizes each linear layer as soon as it is drawn (:func:`hone.models.nf4.quantize_as_drawn`),
+so its ``model`` hook only records it. A tiny
 preset or a model directory arrives on the CPU (:func:`hone.models.loader.load_model`): this
 transform moves one full-precision weight at a time to the device, quantizes it there and drops
 it, and the rest of the model (embedding, norms, head) follows once the adapter is attached.
@@ -51,6 +52,12 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     return {"format": model_cfg.quantize, "compute_dtype": model_cfg.dtype, **details}
 
 
+def _as_drawn(skeleton: nn.Module, ctx: PlanContext):
+    from hone.models.nf4 import quantize_as_drawn  # torchao and PEFT: see _check
+
+    return quantize_as_drawn(skeleton)
+
+
 def _size(mib: float) -> str:
     return f"{mib / 1024:.2f} GiB" if mib >= 1024 else f"{mib:.1f} MiB"
 
@@ -70,6 +77,7 @@ QUANTIZE = Transform(
     check=_check,
     stage="base",
     model=_apply,
+    as_drawn=_as_drawn,
     label=_label,
     why=lambda ctx: f"model.quantize: {ctx.cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)",
 )

@@ -172,3 +172,26 @@ def test_compiled_qlora_trains_like_eager_without_graph_breaks_or_recompiles(eag
     compiled, eager = _train_losses(cfg.training.output_dir), _train_losses(eager_cfg.training.output_dir)
     assert len(compiled) == 3 and compiled[-1] < compiled[0]
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_a_big_preset_run_draws_its_base_quantized_through_the_plan(tmp_path, monkeypatch):
+    """A big (non-tiny) preset is drawn one module at a time and the plan's quantize transform
+    turns each linear layer to NF4 as it is drawn (``Plan.as_drawn``), never the whole model in
+    full precision; the run then trains as usual."""
+    from hone.models import loader
+
+    handed = []
+    real = loader.build_preset_model
+
+    def spy(*args, **kwargs):
+        handed.append(kwargs.get("as_drawn"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "build_preset_model", spy)
+    cfg = _config(tmp_path, "big", max_steps=2, eval_steps=None, save_steps=None)
+    model = cfg.model.model_copy(update={"preset": "qwen3-8b", "preset_overrides": {**OVERRIDES, "num_key_value_heads": 4}})
+    cfg = cfg.model_copy(update={"model": model})
+    result = run_training(cfg, device="cpu", console=Console(quiet=True))
+    assert result.steps == 2 and handed and handed[0] is not None
+    record = json.loads((cfg.training.output_dir / OPTIMIZATIONS_FILE).read_text())
+    assert {a["name"]: a for a in record["applied"]}["quantize"]["details"]["quantized_layers"] == 14

@@ -116,7 +116,7 @@ def test_quantized_big_preset_never_holds_two_full_precision_linears_and_matches
     assert max(drawn_linears) == 1  # the layer just drawn, never two: the full model never exists whole
     assert sum(isinstance(m, NF4Linear) for m in skeleton.modules()) == 14
 
-    quantized = build_base_model(cfg, tokenizer, cpu, torch.bfloat16, seed=3, quantized=True)
+    quantized = build_base_model(cfg, tokenizer, cpu, torch.bfloat16, seed=3, as_drawn=quantize_as_drawn)
     full = build_base_model(cfg, tokenizer, cpu, torch.bfloat16, seed=3)  # what generate / merge rebuild
     assert nf4_roundtrip_(full, torch.bfloat16) == 14
     layers = {n: m for n, m in quantized.named_modules() if isinstance(m, NF4Linear)}
@@ -187,8 +187,14 @@ def test_load_model_of_a_quantized_big_preset_arrives_quantized_and_the_plan_rec
         return plan.apply(base, "base", cfg, facts)
 
     applied = []
-    loaded = load_model(cfg, tiny_tokenizer(), "cpu", before_adapter=lambda base: applied.extend(base_stage(base)))
-    assert arrived == [14]  # quantized by the builder, before any transform ran
+    loaded = load_model(
+        cfg,
+        tiny_tokenizer(),
+        "cpu",
+        before_adapter=lambda base: applied.extend(base_stage(base)),
+        as_drawn=plan.as_drawn(cfg, facts),
+    )
+    assert arrived == [14]  # quantized as drawn (the plan's quantize transform), before any model hook ran
     record = next(a for a in applied if a.name == "quantize").details
     assert record["quantized_layers"] == 14 and record["kept_layers"] == []
     ids = torch.randint(1, 300, (1, 16), generator=torch.Generator().manual_seed(0))
