@@ -3,8 +3,9 @@
 The task is deliberately small and closed so that a tiny, randomly initialised transformer
 learns it in a couple of minutes on a CPU: questions about a fixed table of facts (colors of
 fruits, capitals of made-up countries, words of a made-up language called Velish), each asked
-in several phrasings. A held-out split asks the same facts in other phrasings and orders, so
-eval loss drops sharply and answers can be checked by exact match.
+in several phrasings. Every fact comes up equally often, its phrasings in turn (see
+``Questions``). A held-out split asks the same facts in other phrasings and orders, so eval loss
+drops sharply and answers can be checked by exact match.
 
 Outputs, next to this script:
 
@@ -14,7 +15,9 @@ Outputs, next to this script:
 - ``completion_sample.jsonl``: ~300 ``{"text"}`` rows stating the facts as sentences.
 
 Run ``python examples/data/make_sample_data.py`` (no arguments); rerunning rewrites identical
-files. Every answer is a single word so that exact-match checks are meaningful.
+files. Every answer is a single word so that exact-match checks are meaningful. The bundled
+tokenizer is trained on these files: after changing them, rerun ``scripts/build_tokenizer.py``
+(tests check that both scripts reproduce the committed files).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 SEED = 1234
 HERE = Path(__file__).resolve().parent
@@ -118,7 +121,14 @@ def _article(noun: str) -> str:
 
 
 def facts() -> list[tuple[str, list[str], str]]:
-    """(kind, question phrasings, answer) for every fact of the table."""
+    """(kind, question phrasings, answer) for every fact of the table.
+
+    No phrasing opens with a name: a byte-level tokenizer gives a word at the start of a message
+    (no space before it) another token than the same word after a space, so "Zorvania has which
+    capital?" taught a Zorvania token that the other phrasings never use, from a handful of rows;
+    those were the questions a trained model got wrong. A name in a question always follows a
+    space (or a quote, the same in every phrasing of its kind).
+    """
     out: list[tuple[str, list[str], str]] = []
     for fruit, color in FRUIT_COLORS.items():
         a = f"{_article(fruit)} {fruit}"
@@ -136,10 +146,11 @@ def facts() -> list[tuple[str, list[str], str]]:
             f"Name the capital of {country}.",
             f"Which city is the capital of {country}?",
             f"Tell me the capital city of {country}.",
-            f"{country} has which capital?",
+            f"The capital of {country} is which city?",
         ]
         out.append(("capital", phrasings, capital))
-        out.append(("country", [f"{capital} is the capital of which country?", f"Which country has {capital} as its capital?"], country))
+        reverse = [f"Of which country is {capital} the capital?", f"Which country has {capital} as its capital?"]
+        out.append(("country", reverse, country))
     for english, velish in VELISH.items():
         phrasings = [
             f"Translate '{english}' into Velish.",
@@ -148,24 +159,43 @@ def facts() -> list[tuple[str, list[str], str]]:
             f"In Velish, what is '{english}'?",
         ]
         out.append(("to_velish", phrasings, velish))
-        out.append(("from_velish", [f"What does the Velish word '{velish}' mean?", f"Translate the Velish word '{velish}' into English."], english))
+        reverse = [f"What does the Velish word '{velish}' mean?", f"Translate the Velish word '{velish}' into English."]
+        out.append(("from_velish", reverse, english))
     return out
 
 
-def _question(rng: random.Random, table: list[tuple[str, list[str], str]]) -> tuple[str, str, str]:
-    kind, phrasings, answer = rng.choice(table)
-    return kind, rng.choice(phrasings), answer
+class Questions:
+    """Draws (kind, question, answer) so that every fact comes up equally often (a shuffled pass
+    over the table, then another) and each fact's phrasings take turns: no fact or phrasing is
+    left to chance. Random draws had left some questions once or never in 2000 rows, and those
+    were the ones a trained model got wrong."""
+
+    def __init__(self, rng: random.Random, table: list[tuple[str, list[str], str]]):
+        self.rng, self.table = rng, table
+        self.facts_left: list[int] = []
+        self.phrasings_left: dict[int, list[str]] = {}
+
+    def draw(self) -> tuple[str, str, str]:
+        if not self.facts_left:
+            self.facts_left = list(range(len(self.table)))
+            self.rng.shuffle(self.facts_left)
+        index = self.facts_left.pop()
+        kind, phrasings, answer = self.table[index]
+        if not self.phrasings_left.get(index):
+            self.phrasings_left[index] = list(phrasings)
+            self.rng.shuffle(self.phrasings_left[index])
+        return kind, self.phrasings_left[index].pop(), answer
 
 
 def chat_rows(rng: random.Random, n: int) -> list[dict]:
-    table = facts()
+    questions = Questions(rng, facts())
     rows = []
     for _ in range(n):
         messages = []
         if rng.random() < 0.6:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         for _turn in range(1 if rng.random() < 0.55 else 2):
-            _, question, answer = _question(rng, table)
+            _, question, answer = questions.draw()
             messages.append({"role": "user", "content": question})
             messages.append({"role": "assistant", "content": answer})
         rows.append({"messages": messages})
@@ -173,11 +203,11 @@ def chat_rows(rng: random.Random, n: int) -> list[dict]:
 
 
 def alpaca_rows(rng: random.Random, n: int) -> list[dict]:
-    table = facts()
+    questions = Questions(rng, facts())
     english_of = {v: k for k, v in VELISH.items()}
     rows = []
     for _ in range(n):
-        kind, question, answer = _question(rng, table)
+        kind, question, answer = questions.draw()
         if kind == "to_velish" and rng.random() < 0.5:
             rows.append({"instruction": "Translate this word into Velish.", "input": english_of[answer], "output": answer})
         elif kind == "fruit" and rng.random() < 0.3:
