@@ -29,11 +29,12 @@ class HoneConfig(Section):
 
     @model_validator(mode="after")
     def _eval_needs_data(self) -> "HoneConfig":
-        if self.training.eval_steps is not None and not self.data.has_eval:
-            raise ValueError(
-                "training.eval_steps is set but there is no eval data: set data.val_set_size "
-                "or data.test_datasets, or remove training.eval_steps"
-            )
+        for key in ("eval_steps", "evals_per_epoch"):
+            if getattr(self.training, key) is not None and not self.data.has_eval:
+                raise ValueError(
+                    f"training.{key} is set but there is no eval data: set data.val_set_size "
+                    f"or data.test_datasets, or remove training.{key}"
+                )
         return self
 
     @model_validator(mode="after")

@@ -30,8 +30,17 @@ class TrainingConfig(Section):
     eval_steps: int | None = Field(None, ge=1)
     """Evaluate every N optimizer steps (and always at the end when there is eval data)."""
 
+    evals_per_epoch: int | None = Field(None, ge=1)
+    """Evaluate N times per epoch, evenly spaced (instead of ``eval_steps``): after step
+    ``ceil(k * steps_per_epoch / N)`` of each epoch for ``k = 1..N``, so the last one closes the
+    epoch; every step when N is at least the steps per epoch."""
+
     save_steps: int | None = Field(None, ge=1)
     """Write a resumable checkpoint every N optimizer steps (and always at the end)."""
+
+    saves_per_epoch: int | None = Field(None, ge=1)
+    """Write a checkpoint N times per epoch, evenly spaced (instead of ``save_steps``), at the
+    same points as ``evals_per_epoch``."""
 
     save_total_limit: int = Field(2, ge=1)
     """Keep only the newest K checkpoints."""
@@ -55,6 +64,16 @@ class TrainingConfig(Section):
                 "set either training.max_steps or training.num_epochs, not both "
                 f"(got max_steps={self.max_steps}, num_epochs={self.num_epochs})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> "TrainingConfig":
+        for steps, per_epoch in (("save_steps", "saves_per_epoch"), ("eval_steps", "evals_per_epoch")):
+            if getattr(self, steps) is not None and getattr(self, per_epoch) is not None:
+                raise ValueError(
+                    f"set either training.{steps} or training.{per_epoch}, not both "
+                    f"(got {steps}={getattr(self, steps)}, {per_epoch}={getattr(self, per_epoch)})"
+                )
         return self
 
     @property

@@ -92,6 +92,17 @@ class StepPlan:
         """Fractional epoch reached after ``step`` optimizer steps."""
         return step / self.steps_per_epoch
 
+    def due(self, step: int, every: int | None, per_epoch: int | None) -> bool:
+        """Whether a periodic action (save, eval) falls after ``step``: every ``every`` steps, or
+        ``per_epoch`` times per epoch at steps ``ceil(k * steps_per_epoch / per_epoch)`` of each
+        epoch (``k = 1..per_epoch``): the step where the epoch's ``k``-th fraction is crossed."""
+        if every:
+            return step % every == 0
+        if per_epoch:
+            n = min(per_epoch, self.steps_per_epoch)
+            return step >= 1 and (step * n) // self.steps_per_epoch != ((step - 1) * n) // self.steps_per_epoch
+        return False
+
     def describe(self) -> str:
         dropped = (
             f", {self.dropped_per_epoch} row{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "

@@ -1,10 +1,11 @@
 """When the run saves its state, and what goes into a checkpoint.
 
-A checkpoint is written every ``training.save_steps``, after the last step, and when a signal
-stops the run (:meth:`Checkpointer.due`). What a checkpoint holds is the optimizer step's whole
-state: weights, optimizer, schedule, loss scaler, RNG (:mod:`hone.train.checkpoint`) and the
-:class:`~hone.train.state.TrainState` as ``trainer_state.json``. Who writes the files (rank 0,
-or every rank its shards) is the plan's :class:`~hone.train.checkpoint_io.CheckpointIO`.
+A checkpoint is written every ``training.save_steps`` (or ``saves_per_epoch`` times an epoch),
+after the last step, and when a signal stops the run (:meth:`Checkpointer.due`). What a
+checkpoint holds is the optimizer step's whole state: weights, optimizer, schedule, loss
+scaler, RNG (:mod:`hone.train.checkpoint`) and the :class:`~hone.train.state.TrainState` as
+``trainer_state.json``. Who writes the files (rank 0, or every rank its shards) is the plan's
+:class:`~hone.train.checkpoint_io.CheckpointIO`.
 """
 
 from pathlib import Path
@@ -37,6 +38,7 @@ class Checkpointer:
         self.io = io
         self.output_dir = output_dir
         self.save_steps = training.save_steps
+        self.saves_per_epoch = training.saves_per_epoch
         self.keep = training.save_total_limit
         self.seed = training.seed
         self.plan = plan
@@ -46,7 +48,7 @@ class Checkpointer:
         self.scaler = scaler
 
     def due(self, step: int, last: bool, stopping: bool) -> bool:
-        return bool(self.save_steps and step % self.save_steps == 0) or last or stopping
+        return self.plan.due(step, self.save_steps, self.saves_per_epoch) or last or stopping
 
     def save(self, state: TrainState, metrics_rows: list[dict[str, Any]]) -> Path:
         """Write ``checkpoints/step-<state.step>``; ``metrics_rows`` are the run's so far (the

@@ -11,7 +11,8 @@ the forward (FSDP2 gathers each layer's weights) never waits for a rank that has
 
 During training, the :class:`Evaluator` decides when: a fresh run with eval data evaluates once
 before the first step (step 0), so the report can compare the final eval loss with the
-untrained model's; then every ``training.eval_steps`` and after the last step.
+untrained model's; then every ``training.eval_steps`` (or ``evals_per_epoch`` times an epoch)
+and after the last step.
 """
 
 import math
@@ -127,6 +128,7 @@ class Evaluator:
         self.dataset = dataset
         self.enabled = dataset is not None and len(dataset) > 0
         self.eval_steps = training.eval_steps
+        self.evals_per_epoch = training.evals_per_epoch
         self.batch_size = training.micro_batch_size
         self.plan = plan
         self.tracker = tracker
@@ -143,7 +145,7 @@ class Evaluator:
         return self.enabled and step == 0
 
     def due(self, step: int, last: bool) -> bool:
-        return self.enabled and (bool(self.eval_steps and step % self.eval_steps == 0) or last)
+        return self.enabled and (self.plan.due(step, self.eval_steps, self.evals_per_epoch) or last)
 
     def run(self, step: int) -> None:
         """Evaluate now (every rank) and log the result as the eval row of ``step``."""
