@@ -192,7 +192,7 @@ def _steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Cal
     feed = WindowFeed(trainer.stream, trainer.batches, trainer.device, trainer.parts.hooks, trainer.world)
     while state.step < plan.total_steps:
         step_start = time.perf_counter()
-        lr = trainer.parts.optimizer.param_groups[0]["lr"]
+        lr = float(trainer.parts.optimizer.param_groups[0]["lr"])  # a tensor for torchao's, changed in place
         window = feed.next()
         state.position = window.position  # this window's end, not the prefetched one's
         more = state.step + 1 < plan.total_steps  # the same on every rank: a stop is known only after the sync

@@ -5,6 +5,12 @@ Biases and normalisation weights (every 1-D parameter) are not decayed: pulling 
 or a bias towards zero is not a regulariser, it shifts the layer (the usual convention of
 GPT-2/LLaMA training code and Hugging Face's Trainer).
 
+``optimizer.name: adamw_8bit`` / ``adamw_4bit`` build torchao's low-bit AdamW over the same
+groups: the same decoupled weight decay and bias correction, the moments block-quantized (their
+state is a tensor subclass that ``torch.save`` and ``optimizer.load_state_dict`` carry whole, so a
+resumed run continues bit for bit). torchao keeps each group's learning rate as a tensor and
+refuses a float in its place: :func:`set_lr` writes either kind.
+
 The schedule is a ``LambdaLR`` whose factor is a small callable object, so its whole state
 (shape, warm-up, total, floor) travels in ``scheduler.state_dict()`` and a resumed run
 continues the exact curve.
@@ -17,7 +23,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from hone.config.optimizer import OptimizerConfig
+from hone.config.optimizer import LOW_BIT_ADAMW, LOW_BIT_INSTALL_HINT, OptimizerConfig
+from hone.errors import HoneError
 
 
 def trainable_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -47,10 +54,28 @@ def use_fused(cfg: OptimizerConfig, device: torch.device) -> bool:
     return bool(cfg.fused)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+def low_bit_adamw(name: str, device: torch.device) -> type[torch.optim.Optimizer]:
+    """torchao's class for ``optimizer.name``, or a clear error for a missing package or device."""
+    if device.type not in ("cuda", "cpu"):
+        raise HoneError(f"optimizer.name: {name} runs on CUDA or the CPU, not on {device.type}: set optimizer.name: adamw")
+    try:
+        import torchao.optim
+    except ImportError:
+        raise HoneError(
+            f"optimizer.name: {name} needs the Python package 'torchao' (>= 0.18), which is not installed: "
+            f"{LOW_BIT_INSTALL_HINT}, or set optimizer.name: adamw"
+        ) from None
+    return getattr(torchao.optim, LOW_BIT_ADAMW[name][0])
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
+    if cfg.name in LOW_BIT_ADAMW:
+        adamw = low_bit_adamw(cfg.name, device)
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        return adamw(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(
         groups,
         lr=cfg.learning_rate,
@@ -59,6 +84,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device
         weight_decay=cfg.weight_decay,
         fused=use_fused(cfg, device) or None,
     )
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Set a param group's learning rate in place: a tensor (torchao's optimizers) or a float."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 @dataclass

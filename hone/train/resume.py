@@ -18,7 +18,7 @@ from hone.runtime.world import World
 from hone.train.batches import StepPlan
 from hone.train.checkpoint import remove_checkpoints_after, resume_history
 from hone.train.checkpointer import Checkpointer
-from hone.train.optim import LRSchedule, make_schedule
+from hone.train.optim import LRSchedule, make_schedule, set_lr
 from hone.train.state import TrainState
 
 
@@ -67,7 +67,7 @@ def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, wanted: LRSche
     learning rate at that step."""
     scheduler.lr_lambdas[0].__dict__.update(asdict(wanted))
     for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-        group["lr"] = base_lr * wanted(scheduler.last_epoch)
+        set_lr(group, float(base_lr) * wanted(scheduler.last_epoch))
 
 
 def resume_notes(saved: dict[str, Any], plan: StepPlan, seed: int, *, schedule_changed: bool) -> list[str]:

@@ -198,6 +198,18 @@ def test_full_finetune_counts_gradients_and_optimizer_in_the_weight_dtype():
     assert est.trainable_state == 2 * facts.trainable_params
 
 
+@pytest.mark.parametrize(("name", "per_weight"), [("adamw_8bit", 2 * (1 + 4 / 256)), ("adamw_4bit", 2 * (0.5 + 4 / 128))])
+def test_low_bit_adamw_counts_its_quantized_moments(name, per_weight):
+    full = _cfg("qwen3-8b", adapter={"type": "none"})
+    low = _cfg("qwen3-8b", adapter={"type": "none"}, optimizer__name=name)
+    knobs = Knobs(checkpointing="full", loss="standard")
+    est_full, est_low = estimate_memory(full, knobs), estimate_memory(low, knobs)
+    params = model_facts(low).trainable_params
+    assert est_low.optimizer == round(per_weight * params)  # two bf16 moments were 4 bytes a weight
+    assert est_full.total - est_low.total >= est_full.optimizer - est_low.optimizer  # (the workspace allowance scales)
+    assert est_low.weights == est_full.weights and est_low.trainable_state == est_full.trainable_state
+
+
 def test_policies_order_and_offload_uses_the_host():
     cfg = _cfg("qwen3-8b", seq=8192)
     est = {p: estimate_memory(cfg, Knobs(checkpointing=p, loss="standard")) for p in ("none", "selective", "full", "offload")}

@@ -2,8 +2,9 @@
 (:mod:`hone.transforms.memory.terms`), over the phases of the step.
 
 * **Trainable state**: AdamW keeps two moments per trainable weight in the weight's dtype
-  (``torch.optim.AdamW``); gradients have the weight's dtype (master copies: none, see
-  :mod:`hone.models.precision`).
+  (``torch.optim.AdamW``; about 1 or 0.5 bytes each with ``optimizer.name: adamw_8bit`` /
+  ``adamw_4bit``: :meth:`~hone.config.optimizer.OptimizerConfig.state_bytes`); gradients have
+  the weight's dtype (master copies: none, see :mod:`hone.models.precision`).
 * **Peak**: the maximum over the phases of a step (the loss's backward with every saved
   activation alive; the first and last layer's backward with the recompute of one layer; the
   optimizer step), plus a workspace allowance (cuBLAS workspaces, allocator rounding).
@@ -198,7 +199,8 @@ def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[i
     """(weights, gradients, AdamW moments) on one device: the weights with their float8 copies,
     sharded over ``param_shards`` processes by FSDP."""
     weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m)
-    return sharded_state(m, weights, m.trainable_bytes, 2 * m.trainable_bytes, param_shards)
+    optimizer = cfg.optimizer.state_bytes(m.trainable_params, m.trainable_elem_bytes)
+    return sharded_state(m, weights, m.trainable_bytes, optimizer, param_shards)
 
 
 def step_phases(m: ModelFacts, step: Step, kept: Kept, rebuilt: int, grads: int) -> dict[str, dict[str, int]]:
