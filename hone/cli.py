@@ -433,7 +433,9 @@ def _add_convert_and_chat(add: Callable[..., argparse.ArgumentParser]) -> None:
         "translate an Axolotl config into a hone config",
         "Translate the Axolotl config SOURCE into a hone config (-o), listing every key that has no "
         "hone equivalent with the reason (printed, and as a comment block at the top of the output), "
-        "then validate the result with hone's config loader (exit 0 valid, 2 not). See docs/convert.md.",
+        "then validate the result with hone's config loader (exit 0 valid, 2 not). A config of an objective or "
+        "modality hone does not train (rl, reward models, multimodal, diffusion) is refused: exit 2, nothing "
+        "written. See docs/convert.md.",
     )
     p.add_argument("source", type=Path, help="Axolotl YAML config")
     p.add_argument("--output", "-o", type=Path, required=True, help="hone YAML config to write")

@@ -10,8 +10,14 @@ that no rule consumed is reported instead of silently dropped. A key whose value
 nothing (null, false, an empty string or list) is dropped quietly: leaving it out changes no
 behaviour. Keys that hone does not need because it does the same thing on its own are listed as
 notes, not as untranslated.
+
+A config whose objective or modality hone does not train (``rl``, reward models, a multimodal
+``processor_type``, a diffusion or distillation plugin), or whose training datasets all fail to
+convert, is refused (:class:`ConversionRefused`, naming each key and why) instead of being
+converted into a plain language-model run.
 """
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -22,6 +28,13 @@ import yaml
 from hone.config.attention import BACKENDS
 from hone.config.data import SUFFIX_FORMATS
 from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS
+from hone.errors import HoneError
+
+
+class ConversionRefused(HoneError):
+    """The Axolotl config trains something hone does not (another objective or modality), or
+    none of its training datasets converts: writing a config anyway would train something else
+    than the user asked for, so nothing is written."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +59,30 @@ class Conversion:
         return [u.key for u in self.untranslated]
 
 
-#: A hand-written ChatML template (Axolotl's ``chat_template: chatml``): hone takes templates as
-#: Jinja text, and ChatML is the one named template simple and universal enough to spell out.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+#: Axolotl's chat template names that hone spells differently; every other name is kept as it is
+#: (``chatml``, ``llama3``, ``qwen3``, ``qwen_25``, ``gemma``, ``gemma3``, ...) and ``hone
+#: validate`` refuses a name hone does not ship, listing the ones it does.
+TEMPLATE_NAMES: dict[str, str] = {"qwen2_5": "qwen2.5", "qwen25": "qwen2.5"}
+
+#: Axolotl (and Hugging Face Trainer) optimizer names -> hone's ``optimizer.name``, with the note
+#: shown when the implementation differs (bitsandbytes' kernels, paging).
+_BNB_8BIT = "bitsandbytes' 8-bit AdamW -> torchao's AdamW8bit (block-wise 8-bit moments; pip install 'hone[quant]')"
+_PAGED = "hone does not page optimizer state to the host"
+OPTIMIZERS: dict[str, tuple[str, str | None]] = {
+    "adamw_torch": ("adamw", None),
+    "adamw_torch_fused": ("adamw", None),
+    "adamw_hf": ("adamw", None),
+    "adamw": ("adamw", None),
+    "adamw_apex_fused": ("adamw", None),
+    "paged_adamw_32bit": ("adamw", f"paged 32-bit AdamW -> optimizer.name: adamw ({_PAGED})"),
+    "adamw_bnb_8bit": ("adamw_8bit", _BNB_8BIT),
+    "adamw_8bit": ("adamw_8bit", _BNB_8BIT),
+    "paged_adamw_8bit": ("adamw_8bit", f"{_BNB_8BIT}; {_PAGED}"),
+    "adamw_torch_8bit": ("adamw_8bit", None),  # Trainer's name for torchao's AdamW8bit
+    "ao_adamw_8bit": ("adamw_8bit", None),
+    "adamw_torch_4bit": ("adamw_4bit", None),  # Trainer's name for torchao's AdamW4bit
+    "ao_adamw_4bit": ("adamw_4bit", None),
+}
 
 _SECTION_ORDER = ("model", "data", "adapter", "training", "optimizer", "memory", "performance", "logging", "distributed")
 
@@ -75,8 +104,6 @@ REASONS: dict[str, str] = {
     "train_on_inputs": "hone trains only the response of alpaca rows and the train_on roles of chat rows",
     "pad_to_sequence_len": "hone pads each micro-batch to its longest row; packed rows are always sequence_len long",
     "group_by_length": "hone does not sort batches by length",
-    "evals_per_epoch": "hone counts evaluation in optimizer steps: set training.eval_steps",
-    "saves_per_epoch": "hone counts checkpoints in optimizer steps: set training.save_steps",
     "early_stopping_patience": "hone has no early stopping",
     "loss_watchdog_threshold": "hone has no loss watchdog (it stops after training.max_consecutive_nonfinite non-finite steps)",
     "loss_watchdog_patience": "hone has no loss watchdog (it stops after training.max_consecutive_nonfinite non-finite steps)",
@@ -109,8 +136,6 @@ REASONS: dict[str, str] = {
     "push_to_hub": _HUB,
     "push_dataset_to_hub": _HUB,
     "hf_use_auth_token": "hone works offline, on local files only",
-    "rl": "hone fine-tunes with the language-modelling loss only (no DPO/ORPO/KTO/GRPO)",
-    "reward_model": "hone fine-tunes with the language-modelling loss only",
     "max_memory": "hone places the model on one device per process",
     "gpu_memory_limit": "hone places the model on one device per process",
     "lora_on_cpu": "hone places the model on one device per process",
@@ -132,8 +157,8 @@ REASONS: dict[str, str] = {
     "relora_steps": "hone has no ReLoRA",
     "peft_layers_to_transform": "hone puts adapters on every matching layer",
     "lora_fan_in_fan_out": "hone's LoRA uses PEFT's default layout",
-    "save_strategy": "hone checkpoints every training.save_steps and at the end",
-    "eval_strategy": "hone evaluates every training.eval_steps and at the end",
+    "save_strategy": "hone checkpoints every training.save_steps (or saves_per_epoch times an epoch) and at the end",
+    "eval_strategy": "hone evaluates every training.eval_steps (or evals_per_epoch times an epoch) and at the end",
     "save_only_model": "hone's checkpoints always hold what a resume needs",
     "max_packed_sequence_len": "hone packs into rows of data.sequence_len",
     "sample_packing_eff_est": "hone packs once, before training, and knows the exact row count",
@@ -165,6 +190,8 @@ NOT_NEEDED: dict[str, str] = {
     "debug": "use hone --verbose",
     "use_tensorboard": "hone writes TensorBoard events by default (logging.tensorboard)",
     "fsdp_version": "hone's FSDP is always FSDP2",
+    "pretrain_multipack_attn": "hone's packing always keeps packed documents apart",
+    "pretrain_multipack_buffer_size": "hone packs the whole dataset once, before training",
 }
 
 
@@ -303,27 +330,42 @@ def _attention(r: _Reader, model: dict[str, Any]) -> None:
 # data
 
 
-def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
-    """``path`` (and ``data_files``/``ds_type``) -> a local file hone can read."""
+#: A hub dataset id: ``Org/Name``, not a relative or absolute local path, no file suffix.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_id(path: Any) -> bool:
+    return (
+        isinstance(path, str) and _HUB_ID.fullmatch(path) is not None and PurePosixPath(path).suffix.lower() not in SUFFIX_FORMATS
+    )
+
+
+def _local_path(ds: _Reader, entry: dict[str, Any]) -> list[str]:
+    """``path`` (and ``data_files``/``ds_type``) -> a file hone can read: a local file, or
+    ``hf://datasets/Org/Name[@revision]/file`` for a hub dataset's ``data_files``. Returns the
+    further files of a ``data_files`` list (each becomes an entry of its own)."""
     path = ds.take("path")
     data_files = ds.take("data_files")
     ds_type = ds.take("ds_type")
-    if isinstance(data_files, list) and len(data_files) == 1:
-        data_files = data_files[0]
     if isinstance(data_files, str):
-        if path not in (None, "json", "parquet", "csv", "arrow") and ds_type is None:
+        data_files = [data_files]
+    rest: list[str] = []
+    if isinstance(data_files, list) and data_files and all(isinstance(f, str) for f in data_files):
+        if _hub_id(path) and ds_type is None:
+            revision = ds.take("revision")
+            at = f"@{revision}" if revision else ""
+            data_files = [f"hf://datasets/{path}{at}/{f.lstrip('/')}" for f in data_files]
+        elif path not in (None, "json", "parquet", "csv", "arrow") and ds_type is None:
             ds.notes.append(f"{ds.name('data_files')}: the file is read as the dataset; path '{path}' is dropped")
         if path in ("json", "parquet", "csv", "arrow") and ds_type is None:
             ds_type = path
-        path = data_files
+        path, rest = data_files[0], data_files[1:]
     elif data_files is not None:
-        ds.untranslated.append(
-            Untranslated(ds.name("data_files"), "several files in one entry: give each file its own dataset entry")
-        )
+        ds.untranslated.append(Untranslated(ds.name("data_files"), f"{data_files!r} is not a file name or a list of them"))
     if path is None:
         entry["path"] = "MISSING.jsonl"
         ds.untranslated.append(Untranslated(ds.name("path"), "no path: set data.datasets[].path to a local file"))
-        return
+        return rest
     text = str(path)
     suffix = PurePosixPath(text).suffix.lower()
     formats = {"json": "json", "jsonl": "jsonl", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
@@ -331,14 +373,14 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
         entry["path"] = text
         if suffix not in SUFFIX_FORMATS:
             entry["file_format"] = formats[ds_type]
-        return
+        return rest
     if ds_type is not None:
         ds.untranslated.append(
             Untranslated(ds.name("ds_type"), f"'{ds_type}' is not a file format hone reads (json, jsonl, parquet, csv, arrow)")
         )
     if suffix in SUFFIX_FORMATS:
         entry["path"] = text
-        return
+        return rest
     # A hub dataset id (or a directory): hone reads one local file per entry.
     local = "data/" + text.strip("/").replace("/", "__") + ".jsonl"
     entry["path"] = local
@@ -349,6 +391,7 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> None:
             f"datasets.load_dataset('{text}', split='train').to_json('{local}')), the output points at {local}",
         )
     )
+    return rest
 
 
 def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, content: str) -> None:
@@ -393,17 +436,27 @@ def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, c
     ds.drop("drop_system_message", "hone renders every message of a row")
 
 
-def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[dict[str, Any] | None, _Reader]:
-    """One Axolotl dataset entry -> one hone dataset entry (None when its type has no match)."""
+#: Axolotl's legacy alpaca prompt styles (``type: alpaca:<style>``): the same rows and trained span.
+_ALPACA_STYLES = ("alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "alpaca_instruct")
+
+
+def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[list[dict[str, Any]], _Reader]:
+    """One Axolotl dataset entry -> hone dataset entries (one per file; none when its type has no match)."""
     ds = _Reader(raw if isinstance(raw, Mapping) else {}, prefix=f"{group}[{index}].")
     if not isinstance(raw, Mapping):
         ds.untranslated.append(Untranslated(f"{group}[{index}]", "a dataset entry must be a mapping"))
-        return None, ds
+        return [], ds
     kind = ds.take("type")
     entry: dict[str, Any] = {}
-    _local_path(ds, entry)
+    more_files = _local_path(ds, entry)
     if kind == "alpaca":
         entry["type"] = "alpaca"
+    elif kind in _ALPACA_STYLES:
+        entry["type"] = "alpaca"
+        ds.notes.append(
+            f"{group}[{index}].type: {kind} -> alpaca: the same instruction/input/output rows and trained output, "
+            "but hone's prompt ('### Instruction:' ... '### Response:'), not this style's wording"
+        )
     elif kind == "completion":
         entry["type"] = "completion"
         text = ds.take("field")
@@ -435,48 +488,80 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[di
             )
         )
         ds.left.clear()
-        return None, ds
+        return [], ds
     ds.drop("split", "hone reads the whole file")
-    ds.drop("name", "hone reads one local file per entry (no dataset configs)")
-    ds.drop("revision", "hone reads one local file per entry (no revisions)")
+    ds.drop("name", "hone reads one file per entry (no dataset configs)")
+    ds.drop("revision", "hone reads one local file per entry (a revision is kept only with data_files of a hub dataset)")
     ds.drop("shards", "hone reads the whole file")
     ds.finish("not a dataset key hone knows how to translate")
-    return entry, ds
+    return [entry] + [{**entry, "path": path} for path in more_files], ds
 
 
 def _chat_template(r: _Reader, template: Any, jinja: Any, data: dict[str, Any], key_prefix: str = "") -> None:
-    """Axolotl's ``chat_template`` (a name, ``jinja`` or ``tokenizer_default``) -> data.chat_template."""
+    """Axolotl's ``chat_template`` (a name, ``jinja`` or ``tokenizer_default``) -> data.chat_template
+    (the same name, Jinja text, or unset for the tokenizer's own template)."""
     if template in (None, "tokenizer_default", "tokenizer_default_fallback_chatml") and jinja is None:
         return
     if jinja is not None and template in (None, "jinja"):
         data["chat_template"] = str(jinja)
-    elif template == "chatml":
-        data["chat_template"] = CHATML_TEMPLATE
-        r.notes.append(f"{key_prefix}chat_template: chatml -> data.chat_template: a ChatML Jinja template")
     elif isinstance(template, str) and ("{%" in template or "{{" in template):
         data["chat_template"] = template
+    elif isinstance(template, str):
+        data["chat_template"] = TEMPLATE_NAMES.get(template, template)  # hone validate refuses a name hone lacks
     else:
         r.untranslated.append(
-            Untranslated(
-                f"{key_prefix}chat_template",
-                f"'{template}' is an Axolotl template name; "
-                "hone uses the tokenizer's own template, or Jinja text in data.chat_template",
-            )
+            Untranslated(f"{key_prefix}chat_template", f"{template!r} is neither a template name nor Jinja text")
         )
+
+
+def _pretraining_entries(raw: Any) -> list[Any]:
+    """``pretraining_dataset`` (a path, a mapping or a list of them) as ``completion`` entries:
+    Axolotl streams raw text (``text_column``) into packed rows, hone's completion type with
+    packing trains the same tokens."""
+    entries = raw if isinstance(raw, list) else [raw]
+    out: list[Any] = []
+    for item in entries:
+        if isinstance(item, str):
+            item = {"path": item}
+        if isinstance(item, Mapping):
+            item = dict(item)
+            if item.get("type") in (None, "pretrain", "completion"):
+                item["type"] = "completion"
+            if "text_column" in item:
+                item["field"] = item.pop("text_column")
+        out.append(item)
+    return out
 
 
 def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], notes: list[str]) -> None:
     data["datasets"] = []
-    for group, target in (("datasets", "datasets"), ("test_datasets", "test_datasets")):
-        entries = r.take(group) or []
+    pretraining = r.take("pretraining_dataset")
+    groups = [("datasets", "datasets", r.take("datasets")), ("test_datasets", "test_datasets", r.take("test_datasets"))]
+    if not _asks_nothing(pretraining):
+        groups.append(("pretraining_dataset", "datasets", _pretraining_entries(pretraining)))
+    dropped: list[Untranslated] = []
+    for group, target, entries in groups:
+        entries = entries or []
         if not isinstance(entries, list):
             entries = [entries]
         for index, raw in enumerate(entries):
-            entry, ds = _dataset(raw, index, group, data)
+            converted, ds = _dataset(raw, index, group, data)
             untranslated.extend(ds.untranslated)
             notes.extend(ds.notes)
-            if entry is not None:
-                data.setdefault(target, []).append(entry)
+            data.setdefault(target, []).extend(converted)
+            if not converted and target == "datasets":
+                dropped.extend(ds.untranslated)
+    if not _asks_nothing(pretraining) and data["datasets"]:
+        if r.left.get("sample_packing") is not False:
+            r.take("sample_packing")
+            data["sample_packing"] = True
+        notes.append(
+            "pretraining_dataset -> data.datasets of type completion with data.sample_packing: true "
+            "(hone reads the whole file before training where Axolotl streams it)"
+        )
+    if not data["datasets"]:
+        reasons = "; ".join(f"{u.key}: {u.reason}" for u in dropped) or "the config names none (datasets, pretraining_dataset)"
+        raise ConversionRefused(f"no training dataset converts, so there is nothing hone could train: {reasons}")
     _chat_template(r, r.take("chat_template"), r.take("chat_template_jinja"), data)
     r.number("sequence_len", data, "sequence_len", integer=True)
     val = r.take("val_set_size")
@@ -636,12 +721,15 @@ def _training(r: _Reader, training: dict[str, Any], has_eval: bool) -> None:
     r.number("max_grad_norm", training, "max_grad_norm")
     if training.get("max_grad_norm") == 0:
         training["max_grad_norm"] = None  # HF's 0 = no clipping
-    r.number("save_steps", training, "save_steps", integer=True)
+    _cadence(r, training, "save")
     r.number("save_total_limit", training, "save_total_limit", integer=True)
     if has_eval:
-        r.number("eval_steps", training, "eval_steps", integer=True)
+        _cadence(r, training, "eval")
     else:
-        r.drop("eval_steps", "there is no eval data (val_set_size is 0 and no test_datasets)")
+        for key in ("eval_steps", "evals_per_epoch"):
+            r.drop(key, "there is no eval data (val_set_size is 0 and no test_datasets)")
+        if r.left.get("eval_strategy") in ("steps", "epoch"):
+            r.take("eval_strategy")
     r.number("seed", training, "seed", integer=True)
     out = r.take("output_dir")
     if out:
@@ -653,17 +741,44 @@ def _training(r: _Reader, training: dict[str, Any], has_eval: bool) -> None:
         training["resume"] = "latest"
 
 
-_OPTIMIZERS_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "adamw_apex_fused")
+def _cadence(r: _Reader, training: dict[str, Any], what: str) -> None:
+    """``save_steps`` / ``saves_per_epoch`` / ``save_strategy`` (and the eval ones) -> hone's one
+    cadence: steps win over per-epoch (hone takes one of the two), ``*_strategy: epoch`` is once
+    an epoch, ``steps`` is what the numbers say."""
+    steps, per_epoch, strategy = f"{what}_steps", f"{what}s_per_epoch", f"{what}_strategy"
+    if r.has(steps):
+        r.number(steps, training, steps, integer=True)
+        r.drop(per_epoch, f"{steps} is set; hone takes one of the two")
+    else:
+        r.take(steps)
+        r.number(per_epoch, training, per_epoch, integer=True)
+    mode = r.left.get(strategy)
+    if mode == "steps":
+        r.take(strategy)
+    elif mode == "epoch":
+        r.take(strategy)
+        if steps not in training and per_epoch not in training:
+            training[per_epoch] = 1
+            r.notes.append(f"{strategy}: epoch -> training.{per_epoch}: 1")
+
+
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
 
 
 def _optimizer(r: _Reader, optimizer: dict[str, Any]) -> None:
     name = r.take("optimizer")
-    if name is not None and name not in _OPTIMIZERS_ADAMW:
+    if name in OPTIMIZERS:
+        hone_name, note = OPTIMIZERS[name]
+        if hone_name != "adamw":
+            optimizer["name"] = hone_name
+        if note:
+            r.notes.append(f"optimizer: {name} -> optimizer.name: {hone_name} ({note})")
+    elif name is not None:
         r.untranslated.append(
             Untranslated(
                 "optimizer",
-                f"'{name}' is not an optimizer hone has; optimizer.name: adamw (32-bit states, fused on CUDA) is used",
+                f"'{name}' is not an optimizer hone has (adamw, adamw_8bit, adamw_4bit); "
+                "optimizer.name: adamw (32-bit states, fused on CUDA) is used",
             )
         )
     r.number("learning_rate", optimizer, "learning_rate")
@@ -828,13 +943,59 @@ def _logging(r: _Reader, logging: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+#: ``plugins`` entries (matched in their dotted class path) that change the training objective.
+_OBJECTIVE_PLUGINS = {
+    "diffusion": "a diffusion language model (masked-token denoising), not next-token prediction",
+    ".kd.": "knowledge distillation from a teacher's logits, not the language-modelling loss on the data",
+}
+_CLASSIFIER = re.compile(r"For(Sequence|Token)Classification$|ForQuestionAnswering$")
+
+
+def refusals(raw: Mapping[str, Any]) -> list[str]:
+    """Why hone cannot train what this config trains (``key: value: why``); empty when it can."""
+    out: list[str] = []
+    rl = raw.get("rl")
+    if not _asks_nothing(rl):
+        out.append(
+            f"rl: {rl}: a preference/reinforcement objective; hone trains with the language-modelling loss "
+            "only, and dropping 'rl' would train supervised fine-tuning on the same rows instead"
+        )
+    for key in ("reward_model", "process_reward_model"):
+        if raw.get(key) is True:
+            out.append(f"{key}: true: a reward model (a scalar score head); hone trains causal language models")
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and _CLASSIFIER.search(model_type):
+        out.append(f"model_type: {model_type}: a classification head; hone trains causal language models")
+    processor = raw.get("processor_type")
+    if not _asks_nothing(processor):
+        out.append(
+            f"processor_type: {processor}: a multimodal model (images or audio through a processor); hone trains on "
+            "text only, and dropping the processor would train a text-only run"
+        )
+    plugins = raw.get("plugins")
+    for plugin in plugins if isinstance(plugins, list) else []:
+        for marker, why in _OBJECTIVE_PLUGINS.items():
+            if marker in str(plugin).lower():
+                out.append(f"plugins: {plugin}: {why}")
+    return out
+
+
 def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     """Translate a parsed Axolotl config into a hone config mapping.
 
     Returns the mapping (sections in hone's order, empty sections left out), every Axolotl key
     it could not translate with the reason, and notes on keys translated with a change of
     meaning. Does not validate: run :func:`hone.config.parse_config` on the result.
+
+    Raises :class:`ConversionRefused` when the config trains another objective or modality
+    (:func:`refusals`), or when none of its training datasets converts.
     """
+    refused = refusals(raw)
+    if refused:
+        raise ConversionRefused(
+            "hone convert refuses this config: it trains something hone does not, and converting it would "
+            f"train something else: {'; '.join(refused)}"
+        )
     r = _Reader(raw)
     untranslated: list[Untranslated] = []
     notes: list[str] = []

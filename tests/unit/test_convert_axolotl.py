@@ -8,7 +8,7 @@ import yaml
 
 from hone.cli import main
 from hone.config import load_config
-from hone.convert.axolotl import CHATML_TEMPLATE, convert_axolotl, render_conversion
+from hone.convert.axolotl import convert_axolotl, render_conversion
 
 LLAMA_LORA = """
 base_model: NousResearch/Meta-Llama-3.1-8B
@@ -408,27 +408,19 @@ tokens: ["<|custom|>"]
 CASES: dict[str, tuple[str, set[str]]] = {
     "llama-lora": (
         LLAMA_LORA,
-        {"load_in_8bit", "optimizer", "pad_to_sequence_len", "evals_per_epoch", "saves_per_epoch", "special_tokens"},
+        {"load_in_8bit", "pad_to_sequence_len", "special_tokens"},
     ),
     "llama-qlora": (
         LLAMA_QLORA,
-        {
-            "datasets[0].path",
-            "optimizer",
-            "loss_watchdog_threshold",
-            "loss_watchdog_patience",
-            "evals_per_epoch",
-            "saves_per_epoch",
-            "special_tokens",
-        },
+        {"datasets[0].path", "evals_per_epoch", "loss_watchdog_threshold", "loss_watchdog_patience", "special_tokens"},
     ),
     "llama-full-fsdp": (
         LLAMA_FULL_FSDP,
-        {"datasets[0].path", "saves_per_epoch", "special_tokens", "fsdp_config.state_dict_type"},
+        {"datasets[0].path", "special_tokens", "fsdp_config.state_dict_type"},
     ),
     "qwen3-chat": (
         QWEN3_CHAT,
-        {"datasets[0].train_on_eos", "chat_template", "evals_per_epoch", "saves_per_epoch"},
+        {"datasets[0].train_on_eos", "evals_per_epoch"},
     ),
     "qwen3-compile": (
         QWEN3_COMPILE,
@@ -440,7 +432,7 @@ CASES: dict[str, tuple[str, set[str]]] = {
     ),
     "mixtral-qlora": (
         MIXTRAL_QLORA,
-        {"optimizer", "eval_steps"},
+        {"eval_steps"},
     ),
     "qwen3-moe": (
         QWEN3_MOE,
@@ -507,9 +499,17 @@ def test_llama_lora_values():
         "micro_batch_size": 2,
         "gradient_accumulation_steps": 4,
         "num_epochs": 4,
+        "saves_per_epoch": 1,
+        "evals_per_epoch": 4,
         "output_dir": "./outputs/lora-out",
     }
-    assert cfg["optimizer"] == {"learning_rate": 2e-4, "weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": 10}
+    assert cfg["optimizer"] == {
+        "name": "adamw_8bit",
+        "learning_rate": 2e-4,
+        "weight_decay": 0.0,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 10,
+    }
     assert cfg["memory"] == {"activation_checkpointing": "full"}
     assert cfg["logging"] == {"logging_steps": 1}
 
@@ -535,7 +535,7 @@ def test_renamed_fields_roles_chatml_compile_and_fused_loss():
         "field_content": "text",
         "role_map": {"human": "user", "gpt": "assistant"},
     }
-    assert cfg["data"]["chat_template"] == CHATML_TEMPLATE
+    assert cfg["data"]["chat_template"] == "chatml"  # a template hone ships, by name
     assert cfg["training"]["max_steps"] == 500 and "num_epochs" not in cfg["training"]
     assert cfg["training"]["max_grad_norm"] == 0.5 and cfg["training"]["seed"] == 1234
     assert cfg["performance"] == {"torch_compile": True, "loss": "fused_linear_ce"}  # reduce-overhead refused with packing
