@@ -87,3 +87,18 @@ def test_low_bit_adamw_refuses_fused_a_missing_torchao_and_other_devices(monkeyp
         OptimizerConfig(name="adamw_8bit")
     with pytest.raises(HoneError, match=r"needs the Python package 'torchao' .*pip install 'hone\[quant\]'"):
         build_optimizer(_model(), OptimizerConfig.model_construct(name="adamw_8bit"), CPU)
+
+
+def test_the_schedule_and_a_changed_schedule_on_resume_fill_torchaos_tensor_learning_rate():
+    from hone.train.optim import build_scheduler, make_schedule
+    from hone.train.resume import follow_schedule
+
+    cfg = OptimizerConfig(name="adamw_4bit", learning_rate=0.1, lr_scheduler="linear")
+    opt = build_optimizer(_model(), cfg, CPU)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor)  # torchao refuses a float in its place
+    scheduler = build_scheduler(opt, cfg, total_steps=10)
+    scheduler.step()  # no optimizer step needed to move the schedule
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.09)
+    follow_schedule(scheduler, make_schedule(cfg, total_steps=20))  # a longer run on resume
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.095)

@@ -1,0 +1,50 @@
+"""torchao's 8-bit AdamW under FSDP2 (gloo, CPU): its quantized moments (a tensor subclass inside
+DTensors) go through hone's sharded (DCP) checkpoint, and a resume on the same world size is
+exact. The run of :mod:`test_fsdp_checkpoint` with ``optimizer.name: adamw_8bit``."""
+
+import pytest
+import test_fsdp_checkpoint as base
+import torch
+from fsdp_harness import spawn
+
+pytest.importorskip("torchao")
+
+
+def _low_bit_cfg(tmp, adapter, extra):
+    cfg = base_cfg(tmp, adapter, extra)
+    return cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"name": "adamw_8bit"})})
+
+
+base_cfg = base._cfg
+
+
+def _train(rank: int, tmp, run_dir, resume, out) -> None:
+    base._cfg = _low_bit_cfg  # this process only (a fresh worker per run)
+    base._train(rank, tmp, run_dir, resume, out)
+
+
+def _run(tmp, run_dir, resume=None):
+    out = tmp / f"out-{'resumed' if resume else 'fresh'}.pt"
+    spawn(_train, 2, tmp, run_dir, resume, out)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_low_bit_adamw_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
+    from hone.train.checkpoint import latest_checkpoint
+    from hone.train.sharded_checkpoint import is_sharded_checkpoint
+
+    run_dir = tmp_path / "run"
+    fresh = _run(tmp_path, run_dir)
+    saved = latest_checkpoint(run_dir)
+    assert is_sharded_checkpoint(saved)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata
+    moments = {k: v for k, v in metadata.items() if k.endswith("mlp.gate_proj.weight.exp_avg")}
+    print({k: (type(v).__name__, getattr(v, "properties", None), getattr(v, "size", None)) for k, v in moments.items()})
+    assert moments
+    resumed = _run(tmp_path, run_dir, resume=run_dir)
+    assert resumed["losses"] == fresh["losses"][base.SAVE_AT :]
+    for name, value in fresh["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
