@@ -18,6 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 CUDA = torch.device("cuda")
+LR = 1e-3
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -28,7 +29,7 @@ def _model(dtype: torch.dtype) -> nn.Module:
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(64, 2048, device=CUDA, generator=gen, dtype=next(model.parameters()).dtype)
-    loss = (model(x).float() - x.float()).square().mean()
+    loss = model(x).float().square().mean()  # drive the output to zero: falls steadily under AdamW
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -61,12 +62,12 @@ def test_the_state_allocated_is_what_the_plan_counts(name, dtype):
 @pytest.mark.parametrize("name", ["adamw_8bit", "adamw_4bit"])
 def test_trains_like_adamw_and_resumes_bit_for_bit(name):
     reference, model = _model(torch.float32), _model(torch.float32)
-    ref_opt = build_optimizer(reference, OptimizerConfig(learning_rate=1e-4), CUDA)
-    opt = build_optimizer(model, OptimizerConfig(name=name, learning_rate=1e-4), CUDA)
+    ref_opt = build_optimizer(reference, OptimizerConfig(learning_rate=LR), CUDA)
+    opt = build_optimizer(model, OptimizerConfig(name=name, learning_rate=LR), CUDA)
     ref_losses = [_step(reference, ref_opt, s) for s in range(20)]
     losses = [_step(model, opt, s) for s in range(20)]
-    assert losses[-1] < 0.8 * losses[0]
-    assert abs(losses[-1] - ref_losses[-1]) / ref_losses[-1] < 0.05  # close to 32-bit AdamW
+    assert losses[-1] < 0.5 * losses[0]
+    assert abs(losses[-1] - ref_losses[-1]) / ref_losses[-1] < 0.1, (losses, ref_losses)  # close to 32-bit AdamW
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
     after = [_step(model, opt, s) for s in range(20, 25)]
@@ -74,7 +75,7 @@ def test_trains_like_adamw_and_resumes_bit_for_bit(name):
     saved = torch.load(buffer, weights_only=True)
     again = _model(torch.float32)
     again.load_state_dict(saved["model"])
-    again_opt = build_optimizer(again, OptimizerConfig(name=name, learning_rate=1e-4), CUDA)
+    again_opt = build_optimizer(again, OptimizerConfig(name=name, learning_rate=LR), CUDA)
     again_opt.load_state_dict(saved["opt"])
     assert [_step(again, again_opt, s) for s in range(20, 25)] == after
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
