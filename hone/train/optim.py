@@ -17,6 +17,7 @@ continues the exact curve.
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,9 @@ def low_bit_adamw(name: str, device: torch.device) -> type[torch.optim.Optimizer
             f"optimizer.name: {name} needs the Python package 'torchao' (>= 0.18), which is not installed: "
             f"{LOW_BIT_INSTALL_HINT}, or set optimizer.name: adamw"
         ) from None
+    # torch's AOT cache notes, once per state class, that torchao's subclass has no cache hash:
+    # about torch's compile cache, nothing the user can act on
+    warnings.filterwarnings("ignore", message=r"OptimState\w+ does not implement _stable_hash_for_caching")
     return getattr(torchao.optim, LOW_BIT_ADAMW[name][0])
 
 
