@@ -209,6 +209,11 @@ def load_sharded_checkpoint(
     return state
 
 
+def _is_subclass(value: Any) -> bool:
+    """A tensor subclass (torchao's quantized optimizer state), not a plain tensor."""
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and not isinstance(value, nn.Parameter)
+
+
 def load_full_checkpoint_sharded(
     path: Path,
     *,
@@ -229,6 +234,16 @@ def load_full_checkpoint_sharded(
     state = read_trainer_state(path)
     weights = load_file(str(path / WEIGHTS_FILE))
     saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    quantized = {type(v).__name__ for st in saved["state"].values() for v in st.values() if _is_subclass(v)}
+    if quantized:
+        # torchao's low-bit moments (optimizer.name: adamw_8bit / adamw_4bit) cannot be split into
+        # shards; loading them dequantized would continue with full-precision moments, unasked
+        raise CheckpointError(
+            f"cannot resume from {path} on several FSDP ranks: it is a one-process checkpoint whose optimizer "
+            f"state is quantized ({', '.join(sorted(quantized))}, optimizer.name: adamw_8bit / adamw_4bit), which "
+            "hone cannot split into shards: resume it on one process (a sharded checkpoint of an FSDP run resumes "
+            "on any number of ranks)"
+        )
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):

@@ -49,3 +49,18 @@ def test_low_bit_adamw_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
     assert resumed["losses"] == fresh["losses"][base.SAVE_AT :]
     for name, value in fresh["weights"].items():
         assert torch.equal(resumed["weights"][name], value), name
+
+
+def _run_on(tmp, world: int, run_dir, resume=None):
+    out = tmp / f"out-{world}-{'resumed' if resume else 'fresh'}.pt"
+    spawn(_train, world, tmp, run_dir, resume, out)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_a_one_process_low_bit_checkpoint_is_refused_on_two_fsdp_ranks(tmp_path):
+    """Its quantized moments cannot be split into shards; loading them dequantized would train on
+    with full-precision moments, unasked: the resume is refused, saying what works."""
+    _run_on(tmp_path, 1, tmp_path / "run1")
+    with pytest.raises(Exception, match="quantized .*OptimState8bit.*resume it on one process"):
+        _run_on(tmp_path, 2, tmp_path / "run1", resume=tmp_path / "run1")

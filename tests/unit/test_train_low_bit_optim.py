@@ -64,6 +64,8 @@ def test_low_bit_adamw_trains_and_resumes_bit_for_bit(tmp_path, name):
     _train(again.model_copy(update={"training": again.training.model_copy(update={"max_steps": 3})}))
     resumed, result = _train(again, resume_from=tmp_path / "b" / "checkpoints" / "step-3")
     assert (result.start_step, result.steps) == (3, 6)
+    final = torch.load(tmp_path / "b" / "checkpoints" / "step-6" / "optimizer.pt", weights_only=True)
+    assert {type(v).__name__ for s in final["state"].values() for v in s.values()} == kinds  # still quantized
     for (key, want), got in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(want, got), key
 
