@@ -29,11 +29,13 @@ examples:
 """
 
 
-def _prepare_libraries(verbose: bool) -> None:
+def _prepare_libraries(verbose: bool, load_libraries: bool = True) -> None:
     """Offline first, and no per-shard progress bars from the libraries unless asked for.
 
     Uses the libraries' documented switches (environment variables read at import, and their
-    public progress-bar toggles); nothing of theirs is patched.
+    public progress-bar toggles); nothing of theirs is patched. ``load_libraries=False``
+    (``hone validate``, which loads no model or data) sets only the environment variables, so
+    datasets and transformers (seconds of imports) stay unimported unless a check needs them.
     """
     import os
 
@@ -42,6 +44,7 @@ def _prepare_libraries(verbose: bool) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import warnings
 
     # the libraries' deprecation notices about their own internals (e.g. PEFT reading a
@@ -55,6 +58,8 @@ def _prepare_libraries(verbose: bool) -> None:
     # machine, and torch logs a deprecation of torchao's. None of it is about the user's run.
     for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if not load_libraries:
+        return
     try:
         import datasets
         import transformers
@@ -82,16 +87,17 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool = True):
+def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool = True, build_preset: bool = True):
     """Validate the config and (optionally) what it names on disk: data files, the model
     directory's metadata, the tokenizer, and (``output_dir``) that the run directory can be
-    written. Warnings (options the user opted into) go to stderr."""
+    written. Warnings (options the user opted into) go to stderr. ``build_preset=False``: a
+    preset's overrides are checked without building its config (no torch import)."""
     from hone.config import ConfigError, load_config
     from hone.preflight import run_preflight
 
     cfg = load_config(args.config, args.overrides)
     if check_files:
-        checked = run_preflight(cfg, output_dir=output_dir)
+        checked = run_preflight(cfg, output_dir=output_dir, build_preset=build_preset)
         if checked.issues:
             raise ConfigError(checked.issues, str(args.config))
         for warning in checked.warnings:
@@ -100,11 +106,18 @@ def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool =
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """A verdict and a short summary; ``--verbose`` adds the resolved config (every default)."""
     from hone.config.loader import dump_config
+    from hone.config.summary import summarize
 
-    cfg = _load(args)
-    print(f"# {args.config}: valid. Resolved config (defaults filled in):")
-    print(dump_config(cfg), end="")
+    cfg = _load(args, build_preset=False)
+    if args.full or args.verbose:
+        print(f"# {args.config}: valid. Resolved config (defaults filled in):")
+        print(dump_config(cfg), end="")
+        return 0
+    print(f"{args.config}: valid")
+    print("\n".join(summarize(cfg)))
+    print(f"  (every setting with its default: hone validate {args.config} --verbose)")
     return 0
 
 
@@ -484,12 +497,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "validate",
         cmd_validate,
-        "check a config and print it with every default filled in",
+        "check a config and summarize what it trains",
         "Validate CONFIG (schema, value ranges, combinations, and that the files it names exist) "
-        "without loading a model or data. Prints the resolved config, or every problem at once "
-        "with its key path, line and what is allowed; exits 2 on any problem.",
+        "without loading a model or data. Prints a short summary (--verbose: the resolved config "
+        "with every default filled in), or every problem at once with its key path, line and what "
+        "is allowed; exits 2 on any problem.",
     )
     _add_config_args(p)
+    p.add_argument(
+        "--verbose",
+        "-v",
+        dest="full",
+        action="store_true",
+        help="print the resolved config with every default filled in",
+    )
 
     p = add(
         "schema",
@@ -633,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("validate", "plan", "preprocess", "train", "generate", "merge", "chat"):
-        _prepare_libraries(args.verbose)
+        _prepare_libraries(args.verbose, load_libraries=args.command != "validate")
     try:
         return args.func(args)
     except HoneError as exc:

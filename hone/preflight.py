@@ -31,18 +31,22 @@ def preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True)
     return run_preflight(cfg, output_dir=output_dir, weights=weights).issues
 
 
-def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> PreflightResult:
+def run_preflight(
+    cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True, build_preset: bool = True
+) -> PreflightResult:
     """Files, model directory, tokenizer, run directory and sequence length, all at once.
 
     ``output_dir=False`` skips the run-directory and tracker checks (``hone preprocess`` writes no run);
-    ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone).
+    ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone);
+    ``build_preset=False`` checks a preset's overrides without building its transformers config,
+    which imports torch (seconds): ``hone validate``, which loads nothing.
     """
     result = PreflightResult()
     result.issues += _path_issues(cfg)
     if output_dir:  # the commands that start a run (validate, train): its directory, its trackers
         result.issues += _output_dir_issues(cfg)
         _tracker_check(cfg, result)
-    model_config = _model_issues(cfg, result, weights)
+    model_config = _model_issues(cfg, result, weights, build_preset)
     _context_check(cfg, model_config, result)
     return result
 
@@ -84,7 +88,7 @@ def _output_dir_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     return [] if problem is None else [ConfigIssue("training.output_dir", problem)]
 
 
-def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True) -> Any:
+def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True, build_preset: bool = True) -> Any:
     """Model directory (or preset) and tokenizer problems; returns the model config if readable."""
     from hone.models.errors import ModelError
     from hone.models.tokenizer import tokenizer_dir_problems
@@ -97,10 +101,13 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
         if config is _MISSING:
             return None  # the tokenizer would be looked for in the same missing place
     else:
-        from hone.models.presets import build_preset_config
+        from hone.models.presets import build_preset_config, preset_values
 
         try:
-            config = build_preset_config(model.preset, dict(model.preset_overrides), None)
+            if build_preset:
+                config = build_preset_config(model.preset, dict(model.preset_overrides), None)
+            else:  # its values: what the sequence-length check reads
+                config = preset_values(model.preset, dict(model.preset_overrides))
         except ModelError as exc:
             key, _, message = str(exc).partition(": ")
             result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
