@@ -99,7 +99,9 @@ def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool =
     if check_files:
         checked = run_preflight(cfg, output_dir=output_dir, build_preset=build_preset)
         if checked.issues:
-            raise ConfigError(checked.issues, str(args.config))
+            from hone.config.loader import mark_overridden
+
+            raise ConfigError(mark_overridden(checked.issues, args.overrides), str(args.config))
         for warning in checked.warnings:
             print(f"warning: {warning}", file=sys.stderr)
     return cfg

@@ -199,10 +199,11 @@ def _run_training(
 
 
 class _Warn:
-    """``warn(message)``: a warning on the run's console."""
+    """``warn(message)``: a warning on stderr (the run's console quieted or not, as the run's is),
+    so that it stays apart from the progress a user pipes or greps."""
 
     def __init__(self, console: Console):
-        self.console = console
+        self.console = Console(stderr=True, quiet=console.quiet)
 
     def __call__(self, message: str) -> None:
         self.console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)

@@ -148,7 +148,8 @@ def _tracker(
     if trackers is None and world.is_main:
         from hone.track.trackers import start_trackers
 
-        trackers = start_trackers(cfg, lambda m: console.print(f"warning: {m}", highlight=False, markup=False))
+        warn = Console(stderr=True, quiet=console.quiet)  # warnings on stderr, as in `hone train`'s start
+        trackers = start_trackers(cfg, lambda m: warn.print(f"warning: {m}", highlight=False, markup=False))
     return Tracker(
         cfg.logging,
         Path(cfg.training.output_dir),
