@@ -379,7 +379,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
         decided = decide(cfg, facts)
         view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided)
-        print(render_plan(view, transforms=decisions(cfg, facts, decided=decided)), flush=True)
+        print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
     return 0
 
 
@@ -561,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-memory",
         default=None,
         help="host memory for offloaded layer inputs and the process, e.g. 128GiB (default: this machine's RAM)",
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="print everything: the planner's reasons in full and the longest sequence of every combination "
+        "(default: at most 100 columns)",
     )
 
     p = add(
