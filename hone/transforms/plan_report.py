@@ -347,7 +347,8 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
     out = [first, *([] if change is None else _wrap(change.strip(), width)), f"hone plan: {view.title}"]
     out += [*_wrap_parts(view.model_line, width), ""]
     out.append("Optimizations this run uses (auto: decided here from the model and the device):")
-    out += _cut(_table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations], numeric=False), width)
+    chosen = [[what, value, key] for what, value, key in view.optimizations]
+    out += _cut(_table(["", "value", "key"], chosen, numeric=False), width)
     if transforms:
         out += ["", "Transforms, in the order the planner applies them" + (":" if wide else " (--wide: their reasons in full):")]
         if wide:
