@@ -179,17 +179,19 @@ def plan_view(
         policy=decided.checkpointing,
         experts=decided.experts_implementation if facts.experts else None,
         sequence_len=est.sequence_len,
-        remedies=tuple(
-            what
-            for what, applies in (
-                ("a quantized base (model.quantize)", cfg.model.quantize == "none" and cfg.adapter.is_lora),
-                ("LoRA (adapter.type: lora)", not cfg.adapter.is_lora),
-                ("more processes (--nproc-per-node, FSDP)", True),
-                ("a bigger device", True),
-            )
-            if applies
-        ),
+        remedies=_remedies(cfg),
     )
+
+
+def _remedies(cfg: HoneConfig) -> tuple[str, ...]:
+    """What would shrink this config's weights (for a verdict that not even 256 tokens fit)."""
+    ways = (
+        ("a quantized base (model.quantize)", cfg.model.quantize == "none" and cfg.adapter.is_lora),
+        ("LoRA (adapter.type: lora)", not cfg.adapter.is_lora),
+        ("more processes (--nproc-per-node, FSDP)", True),
+        ("a bigger device", True),
+    )
+    return tuple(what for what, applies in ways if applies)
 
 
 #: Columns of ``hone plan``'s report unless ``--wide``: tables are cut, prose wrapped.
