@@ -271,10 +271,10 @@ def verdict(view: PlanView) -> tuple[str, str | None]:
     policy = view.policy if view.policy in estimates else view.chosen
     est = estimates[policy]
     budget, host = view.budget, view.host_budget
-    share = f"{est.total / GIB:.1f} of {budget / GIB:.1f} GiB {memory_word(view.device)} ({100 * est.total / budget:.0f}%)"
+    share = f"{est.total / GIB:.1f} of {budget / GIB:.1f} GiB ({100 * est.total / budget:.0f}%)"
     run = f"on {view.device}, checkpointing {policy}"
     if fits_within(est, budget, host):
-        return f"fits: {share} {run}; longest sequence that fits: {max(longest[policy], view.sequence_len):,}", None
+        return f"fits: {share} {run}; longest that fits: {max(longest[policy], view.sequence_len):,}", None
     if est.total <= usable_bytes(budget) and host is not None:
         why = f"host needs {est.host_total / GIB:.1f} of {host / GIB:.1f} GiB"
     else:

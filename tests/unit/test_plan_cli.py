@@ -29,7 +29,7 @@ def test_plan_every_example(path, capsys):
     for policy in ("none", "selective", "full", "offload"):
         assert policy in out
     lines = out.splitlines()
-    assert lines[0].startswith(("fits: ", "does not fit: ")) and "24.0 GiB GPU" in lines[0]
+    assert lines[0].startswith(("fits: ", "does not fit: ")) and " of 24.0 GiB (" in lines[0] and "on cuda" in lines[0]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     header = next(line for line in lines if line.lstrip().startswith("component "))
     assert header.count(" *") == 1  # the policy the run uses, `auto` or not
@@ -202,4 +202,4 @@ def test_fits_and_longest_share_one_margin():
         longest = view.longest["full"]
         assert (longest >= 4096) == fits, longest
         if fits:
-            assert first.endswith(f"longest sequence that fits: {longest:,}")
+            assert first.endswith(f"longest that fits: {longest:,}")
