@@ -47,7 +47,11 @@ def _data(cfg: HoneConfig) -> str:
 
 def _training(cfg: HoneConfig) -> str:
     training, optimizer = cfg.training, cfg.optimizer
-    length = f"{training.max_steps} steps" if training.max_steps else f"{training.num_epochs or 1:g} epochs"
+    if training.max_steps:
+        length = f"{training.max_steps} step{'s' if training.max_steps != 1 else ''}"
+    else:
+        epochs = training.num_epochs or 1
+        length = f"{epochs:g} epoch{'s' if epochs != 1 else ''}"
     batch = f"micro-batch {training.micro_batch_size}"
     if training.gradient_accumulation_steps > 1:
         batch += f" x {training.gradient_accumulation_steps} accumulated"
