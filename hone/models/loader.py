@@ -27,6 +27,7 @@ from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
 from hone.models.presets import build_preset_config, get_preset
+from hone.models.rope_scaling import with_rope_scaling
 
 
 @dataclass
@@ -113,6 +114,7 @@ def build_preset_model(
     (a quantized base: the full-precision model never exists whole)."""
     preset = get_preset(model_cfg.preset)
     config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
+    with_rope_scaling(config, model_cfg.rope_scaling)
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(config, attr, getattr(tokenizer, attr, None))
     attn = sink_backend_for(config, model_cfg.attn_implementation)
@@ -148,7 +150,7 @@ def load_pretrained(
 ) -> PreTrainedModel:
     """A causal LM from a local save_pretrained directory (safetensors only, no network)."""
     check_model_dir(path, key)
-    config = read_causal_lm_config(path, model_cfg.trust_remote_code, key)
+    config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code, key), model_cfg.rope_scaling)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path),
