@@ -29,7 +29,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
 ExpertsImplementation = Literal["auto", "grouped_mm", "eager", "hone"]
 Quantize = Literal["none", "nf4"]
-RopeType = Literal["linear", "dynamic", "yarn", "llama3"]
+#: RoPE scalings that stretch a fixed pretraining length (transformers' ``dynamic`` NTK is left out:
+#: it takes ``max_position_embeddings`` as the pretraining length, which this key raises).
+RopeType = Literal["yarn", "llama3", "linear"]
 
 #: Fields of ``model.rope_scaling`` that only some RoPE types read.
 _ROPE_TYPE_FIELDS = {
@@ -50,8 +52,8 @@ class RopeScaling(Section):
     positions (131,072 tokens)."""
 
     type: RopeType
-    """``yarn`` (Qwen3, gpt-oss, DeepSeek), ``llama3`` (Llama 3.1+), ``linear`` (position
-    interpolation) or ``dynamic`` (NTK-aware, grows with the sequence)."""
+    """``yarn`` (Qwen3, gpt-oss, DeepSeek), ``llama3`` (Llama 3.1+) or ``linear`` (position
+    interpolation)."""
 
     factor: float = Field(gt=1.0)
     """How many times the original positions are stretched (greater than 1)."""

@@ -86,6 +86,7 @@ def test_raw_config_of_a_remote_code_model_gets_the_scaling_too():
     [
         ({"type": "yarn", "factor": 1.0}, ["rope_scaling.factor", "greater than 1"]),
         ({"type": "ntk", "factor": 2.0}, ["rope_scaling.type", "yarn"]),
+        ({"type": "dynamic", "factor": 2.0}, ["rope_scaling.type", "linear"]),  # reads the raised length as the original
         ({"factor": 2.0}, ["rope_scaling.type"]),
         ({"type": "linear", "factor": 2.0, "beta_fast": 8}, ["beta_fast applies to type: yarn", "'linear'"]),
         ({"type": "yarn", "factor": 2.0, "beta_fast": 1, "beta_slow": 2}, ["beta_fast (1.0) must be greater than beta_slow"]),
