@@ -205,8 +205,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hone.export.generate import generate, load_for_inference
+    from hone.train.device import checked_device
 
-    model, tokenizer = load_for_inference(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer = load_for_inference(args.run_dir, device=device)
     prompts = args.prompt or []
     for prompt in prompts:
         text = generate(
@@ -409,8 +411,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from hone.export.chat import chat_loop, load_chat_model
+    from hone.train.device import checked_device
 
-    model, tokenizer, setup = load_chat_model(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer, setup = load_chat_model(args.run_dir, device=device)
     return chat_loop(
         model,
         tokenizer,

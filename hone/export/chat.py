@@ -85,7 +85,9 @@ class Conversation:
         self.turns.clear()
 
 
-def load_chat_model(path: Path, device: str | None = None, dtype: str | None = None) -> tuple[nn.Module, object, PromptSetup]:
+def load_chat_model(
+    path: Path, device: "str | torch.device | None" = None, dtype: str | None = None
+) -> tuple[nn.Module, object, PromptSetup]:
     """The model, tokenizer and prompt setup for ``path``: a run directory (``config.yml`` +
     ``final/``) or a plain model directory (``save_pretrained`` layout, its tokenizer beside it)."""
     path = Path(path)
