@@ -97,3 +97,34 @@ def test_recorded_config_keeps_hub_ids_and_missing_paths(tmp_path):
     # what is written reads back as a valid config
     (tmp_path / "c.yml").write_text(yaml.safe_dump(got.model_dump(mode="json")))
     assert load_config(tmp_path / "c.yml").training.output_dir == tmp_path / "out"
+
+
+def test_a_run_on_a_hub_id_records_the_id(tmp_path, monkeypatch):
+    """A model from the hub cache is named by its id (and revision), not by the snapshot path."""
+    import io
+
+    from rich.console import Console
+
+    from hone.train.run import run_training
+
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / ("a" * 40)
+    save_tiny_model(snapshot, "tiny-llama", tiny_tokenizer(), seed=2)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "v1").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"a green lime {i}"}) + "\n" for i in range(8)))
+    cfg = tiny_config(
+        "run",
+        model={"preset": None, "path": "Org/Tiny@v1"},
+        data={"datasets": [{"path": "d.jsonl", "type": "completion"}], "sequence_len": 16, "dataset_prepared_path": "cache"},
+        adapter={"type": "lora", "lora_r": 2},
+        training={"max_steps": 1},
+    )
+    run_training(cfg, device="cpu", console=Console(file=io.StringIO()))
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == ("Org/Tiny", "v1")
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yml").read_text())
+    assert recorded["model"]["path"] == "Org/Tiny@v1"
+    assert recorded["data"]["datasets"][0]["path"] == str(tmp_path / "d.jsonl")
