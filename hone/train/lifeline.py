@@ -45,11 +45,12 @@ def launcher_pid() -> int:
     return int(recorded) if recorded.isdigit() else os.getppid()
 
 
-def die_with_launcher(parent: int | None = None) -> str:
+def die_with_launcher(parent: int | None = None, watchdog_only: bool = False) -> str:
     """Make this process die when ``parent`` (default :func:`launcher_pid`) dies. Returns how:
-    ``"pdeathsig"`` or ``"watchdog"``. Raises :class:`LauncherGone` if the parent is already gone."""
+    ``"pdeathsig"`` or ``"watchdog"`` (``watchdog_only``: the other systems' way, on any system).
+    Raises :class:`LauncherGone` if the parent is already gone."""
     parent = launcher_pid() if parent is None else parent
-    how = "pdeathsig" if _set_parent_death_signal() else "watchdog"
+    how = "pdeathsig" if not watchdog_only and _set_parent_death_signal() else "watchdog"
     if os.getppid() != parent:  # died before the signal was armed: nobody would send it
         raise LauncherGone(f"the launcher of this rank (pid {parent}) is gone (the parent is now pid {os.getppid()}): stopping")
     if how == "watchdog":

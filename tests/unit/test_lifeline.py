@@ -26,7 +26,7 @@ time.sleep(600)
 RANK = """
 import sys, time
 from hone.train.lifeline import die_with_launcher
-print(die_with_launcher(), file=sys.stderr, flush=True)
+die_with_launcher(watchdog_only={watchdog})
 time.sleep(600)
 """
 
@@ -40,10 +40,12 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_rank_in_its_own_session_dies_with_its_killed_launcher():
+@pytest.mark.parametrize("watchdog", [False, True], ids=["pdeathsig", "watchdog"])
+def test_a_rank_in_its_own_session_dies_with_its_killed_launcher(watchdog):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(LAUNCHER_PID_ENV, None)
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK], env=env, stdout=subprocess.PIPE, text=True)
+    rank_code = RANK.format(watchdog=watchdog)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, rank_code], env=env, stdout=subprocess.PIPE, text=True)
     rank = int(launcher.stdout.readline())
     try:
         time.sleep(3)  # the rank imports hone and arms its parent-death signal
