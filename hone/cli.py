@@ -143,9 +143,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hone.train.start_guard import StartGuard
 
     world = world_from_env()
+    if world.distributed:  # a rank never outlives its launcher (see hone.train.lifeline)
+        from hone.train.lifeline import die_with_launcher
+
+        die_with_launcher()
     with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
         cfg = _load(args)
-        if world.is_main:  # rank 0 owns the run directory; the others never undo its files
+        if world.is_main:  # rank 0 owns the run directory (and its lock); the others never undo its files
             guard.watch(cfg.training.output_dir)
         from hone.train.run import run_training
 
@@ -196,6 +200,13 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.nproc_per_node
     check_launch(cfg, World(0, n, 0), device_type, local_processes=n)
+    from hone.train.lifeline import LAUNCHER_PID_ENV
+    from hone.train.run_lock import RunDirLocked, lock_problem
+
+    problem = lock_problem(cfg.training.output_dir)  # refused here, not in N ranks' tracebacks
+    if problem is not None:
+        raise RunDirLocked(problem)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # torchrun keeps this pid: the ranks' parent
     command = torchrun_command(args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -205,8 +216,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hone.export.generate import generate, load_for_inference
+    from hone.train.device import checked_device
 
-    model, tokenizer = load_for_inference(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer = load_for_inference(args.run_dir, device=device)
     prompts = args.prompt or []
     for prompt in prompts:
         text = generate(
@@ -409,8 +422,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from hone.export.chat import chat_loop, load_chat_model
+    from hone.train.device import checked_device
 
-    model, tokenizer, setup = load_chat_model(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer, setup = load_chat_model(args.run_dir, device=device)
     return chat_loop(
         model,
         tokenizer,

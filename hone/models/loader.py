@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
-from hone.models.adapters import apply_adapter
+from hone.models.adapters import apply_adapter, record_base_model
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
-from hone.models.hub import local_model_dir
+from hone.models.hub import base_model_reference, local_model_dir
 from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
@@ -75,6 +75,8 @@ def load_model(
         before_adapter(base)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
+    if cfg.model.path is not None:  # final/adapter_config.json names the base usably from anywhere
+        record_base_model(model, *base_model_reference(cfg.model.path))
     if build_on != device:  # the rest: embedding, norms, head, adapter weights
         model.to(device)
     cast_trainable(model, precision.trainable)

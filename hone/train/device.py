@@ -5,6 +5,49 @@ import sys
 
 import torch
 
+from hone.errors import HoneError
+
+
+class DeviceError(HoneError):
+    """A ``--device`` value that names no device of this machine."""
+
+
+def checked_device(value: str, flag: str = "--device", cuda_count: int | None = None) -> torch.device:
+    """``value`` as a device of this machine, or :class:`DeviceError` naming the flag, the value
+    and what this machine has. Checked before anything loads: torch would accept ``cuda`` on a
+    machine without a GPU and fail deep inside the model load, and ``gpu`` with a traceback.
+    ``cuda_count`` (tests): the number of CUDA devices, else asked from torch."""
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = available_devices(cuda_count)
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"{flag} '{value}' is not a device hone runs on: use one of {have}")
+    if device.type == "cuda" and cuda_count == 0:
+        raise DeviceError(f"{flag} '{value}': this machine has no CUDA GPU that torch can use: use {have}")
+    if device.type == "cuda" and device.index is not None and device.index >= cuda_count:
+        raise DeviceError(
+            f"{flag} '{value}': this machine has {cuda_count} CUDA GPU(s) visible (after CUDA_VISIBLE_DEVICES): use one of {have}"
+        )
+    if device.type == "mps" and not (torch.backends.mps.is_available()):
+        raise DeviceError(f"{flag} '{value}': Apple's MPS is not available on this machine: use {have}")
+    return device
+
+
+def available_devices(cuda_count: int) -> str:
+    """What ``--device`` may be on this machine, for messages."""
+    names = ["cpu"]
+    if cuda_count:
+        names += ["cuda", *(f"cuda:{i}" for i in range(min(cuda_count, 8)))]
+        if cuda_count > 8:
+            names.append(f"... cuda:{cuda_count - 1}")
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return ", ".join(names)
+
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """The caller's device, else the current CUDA device, else the CPU."""

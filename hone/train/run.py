@@ -84,6 +84,7 @@ def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | N
     checkpoint starts over, with a warning, since there is nothing to continue.
     """
     from hone.config.loader import dump_config
+    from hone.config.recorded import recorded_config
 
     out = Path(cfg.training.output_dir)
     resume_from = resolve_resume(cfg.training, warn)
@@ -99,7 +100,7 @@ def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | N
         if found:
             warn(f"starting over in {out}: the previous run there left no checkpoint to resume from")
     ensure_writable_dir(out)  # a file, read-only or full disk: refused before data and model
-    atomic_write_text(out / CONFIG_FILE, dump_config(cfg))
+    atomic_write_text(out / CONFIG_FILE, dump_config(recorded_config(cfg)))  # absolute paths: readable from anywhere
     return resume_from
 
 

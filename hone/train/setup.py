@@ -18,6 +18,7 @@ from rich.console import Console
 from torch import nn
 
 from hone.config.loader import dump_config
+from hone.config.recorded import recorded_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
 from hone.runtime.world import World
@@ -158,5 +159,5 @@ def _tracker(
         history=resumed.history if resumed is not None else None,
         enabled=world.is_main,
         external=trackers,
-        run_config=dump_config(cfg) if world.is_main else None,
+        run_config=dump_config(recorded_config(cfg)) if world.is_main else None,
     )
