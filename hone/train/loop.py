@@ -52,7 +52,7 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.runtime.world import World, current_world
 from hone.train.batches import StepPlan
-from hone.train.device import peak_memory_gib
+from hone.train.device import memory_peaks_gib
 from hone.train.prefetch import WindowFeed
 from hone.train.setup import Trainer, set_up
 from hone.train.signals import StopRequest, graceful_stop
@@ -213,6 +213,7 @@ def _steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Cal
         if trainer.checkpointer.due(state.step, last, stopping):
             log.flush()  # metrics.jsonl holds the checkpoint's step when the checkpoint exists
             tally.last_checkpoint = trainer.checkpointer.save(state, trainer.tracker.rows)
+            trainer.tracker.print(f"checkpoint: step {state.step} saved to {tally.last_checkpoint}")
         if stopping and not last:
             tally.interrupted = stop.signal_name or "SIGTERM"  # another rank saw the signal
             return
@@ -241,6 +242,7 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
     tally.elapsed_s += step_time
     tally.tokens += result.tokens
     tally.trained_tokens += result.trained_tokens
+    allocated, reserved = memory_peaks_gib(trainer.device)
     return StepMetrics(
         step=state.step,
         epoch=trainer.plan.epoch_at(state.step),
@@ -252,8 +254,9 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
         tokens=result.tokens,
         tokens_per_s=result.tokens / step_time if step_time > 0 else math.nan,
         step_time_s=step_time,
-        peak_mem_gib=peak_memory_gib(trainer.device),
+        peak_mem_gib=allocated,
         skipped=not result.updated,
+        peak_reserved_gib=reserved,
     )
 
 
