@@ -63,7 +63,7 @@ class TrainingConfig(Section):
         if self.overwrite_output_dir and self.resume is not None:
             raise ValueError(
                 f"training.overwrite_output_dir: true starts over, training.resume: {self.resume} continues a run: "
-                "set one of them, not both"
+                "set one of them, not both (to start over with a config that resumes: --overwrite --set training.resume=null)"
             )
         return self
 

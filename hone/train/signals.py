@@ -11,6 +11,8 @@ host program (a notebook, a test runner) as it found it.
 The line is written with one ``os.write`` to file descriptor 2, not through ``print`` or the
 rich console: the handler runs between two bytecodes of whatever the main thread was doing,
 possibly inside a ``print`` to the same stream, and a buffered text stream is not reentrant.
+It starts and ends with a newline: the line of a live progress bar is left as it was, and the
+bar's next refresh (which clears only its own, current line) draws below the message.
 """
 
 import os
