@@ -8,8 +8,8 @@ only advance the progress display. A skipped step is also said in words, with wh
 (:meth:`StepLog.hold`) and the row is written while the next step's forward and backward run on
 the device (:meth:`StepLog.flush`, called by the loop before that step's sync), so writing files
 and the console never keeps the device waiting. The row holds the values measured at its own
-step (its time, peak memory; the console's ETA as of its end; the window's means, below), and the loop flushes
-it before anything that reads the rows or ends the run: an eval (its row follows the step's),
+step (its time, peak memory; the console's ETA as of its end; its window's means, below), and
+the loop flushes it before anything that reads the rows or ends the run: an eval (its row follows the step's),
 a checkpoint, a stop, the last step, an error. So ``metrics.jsonl`` has the same rows in the
 same order as when each row was written at once.
 
