@@ -15,6 +15,8 @@ writes) and only when the directory holds nothing else: a mistyped ``output_dir`
 project or a home directory is named and left alone, never emptied.
 """
 
+import fcntl
+import os
 import re
 import shutil
 from pathlib import Path
@@ -28,9 +30,11 @@ from hone.train.checkpoint_layout import list_checkpoints
 RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)
 #: Everything ``hone train`` writes at the top of its run directory.
 RUN_FILES = frozenset((CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, PLOT_FILE, TENSORBOARD_DIR, OPTIMIZATIONS_FILE))
-#: Hidden leftovers of an interrupted atomic write (``.config.yml.tmp-<pid>``, ``.final.old-<tag>``)
-#: and lock files.
-_LEFTOVER = re.compile(r"^\.[^/]+\.(tmp|old)-[0-9A-Za-z-]+$|^\.?[^/]*\.lock$")
+#: Hidden leftovers of an interrupted atomic write (``.config.yml.tmp-<pid>``, ``.final.old-<tag>``).
+_LEFTOVER = re.compile(r"^\.[^/]+\.(tmp|old)-[0-9A-Za-z-]+$")
+#: A hidden lock file (the run directory's lock, ``.hone.lock``): kept by an overwrite, never
+#: removed, and an overwrite is refused while another process holds it.
+_LOCK = re.compile(r"^\.[^/]+\.lock$")
 
 OVERWRITE_HINT = "--overwrite (training.overwrite_output_dir: true)"
 
@@ -49,12 +53,30 @@ def run_markers(out: Path) -> list[str]:
 
 
 def is_run_entry(name: str) -> bool:
-    return name in RUN_FILES or bool(_LEFTOVER.match(name))
+    return name in RUN_FILES or bool(_LEFTOVER.match(name)) or bool(_LOCK.match(name))
+
+
+def held_by_another(lock: Path) -> bool:
+    """Whether another process holds an exclusive ``flock`` on ``lock`` (a run that still lives)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a file system without flock: nothing to tell
+        return False
+    finally:
+        os.close(fd)  # drops the test lock, if taken
+    return False
 
 
 def clear_run_dir(out: Path) -> list[str]:
     """Remove the earlier run in ``out`` (for ``training.overwrite_output_dir``); the names
-    removed. Nothing is removed unless every entry is one ``hone train`` writes."""
+    removed. Nothing is removed unless every entry is one ``hone train`` writes, nor while another
+    process holds the directory's lock file (which is kept: a stale one is taken over by the run)."""
     out = Path(out)
     if not out.is_dir():
         return []
@@ -64,16 +86,25 @@ def clear_run_dir(out: Path) -> list[str]:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise NotARunDir(
             f"training.overwrite_output_dir: '{out}' does not look like a hone run directory: it holds {shown}, "
-            f"which hone train does not write. Nothing was removed: pick another training.output_dir, or empty "
+            "which hone train does not write. Nothing was removed: pick another training.output_dir, or empty "
             "that directory yourself"
         )
-    for name in entries:
+    removed = [name for name in entries if not _LOCK.match(name)]  # a lock is its holder's business
+    if not removed:
+        return []
+    held = [name for name in entries if _LOCK.match(name) and held_by_another(out / name)]
+    if held:
+        raise OutputDirInUse(
+            f"training.overwrite_output_dir: '{out}' is in use: another process holds its {held[0]}. "
+            "Nothing was removed: stop that run first, or pick another training.output_dir"
+        )
+    for name in removed:
         path = out / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    return entries
+    return removed
 
 
 def in_use_message(out: Path, found: list[str], max_steps: int | None) -> str:

@@ -1,7 +1,9 @@
 """The run directory: a run is never trained into afresh, and the resolved config is saved;
 ``training.overwrite_output_dir`` clears a run directory, and only a run directory."""
 
+import fcntl
 import json
+import os
 import signal
 
 import pytest
@@ -9,7 +11,7 @@ from pydantic import ValidationError
 
 from hone.config.loader import load_config
 from hone.testing import tiny_config
-from hone.train.rerun import NotARunDir, stopped_now_message
+from hone.train.rerun import NotARunDir, clear_run_dir, stopped_now_message
 from hone.train.run import OutputDirInUse, prepare_output_dir
 from hone.train.signals import StopNow, graceful_stop
 
@@ -85,6 +87,25 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run_directory_and_removes_n
     with pytest.raises(NotARunDir, match=r"not look like a hone run directory: it holds notes.txt, src.*Nothing was removed"):
         prepare_output_dir(tiny_config(mine, training={"overwrite_output_dir": True}), warn=pytest.fail)
     assert sorted(p.name for p in mine.iterdir()) == ["metrics.jsonl", "notes.txt", "src"]
+
+
+def test_overwrite_keeps_the_lock_file_and_refuses_a_directory_whose_lock_is_held(tmp_path):
+    run = tmp_path / "run"
+    _checkpoint(run, 1)
+    (run / "metrics.jsonl").write_text("")
+    lock = run / ".hone.lock"
+    lock.write_text('{"pid": 1, "host": "elsewhere"}')
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run that still lives
+        with pytest.raises(OutputDirInUse, match="is in use: another process holds its .hone.lock.*Nothing was removed"):
+            clear_run_dir(run)
+        assert sorted(p.name for p in run.iterdir()) == [".hone.lock", "checkpoints", "metrics.jsonl"]
+    finally:
+        os.close(fd)
+    assert clear_run_dir(run) == ["checkpoints", "metrics.jsonl"]  # a stale lock: kept for its taker
+    assert [p.name for p in run.iterdir()] == [".hone.lock"]
+    assert clear_run_dir(run) == []
 
 
 def test_overwrite_and_resume_together_are_refused_at_validation(tmp_path):
