@@ -171,15 +171,22 @@ def test_a_second_ctrl_c_stops_now_says_what_was_saved_and_the_directory_can_be_
     assert "an unfinished run (last checkpoint: step" in refused
     assert "training.resume: latest" in refused and "--overwrite" in refused
 
+    # resumable: training.resume: latest continues from the checkpoint the line named
+    last = int(saved.group(1))
+    assert main(["train", str(config), "--set", "training.resume=latest", "--set", f"training.max_steps={last + 1}"]) == 0
+    assert f"resumed from {latest} at step {last}" in capsys.readouterr().out
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, last + 2))
+
+    # finished: the message offers --overwrite or another directory, not a resume that trains nothing
+    assert main(["train", str(config), "--set", f"training.max_steps={last + 1}"]) == 2
+    refused = capsys.readouterr().err
+    assert "already holds a finished run" in refused and "--overwrite" in refused
+    assert "resume" not in refused
+
     # overwritable: --overwrite starts over (a short run, to the end)
     assert main(["train", str(config), "--overwrite", "--set", "training.max_steps=1"]) == 0
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1]
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1]
     assert "removed the earlier run" in capsys.readouterr().err
-
-    # finished: the message offers --overwrite or another directory, not a resume that trains nothing
-    assert main(["train", str(config), "--set", "training.max_steps=1"]) == 2
-    refused = capsys.readouterr().err
-    assert "already holds a finished run" in refused and "--overwrite" in refused
-    assert "resume" not in refused
