@@ -137,6 +137,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise HoneError(f"--nproc-per-node {args.nproc_per_node}: give a number of processes of at least 1")
+    if args.overwrite:
+        args.overrides = [*args.overrides, "training.overwrite_output_dir=true"]
     if args.nproc_per_node is not None and args.nproc_per_node > 1:
         return launch_torchrun(args)
     from hone.runtime.world import world_from_env
@@ -147,13 +149,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         from hone.train.lifeline import die_with_launcher
 
         die_with_launcher()
-    with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
-        cfg = _load(args)
-        if world.is_main:  # rank 0 owns the run directory (and its lock); the others never undo its files
-            guard.watch(cfg.training.output_dir)
-        from hone.train.run import run_training
+    guard = StartGuard()
+    cfg = None
+    try:
+        with guard:  # a start that fails before step 1 leaves nothing behind
+            cfg = _load(args)
+            if cfg.training.overwrite_output_dir and world.is_main:  # before the guard records the directory
+                from hone.train.run import overwrite_output_dir
 
-        result = run_training(cfg, step_callback=guard.on_step)
+                overwrite_output_dir(cfg.training.output_dir, lambda message: print(message, file=sys.stderr))
+            if world.is_main:  # rank 0 owns the run directory (and its lock); the others never undo its files
+                guard.watch(cfg.training.output_dir)
+            from hone.train.run import run_training
+
+            result = run_training(cfg, step_callback=guard.on_step)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C, or one before the loop: say what is left
+        if cfg is None:
+            raise
+        if world.is_main:
+            from hone.train.rerun import stopped_now_message
+
+            message = stopped_now_message(cfg.training.output_dir, getattr(exc, "step", None), guard.started)
+            print(message, file=sys.stderr, flush=True)
+        return 130
     if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
         return 143 if result.interrupted == "SIGTERM" else 130
     return 0
@@ -572,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune a model",
         "Fine-tune the model of CONFIG. Outputs go to training.output_dir: the resolved config, "
         "metrics.jsonl, TensorBoard events, loss.png, checkpoints and the final adapter or model. "
-        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it. "
+        "Ctrl-C stops after the step in progress and saves a checkpoint (a second Ctrl-C stops at once); "
+        "`--set training.resume=latest` continues from the last checkpoint, --overwrite starts over. "
         "--nproc-per-node N trains data-parallel in N processes (one per GPU) through torchrun; "
         "see docs/distributed.md for torchrun itself and several hosts.",
     )
@@ -583,6 +602,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="train in N processes of this host (one per GPU; gloo on CPU) under torchrun (default: one process)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a training.output_dir holding an earlier run, removing its files first "
+        "(sets training.overwrite_output_dir; only a directory holding nothing but hone's run files is cleared)",
     )
 
     p = add(

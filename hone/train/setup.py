@@ -133,7 +133,7 @@ def set_up(
         device=device,
         world=world,
         tracker=tracker,
-        log=StepLog(tracker, cfg.logging.logging_steps),
+        log=StepLog(tracker, cfg.logging.logging_steps, state),
         evaluator=evaluator,
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
