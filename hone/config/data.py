@@ -7,7 +7,7 @@ key that belongs to another format is an error instead of being ignored).
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hone.config.base import Section
 
@@ -104,6 +104,35 @@ DatasetConfig = Annotated[
 ]
 DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")
 
+#: Chat templates shipped with hone (``hone.data.chat_templates`` holds their text), aliases included.
+CHAT_TEMPLATE_NAMES: tuple[str, ...] = (
+    "chatml",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen2.5",
+    "qwen_25",
+    "qwen3",
+)
+
+
+def check_chat_template(value: str | None) -> str | None:
+    """A template name hone ships, or Jinja text; anything else is a typo of a name, refused
+    here instead of rendering every message to nothing later."""
+    if value is None or value.strip().lower() in CHAT_TEMPLATE_NAMES or "{{" in value or "{%" in value:
+        return value
+    import difflib
+
+    close = difflib.get_close_matches(value.strip().lower(), CHAT_TEMPLATE_NAMES, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ValueError(
+        f"{value[:60]!r} is neither a chat template name hone knows nor a Jinja template (no '{{{{' or '{{%')"
+        f"{hint}; names: {', '.join(CHAT_TEMPLATE_NAMES)}; or leave it unset to use the tokenizer's own template"
+    )
+
 
 class DataConfig(Section):
     """Datasets, formats, sequence length, evaluation split and the tokenized-data cache."""
@@ -134,7 +163,9 @@ class DataConfig(Section):
     """A row with a missing or malformed field stops preprocessing, or is skipped and counted."""
 
     chat_template: str | None = None
-    """Jinja chat template for ``chat`` datasets; by default the tokenizer's own."""
+    """Chat template for ``chat`` datasets: a name (``chatml``, ``llama3``, ``qwen2``, ``qwen2.5``,
+    ``qwen3``, ``mistral``, ``gemma``; see docs/datasets.md) or Jinja text; by default the
+    tokenizer's own."""
 
     num_proc: int | None = Field(None, ge=1)
     """Worker processes for tokenization (``datasets.map``); default: one."""
@@ -153,6 +184,11 @@ class DataConfig(Section):
 
     dataset_prepared_path: Path | None = None
     """Cache directory for tokenized data; default ``$HONE_CACHE_DIR/datasets`` or ``~/.cache/hone/datasets``."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        return check_chat_template(value)
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":

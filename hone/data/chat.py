@@ -34,6 +34,7 @@ import jinja2
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from hone.config.data import ChatDataset, ChatRole
+from hone.data.chat_templates import named_template
 from hone.data.errors import DataError
 from hone.data.formats import RowFormat, RowProblem, Source, TemplateProblem, TextRow, describe, require_columns
 
@@ -56,8 +57,12 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 def resolve_template(tokenizer: Any, override: str | None) -> tuple[str, str]:
-    """The template text and where it came from (for messages)."""
+    """The template text and where it came from (for messages): a name hone ships
+    (``data.chat_template: chatml``), Jinja text, or the tokenizer's own template."""
     if override is not None:
+        named = named_template(override)
+        if named is not None:
+            return named, f"data.chat_template ({override.strip()})"
         return override, "data.chat_template"
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
