@@ -155,7 +155,8 @@ def key_inputs(cfg: HoneConfig, tokenizer: Any, hasher: FileHasher) -> dict[str,
     def dataset(entry: Any) -> dict[str, Any]:
         dumped = entry.model_dump(mode="json", exclude={"path", "file_format"})
         dumped["file_format"] = entry.resolved_format
-        dumped["sha256"] = hasher.sha256(entry.path)
+        hashes = [hasher.sha256(file) for file in entry.files]  # a hub id's files: each of them, in order
+        dumped["sha256"] = hashes[0] if len(hashes) == 1 else hashes
         return dumped
 
     return {
