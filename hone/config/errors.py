@@ -257,6 +257,8 @@ def describe_error(err: dict[str, Any]) -> str:
         bad = ctx.get("tag", value)
         msg = f"{_show(bad)} is not one of: {', '.join(allowed)}"
         close = closest_value(str(bad), allowed)
+        if close and "chat" in allowed and str(bad).strip().lower().startswith("sharegpt"):
+            return msg + f" (did you mean '{close}'? ShareGPT rows are type chat with a field mapping: see docs/datasets.md)"
         return msg + (f" (did you mean '{close}'?)" if close else "")
     if kind == "union_tag_not_found":
         return f"missing key '{ctx.get('discriminator', 'type').strip(chr(39))}' that selects the format"

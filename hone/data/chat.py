@@ -40,6 +40,12 @@ from hone.data.formats import RowFormat, RowProblem, Source, TemplateProblem, Te
 
 ALLOWED_ROLES: tuple[str, ...] = typing.get_args(ChatRole)
 
+#: How ShareGPT rows (``conversations: [{from: human, value: ...}]``) map onto a chat dataset.
+SHAREGPT_HINT = (
+    "for ShareGPT rows set field_messages: conversations, field_role: from, field_content: value, "
+    "role_map: {human: user, gpt: assistant} (see docs/datasets.md)"
+)
+
 
 def common_prefix_length(a: str, b: str) -> int:
     """Length of the longest common prefix of ``a`` and ``b``."""
@@ -99,6 +105,11 @@ class ChatFormat(RowFormat):
             pass
 
     def check_columns(self, columns: list[str]) -> None:
+        if self.cfg.field_messages not in columns and "conversations" in columns:
+            raise DataError(
+                f"{self.source.path}: no column '{self.cfg.field_messages}' ({self.source.key}.field_messages); "
+                f"the file has 'conversations': {SHAREGPT_HINT}"
+            )
         require_columns(self.source, columns, {"field_messages": self.cfg.field_messages})
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -134,7 +145,8 @@ class ChatFormat(RowFormat):
                 )
             role = message.get(cfg.field_role)
             if not isinstance(role, str):
-                raise RowProblem(f"message {number}: '{cfg.field_role}' is {describe(role)} (expected a string)")
+                hint = f"; {SHAREGPT_HINT}" if "from" in message and "value" in message else ""
+                raise RowProblem(f"message {number}: '{cfg.field_role}' is {describe(role)} (expected a string){hint}")
             content = message.get(cfg.field_content)
             if not isinstance(content, str):
                 raise RowProblem(f"message {number}: '{cfg.field_content}' is {describe(content)} (expected a string)")
@@ -143,7 +155,8 @@ class ChatFormat(RowFormat):
                 mapped_note = f" (mapped from '{role}' by role_map)" if mapped != role else ""
                 raise RowProblem(
                     f"message {number}: unknown role '{mapped}'{mapped_note}; allowed roles: {', '.join(ALLOWED_ROLES)} "
-                    f"(map other names with {self.source.key}.role_map, e.g. {{human: user, gpt: assistant}})"
+                    f"(map other names with {self.source.key}.role_map, e.g. {{human: user, gpt: assistant}}; "
+                    "see docs/datasets.md)"
                 )
             extra = {k: v for k, v in message.items() if k not in (cfg.field_role, cfg.field_content) and v is not None}
             out.append({**extra, "role": mapped, "content": content})

@@ -158,3 +158,24 @@ def test_near_miss_dataset_types_suggest_chat(kind):
     raw["data"]["datasets"][0]["type"] = kind
     with pytest.raises(ConfigError, match=r"did you mean 'chat'\?"):
         parse_config(raw)
+
+
+def test_sharegpt_rows_and_type_point_at_the_mapping_in_the_docs(tmp_path, write_jsonl, make_data_config, tokenizer):
+    from hone.data.errors import DataError
+    from hone.data.prepare import prepare_data
+
+    rows = [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}]
+    path = write_jsonl(tmp_path, rows)
+    with pytest.raises(
+        DataError, match=r"field_messages: conversations, field_role: from, field_content: value.*docs/datasets.md"
+    ):
+        prepare_data(make_data_config([{"path": path, "type": "chat"}]), tokenizer)
+    mapped = {"path": path, "type": "chat", "field_messages": "conversations"}
+    with pytest.raises(DataError, match=r"'role' is null.*field_role: from.*docs/datasets.md"):
+        prepare_data(make_data_config([mapped]), tokenizer)
+    raw = data_config()
+    raw["data"]["datasets"][0]["type"] = "sharegpt"
+    with pytest.raises(ConfigError, match=r"did you mean 'chat'\? ShareGPT rows .* docs/datasets.md"):
+        parse_config(raw)
+    sharegpt = {**mapped, "field_role": "from", "field_content": "value", "role_map": {"human": "user", "gpt": "assistant"}}
+    assert len(prepare_data(make_data_config([sharegpt]), tokenizer).train) == 1
