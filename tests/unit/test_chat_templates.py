@@ -179,3 +179,11 @@ def test_sharegpt_rows_and_type_point_at_the_mapping_in_the_docs(tmp_path, write
         parse_config(raw)
     sharegpt = {**mapped, "field_role": "from", "field_content": "value", "role_map": {"human": "user", "gpt": "assistant"}}
     assert len(prepare_data(make_data_config([sharegpt]), tokenizer).train) == 1
+
+
+def test_generate_and_chat_wrap_prompts_with_the_named_template():
+    from hone.export.load import prompt_setup
+
+    setup = prompt_setup(parse_config(data_config(chat_template="llama3")))
+    assert setup.style == "chat" and setup.chat_template == TEMPLATES["llama3"]
+    assert prompt_setup(parse_config(data_config())).chat_template is None  # the tokenizer's own
