@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hone.config.data import SUFFIX_FORMATS
 from hone.data.errors import DataError
 from hone.models.hub import hub_cache_dir
 
@@ -78,6 +79,11 @@ def cached_entry(entry: Any, key: str) -> Any:
         return entry.model_copy(update={"path": local_data_file(entry.path, f"{key}.path")})
     hub = dataset_id_of(entry.path)
     if hub is None:
+        if entry.file_format == "auto" and entry.path.suffix.lower() not in SUFFIX_FORMATS:  # a local file named like an id
+            raise DataError(
+                f"{key}.path: cannot tell the file format of '{entry.path}' from its suffix: set {key}.file_format "
+                f"to one of: {', '.join(sorted(set(SUFFIX_FORMATS.values())))}"
+            )
         return entry
     found = find_cached_dataset(hub, entry.split, f"{key}.path")
     if entry.file_format != "auto" and entry.file_format != found.file_format:

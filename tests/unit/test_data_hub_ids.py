@@ -165,3 +165,12 @@ def test_split_is_only_for_ids():
         parse_config(
             {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca", "split": "test"}]}}
         )
+
+
+def test_a_local_file_named_like_an_id_needs_its_format(caches, tmp_path, tokenizer, capsys):
+    local = tmp_path / "corpus" / "train"
+    local.parent.mkdir()
+    local.write_text(json.dumps(alpaca_rows("l", 1)[0]) + "\n")
+    rc, text = validate(tmp_path, "corpus/train", capsys)
+    assert rc == 2 and "cannot tell the file format of 'corpus/train'" in text and "file_format" in text
+    assert len(prepare_data(config(tmp_path, "corpus/train", file_format="jsonl"), tokenizer).train) == 1
