@@ -51,6 +51,7 @@ def wait_for_staging(proc: subprocess.Popen, cache: Path, limit_s: float = 240.0
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # a hone process each: its start dominates (about 15 s on a loaded 2-core machine)
 @pytest.mark.parametrize("num_proc", [None, 2], ids=["one-process", "num_proc-2"])
 def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc):
     """SIGINT to the hone process (``kill -INT``) once the staging directory exists. With
