@@ -131,6 +131,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.model)
     prepared = prepare_data(cfg, tokenizer, use_cache=not args.no_cache)
     print(render_summary(prepared))
+    if args.show:
+        import os
+
+        from hone.data.show import render_rows
+
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(render_rows(prepared.train, tokenizer, args.show, color=color))
     return 0
 
 
@@ -583,6 +590,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the first N training rows as the model sees them, trained tokens marked (see docs/datasets.md)",
+    )
 
     p = add(
         "train",

@@ -49,22 +49,24 @@ def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = T
 
 def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     from hone.data.errors import DataError
-    from hone.data.hub_files import local_data_file
+    from hone.data.hub_files import cached_entry
     from hone.paths import readable_file_problem
 
     issues: list[ConfigIssue] = []
     for section in ("datasets", "test_datasets"):
         for index, dataset in enumerate(getattr(cfg.data, section)):
             key = f"data.{section}[{index}].path"
-            try:
-                path = local_data_file(dataset.path, key)  # hf://datasets/...: its cached file
+            try:  # hf://datasets/... and hub dataset ids: their cached files
+                files = cached_entry(dataset, f"data.{section}[{index}]").files
             except DataError as exc:
-                issues.append(ConfigIssue(key, str(exc).removeprefix(f"{key}: ")))
+                where, _, message = str(exc).partition(": ")
+                issues.append(ConfigIssue(where if where.startswith("data.") else key, message or str(exc)))
                 continue
-            if not path.exists():
-                issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
-            elif (problem := readable_file_problem(path)) is not None:
-                issues.append(ConfigIssue(key, problem))
+            for path in files:
+                if not path.exists():
+                    issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
+                elif (problem := readable_file_problem(path)) is not None:
+                    issues.append(ConfigIssue(key, problem))
     prepared = cfg.data.dataset_prepared_path
     if prepared is not None and prepared.exists() and not prepared.is_dir():
         issues.append(
