@@ -67,6 +67,17 @@ def normal_file_mode(path: Path, umask: int | None = None) -> None:
         pass
 
 
+def normal_dir_mode(path: Path, umask: int | None = None) -> None:
+    """Give the directory ``path`` the mode ``mkdir`` gives under the umask (``0777 & ~umask``):
+    ``tempfile.mkdtemp`` makes its directories ``0700``, which would keep a published cache
+    private to its writer on a shared machine."""
+    mask = current_umask() if umask is None else umask
+    try:
+        os.chmod(path, 0o777 & ~mask)
+    except OSError:  # a filesystem without modes: leave it as made
+        pass
+
+
 def temp_name(target: Path) -> Path:
     """A hidden sibling of ``target``: same filesystem, never mistaken for the real file."""
     return target.with_name(f".{target.name}.tmp-{os.getpid()}")

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hone.atomic import atomic_write_text
+from hone.atomic import atomic_write_text, normal_dir_mode
 from hone.config.data import DataConfig
 from hone.config.root import HoneConfig
 from hone.data.errors import DataError
@@ -244,6 +244,7 @@ def publish(staged: Path, entry: Path) -> None:
     both are built from the same inputs.
     """
     (staged / _OWNER).unlink(missing_ok=True)
+    normal_dir_mode(staged)  # mkdtemp's 0700 would keep the cache from the other users of a shared cache dir
     try:
         os.rename(staged, entry)
     except OSError:
