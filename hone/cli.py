@@ -146,25 +146,54 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.model)
     prepared = prepare_data(cfg, tokenizer, use_cache=not args.no_cache)
     print(render_summary(prepared))
+    if args.show:
+        import os
+
+        from hone.data.show import render_rows
+
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(render_rows(prepared.train, tokenizer, args.show, color=color))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise HoneError(f"--nproc-per-node {args.nproc_per_node}: give a number of processes of at least 1")
+    if args.overwrite:
+        args.overrides = [*args.overrides, "training.overwrite_output_dir=true"]
     if args.nproc_per_node is not None and args.nproc_per_node > 1:
         return launch_torchrun(args)
     from hone.runtime.world import world_from_env
     from hone.train.start_guard import StartGuard
 
     world = world_from_env()
-    with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
-        cfg = _load(args)
-        if world.is_main:  # rank 0 owns the run directory; the others never undo its files
-            guard.watch(cfg.training.output_dir)
-        from hone.train.run import run_training
+    if world.distributed:  # a rank never outlives its launcher (see hone.train.lifeline)
+        from hone.train.lifeline import die_with_launcher
 
-        result = run_training(cfg, step_callback=guard.on_step)
+        die_with_launcher()
+    guard = StartGuard()
+    cfg = None
+    try:
+        with guard:  # a start that fails before step 1 leaves nothing behind
+            cfg = _load(args)
+            if cfg.training.overwrite_output_dir and world.is_main:  # before the guard records the directory
+                from hone.train.run import overwrite_output_dir
+
+                overwrite_output_dir(cfg.training.output_dir, lambda message: print(message, file=sys.stderr))
+            if world.is_main:  # rank 0 owns the run directory (and its lock); the others never undo its files
+                guard.watch(cfg.training.output_dir)
+            from hone.train.run import run_training
+
+            result = run_training(cfg, step_callback=guard.on_step)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C, or one before the loop: say what is left
+        if cfg is None:
+            raise
+        if world.is_main:
+            from hone.train.rerun import stopped_now_message
+
+            message = stopped_now_message(cfg.training.output_dir, getattr(exc, "step", None), guard.started)
+            print(message, file=sys.stderr, flush=True)
+        return 130
     if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
         return 143 if result.interrupted == "SIGTERM" else 130
     return 0
@@ -211,6 +240,13 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.nproc_per_node
     check_launch(cfg, World(0, n, 0), device_type, local_processes=n)
+    from hone.train.lifeline import LAUNCHER_PID_ENV
+    from hone.train.run_lock import RunDirLocked, lock_problem
+
+    problem = lock_problem(cfg.training.output_dir)  # refused here, not in N ranks' tracebacks
+    if problem is not None:
+        raise RunDirLocked(problem)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # torchrun keeps this pid: the ranks' parent
     command = torchrun_command(args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -220,8 +256,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hone.export.generate import generate, load_for_inference
+    from hone.train.device import checked_device
 
-    model, tokenizer = load_for_inference(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer = load_for_inference(args.run_dir, device=device)
     prompts = args.prompt or []
     for prompt in prompts:
         text = generate(
@@ -424,8 +462,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from hone.export.chat import chat_loop, load_chat_model
+    from hone.train.device import checked_device
 
-    model, tokenizer, setup = load_chat_model(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer, setup = load_chat_model(args.run_dir, device=device)
     return chat_loop(
         model,
         tokenizer,
@@ -579,6 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the first N training rows as the model sees them, trained tokens marked (see docs/datasets.md)",
+    )
 
     p = add(
         "train",
@@ -586,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune a model",
         "Fine-tune the model of CONFIG. Outputs go to training.output_dir: the resolved config, "
         "metrics.jsonl, TensorBoard events, loss.png, checkpoints and the final adapter or model. "
-        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it. "
+        "Ctrl-C stops after the step in progress and saves a checkpoint (a second Ctrl-C stops at once); "
+        "`--set training.resume=latest` continues from the last checkpoint, --overwrite starts over. "
         "--nproc-per-node N trains data-parallel in N processes (one per GPU) through torchrun; "
         "see docs/distributed.md for torchrun itself and several hosts.",
     )
@@ -597,6 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="train in N processes of this host (one per GPU; gloo on CPU) under torchrun (default: one process)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a training.output_dir holding an earlier run, removing its files first "
+        "(sets training.overwrite_output_dir; only a directory holding nothing but hone's run files is cleared)",
     )
 
     p = add(

@@ -268,6 +268,24 @@ def _expected_values(ctx: dict[str, Any]) -> list[str]:
     return [v.strip().strip("'") for v in raw.replace(" or ", ", ").split(",") if v.strip()]
 
 
+#: Values other tools use for what hone spells differently (Axolotl's dataset types among them).
+_KNOWN_SPELLINGS = {"sharegpt": "chat", "chat_template": "chat", "messages": "chat", "conversation": "chat", "text": "completion"}
+
+
+def closest_value(bad: str, allowed: list[str]) -> str | None:
+    """The allowed value ``bad`` most likely meant: another tool's spelling of it, a close
+    spelling, or one that ``bad`` starts with (``chat_template`` -> ``chat``)."""
+    lowered = bad.strip().lower()
+    for spelling in (lowered, lowered.split(":")[0]):
+        if _KNOWN_SPELLINGS.get(spelling) in allowed:
+            return _KNOWN_SPELLINGS[spelling]
+    close = difflib.get_close_matches(lowered, allowed, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    starts = [value for value in allowed if len(value) >= 3 and lowered.startswith(value)]
+    return max(starts, key=len) if starts else None
+
+
 def describe_error(err: dict[str, Any]) -> str:
     """One pydantic error dict -> a sentence with the value and what is allowed."""
     kind: str = err["type"]
@@ -277,8 +295,10 @@ def describe_error(err: dict[str, Any]) -> str:
         allowed = _expected_values(ctx)
         bad = ctx.get("tag", value)
         msg = f"{_show(bad)} is not one of: {', '.join(allowed)}"
-        close = difflib.get_close_matches(str(bad), allowed, n=1, cutoff=0.5)
-        return msg + (f" (did you mean '{close[0]}'?)" if close else "")
+        close = closest_value(str(bad), allowed)
+        if close and "chat" in allowed and str(bad).strip().lower().startswith("sharegpt"):
+            return msg + f" (did you mean '{close}'? ShareGPT rows are type chat with a field mapping: see docs/datasets.md)"
+        return msg + (f" (did you mean '{close}'?)" if close else "")
     if kind == "union_tag_not_found":
         return f"missing key '{ctx.get('discriminator', 'type').strip(chr(39))}' that selects the format"
     if kind == "missing":

@@ -146,7 +146,9 @@ def test_longest_table_orders_the_switches():
     assert {r.checkpointing for r in cpu} == {"none", "selective", "full"}
 
 
-def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
+def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch, hub_standins):
+    """examples/long-context.yml names Qwen/Qwen3-8B: its config.json comes from a stand-in hub
+    cache (tests/conftest.py), as a user's would from theirs."""
     from pathlib import Path
 
     from hone.cli import main

@@ -16,9 +16,9 @@ SPECS = sorted((ROOT / "benchmarks" / "specs").glob("*.yml"))
 
 
 @pytest.fixture(autouse=True)
-def _from_repo_root(monkeypatch):
+def _from_repo_root(monkeypatch, hub_standins):
     monkeypatch.chdir(ROOT)  # the examples name their data relative to the repository
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # model ids: the stand-in cache (tests/conftest.py)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
