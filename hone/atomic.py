@@ -6,6 +6,11 @@ leaves either the old file or the new one, never a truncated mix. One module for
 package: configs, metrics, plots, the data cache, final models and merges all write this way.
 A write that fails (disk full, read-only) raises :class:`~hone.errors.WriteError`, which names
 the target and says that its earlier version is unchanged (it is also an ``OSError``).
+
+**File modes follow the umask.** Some writers create private files whatever the umask says
+(``safetensors`` writes ``0600``, as ``mkstemp`` does); a published file gets the mode any new
+file of the user gets (``0644`` under the usual umask ``022``), so a model shared on a cluster
+or copied by another account can be read like the config and metrics beside it.
 """
 
 import errno
@@ -34,6 +39,45 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux allows (``/proc``): swapping it
+    with ``os.umask`` would, for an instant, give other threads' new files the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_file_mode(path: Path, umask: int | None = None) -> None:
+    """Give the file ``path`` the mode a new file gets under the umask (``0666 & ~umask``, the
+    execute bits it had kept): undoes the ``0600`` of writers that create private files."""
+    mask = current_umask() if umask is None else umask
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+        wanted = (0o666 | (mode & 0o111)) & ~mask
+        if mode != wanted:
+            os.chmod(path, wanted)
+    except OSError:  # a filesystem without modes: leave it as written
+        pass
+
+
+def normal_dir_mode(path: Path, umask: int | None = None) -> None:
+    """Give the directory ``path`` the mode ``mkdir`` gives under the umask (``0777 & ~umask``):
+    ``tempfile.mkdtemp`` makes its directories ``0700``, which would keep a published cache
+    private to its writer on a shared machine."""
+    mask = current_umask() if umask is None else umask
+    try:
+        os.chmod(path, 0o777 & ~mask)
+    except OSError:  # a filesystem without modes: leave it as made
+        pass
+
+
 def temp_name(target: Path) -> Path:
     """A hidden sibling of ``target``: same filesystem, never mistaken for the real file."""
     return target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -49,6 +93,7 @@ def atomic_write_with(target: Path, write: Callable[[Path], None]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
+        normal_file_mode(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -83,9 +128,12 @@ def atomic_write_text(target: Path, text: str) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """Make every file below ``root`` durable before a rename publishes the directory."""
+    """Make every file below ``root`` durable (with the umask's mode, see the module's docstring)
+    before a rename publishes the directory."""
+    umask = current_umask()
     for path in root.rglob("*"):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
+            normal_file_mode(path, umask)
             fsync_path(path)
     fsync_path(root)
 

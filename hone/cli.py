@@ -29,11 +29,13 @@ examples:
 """
 
 
-def _prepare_libraries(verbose: bool) -> None:
+def _prepare_libraries(verbose: bool, load_libraries: bool = True) -> None:
     """Offline first, and no per-shard progress bars from the libraries unless asked for.
 
     Uses the libraries' documented switches (environment variables read at import, and their
-    public progress-bar toggles); nothing of theirs is patched.
+    public progress-bar toggles); nothing of theirs is patched. ``load_libraries=False``
+    (``hone validate``, which loads no model or data) sets only the environment variables, so
+    datasets and transformers (seconds of imports) stay unimported unless a check needs them.
     """
     import os
 
@@ -42,6 +44,7 @@ def _prepare_libraries(verbose: bool) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import warnings
 
     # the libraries' deprecation notices about their own internals (e.g. PEFT reading a
@@ -55,6 +58,8 @@ def _prepare_libraries(verbose: bool) -> None:
     # machine, and torch logs a deprecation of torchao's. None of it is about the user's run.
     for name in ("torchao", "bitsandbytes", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if not load_libraries:
+        return
     try:
         import datasets
         import transformers
@@ -82,29 +87,39 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool = True):
+def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool = True, build_preset: bool = True):
     """Validate the config and (optionally) what it names on disk: data files, the model
     directory's metadata, the tokenizer, and (``output_dir``) that the run directory can be
-    written. Warnings (options the user opted into) go to stderr."""
+    written. Warnings (options the user opted into) go to stderr. ``build_preset=False``: a
+    preset's overrides are checked without building its config (no torch import)."""
     from hone.config import ConfigError, load_config
     from hone.preflight import run_preflight
 
     cfg = load_config(args.config, args.overrides)
     if check_files:
-        checked = run_preflight(cfg, output_dir=output_dir)
+        checked = run_preflight(cfg, output_dir=output_dir, build_preset=build_preset)
         if checked.issues:
-            raise ConfigError(checked.issues, str(args.config))
+            from hone.config.loader import mark_overridden
+
+            raise ConfigError(mark_overridden(checked.issues, args.overrides), str(args.config))
         for warning in checked.warnings:
             print(f"warning: {warning}", file=sys.stderr)
     return cfg
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """A verdict and a short summary; ``--verbose`` adds the resolved config (every default)."""
     from hone.config.loader import dump_config
+    from hone.config.summary import summarize
 
-    cfg = _load(args)
-    print(f"# {args.config}: valid. Resolved config (defaults filled in):")
-    print(dump_config(cfg), end="")
+    cfg = _load(args, build_preset=False)
+    if args.full or args.verbose:
+        print(f"# {args.config}: valid. Resolved config (defaults filled in):")
+        print(dump_config(cfg), end="")
+        return 0
+    print(f"{args.config}: valid")
+    print("\n".join(summarize(cfg)))
+    print(f"  (every setting with its default: hone validate {args.config} --verbose)")
     return 0
 
 
@@ -131,25 +146,54 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(cfg.model)
     prepared = prepare_data(cfg, tokenizer, use_cache=not args.no_cache)
     print(render_summary(prepared))
+    if args.show:
+        import os
+
+        from hone.data.show import render_rows
+
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        print(render_rows(prepared.train, tokenizer, args.show, color=color))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise HoneError(f"--nproc-per-node {args.nproc_per_node}: give a number of processes of at least 1")
+    if args.overwrite:
+        args.overrides = [*args.overrides, "training.overwrite_output_dir=true"]
     if args.nproc_per_node is not None and args.nproc_per_node > 1:
         return launch_torchrun(args)
     from hone.runtime.world import world_from_env
     from hone.train.start_guard import StartGuard
 
     world = world_from_env()
-    with StartGuard() as guard:  # a start that fails before step 1 leaves nothing behind
-        cfg = _load(args)
-        if world.is_main:  # rank 0 owns the run directory; the others never undo its files
-            guard.watch(cfg.training.output_dir)
-        from hone.train.run import run_training
+    if world.distributed:  # a rank never outlives its launcher (see hone.train.lifeline)
+        from hone.train.lifeline import die_with_launcher
 
-        result = run_training(cfg, step_callback=guard.on_step)
+        die_with_launcher()
+    guard = StartGuard()
+    cfg = None
+    try:
+        with guard:  # a start that fails before step 1 leaves nothing behind
+            cfg = _load(args)
+            if cfg.training.overwrite_output_dir and world.is_main:  # before the guard records the directory
+                from hone.train.run import overwrite_output_dir
+
+                overwrite_output_dir(cfg.training.output_dir, lambda message: print(message, file=sys.stderr))
+            if world.is_main:  # rank 0 owns the run directory (and its lock); the others never undo its files
+                guard.watch(cfg.training.output_dir)
+            from hone.train.run import run_training
+
+            result = run_training(cfg, step_callback=guard.on_step)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C, or one before the loop: say what is left
+        if cfg is None:
+            raise
+        if world.is_main:
+            from hone.train.rerun import stopped_now_message
+
+            message = stopped_now_message(cfg.training.output_dir, getattr(exc, "step", None), guard.started)
+            print(message, file=sys.stderr, flush=True)
+        return 130
     if result.interrupted:  # a checkpoint was saved; the conventional signal exit codes
         return 143 if result.interrupted == "SIGTERM" else 130
     return 0
@@ -196,6 +240,13 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.nproc_per_node
     check_launch(cfg, World(0, n, 0), device_type, local_processes=n)
+    from hone.train.lifeline import LAUNCHER_PID_ENV
+    from hone.train.run_lock import RunDirLocked, lock_problem
+
+    problem = lock_problem(cfg.training.output_dir)  # refused here, not in N ranks' tracebacks
+    if problem is not None:
+        raise RunDirLocked(problem)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # torchrun keeps this pid: the ranks' parent
     command = torchrun_command(args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -205,8 +256,10 @@ def launch_torchrun(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hone.export.generate import generate, load_for_inference
+    from hone.train.device import checked_device
 
-    model, tokenizer = load_for_inference(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer = load_for_inference(args.run_dir, device=device)
     prompts = args.prompt or []
     for prompt in prompts:
         text = generate(
@@ -364,7 +417,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
         decided = decide(cfg, facts)
         view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided)
-        print(render_plan(view, transforms=decisions(cfg, facts, decided=decided)), flush=True)
+        print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
     return 0
 
 
@@ -409,8 +462,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from hone.export.chat import chat_loop, load_chat_model
+    from hone.train.device import checked_device
 
-    model, tokenizer, setup = load_chat_model(args.run_dir, device=args.device)
+    device = checked_device(args.device) if args.device is not None else None
+    model, tokenizer, setup = load_chat_model(args.run_dir, device=device)
     return chat_loop(
         model,
         tokenizer,
@@ -486,12 +541,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "validate",
         cmd_validate,
-        "check a config and print it with every default filled in",
+        "check a config and summarize what it trains",
         "Validate CONFIG (schema, value ranges, combinations, and that the files it names exist) "
-        "without loading a model or data. Prints the resolved config, or every problem at once "
-        "with its key path, line and what is allowed; exits 2 on any problem.",
+        "without loading a model or data. Prints a short summary (--verbose: the resolved config "
+        "with every default filled in), or every problem at once with its key path, line and what "
+        "is allowed; exits 2 on any problem.",
     )
     _add_config_args(p)
+    p.add_argument(
+        "--verbose",
+        "-v",
+        dest="full",
+        action="store_true",
+        help="print the resolved config with every default filled in",
+    )
 
     p = add(
         "schema",
@@ -541,6 +604,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="host memory for offloaded layer inputs and the process, e.g. 128GiB (default: this machine's RAM)",
     )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="print everything: the planner's reasons in full and the longest sequence of every combination "
+        "(default: at most 100 columns)",
+    )
 
     p = add(
         "preprocess",
@@ -552,6 +621,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.add_argument("--no-cache", action="store_true", help="ignore and do not write the cache")
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the first N training rows as the model sees them, trained tokens marked (see docs/datasets.md)",
+    )
 
     p = add(
         "train",
@@ -559,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune a model",
         "Fine-tune the model of CONFIG. Outputs go to training.output_dir: the resolved config, "
         "metrics.jsonl, TensorBoard events, loss.png, checkpoints and the final adapter or model. "
-        "Ctrl-C saves a checkpoint; `--set training.resume=latest` continues from it. "
+        "Ctrl-C stops after the step in progress and saves a checkpoint (a second Ctrl-C stops at once); "
+        "`--set training.resume=latest` continues from the last checkpoint, --overwrite starts over. "
         "--nproc-per-node N trains data-parallel in N processes (one per GPU) through torchrun; "
         "see docs/distributed.md for torchrun itself and several hosts.",
     )
@@ -570,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="train in N processes of this host (one per GPU; gloo on CPU) under torchrun (default: one process)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a training.output_dir holding an earlier run, removing its files first "
+        "(sets training.overwrite_output_dir; only a directory holding nothing but hone's run files is cleared)",
     )
 
     p = add(
@@ -635,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("validate", "plan", "preprocess", "train", "generate", "merge", "chat"):
-        _prepare_libraries(args.verbose)
+        _prepare_libraries(args.verbose, load_libraries=args.command != "validate")
     try:
         return args.func(args)
     except HoneError as exc:

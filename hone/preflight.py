@@ -31,40 +31,46 @@ def preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True)
     return run_preflight(cfg, output_dir=output_dir, weights=weights).issues
 
 
-def run_preflight(cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True) -> PreflightResult:
+def run_preflight(
+    cfg: HoneConfig, *, output_dir: bool = True, weights: bool = True, build_preset: bool = True
+) -> PreflightResult:
     """Files, model directory, tokenizer, run directory and sequence length, all at once.
 
     ``output_dir=False`` skips the run-directory and tracker checks (``hone preprocess`` writes no run);
-    ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone).
+    ``weights=False`` the model's weight and tokenizer files (``hone plan`` reads the config alone);
+    ``build_preset=False`` checks a preset's overrides without building its transformers config,
+    which imports torch (seconds): ``hone validate``, which loads nothing.
     """
     result = PreflightResult()
     result.issues += _path_issues(cfg)
     if output_dir:  # the commands that start a run (validate, train): its directory, its trackers
         result.issues += _output_dir_issues(cfg)
         _tracker_check(cfg, result)
-    model_config = _model_issues(cfg, result, weights)
+    model_config = _model_issues(cfg, result, weights, build_preset)
     _context_check(cfg, model_config, result)
     return result
 
 
 def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     from hone.data.errors import DataError
-    from hone.data.hub_files import local_data_file
+    from hone.data.hub_files import cached_entry
     from hone.paths import readable_file_problem
 
     issues: list[ConfigIssue] = []
     for section in ("datasets", "test_datasets"):
         for index, dataset in enumerate(getattr(cfg.data, section)):
             key = f"data.{section}[{index}].path"
-            try:
-                path = local_data_file(dataset.path, key)  # hf://datasets/...: its cached file
+            try:  # hf://datasets/... and hub dataset ids: their cached files
+                files = cached_entry(dataset, f"data.{section}[{index}]").files
             except DataError as exc:
-                issues.append(ConfigIssue(key, str(exc).removeprefix(f"{key}: ")))
+                where, _, message = str(exc).partition(": ")
+                issues.append(ConfigIssue(where if where.startswith("data.") else key, message or str(exc)))
                 continue
-            if not path.exists():
-                issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
-            elif (problem := readable_file_problem(path)) is not None:
-                issues.append(ConfigIssue(key, problem))
+            for path in files:
+                if not path.exists():
+                    issues.append(ConfigIssue(key, f"data file not found: '{path}' (relative paths are from {Path.cwd()})"))
+                elif (problem := readable_file_problem(path)) is not None:
+                    issues.append(ConfigIssue(key, problem))
     prepared = cfg.data.dataset_prepared_path
     if prepared is not None and prepared.exists() and not prepared.is_dir():
         issues.append(
@@ -84,7 +90,7 @@ def _output_dir_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     return [] if problem is None else [ConfigIssue("training.output_dir", problem)]
 
 
-def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True) -> Any:
+def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True, build_preset: bool = True) -> Any:
     """Model directory (or preset) and tokenizer problems; returns the model config if readable."""
     from hone.models.errors import ModelError
     from hone.models.tokenizer import tokenizer_dir_problems
@@ -97,13 +103,17 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
         if config is _MISSING:
             return None  # the tokenizer would be looked for in the same missing place
     else:
-        from hone.models.presets import build_preset_config
+        from hone.models.presets import build_preset_config, preset_values
 
         try:
-            config = build_preset_config(model.preset, dict(model.preset_overrides), None)
+            if build_preset:
+                config = build_preset_config(model.preset, dict(model.preset_overrides), None)
+            else:  # its values: what the sequence-length check reads
+                config = preset_values(model.preset, dict(model.preset_overrides))
         except ModelError as exc:
             key, _, message = str(exc).partition(": ")
             result.issues.append(ConfigIssue(key if key.startswith("model.") else "model.preset", message or str(exc)))
+    config = _with_rope_scaling(model, config, result)
     key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
     if weights and (model.tokenizer_path is not None or model.path is not None) and key not in downloading:
         result.issues += [ConfigIssue(key, p) for p in tokenizer_dir_problems(model)]
@@ -111,6 +121,21 @@ def _model_issues(cfg: HoneConfig, result: PreflightResult, weights: bool = True
 
 
 _MISSING = object()
+
+
+def _with_rope_scaling(model: Any, config: Any, result: PreflightResult) -> Any:
+    """The model's config as the loader will build it: with ``model.rope_scaling`` applied, so
+    the sequence-length check reads the scaled positions."""
+    if config is None or model.rope_scaling is None:
+        return config
+    from hone.models.errors import ModelError
+    from hone.models.rope_scaling import with_rope_scaling
+
+    try:
+        return with_rope_scaling(config, model.rope_scaling)
+    except ModelError as exc:
+        result.issues.append(ConfigIssue("model.rope_scaling", str(exc).removeprefix("model.rope_scaling: ")))
+        return None
 
 
 def _model_dir_issues(cfg: HoneConfig, result: PreflightResult, weights: bool) -> Any:
@@ -189,7 +214,18 @@ def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> Non
         f"(max_position_embeddings of {cfg.model.source})"
     )
     scaling = rope_scaling_type(config)
-    if scaling is not None:
+    if cfg.model.rope_scaling is not None and not cfg.data.allow_longer_than_model:
+        factor = cfg.model.rope_scaling.factor
+        result.issues.append(
+            ConfigIssue(
+                "data.sequence_len",
+                f"{wanted} is longer than the {limit} positions model.rope_scaling gives "
+                f"({cfg.model.rope_scaling.type}, factor {factor:g}): raise model.rope_scaling.factor to at least "
+                f"{factor * wanted / limit:g}, set data.sequence_len to at most {limit}, or set "
+                "data.allow_longer_than_model: true to train anyway",
+            )
+        )
+    elif scaling is not None:
         result.warnings.append(f"{what}; its config sets RoPE scaling '{scaling}', which is meant to stretch them")
     elif cfg.data.allow_longer_than_model:
         result.warnings.append(
@@ -202,7 +238,9 @@ def _context_check(cfg: HoneConfig, config: Any, result: PreflightResult) -> Non
                 "data.sequence_len",
                 f"{wanted} is longer than the {limit} positions the model was built for "
                 f"(max_position_embeddings of {cfg.model.source}) and its config sets no RoPE scaling: "
-                f"set data.sequence_len to at most {limit}, pick a model with a longer context, or set "
+                f"set data.sequence_len to at most {limit}, extend the positions with "
+                f"model.rope_scaling (e.g. {{type: yarn, factor: {-(-wanted // limit)}}}; docs/long-context.md), "
+                "pick a model with a longer context, or set "
                 "data.allow_longer_than_model: true to train anyway (quality past the model's range may drop)",
             )
         )

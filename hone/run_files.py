@@ -23,3 +23,6 @@ TENSORBOARD_DIR = "tensorboard"
 
 OPTIMIZATIONS_FILE = "optimizations.json"
 """The plan's record: applied and skipped transforms, with the compile counts once training ends."""
+
+LOCK_FILE = ".hone.lock"
+"""Held (``flock``) by the one ``hone train`` writing the directory; names its pid and host."""

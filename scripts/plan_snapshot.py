@@ -4,7 +4,10 @@ Why: a refactor of the planner or the memory model must not change a single deci
 This runs ``hone plan`` in one process (loading torch once) on each ``examples/*.yml`` and
 ``benchmarks/specs/*.yml`` under a few fixed machines (a card and a host of fixed sizes, CPU and
 CUDA, one and two processes), so the output depends on the code alone, and writes one text file
-per (config, machine) into OUT_DIR. Compare two snapshots with ``diff -r``.
+per (config, machine) into OUT_DIR. Compare two snapshots with ``diff -r``. Examples that name
+a model id (``Qwen/Qwen3-8B``, ...) plan against the tests' stand-in hub cache (the real
+config.json of each; tests/conftest.py), so the output does not depend on what this machine
+has downloaded.
 
     python scripts/plan_snapshot.py OUT_DIR
 """
@@ -25,7 +28,22 @@ MACHINES = (
 )
 
 
+def use_hub_standins() -> None:
+    """Point ``HF_HUB_CACHE`` at a fresh stand-in cache of the examples' model ids, offline."""
+    import importlib.util
+    import os
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("hone_tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    cache = conftest.write_hub_standins(Path(tempfile.mkdtemp(prefix="hone-hub-standins-")))
+    os.environ["HF_HUB_CACHE"] = str(cache)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+
 def main(out_dir: str) -> int:
+    use_hub_standins()
     from hone.cli import main as hone
 
     out = Path(out_dir)

@@ -118,3 +118,42 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+#: The published config.json of the real models the examples name (tests/data/hub_standin_configs.json).
+HUB_STANDIN_CONFIGS = Path(__file__).parent / "data" / "hub_standin_configs.json"
+
+
+def write_hub_standins(cache: Path) -> Path:
+    """A Hugging Face hub cache under ``cache`` holding a stand-in snapshot of every model id the
+    examples name: the real model's config.json (so sequence-length checks and ``hone plan`` see
+    the real architecture), hone's bundled tokenizer files, and one tiny but complete safetensors
+    file. That is everything ``hone validate`` and ``hone plan`` read of a model: metadata, never
+    the weights (they check that the weight files are complete, not what they hold)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hone.models.tokenizer import bundled_tokenizer_path
+
+    configs = json.loads(HUB_STANDIN_CONFIGS.read_text(encoding="utf-8"))
+    revision = "0" * 40
+    for repo_id, config in configs.items():
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+        (snapshot / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        for file in bundled_tokenizer_path().iterdir():
+            (snapshot / file.name).write_bytes(file.read_bytes())
+        save_file({"stand_in": torch.zeros(2)}, str(snapshot / "model.safetensors"))
+    return cache
+
+
+@pytest.fixture
+def hub_standins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``HF_HUB_CACHE`` pointed at a stand-in cache of the examples' model ids (offline)."""
+    cache = write_hub_standins(tmp_path / "hf-hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache

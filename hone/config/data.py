@@ -4,10 +4,11 @@ Each dataset entry is one of four formats, selected by ``type`` (a discriminated
 key that belongs to another format is an error instead of being ignored).
 """
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from hone.config.base import Section
 
@@ -24,32 +25,71 @@ SUFFIX_FORMATS: dict[str, str] = {
 }
 
 
+#: ``owner/name`` with the characters the Hub allows, then an optional ``@revision``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?:@[\w./-]+)?$")
+
+
+def looks_like_hub_id(path: str | Path) -> bool:
+    """Whether ``path`` has the shape of a hub dataset id (``owner/name[@revision]``) and no
+    data-file suffix. Pure: whether a local file of that name exists is decided later."""
+    text = str(path)
+    return _HUB_ID.match(text) is not None and Path(text.split("@")[0]).suffix.lower() not in SUFFIX_FORMATS
+
+
 class _DatasetBase(Section):
     path: Path
     """Local data file (jsonl, json, parquet, csv or arrow). Relative paths are from the CWD.
-    ``hf://datasets/Org/Name[@revision]/file.jsonl`` reads that file of a dataset repo from the
-    local Hugging Face cache (never downloaded)."""
+    A hub dataset id (``tatsu-lab/alpaca``, ``Org/Name@revision``) reads the dataset's files from
+    the local Hugging Face caches (hub snapshot, or the ``datasets`` Arrow cache; never
+    downloaded); ``hf://datasets/Org/Name[@revision]/file.jsonl`` reads one file of a dataset
+    repo from the hub cache. See docs/datasets.md."""
 
     file_format: FileFormat = "auto"
-    """File format; ``auto`` picks it from the file suffix."""
+    """File format; ``auto`` picks it from the file suffix (for a hub id: from its files)."""
+
+    split: str | None = None
+    """For a hub dataset id: the split to read (default ``train``). A file is read whole."""
 
     weight: float = Field(1.0, gt=0)
     """Mixing weight: each row is used ``weight`` times on average (0.5 keeps a seeded random
     half, 2.0 repeats every row twice, 1.5 repeats a seeded random half)."""
 
+    #: The data files of a hub dataset id, found in the local caches when the data is prepared
+    #: (``hone.data.hub_files.with_cached_data_files``), and their format; empty for a file.
+    _files: tuple[Path, ...] = PrivateAttr(default=())
+    _files_format: str | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _format_known(self) -> "_DatasetBase":
-        if self.file_format == "auto" and self.path.suffix.lower() not in SUFFIX_FORMATS:
+        hub_id = looks_like_hub_id(self.path)
+        if self.file_format == "auto" and self.path.suffix.lower() not in SUFFIX_FORMATS and not hub_id:
             raise ValueError(
                 f"cannot tell the file format of '{self.path}' from its suffix: set file_format "
-                f"to one of: {', '.join(sorted(set(SUFFIX_FORMATS.values())))}"
+                f"to one of: {', '.join(sorted(set(SUFFIX_FORMATS.values())))} (or give a hub dataset id, owner/name)"
+            )
+        if self.split is not None and not hub_id:
+            raise ValueError(
+                f"split: '{self.split}' applies to hub dataset ids (owner/name); the file '{self.path}' is read whole"
             )
         return self
+
+    def with_files(self, files: tuple[Path, ...], file_format: str) -> "_DatasetBase":
+        """A copy that reads ``files`` (the cached files of a hub id) in ``file_format``."""
+        copy = self.model_copy()
+        copy._files, copy._files_format = tuple(files), file_format
+        return copy
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """The files to read: the cached files of a hub id once found, else ``path``."""
+        return self._files or (self.path,)
 
     @property
     def resolved_format(self) -> str:
         if self.file_format != "auto":
             return self.file_format
+        if self._files_format is not None:
+            return self._files_format
         return SUFFIX_FORMATS[self.path.suffix.lower()]
 
 
@@ -104,6 +144,35 @@ DatasetConfig = Annotated[
 ]
 DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")
 
+#: Chat templates shipped with hone (``hone.data.chat_templates`` holds their text), aliases included.
+CHAT_TEMPLATE_NAMES: tuple[str, ...] = (
+    "chatml",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen2.5",
+    "qwen_25",
+    "qwen3",
+)
+
+
+def check_chat_template(value: str | None) -> str | None:
+    """A template name hone ships, or Jinja text; anything else is a typo of a name, refused
+    here instead of rendering every message to nothing later."""
+    if value is None or value.strip().lower() in CHAT_TEMPLATE_NAMES or "{{" in value or "{%" in value:
+        return value
+    import difflib
+
+    close = difflib.get_close_matches(value.strip().lower(), CHAT_TEMPLATE_NAMES, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ValueError(
+        f"{value[:60]!r} is neither a chat template name hone knows nor a Jinja template (no '{{{{' or '{{%')"
+        f"{hint}; names: {', '.join(CHAT_TEMPLATE_NAMES)}; or leave it unset to use the tokenizer's own template"
+    )
+
 
 class DataConfig(Section):
     """Datasets, formats, sequence length, evaluation split and the tokenized-data cache."""
@@ -134,7 +203,9 @@ class DataConfig(Section):
     """A row with a missing or malformed field stops preprocessing, or is skipped and counted."""
 
     chat_template: str | None = None
-    """Jinja chat template for ``chat`` datasets; by default the tokenizer's own."""
+    """Chat template for ``chat`` datasets: a name (``chatml``, ``llama3``, ``qwen2``, ``qwen2.5``,
+    ``qwen3``, ``mistral``, ``gemma``; see docs/datasets.md) or Jinja text; by default the
+    tokenizer's own."""
 
     num_proc: int | None = Field(None, ge=1)
     """Worker processes for tokenization (``datasets.map``); default: one."""
@@ -153,6 +224,11 @@ class DataConfig(Section):
 
     dataset_prepared_path: Path | None = None
     """Cache directory for tokenized data; default ``$HONE_CACHE_DIR/datasets`` or ``~/.cache/hone/datasets``."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        return check_chat_template(value)
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":

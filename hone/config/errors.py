@@ -8,6 +8,7 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -58,15 +59,53 @@ class ConfigIssue:
 class ConfigError(HoneError):
     """All problems found in a config at once (never just the first one)."""
 
-    def __init__(self, issues: list[ConfigIssue], source: str | None = None) -> None:
+    def __init__(self, issues: list[ConfigIssue], source: str | None = None, *, preface: str | None = None) -> None:
         self.issues = issues
         self.source = source
+        self.preface = preface
+        """A paragraph that says what is wrong as a whole (an Axolotl config): printed first,
+        with only the first few issues after it."""
         super().__init__(self.render())
 
     def render(self) -> str:
         count = len(self.issues)
+        if self.preface is not None:  # the issues that suggest a hone key say the most
+            shown = sorted(self.issues, key=lambda i: "did you mean" not in i.message)[:PREFACE_ISSUES]
+            head = f"{self.source or 'config'}: {self.preface}\n{len(shown)} of its {count} problems as a hone config:"
+            return "\n".join([head, *(f"  - {i.render(self.source)}" for i in shown)])
         head = f"{self.source or 'config'}: {count} problem{'s' if count != 1 else ''}"
         return "\n".join([head, *(f"  - {i.render(self.source)}" for i in self.issues)])
+
+
+#: How many issues follow a preface (the rest are the same mistake again).
+PREFACE_ISSUES = 3
+
+#: Top-level keys of Axolotl configs that hone keeps in sections (``base_model`` is
+#: ``model.path``, ``micro_batch_size`` is ``training.micro_batch_size``, ...).
+AXOLOTL_KEYS = frozenset(
+    "base_model base_model_config model_type tokenizer_type load_in_8bit load_in_4bit datasets dataset_prepared_path "
+    "val_set_size sequence_len sample_packing pad_to_sequence_len lora_r lora_alpha lora_dropout lora_target_modules "
+    "lora_target_linear micro_batch_size gradient_accumulation_steps num_epochs max_steps learning_rate lr_scheduler "
+    "warmup_steps warmup_ratio weight_decay bf16 fp16 tf32 flash_attention gradient_checkpointing output_dir "
+    "chat_template special_tokens wandb_project saves_per_epoch evals_per_epoch train_on_inputs".split()
+)
+
+
+def axolotl_preface(raw: dict[str, Any], source: str, root: type[BaseModel]) -> str | None:
+    """The paragraph for a config written for Axolotl (at least 3 of its well-known keys at the
+    top level, where hone has sections): convert it rather than fix it key by key."""
+    found = [key for key in raw if key in AXOLOTL_KEYS and key not in root.model_fields]
+    if len(found) < 3:
+        return None
+    shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+    out = Path(source).with_suffix(".hone.yml")
+    return (
+        f"this looks like an Axolotl config ({shown} at the top level; hone groups its keys in sections: "
+        f"model, data, adapter, training, optimizer, ...). Convert it with\n"
+        f"  hone convert {source} -o {out}\n"
+        f"which lists every key it cannot translate, then check the result with `hone validate {out}` "
+        "(docs/convert.md)."
+    )
 
 
 def format_path(loc: tuple[Any, ...]) -> str:
@@ -229,6 +268,24 @@ def _expected_values(ctx: dict[str, Any]) -> list[str]:
     return [v.strip().strip("'") for v in raw.replace(" or ", ", ").split(",") if v.strip()]
 
 
+#: Values other tools use for what hone spells differently (Axolotl's dataset types among them).
+_KNOWN_SPELLINGS = {"sharegpt": "chat", "chat_template": "chat", "messages": "chat", "conversation": "chat", "text": "completion"}
+
+
+def closest_value(bad: str, allowed: list[str]) -> str | None:
+    """The allowed value ``bad`` most likely meant: another tool's spelling of it, a close
+    spelling, or one that ``bad`` starts with (``chat_template`` -> ``chat``)."""
+    lowered = bad.strip().lower()
+    for spelling in (lowered, lowered.split(":")[0]):
+        if _KNOWN_SPELLINGS.get(spelling) in allowed:
+            return _KNOWN_SPELLINGS[spelling]
+    close = difflib.get_close_matches(lowered, allowed, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    starts = [value for value in allowed if len(value) >= 3 and lowered.startswith(value)]
+    return max(starts, key=len) if starts else None
+
+
 def describe_error(err: dict[str, Any]) -> str:
     """One pydantic error dict -> a sentence with the value and what is allowed."""
     kind: str = err["type"]
@@ -238,8 +295,10 @@ def describe_error(err: dict[str, Any]) -> str:
         allowed = _expected_values(ctx)
         bad = ctx.get("tag", value)
         msg = f"{_show(bad)} is not one of: {', '.join(allowed)}"
-        close = difflib.get_close_matches(str(bad), allowed, n=1, cutoff=0.5)
-        return msg + (f" (did you mean '{close[0]}'?)" if close else "")
+        close = closest_value(str(bad), allowed)
+        if close and "chat" in allowed and str(bad).strip().lower().startswith("sharegpt"):
+            return msg + f" (did you mean '{close}'? ShareGPT rows are type chat with a field mapping: see docs/datasets.md)"
+        return msg + (f" (did you mean '{close}'?)" if close else "")
     if kind == "union_tag_not_found":
         return f"missing key '{ctx.get('discriminator', 'type').strip(chr(39))}' that selects the format"
     if kind == "missing":
@@ -261,7 +320,11 @@ def issues_from_validation(root: type[BaseModel], exc: ValidationError, lines: d
         loc, _ = clean_location(root, tuple(err["loc"]))
         if err["type"] == "union_tag_invalid":
             loc = (*loc, str((err.get("ctx") or {}).get("discriminator", "type")).strip("'"))
-        if err["type"] == "extra_forbidden":
+        misspelt = _misspelt_tag(root, err) if err["type"] == "union_tag_not_found" else None
+        if misspelt is not None:  # `tpye: alpaca`: the typo is the mistake, not a missing `type`
+            key, msg = misspelt
+            loc = (*loc, key)
+        elif err["type"] == "extra_forbidden":
             parent, key = loc[:-1], loc[-1]
             _, holders = clean_location(root, tuple(err["loc"][:-1]))
             msg = other_variant_message(root, holders, str(key))
@@ -277,9 +340,29 @@ def issues_from_validation(root: type[BaseModel], exc: ValidationError, lines: d
     for loc, msgs in grouped.items():
         message = msgs[0] if len(msgs) == 1 else "matches no allowed form: " + "; or ".join(msgs)
         line = _line_for(lines, loc)
-        overridden = line is None and any(v <= 0 and loc[: len(k)] == k for k, v in lines.items())
-        issues.append(ConfigIssue(format_path(loc), message, line, overridden))
+        # a key set (or a section made) by --set has no line of its own: never its parent's
+        overridden = any(v <= 0 and (loc[: len(k)] == k or k[: len(loc)] == loc) for k, v in lines.items())
+        if overridden and lines.get(loc, 0) <= 0:
+            line = None
+        issues.append(ConfigIssue(format_path(loc), message, line, overridden and line is None))
     return issues
+
+
+def _misspelt_tag(root: type[BaseModel], err: dict[str, Any]) -> tuple[str, str] | None:
+    """(key, message) for a key of the mapping close to its missing discriminator."""
+    tag = str((err.get("ctx") or {}).get("discriminator", "type")).strip("'")
+    value = err.get("input")
+    if not isinstance(value, dict):
+        return None
+    _, holders = clean_location(root, tuple(err["loc"]))
+    known = {name for model in holders for name in model.model_fields}
+    unknown = [str(k) for k in value if str(k) not in known]
+    close = difflib.get_close_matches(tag, unknown, n=1, cutoff=0.6)
+    if not close:
+        return None
+    tags = sorted(t for t in (_tag_of(m) for m in holders) if t is not None)
+    allowed = f": one of {', '.join(tags)}" if tags else ""
+    return close[0], f"unknown key (did you mean '{tag}'? it selects the format{allowed})"
 
 
 def _line_for(lines: dict[tuple[Any, ...], int], loc: tuple[Any, ...]) -> int | None:

@@ -6,7 +6,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hone.config.errors import ConfigError, ConfigIssue, format_path, issues_from_validation
+from hone.config.errors import ConfigError, ConfigIssue, axolotl_preface, format_path, issues_from_validation
 from hone.config.root import HoneConfig
 
 Lines = dict[tuple[Any, ...], int]
@@ -65,7 +65,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not sep or not key.strip():
             issues.append(ConfigIssue(item, "override must look like key.path=value (e.g. optimizer.learning_rate=2e-4)"))
             continue
-        value = yaml.safe_load(text) if text.strip() else None
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            issues.append(ConfigIssue(key.strip(), f"the value {text!r} is not valid YAML ({problem}); quote it or fix it"))
+            continue
         parts: list[Any] = [int(p) if p.isdigit() else p for p in key.strip().split(".")]
         target: Any = data
         for depth, part in enumerate(parts[:-1]):
@@ -100,7 +105,8 @@ def parse_config(raw: Any, source: str = "config", lines: Lines | None = None) -
     try:
         return HoneConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(issues_from_validation(HoneConfig, exc, lines or {}), source) from None
+        issues = issues_from_validation(HoneConfig, exc, lines or {})
+        raise ConfigError(issues, source, preface=axolotl_preface(raw, source, HoneConfig)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> HoneConfig:
@@ -123,6 +129,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> HoneCon
         lines = {k: v for k, v in lines.items() if not any(k[: len(o)] == o for o in overridden)}
         lines.update({o: OVERRIDDEN for o in overridden})
     return parse_config(raw, str(path), lines)
+
+
+def mark_overridden(issues: list[ConfigIssue], overrides: list[str]) -> list[ConfigIssue]:
+    """``issues`` (of the checks after the schema, which have no line) with those about a key
+    that an override set marked as coming from ``--set``."""
+    from dataclasses import replace
+
+    keys = {format_path(tuple(int(p) if p.isdigit() else p for p in o.partition("=")[0].strip().split("."))) for o in overrides}
+    return [replace(i, from_override=True) if i.line is None and i.path in keys else i for i in issues]
 
 
 def dump_config(cfg: HoneConfig) -> str:

@@ -29,6 +29,78 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
 ExpertsImplementation = Literal["auto", "grouped_mm", "eager", "hone"]
 Quantize = Literal["none", "nf4"]
+#: RoPE scalings that stretch a fixed pretraining length (transformers' ``dynamic`` NTK is left out:
+#: it takes ``max_position_embeddings`` as the pretraining length, which this key raises).
+RopeType = Literal["yarn", "llama3", "linear"]
+
+#: Fields of ``model.rope_scaling`` that only some RoPE types read.
+_ROPE_TYPE_FIELDS = {
+    "beta_fast": ("yarn",),
+    "beta_slow": ("yarn",),
+    "attention_factor": ("yarn",),
+    "low_freq_factor": ("llama3",),
+    "high_freq_factor": ("llama3",),
+}
+
+
+class RopeScaling(Section):
+    """RoPE scaling set on the model's transformers config before the model is built, for a
+    model directory, a hub id or a preset alike (it replaces any scaling the config has). It
+    stretches the positions the model was trained on (``original_max_position_embeddings``)
+    by ``factor``, and raises ``max_position_embeddings`` to match, which is the length
+    ``data.sequence_len`` is checked against. Qwen3 documents YaRN with factor 4 over 32,768
+    positions (131,072 tokens)."""
+
+    type: RopeType
+    """``yarn`` (Qwen3, gpt-oss, DeepSeek), ``llama3`` (Llama 3.1+) or ``linear`` (position
+    interpolation)."""
+
+    factor: float = Field(gt=1.0)
+    """How many times the original positions are stretched (greater than 1)."""
+
+    original_max_position_embeddings: int | None = Field(None, ge=1)
+    """The positions the model was pretrained on; default: the config's own
+    ``original_max_position_embeddings`` if it already scales RoPE, else its
+    ``max_position_embeddings``."""
+
+    max_position_embeddings: int | None = Field(None, ge=1)
+    """The positions of the scaled model; default: ``original_max_position_embeddings x factor``."""
+
+    beta_fast: float | None = None
+    """yarn only: the fast boundary of the interpolation ramp (transformers' default 32)."""
+
+    beta_slow: float | None = None
+    """yarn only: the slow boundary of the interpolation ramp (transformers' default 1)."""
+
+    attention_factor: float | None = Field(None, gt=0.0)
+    """yarn only: the scale of the attention logits; default derived from ``factor``."""
+
+    low_freq_factor: float | None = None
+    """llama3 only (default 1.0, Llama 3.1's)."""
+
+    high_freq_factor: float | None = None
+    """llama3 only (default 4.0, Llama 3.1's); greater than ``low_freq_factor``."""
+
+    @model_validator(mode="after")
+    def _fields_fit_the_type(self) -> "RopeScaling":
+        for name, types in _ROPE_TYPE_FIELDS.items():
+            if getattr(self, name) is not None and self.type not in types:
+                raise ValueError(
+                    f"model.rope_scaling.{name} applies to type: {' / '.join(types)}, but type is "
+                    f"'{self.type}': remove {name}, or set type: {types[0]}"
+                )
+        if (self.beta_fast if self.beta_fast is not None else 32.0) <= (self.beta_slow if self.beta_slow is not None else 1.0):
+            raise ValueError(
+                f"model.rope_scaling: beta_fast ({self.beta_fast}) must be greater than beta_slow ({self.beta_slow}) "
+                "(defaults 32 and 1)"
+            )
+        low = self.low_freq_factor if self.low_freq_factor is not None else 1.0
+        high = self.high_freq_factor if self.high_freq_factor is not None else 4.0
+        if self.type == "llama3" and high <= low:
+            raise ValueError(
+                f"model.rope_scaling: high_freq_factor ({high}) must be greater than low_freq_factor ({low}) (defaults 4 and 1)"
+            )
+        return self
 
 
 class ModelConfig(Section):
@@ -44,6 +116,13 @@ class ModelConfig(Section):
 
     preset_overrides: dict[str, int | float | bool | str] = Field(default_factory=dict)
     """Fields of the preset's transformers config to override, e.g. ``num_hidden_layers: 8``."""
+
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling applied to the model's config before it is built (a directory, hub id or
+    preset), e.g. ``{type: yarn, factor: 4.0, original_max_position_embeddings: 32768}`` for
+    Qwen3 at 131,072 tokens; raises ``max_position_embeddings`` so a longer
+    ``data.sequence_len`` validates. Replaces any scaling the model's config sets. See
+    docs/long-context.md."""
 
     tokenizer_path: Path | None = None
     """Tokenizer directory or cached model id; defaults to ``path`` (or the bundled tiny

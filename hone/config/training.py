@@ -54,6 +54,11 @@ class TrainingConfig(Section):
     output_dir: Path = Path("runs/hone")
     """Run directory: config, metrics, checkpoints, final adapter or model."""
 
+    overwrite_output_dir: bool = False
+    """Start over in an ``output_dir`` that holds an earlier run (finished or not): its files are
+    removed first (``hone train --overwrite`` sets this). Only a directory holding nothing but
+    what ``hone train`` writes is cleared; anything else there is refused, never deleted."""
+
     max_consecutive_nonfinite: int = Field(5, ge=1)
     """Skipped steps (non-finite loss or gradient) in a row before the run stops."""
 
@@ -63,6 +68,11 @@ class TrainingConfig(Section):
             raise ValueError(
                 "set either training.max_steps or training.num_epochs, not both "
                 f"(got max_steps={self.max_steps}, num_epochs={self.num_epochs})"
+            )
+        if self.overwrite_output_dir and self.resume is not None:
+            raise ValueError(
+                f"training.overwrite_output_dir: true starts over, training.resume: {self.resume} continues a run: "
+                "set one of them, not both (to start over with a config that resumes: --overwrite --set training.resume=null)"
             )
         return self
 

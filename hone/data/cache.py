@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hone.atomic import atomic_write_text
+from hone.atomic import atomic_write_text, normal_dir_mode
 from hone.config.data import DataConfig
 from hone.config.root import HoneConfig
 from hone.data.errors import DataError
@@ -155,7 +155,8 @@ def key_inputs(cfg: HoneConfig, tokenizer: Any, hasher: FileHasher) -> dict[str,
     def dataset(entry: Any) -> dict[str, Any]:
         dumped = entry.model_dump(mode="json", exclude={"path", "file_format"})
         dumped["file_format"] = entry.resolved_format
-        dumped["sha256"] = hasher.sha256(entry.path)
+        hashes = [hasher.sha256(file) for file in entry.files]  # a hub id's files: each of them, in order
+        dumped["sha256"] = hashes[0] if len(hashes) == 1 else hashes
         return dumped
 
     return {
@@ -212,18 +213,25 @@ def staging_dir(parent: Path, key: str, *, clean_stale: bool = True) -> Iterator
     ``clean_stale`` also removes dead runs' staging directories; only for a cache root,
     where every ``.tmp-*`` entry is hone's.
     """
+
+    def unwritable(exc: OSError) -> DataError:
+        return DataError(
+            f"cannot write the prepared-data cache under '{parent}' ({exc.strerror or exc}): set "
+            "data.dataset_prepared_path or $HONE_CACHE_DIR to a writable directory"
+        )
+
     try:
         parent.mkdir(parents=True, exist_ok=True)
         if clean_stale:
             remove_stale_staging(parent)
         path = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{key[:12]}-", dir=parent))
-        (path / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}), encoding="utf-8")
     except OSError as exc:
-        raise DataError(
-            f"cannot write the prepared-data cache under '{parent}' ({exc.strerror or exc}): set "
-            "data.dataset_prepared_path or $HONE_CACHE_DIR to a writable directory"
-        ) from exc
-    try:
+        raise unwritable(exc) from exc
+    try:  # from here on, whatever happens (Ctrl-C included) removes the directory
+        try:
+            (path / _OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}), encoding="utf-8")
+        except OSError as exc:
+            raise unwritable(exc) from exc
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -236,6 +244,7 @@ def publish(staged: Path, entry: Path) -> None:
     both are built from the same inputs.
     """
     (staged / _OWNER).unlink(missing_ok=True)
+    normal_dir_mode(staged)  # mkdtemp's 0700 would keep the cache from the other users of a shared cache dir
     try:
         os.rename(staged, entry)
     except OSError:

@@ -34,10 +34,17 @@ import jinja2
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from hone.config.data import ChatDataset, ChatRole
+from hone.data.chat_templates import named_template
 from hone.data.errors import DataError
 from hone.data.formats import RowFormat, RowProblem, Source, TemplateProblem, TextRow, describe, require_columns
 
 ALLOWED_ROLES: tuple[str, ...] = typing.get_args(ChatRole)
+
+#: How ShareGPT rows (``conversations: [{from: human, value: ...}]``) map onto a chat dataset.
+SHAREGPT_HINT = (
+    "for ShareGPT rows set field_messages: conversations, field_role: from, field_content: value, "
+    "role_map: {human: user, gpt: assistant} (see docs/datasets.md)"
+)
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -56,8 +63,12 @@ def common_prefix_length(a: str, b: str) -> int:
 
 
 def resolve_template(tokenizer: Any, override: str | None) -> tuple[str, str]:
-    """The template text and where it came from (for messages)."""
+    """The template text and where it came from (for messages): a name hone ships
+    (``data.chat_template: chatml``), Jinja text, or the tokenizer's own template."""
     if override is not None:
+        named = named_template(override)
+        if named is not None:
+            return named, f"data.chat_template ({override.strip()})"
         return override, "data.chat_template"
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
@@ -94,6 +105,11 @@ class ChatFormat(RowFormat):
             pass
 
     def check_columns(self, columns: list[str]) -> None:
+        if self.cfg.field_messages not in columns and "conversations" in columns:
+            raise DataError(
+                f"{self.source.path}: no column '{self.cfg.field_messages}' ({self.source.key}.field_messages); "
+                f"the file has 'conversations': {SHAREGPT_HINT}"
+            )
         require_columns(self.source, columns, {"field_messages": self.cfg.field_messages})
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -129,7 +145,8 @@ class ChatFormat(RowFormat):
                 )
             role = message.get(cfg.field_role)
             if not isinstance(role, str):
-                raise RowProblem(f"message {number}: '{cfg.field_role}' is {describe(role)} (expected a string)")
+                hint = f"; {SHAREGPT_HINT}" if "from" in message and "value" in message else ""
+                raise RowProblem(f"message {number}: '{cfg.field_role}' is {describe(role)} (expected a string){hint}")
             content = message.get(cfg.field_content)
             if not isinstance(content, str):
                 raise RowProblem(f"message {number}: '{cfg.field_content}' is {describe(content)} (expected a string)")
@@ -138,7 +155,8 @@ class ChatFormat(RowFormat):
                 mapped_note = f" (mapped from '{role}' by role_map)" if mapped != role else ""
                 raise RowProblem(
                     f"message {number}: unknown role '{mapped}'{mapped_note}; allowed roles: {', '.join(ALLOWED_ROLES)} "
-                    f"(map other names with {self.source.key}.role_map, e.g. {{human: user, gpt: assistant}})"
+                    f"(map other names with {self.source.key}.role_map, e.g. {{human: user, gpt: assistant}}; "
+                    "see docs/datasets.md)"
                 )
             extra = {k: v for k, v in message.items() if k not in (cfg.field_role, cfg.field_content) and v is not None}
             out.append({**extra, "role": mapped, "content": content})

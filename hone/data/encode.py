@@ -21,6 +21,7 @@ from typing import Any
 from datasets import Features, List, Value
 
 from hone.data.formats import RowFormat, RowProblem, TemplateProblem, TextRow, TokenRow
+from hone.data.interrupt import check_interrupted
 
 IGNORE_INDEX = -100
 
@@ -98,6 +99,7 @@ class RowEncoder:
         self.truncate = truncate
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        check_interrupted()  # a Ctrl-C that a library swallowed stops the map here
         columns = list(batch)
         count = len(batch[columns[0]]) if columns else 0
         rendered: list[Any] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
@@ -29,24 +30,28 @@ BUILDERS: dict[str, str] = {"jsonl": "json", "json": "json", "parquet": "parquet
 _BUILDER_KWARGS: dict[str, dict[str, object]] = {"json": {"parse_agent_traces": False}}
 
 
-def load_file(path: Path, file_format: str, scratch: Path, key: str) -> datasets.Dataset:
-    """All rows of ``path`` (format ``file_format``, already resolved from ``auto``).
+def load_file(paths: Path | Sequence[Path], file_format: str, scratch: Path, key: str) -> datasets.Dataset:
+    """All rows of ``paths`` (one file, or the files of a hub dataset's split, in order), in
+    format ``file_format`` (already resolved from ``auto``).
 
     ``scratch`` receives ``datasets``' intermediate Arrow files; ``key`` is the config key of
     the dataset entry (``data.datasets[0]``), used in messages.
     """
-    check_file(path, key)
+    files = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    for path in files:
+        check_file(path, key)
+    path = files[0] if len(files) == 1 else files[0].parent
     builder = BUILDERS[file_format]
     try:
         dataset = datasets.load_dataset(
             builder,
-            data_files=glob.escape(str(path.resolve())),  # a literal path, never a pattern
+            data_files=[glob.escape(str(f.resolve())) for f in files],  # literal paths, never patterns
             split="train",
             cache_dir=str(scratch),
             **_BUILDER_KWARGS.get(builder, {}),
         )
     except Exception as exc:  # datasets raises many types; every one here means "this file"
-        raise DataError(_describe_failure(path, file_format, exc, key)) from exc
+        raise DataError(_describe_failure(files[0] if len(files) == 1 else path, file_format, exc, key)) from exc
     if len(dataset) == 0:
         raise DataError(f"{path}: the file has no rows ({key}); add data or remove it from the config")
     return dataset

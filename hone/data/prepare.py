@@ -50,6 +50,7 @@ from hone.data.encode import (
 )
 from hone.data.errors import DataError, at_row
 from hone.data.formats import Source
+from hone.data.interrupt import check_interrupted, interruptible
 from hone.data.load import check_file, load_file
 from hone.data.packing import Packing, packing_for
 from hone.data.row_format import make_format
@@ -111,7 +112,8 @@ def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedDat
     _check_tokenizer(cfg, tokenizer)
     for section, entries in _sections(cfg):
         for index, entry in enumerate(entries):
-            check_file(entry.path, f"data.{section}[{index}]")
+            for file in entry.files:
+                check_file(file, f"data.{section}[{index}]")
     root = cache_root(cfg.data)
     hasher = FileHasher(root / INDEX_NAME if use_cache else None)
     inputs = key_inputs(cfg, tokenizer, hasher)
@@ -128,7 +130,7 @@ def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedDat
             discard(entry)  # damaged (e.g. edited by hand): rebuild it
 
     parent = root if use_cache else Path(tempfile.gettempdir())
-    with staging_dir(parent, key, clean_stale=use_cache) as stage:
+    with interruptible(), staging_dir(parent, key, clean_stale=use_cache) as stage:
         stats = _build(cfg, tokenizer, stage)
         atomic_write_text(stage / "stats.json", stats.to_json())
         inputs["paths"] = [str(e.path) for _, entries in _sections(cfg) for e in entries]
@@ -138,6 +140,7 @@ def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedDat
             loaded = _load_entry(stage, keep_in_memory=True)
             assert loaded is not None, "a freshly written entry must load"
             return PreparedData(loaded[0], loaded[1], stats, entry, cache_hit=False, cache_enabled=False)
+        check_interrupted()  # never publish a build that Ctrl-C stopped, even if a library swallowed it
         publish(stage, entry)
     _save_memo(hasher)
     loaded = _load_entry(entry, keep_in_memory=False)
@@ -240,7 +243,7 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
     key = f"data.{section}[{index}]"
     source = Source(entry.path, key)
     fmt = make_format(entry, source, tokenizer, data.chat_template)
-    raw = load_file(entry.path, entry.resolved_format, scratch / "hf", key)
+    raw = load_file(entry.files, entry.resolved_format, scratch / "hf", key)
     fmt.check_columns(list(raw.column_names))
 
     encoder = RowEncoder(fmt, tokenizer, data.sequence_len, truncate=data.excess_length_strategy == "truncate")
@@ -255,7 +258,7 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
         cache_file_name=str(scratch / f"encoded-{tag}.arrow"),
         new_fingerprint=f"hone-encoded-{tag}",  # skip hashing the function (and the tokenizer in it)
         load_from_cache_file=False,
-        desc=f"tokenizing {entry.path.name}",
+        desc=f"tokenizing {entry.path.name if len(entry.files) == 1 and entry.files[0] == entry.path else entry.path}",
     )
 
     columns = encoded.select_columns(["status", "truncated", "length", "n_trained"]).with_format("numpy")[:]

@@ -21,6 +21,17 @@ from hone.run_files import CONFIG_FILE
 RESET = "/reset"
 EXIT = ("/exit", "/quit")
 HELP = "/help"
+COMMANDS_HELP = f"{RESET}: start a new conversation; {EXIT[0]} (or {EXIT[1]}, Ctrl-D): quit; {HELP}: this list"
+
+
+def is_unknown_command(message: str) -> bool:
+    """A line that looks like a command (``/word``) but is none of ours: shown the list, never
+    sent to the model (a mistyped ``/exti`` would otherwise become a turn of the conversation).
+    A line starting with ``//`` is sent as text without its first ``/``; a ``/`` followed by a
+    space or nothing word-like (``/ 2``) is text too."""
+    if not message.startswith("/") or message in (RESET, HELP, *EXIT):
+        return False
+    return message[1:2].isalpha()
 
 
 class TextOut(BaseStreamer):
@@ -74,7 +85,9 @@ class Conversation:
         self.turns.clear()
 
 
-def load_chat_model(path: Path, device: str | None = None, dtype: str | None = None) -> tuple[nn.Module, object, PromptSetup]:
+def load_chat_model(
+    path: Path, device: "str | torch.device | None" = None, dtype: str | None = None
+) -> tuple[nn.Module, object, PromptSetup]:
     """The model, tokenizer and prompt setup for ``path``: a run directory (``config.yml`` +
     ``final/``) or a plain model directory (``save_pretrained`` layout, its tokenizer beside it)."""
     path = Path(path)
@@ -153,7 +166,8 @@ def chat_loop(
 ) -> int:
     """Read user lines from ``inp`` and stream replies to ``out`` until ``/exit`` or end of input.
 
-    ``/reset`` starts a new conversation. ``interactive`` shows a prompt before each line.
+    ``/reset`` starts a new conversation; any other ``/word`` that is not a command prints the
+    commands and is not sent (``//text`` sends ``/text``). ``interactive`` shows a prompt before each line.
     Ctrl-C during a reply stops it (the turn is dropped); at the prompt it exits. Returns 0.
     """
     check_sampling(max_new_tokens, temperature, top_p)
@@ -161,7 +175,7 @@ def chat_loop(
     if setup.style != "chat":
         out.write(f"note: this run was trained on {setup.style} text, not chats: each message is answered on its own\n")
     if interactive:
-        out.write(f"chatting; {RESET} starts over, {EXIT[0]} or Ctrl-D quits\n")
+        out.write(f"chatting; {RESET} starts over, {EXIT[0]} or Ctrl-D quits, {HELP} lists the commands\n")
     while True:
         if interactive:
             out.write("you> ")
@@ -185,8 +199,13 @@ def chat_loop(
             out.write("(new conversation)\n")
             continue
         if message == HELP:
-            out.write(f"{RESET}: start a new conversation; {EXIT[0]}: quit\n")
+            out.write(COMMANDS_HELP + "\n")
             continue
+        if is_unknown_command(message):
+            out.write(f"unknown command {message.split()[0]!r} (nothing was sent to the model); {COMMANDS_HELP}\n")
+            continue
+        if message.startswith("//"):  # an escaped slash: text that starts with '/'
+            message = message[1:]
         conversation.turns.append({"role": "user", "content": message})
         text, add_special, dropped = _fit_context(model, tokenizer, setup, conversation, max_new_tokens)
         if dropped:

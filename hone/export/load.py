@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from hone.config import HoneConfig
+from hone.data.chat_templates import named_template
 from hone.export.run_dir import Run, read_run
 from hone.models.errors import ModelError
 from hone.models.loader import build_base_model, cast_parameters, load_pretrained
@@ -45,7 +46,8 @@ def prompt_setup(cfg: HoneConfig) -> PromptSetup:
     """Chat if every training dataset was chat, Alpaca if every one was Alpaca, else raw text."""
     kinds = {dataset.type for dataset in cfg.data.datasets}
     if kinds == {"chat"}:
-        return PromptSetup("chat", cfg.data.chat_template)
+        template = cfg.data.chat_template
+        return PromptSetup("chat", None if template is None else named_template(template) or template)
     if kinds == {"alpaca"}:
         return PromptSetup("alpaca")
     return PromptSetup("raw")

@@ -62,6 +62,19 @@ def apply_adapter(model: nn.Module, adapter_cfg: AdapterConfig) -> nn.Module:
     return peft_model
 
 
+def record_base_model(model: nn.Module, name_or_path: str, revision: str | None = None) -> None:
+    """Name the base model in the adapter's config (``base_model_name_or_path``, saved into
+    ``adapter_config.json``): PEFT takes the name the model was loaded under, a relative
+    directory when the config gave one, which breaks ``AutoPeftModelForCausalLM`` (and any
+    reader of the adapter) outside the directory the run started in. No-op for a full fine-tune."""
+    if not isinstance(model, PeftModel):
+        return
+    for config in model.peft_config.values():
+        config.base_model_name_or_path = name_or_path
+        if revision is not None:
+            config.revision = revision
+
+
 def lora_config(model: nn.Module, adapter_cfg: AdapterConfig) -> LoraConfig:
     """PEFT's config for ``adapter_cfg``, after checking every name against ``model``."""
     to_save = list(adapter_cfg.lora_modules_to_save)

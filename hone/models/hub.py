@@ -121,6 +121,16 @@ def local_model_dir(path: Path, key: str = "model.path") -> Path:
     return folder
 
 
+def base_model_reference(path: Path) -> tuple[str, str | None]:
+    """How an adapter names its base model so it loads from any working directory: the hub id
+    (and revision) of an id, else the absolute local directory (never the relative spelling of
+    the config, which only means something in the directory the run started in)."""
+    hub = hub_id_of(path)
+    if hub is not None:
+        return hub.repo_id, hub.revision
+    return os.path.normpath(Path(path).absolute()), None
+
+
 def model_hub_ids(model_cfg: ModelConfig) -> list[tuple[str, HubId]]:
     """``(key, id)`` for each of ``model.path`` / ``model.tokenizer_path`` that names a hub id."""
     found = []

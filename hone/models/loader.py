@@ -19,14 +19,15 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from hone.config import HoneConfig
 from hone.config.adapter import AdapterConfig
 from hone.config.model import ModelConfig
-from hone.models.adapters import apply_adapter
+from hone.models.adapters import apply_adapter, record_base_model
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
-from hone.models.hub import local_model_dir
+from hone.models.hub import base_model_reference, local_model_dir
 from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
 from hone.models.presets import build_preset_config, get_preset
+from hone.models.rope_scaling import with_rope_scaling
 
 
 @dataclass
@@ -74,6 +75,8 @@ def load_model(
         before_adapter(base)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
+    if cfg.model.path is not None:  # final/adapter_config.json names the base usably from anywhere
+        record_base_model(model, *base_model_reference(cfg.model.path))
     if build_on != device:  # the rest: embedding, norms, head, adapter weights
         model.to(device)
     cast_trainable(model, precision.trainable)
@@ -113,6 +116,7 @@ def build_preset_model(
     (a quantized base: the full-precision model never exists whole)."""
     preset = get_preset(model_cfg.preset)
     config = build_preset_config(model_cfg.preset, dict(model_cfg.preset_overrides), len(tokenizer))
+    with_rope_scaling(config, model_cfg.rope_scaling)
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(config, attr, getattr(tokenizer, attr, None))
     attn = sink_backend_for(config, model_cfg.attn_implementation)
@@ -148,7 +152,7 @@ def load_pretrained(
 ) -> PreTrainedModel:
     """A causal LM from a local save_pretrained directory (safetensors only, no network)."""
     check_model_dir(path, key)
-    config = read_causal_lm_config(path, model_cfg.trust_remote_code, key)
+    config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code, key), model_cfg.rope_scaling)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path),

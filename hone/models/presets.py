@@ -9,22 +9,18 @@ keep the published vocabulary (the tokenizer only has to fit inside it). Special
 the tokenizer in use.
 """
 
-from dataclasses import dataclass, fields
-from typing import Any, get_args
+from __future__ import annotations
 
-from huggingface_hub.errors import StrictDataclassError
-from transformers import (
-    Gemma3TextConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedConfig,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, get_args
 
 from hone.config.model import PresetName
 from hone.models.errors import ModelError
+from hone.models.preset_fields import CONFIG_FIELDS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 #: Shape shared by the tiny dense presets: 2 layers, grouped-query attention (4 query heads,
 #: 2 key/value heads of 16 dims), so every code path of the real model runs.
@@ -53,7 +49,9 @@ _GPT_OSS_ROPE = dict(
 
 @dataclass(frozen=True)
 class Preset:
-    config_class: type[PreTrainedConfig]
+    config_name: str
+    """The transformers config class, by name: imported only when a config is built, because
+    importing transformers' configs imports torch, which ``hone validate`` does without."""
     values: dict[str, Any]
     tiny: bool
     """Tiny presets take the tokenizer's vocabulary and are initialised on the CPU in float32,
@@ -62,29 +60,35 @@ class Preset:
     target dtype, one module at a time from a meta-device skeleton (:mod:`hone.models.materialize`),
     which is what makes a random 8B model (or its 4-bit form) appear in seconds."""
 
+    @property
+    def config_class(self) -> type[PreTrainedConfig]:
+        import transformers
+
+        return getattr(transformers, self.config_name)
+
 
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset(
-        LlamaConfig,
+        "LlamaConfig",
         dict(_TINY, rms_norm_eps=1e-5, rope_theta=500_000.0, tie_word_embeddings=False),
         tiny=True,
     ),
     "tiny-qwen3": Preset(
-        Qwen3Config,
+        "Qwen3Config",
         # Small Qwen3 models tie the output head to the embedding; keep that so the tied path
         # (and its handling in adapters and saving) is exercised.
         dict(_TINY, rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=True),
         tiny=True,
     ),
     "tiny-mistral": Preset(
-        MistralConfig,
+        "MistralConfig",
         dict(_TINY, rms_norm_eps=1e-5, rope_theta=1_000_000.0, sliding_window=None, tie_word_embeddings=False),
         tiny=True,
     ),
     "tiny-gemma": Preset(
         # Gemma 3 text: tied head, embeddings scaled by sqrt(hidden), (1 + w) RMSNorm, GELU-tanh
         # gating, q/k norms, and alternating sliding-window / global attention layers.
-        Gemma3TextConfig,
+        "Gemma3TextConfig",
         dict(
             _TINY,
             query_pre_attn_scalar=16,
@@ -95,7 +99,7 @@ PRESETS: dict[str, Preset] = {
         tiny=True,
     ),
     "tiny-qwen3-moe": Preset(
-        Qwen3MoeConfig,
+        "Qwen3MoeConfig",
         dict(
             _TINY,
             intermediate_size=128,
@@ -115,7 +119,7 @@ PRESETS: dict[str, Preset] = {
         # window shorter than the sample rows, so it masks), YaRN RoPE, biased attention, and
         # experts in its own layout (transposed [E, in, out], interleaved gate/up, per-expert
         # biases, clamped SwiGLU).
-        GptOssConfig,
+        "GptOssConfig",
         dict(
             _TINY,
             intermediate_size=32,
@@ -134,7 +138,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # meta-llama/Meta-Llama-3-8B config.json
     "llama3-8b": Preset(
-        LlamaConfig,
+        "LlamaConfig",
         dict(
             vocab_size=128_256,
             hidden_size=4096,
@@ -156,7 +160,7 @@ PRESETS: dict[str, Preset] = {
     # meta-llama/Llama-3.2-3B config.json, without its llama3 RoPE scaling (long-context
     # frequencies; no change to the compute): the ~3B full fine-tune of the FP8 bench
     "llama3.2-3b": Preset(
-        LlamaConfig,
+        "LlamaConfig",
         dict(
             vocab_size=128_256,
             hidden_size=3072,
@@ -177,7 +181,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # Qwen/Qwen3-8B config.json
     "qwen3-8b": Preset(
-        Qwen3Config,
+        "Qwen3Config",
         dict(
             vocab_size=151_936,
             hidden_size=4096,
@@ -197,7 +201,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # Qwen/Qwen3-30B-A3B config.json: 128 experts, 8 active, 48 layers, all sparse.
     "qwen3-30b-a3b": Preset(
-        Qwen3MoeConfig,
+        "Qwen3MoeConfig",
         dict(
             vocab_size=151_936,
             hidden_size=2048,
@@ -224,7 +228,7 @@ PRESETS: dict[str, Preset] = {
     # openai/gpt-oss-20b config.json: 24 layers alternating (GptOssConfig's own layer_types) sliding-window (128) and full
     # attention, attention sinks, 32 experts of 2880, 4 active, YaRN RoPE (x32 over 4096).
     "gpt-oss-20b": Preset(
-        GptOssConfig,
+        "GptOssConfig",
         dict(
             vocab_size=201_088,
             hidden_size=2880,
@@ -259,13 +263,57 @@ def get_preset(name: str) -> Preset:
         raise ModelError(f"model.preset: '{name}' is not one of: {', '.join(PRESET_NAMES)}") from None
 
 
-def overridable_keys(config_class: type[PreTrainedConfig]) -> list[str]:
+def overridable_keys(config_class: type[PreTrainedConfig] | str) -> list[str]:
     """Architecture fields of ``config_class``: its own dataclass fields (not the generic ones
     every config has, such as ``dtype`` or ``id2label``), their aliases, and ``rope_theta``,
-    which every preset's config accepts and folds into ``rope_parameters``."""
-    generic = {f.name for f in fields(PreTrainedConfig)}
-    own = {f.name for f in fields(config_class)} - generic
-    return sorted(own | set(config_class.attribute_map) | {"rope_theta"})
+    which every preset's config accepts and folds into ``rope_parameters``. By class name: the
+    written-out list of :mod:`hone.models.preset_fields` (no transformers import)."""
+    if isinstance(config_class, str):
+        own = CONFIG_FIELDS[config_class]
+    else:
+        from hone.models.preset_fields import config_fields
+
+        own = config_fields(config_class)
+    return sorted(own | {"rope_theta"})
+
+
+def _check_keys(name: str, preset: Preset, overrides: dict[str, Any], valid: list[str]) -> None:
+    unknown = sorted(set(overrides) - set(valid))
+    if unknown:
+        raise ModelError(
+            f"model.preset_overrides: {', '.join(repr(k) for k in unknown)} "
+            f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of "
+            f"{preset.config_name} (preset '{name}'); valid keys: {', '.join(valid)}"
+        )
+
+
+def _preset_values(preset: Preset, overrides: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
+    values = dict(preset.values)
+    if preset.tiny and vocab_size is not None:
+        values["vocab_size"] = vocab_size
+    values.update(overrides)
+    if "rope_theta" in overrides:
+        values.pop("rope_parameters", None)
+    return values
+
+
+def preset_values(name: PresetName, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The preset's config values with ``overrides`` applied, checked without transformers:
+    the override names, whole-number sizes, and the shape rules of :func:`build_preset_config`.
+    What ``hone validate`` uses (it never imports torch); the values' full check by the config
+    class happens when the config is built (``hone train``, ``plan``)."""
+    preset = get_preset(name)
+    _check_keys(name, preset, overrides, overridable_keys(preset.config_name))
+    for key, value in sorted(overrides.items()):
+        default = preset.values.get(key)
+        if isinstance(default, int) and not isinstance(default, bool) and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelError(
+                f"model.preset_overrides: {key}: expected int (a whole number), got {value!r} "
+                f"({type(value).__name__}) (preset '{name}')"
+            )
+    values = _preset_values(preset, overrides, None)
+    _check_shape(values.get, name, overrides)
+    return values
 
 
 def build_preset_config(name: PresetName, overrides: dict[str, Any], vocab_size: int | None) -> PreTrainedConfig:
@@ -274,30 +322,19 @@ def build_preset_config(name: PresetName, overrides: dict[str, Any], vocab_size:
     ``vocab_size`` is the tokenizer's size: a tiny preset takes it as its vocabulary; a real
     architecture keeps its published vocabulary, which must hold every token id.
     """
+    from huggingface_hub.errors import StrictDataclassError
+
     preset = get_preset(name)
-    valid = overridable_keys(preset.config_class)
-    unknown = sorted(set(overrides) - set(valid))
-    if unknown:
-        raise ModelError(
-            f"model.preset_overrides: {', '.join(repr(k) for k in unknown)} "
-            f"{'is not a field' if len(unknown) == 1 else 'are not fields'} of "
-            f"{preset.config_class.__name__} (preset '{name}'); valid keys: {', '.join(valid)}"
-        )
-    values = dict(preset.values)
-    if preset.tiny and vocab_size is not None:
-        values["vocab_size"] = vocab_size
-    values.update(overrides)
-    if "rope_theta" in overrides:
-        values.pop("rope_parameters", None)
+    _check_keys(name, preset, overrides, overridable_keys(preset.config_class))
+    values = _preset_values(preset, overrides, vocab_size)
     try:
         config = preset.config_class(**values)
     except (TypeError, ValueError, StrictDataclassError) as exc:
         shown = {k: overrides[k] for k in sorted(overrides)}
         raise ModelError(
-            f"model.preset_overrides: {shown} do not give a valid {preset.config_class.__name__} "
-            f"for preset '{name}': {_first_line(exc)}"
+            f"model.preset_overrides: {shown} do not give a valid {preset.config_name} for preset '{name}': {_first_line(exc)}"
         ) from None
-    _check_shape(config, name, overrides)
+    _check_shape(lambda key: getattr(config, key, None), name, overrides)
     if vocab_size is not None and config.vocab_size < vocab_size:
         where = "model.preset_overrides.vocab_size" if "vocab_size" in overrides else f"model.preset '{name}'"
         raise ModelError(
@@ -307,14 +344,16 @@ def build_preset_config(name: PresetName, overrides: dict[str, Any], vocab_size:
     return config
 
 
-def _check_shape(config: PreTrainedConfig, name: str, overrides: dict[str, Any]) -> None:
-    """Shape rules transformers' configs accept but whose models then fail deep in a forward."""
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+def _check_shape(get: Callable[[str], Any], name: str, overrides: dict[str, Any]) -> None:
+    """Shape rules transformers' configs accept but whose models then fail deep in a forward.
+    ``get``: a value of the config by name (an attribute of a built config, or a key of its values)."""
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
     problem = None
-    if kv_heads < 1 or heads % kv_heads:
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         problem = f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
-    if experts is not None and top_k is not None and not 1 <= top_k <= experts:
+    experts = get("num_experts") if get("num_experts") is not None else get("num_local_experts")
+    top_k = get("num_experts_per_tok")
+    if isinstance(experts, int) and isinstance(top_k, int) and not 1 <= top_k <= experts:
         problem = f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({experts})"
     if problem:
         raise ModelError(f"model.preset_overrides: {problem} (preset '{name}', overrides {dict(sorted(overrides.items()))})")

@@ -39,6 +39,7 @@ from hone.models.hub import local_model_dir
 from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import precision_for
+from hone.models.rope_scaling import with_rope_scaling
 
 
 @contextmanager
@@ -159,7 +160,7 @@ def load_model_sharded(
     path = local_model_dir(model_cfg.path)  # a hub id: its cached snapshot
     check_model_dir(path)
     precision = precision_for(model_cfg.dtype, full_finetune=not cfg.adapter.is_lora)
-    config = read_causal_lm_config(path, model_cfg.trust_remote_code)
+    config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code), model_cfg.rope_scaling)
     with parameters_on_meta():
         base = AutoModelForCausalLM.from_config(
             config,

@@ -4,12 +4,15 @@ Rows are appended and flushed one at a time, so a killed run keeps every row it 
 resumed run first drops the rows after the step it resumes from (they belong to the
 abandoned continuation and would otherwise appear twice), rewriting the file atomically.
 
-Train rows hold ``step, epoch, loss, lr, grad_norm, tokens_per_s, trained_tokens,
-trained_tokens_total, tokens, step_time_s, peak_mem_gib, skipped``; eval rows hold
-``step, epoch, eval_loss, eval_ppl, eval_tokens``. Non-finite numbers are written as ``null``
-(JSON has no NaN), so the file parses with any JSON reader. With ``logging.logging_steps`` N
-a row is written every N steps (and for the last and every skipped step); it holds that
-step's own values, not an average over the N steps, so a resumed run writes the same rows.
+Train rows hold ``step, epoch, loss, loss_step, lr, grad_norm, trained_tokens,
+trained_tokens_total, tokens, tokens_per_s, step_time_s, peak_mem_gib, skipped,
+peak_reserved_gib``; eval rows hold ``step, epoch, eval_loss, eval_ppl, eval_tokens``.
+Non-finite numbers are written as ``null`` (JSON has no NaN), so the file parses with any JSON
+reader. With ``logging.logging_steps`` N a row is written every N steps (and for the last and
+every skipped step). Its ``loss`` is the mean of the finite step losses since the previous train
+row, as HF Trainer and Axolotl log it, and ``tokens_per_s`` that window's tokens over its time;
+``loss_step`` is the row's own step's loss (see :mod:`hone.train.step_log`). The loss window is
+saved with each checkpoint, so a resumed run writes the same rows.
 """
 
 import json

@@ -1,8 +1,14 @@
 """What a person watching the run sees: a live bar on a terminal, plain lines elsewhere.
 
 On a terminal (and with ``logging.progress_bar``) a rich progress bar shows step/total, loss,
-lr, tokens/s and the ETA. Redirected to a file or CI log, a bar would be an unreadable stream
-of carriage returns, so every logged step prints one plain line instead.
+lr, tokens/s, memory and the ETA. Redirected to a file or CI log, a bar would be an unreadable
+stream of carriage returns, so every logged step prints one plain line instead.
+
+Loss and tokens/s are the logging window's (:mod:`hone.train.step_log`). Memory is the peak so
+far: on CUDA ``mem A/R GiB``, the peak allocated by tensors over the peak reserved by the caching
+allocator (what the GPU gives the run; the gap is fragmentation and cache); on the CPU ``rss N
+GiB``, the process's peak resident memory (Python and the libraries included), since a CPU run
+has no allocator cache to report.
 """
 
 import time
@@ -22,6 +28,16 @@ def _fmt(value: Any, spec: str) -> str:
     return "nan" if value is None else format(value, spec)
 
 
+def format_memory(row: dict[str, Any]) -> str:
+    """``mem 12.3/14.0 GiB`` (CUDA: peak allocated / peak reserved), ``rss 0.45 GiB`` (CPU), or ``-``."""
+    allocated, reserved = row.get("peak_mem_gib"), row.get("peak_reserved_gib")
+    if allocated is None:
+        return "-"
+    if reserved is None:
+        return f"rss {allocated:.2f} GiB"
+    return f"mem {allocated:.1f}/{reserved:.1f} GiB"
+
+
 class ProgressDisplay:
     """Live bar or plain lines, chosen once at construction."""
 
@@ -38,12 +54,14 @@ class ProgressDisplay:
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
                 BarColumn(),
-                TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s  eta"),
+                TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tps]} tok/s  {task.fields[mem]}  eta"),
                 TimeRemainingColumn(),
                 console=console,
                 transient=False,
             )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", lr="-", tps="-")
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start_step, loss="-", lr="-", tps="-", mem="-"
+            )
             self._progress.start()
 
     @property
@@ -64,13 +82,14 @@ class ProgressDisplay:
         loss = _fmt(row.get("loss"), ".4f")
         lr = _fmt(row.get("lr"), ".2e")
         tps = _fmt(row.get("tokens_per_s"), ",.0f")
+        mem = format_memory(row)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=loss, lr=lr, tps=tps)
+            self._progress.update(self._task, completed=step, loss=loss, lr=lr, tps=tps, mem=mem)
             return
         skipped = "  (skipped: non-finite)" if row.get("skipped") else ""
         grad = _fmt(row.get("grad_norm"), ".3f")
         self.console.print(
-            f"step {step}/{self.total} | loss {loss} | lr {lr} | grad {grad} | {tps} tok/s"
+            f"step {step}/{self.total} | loss {loss} | lr {lr} | grad {grad} | {tps} tok/s | {mem}"
             f" | eta {format_eta(self.eta_s(step, at))}{skipped}",
             highlight=False,
             markup=False,

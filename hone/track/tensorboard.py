@@ -10,11 +10,13 @@ from typing import Any
 #: Metrics row key -> TensorBoard tag.
 TRAIN_TAGS = {
     "loss": "train/loss",
+    "loss_step": "train/loss_step",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
     "step_time_s": "train/step_time_s",
     "peak_mem_gib": "train/peak_mem_gib",
+    "peak_reserved_gib": "train/peak_reserved_gib",
 }
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from hone.atomic import fsync_path
+from hone.atomic import fsync_path, normal_file_mode
 from hone.config.training import TrainingConfig
 from hone.errors import HoneError
 from hone.models.save import load_trainable_state_dict, trainable_state_dict
@@ -120,6 +120,7 @@ def _write_weights(directory: Path, model: torch.nn.Module, state_dict_hooks: Se
         if hooks.save is not None:
             weights = hooks.save(weights)
     save_file(weights, str(directory / WEIGHTS_FILE))
+    normal_file_mode(directory / WEIGHTS_FILE)  # safetensors writes 0600; the other files follow the umask
     _fsync_file(directory / WEIGHTS_FILE)
 
 

@@ -5,6 +5,49 @@ import sys
 
 import torch
 
+from hone.errors import HoneError
+
+
+class DeviceError(HoneError):
+    """A ``--device`` value that names no device of this machine."""
+
+
+def checked_device(value: str, flag: str = "--device", cuda_count: int | None = None) -> torch.device:
+    """``value`` as a device of this machine, or :class:`DeviceError` naming the flag, the value
+    and what this machine has. Checked before anything loads: torch would accept ``cuda`` on a
+    machine without a GPU and fail deep inside the model load, and ``gpu`` with a traceback.
+    ``cuda_count`` (tests): the number of CUDA devices, else asked from torch."""
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = available_devices(cuda_count)
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"{flag} '{value}' is not a device hone runs on: use one of {have}")
+    if device.type == "cuda" and cuda_count == 0:
+        raise DeviceError(f"{flag} '{value}': this machine has no CUDA GPU that torch can use: use {have}")
+    if device.type == "cuda" and device.index is not None and device.index >= cuda_count:
+        raise DeviceError(
+            f"{flag} '{value}': this machine has {cuda_count} CUDA GPU(s) visible (after CUDA_VISIBLE_DEVICES): use one of {have}"
+        )
+    if device.type == "mps" and not (torch.backends.mps.is_available()):
+        raise DeviceError(f"{flag} '{value}': Apple's MPS is not available on this machine: use {have}")
+    return device
+
+
+def available_devices(cuda_count: int) -> str:
+    """What ``--device`` may be on this machine, for messages."""
+    names = ["cpu"]
+    if cuda_count:
+        names += ["cuda", *(f"cuda:{i}" for i in range(min(cuda_count, 8)))]
+        if cuda_count > 8:
+            names.append(f"... cuda:{cuda_count - 1}")
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return ", ".join(names)
+
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """The caller's device, else the current CUDA device, else the CPU."""
@@ -18,18 +61,27 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
 def peak_memory_gib(device: torch.device) -> float | None:
     """Peak memory so far: CUDA tensors allocated on ``device``, or the process's peak RSS
     on CPU (the closest CPU analogue; it includes Python and libraries, not only tensors)."""
+    return memory_peaks_gib(device)[0]
+
+
+def memory_peaks_gib(device: torch.device) -> tuple[float | None, float | None]:
+    """``(peak allocated, peak reserved)`` GiB so far on a CUDA ``device`` (tensors, and what the
+    caching allocator holds for them: the second is what ``nvidia-smi`` sees of the run); on the
+    CPU ``(peak RSS of the process, None)``: a CPU run has no allocator cache to report."""
     if device.type == "cuda":
-        # torch.cuda.max_memory_allocated's number ("allocated_bytes.all.peak" of memory_stats), read
-        # from the nested stats without flattening and sorting all of them in Python: this runs after
-        # every step's sync, while the device waits for the next step
-        allocated = torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {})
-        return allocated.get("all", {}).get("peak", 0) / 2**30
+        # torch.cuda.max_memory_allocated / max_memory_reserved's numbers, read from the nested stats
+        # without flattening and sorting all of them in Python: this runs after every step's sync,
+        # while the device waits for the next step
+        stats = torch.cuda.memory_stats_as_nested_dict(device)
+        allocated = stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
+        reserved = stats.get("reserved_bytes", {}).get("all", {}).get("peak", 0)
+        return allocated / 2**30, reserved / 2**30
     try:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (OSError, ValueError):
-        return None
+        return None, None
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return peak * scale / 2**30
+    return peak * scale / 2**30, None
 
 
 def synchronize(device: torch.device) -> None:

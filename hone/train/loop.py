@@ -52,7 +52,7 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.runtime.world import World, current_world
 from hone.train.batches import StepPlan
-from hone.train.device import peak_memory_gib
+from hone.train.device import memory_peaks_gib
 from hone.train.prefetch import WindowFeed
 from hone.train.setup import Trainer, set_up
 from hone.train.signals import StopRequest, graceful_stop
@@ -153,7 +153,7 @@ def train_loop(
     try:
         if trainer.evaluator.baseline_due(trainer.state.step):
             trainer.evaluator.run(trainer.state.step)  # the baseline the final eval is compared with
-        with graceful_stop() as stop:
+        with graceful_stop(announce=trainer.world.is_main) as stop:
             run_steps(trainer, stop, tally, step_callback)
     except BaseException:
         trainer.tracker.failed = True  # trackers mark the run failed
@@ -166,7 +166,7 @@ def train_loop(
         console.print(
             f"Stopped by {tally.interrupted} after step {trainer.state.step}/{trainer.plan.total_steps}; checkpoint "
             f"saved to {tally.last_checkpoint}. To continue, run the same command with --set training.resume=latest "
-            "(or set training.resume: latest in the config).",
+            "(or set training.resume: latest in the config); to start over, add --overwrite.",
             highlight=False,
             markup=False,
             soft_wrap=True,
@@ -190,6 +190,7 @@ def run_steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: 
 def _steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Callable[[StepMetrics], None] | None) -> None:
     state, plan, log = trainer.state, trainer.plan, trainer.log
     feed = WindowFeed(trainer.stream, trainer.batches, trainer.device, trainer.parts.hooks, trainer.world)
+    stop.step = state.step + 1  # the step a signal's line names (then kept by stop.after_step)
     while state.step < plan.total_steps:
         step_start = time.perf_counter()
         lr = float(trainer.parts.optimizer.param_groups[0]["lr"])  # a tensor for torchao's, changed in place
@@ -207,10 +208,12 @@ def _steps(trainer: Trainer, stop: StopRequest, tally: Tally, step_callback: Cal
         if trainer.evaluator.due(state.step, last):
             log.flush()  # the step's row before its eval row
             trainer.evaluator.run(state.step)
-        stopping = result.any_rank_stopping if trainer.world.distributed else stop.requested
+        here = stop.after_step(state.step)
+        stopping = result.any_rank_stopping if trainer.world.distributed else here
         if trainer.checkpointer.due(state.step, last, stopping):
             log.flush()  # metrics.jsonl holds the checkpoint's step when the checkpoint exists
             tally.last_checkpoint = trainer.checkpointer.save(state, trainer.tracker.rows)
+            trainer.tracker.print(f"checkpoint: step {state.step} saved to {tally.last_checkpoint}")
         if stopping and not last:
             tally.interrupted = stop.signal_name or "SIGTERM"  # another rank saw the signal
             return
@@ -239,6 +242,7 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
     tally.elapsed_s += step_time
     tally.tokens += result.tokens
     tally.trained_tokens += result.trained_tokens
+    allocated, reserved = memory_peaks_gib(trainer.device)
     return StepMetrics(
         step=state.step,
         epoch=trainer.plan.epoch_at(state.step),
@@ -250,8 +254,9 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
         tokens=result.tokens,
         tokens_per_s=result.tokens / step_time if step_time > 0 else math.nan,
         step_time_s=step_time,
-        peak_mem_gib=peak_memory_gib(trainer.device),
+        peak_mem_gib=allocated,
         skipped=not result.updated,
+        peak_reserved_gib=reserved,
     )
 
 

@@ -25,9 +25,8 @@ from rich.console import Console
 
 from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
-from hone.errors import HoneError
 from hone.paths import ensure_writable_dir
-from hone.run_files import CHECKPOINTS_DIR, CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hone.run_files import CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 from hone.runtime.world import World, world_from_env
 from hone.track.report import format_report
 from hone.track.trackers import abandon_trackers, start_trackers
@@ -35,20 +34,13 @@ from hone.train.checkpoint import resolve_resume
 from hone.train.device import resolve_device
 from hone.train.distributed import check_launch, close_world, device_of, init_world, together
 from hone.train.loop import LoopResult, train_loop
+from hone.train.rerun import OutputDirInUse, clear_run_dir, in_use_message, run_markers
 from hone.train.seed import seed_everything
 from hone.train.step_log import StepMetrics
 from hone.transforms.allocator import configure_allocator
 from hone.transforms.base import PACKED_SHAPES, RunFacts, RunHooks
 from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
-
-#: What a started run leaves behind (config.yml alone is not enough: a run that failed while
-#: loading its data or model wrote it and left nothing else worth protecting).
-RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)
-
-
-class OutputDirInUse(HoneError):
-    """``training.output_dir`` holds another run and the config does not ask to resume it."""
 
 
 @dataclass
@@ -79,28 +71,36 @@ def prepare_output_dir(cfg: HoneConfig, warn: Callable[[str], None]) -> Path | N
     resolved config into it. Returns the checkpoint to resume from, if any.
 
     A directory that already holds a run is never trained into afresh (its metrics and
-    checkpoints would be mixed with the new run's): the user picks another ``output_dir`` or
-    resumes it. The one exception: ``resume: latest`` on a run that died before its first
-    checkpoint starts over, with a warning, since there is nothing to continue.
+    checkpoints would be mixed with the new run's): the user resumes it, overwrites it
+    (``training.overwrite_output_dir``, which clears it first) or picks another ``output_dir``
+    (:mod:`hone.train.rerun`). The one exception: ``resume: latest`` on a run that died before
+    its first checkpoint starts over, with a warning, since there is nothing to continue.
     """
     from hone.config.loader import dump_config
+    from hone.config.recorded import recorded_config
 
     out = Path(cfg.training.output_dir)
     resume_from = resolve_resume(cfg.training, warn)
+    if cfg.training.overwrite_output_dir:
+        overwrite_output_dir(out, warn)
     if resume_from is None and out.is_dir():
-        found = [name for name in RUN_MARKERS if (out / name).exists()]
+        found = run_markers(out)
         restartable = cfg.training.resume == "latest" and FINAL_DIR not in found
         if found and not restartable:
-            state = "a finished run" if FINAL_DIR in found else "another run"
-            raise OutputDirInUse(
-                f"training.output_dir '{out}' already holds {state} ({', '.join(found)}): pick another "
-                "training.output_dir, or set training.resume: latest to continue it"
-            )
+            raise OutputDirInUse(in_use_message(out, found, cfg.training.max_steps))
         if found:
             warn(f"starting over in {out}: the previous run there left no checkpoint to resume from")
     ensure_writable_dir(out)  # a file, read-only or full disk: refused before data and model
-    atomic_write_text(out / CONFIG_FILE, dump_config(cfg))
+    atomic_write_text(out / CONFIG_FILE, dump_config(recorded_config(cfg)))  # absolute paths: readable from anywhere
     return resume_from
+
+
+def overwrite_output_dir(out: Path, say: Callable[[str], None]) -> None:
+    """Clear the earlier run in ``out`` (``training.overwrite_output_dir``), saying what went;
+    refuses a directory holding anything ``hone train`` does not write."""
+    removed = clear_run_dir(out)
+    if removed:
+        say(f"overwriting {out}: removed the earlier run's {', '.join(removed)}")
 
 
 def pad_token_id(tokenizer) -> int:
@@ -199,10 +199,11 @@ def _run_training(
 
 
 class _Warn:
-    """``warn(message)``: a warning on the run's console."""
+    """``warn(message)``: a warning on stderr (the run's console quieted or not, as the run's is),
+    so that it stays apart from the progress a user pipes or greps."""
 
     def __init__(self, console: Console):
-        self.console = console
+        self.console = Console(stderr=True, quiet=console.quiet)
 
     def __call__(self, message: str) -> None:
         self.console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)

@@ -18,6 +18,7 @@ from rich.console import Console
 from torch import nn
 
 from hone.config.loader import dump_config
+from hone.config.recorded import recorded_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
 from hone.runtime.world import World
@@ -132,7 +133,7 @@ def set_up(
         device=device,
         world=world,
         tracker=tracker,
-        log=StepLog(tracker, cfg.logging.logging_steps),
+        log=StepLog(tracker, cfg.logging.logging_steps, state),
         evaluator=evaluator,
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
@@ -148,7 +149,8 @@ def _tracker(
     if trackers is None and world.is_main:
         from hone.track.trackers import start_trackers
 
-        trackers = start_trackers(cfg, lambda m: console.print(f"warning: {m}", highlight=False, markup=False))
+        warn = Console(stderr=True, quiet=console.quiet)  # warnings on stderr, as in `hone train`'s start
+        trackers = start_trackers(cfg, lambda m: warn.print(f"warning: {m}", highlight=False, markup=False))
     return Tracker(
         cfg.logging,
         Path(cfg.training.output_dir),
@@ -158,5 +160,5 @@ def _tracker(
         history=resumed.history if resumed is not None else None,
         enabled=world.is_main,
         external=trackers,
-        run_config=dump_config(cfg) if world.is_main else None,
+        run_config=dump_config(recorded_config(cfg)) if world.is_main else None,
     )

@@ -10,6 +10,11 @@ restores the small files the start overwrote (``config.yml`` of a run being resu
 turns an unexpected exception (not a :class:`HoneError`) into one paragraph carrying the
 exception's own message and a hint to rerun with ``--verbose`` for the traceback.
 
+:meth:`StartGuard.watch` also takes the run directory's lock (:mod:`hone.train.run_lock`) before
+it records anything, and the guard holds it until the run ends: a run refused because another
+one holds the directory never undoes that run's files, and the undo of a failed start finishes
+before another run can take the directory.
+
 Outside the run directory the start writes only the prepared-data cache, whose entries are
 published atomically and complete (see :mod:`hone.data.cache`); a valid entry is kept, so the
 next start does not tokenize again.
@@ -19,12 +24,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from hone.atomic import atomic_write_bytes
 from hone.errors import HoneError
+from hone.train.run_lock import RunLock
 
 #: Files up to this size that existed before the start are kept in memory and written back if
 #: the start changed them; larger ones (metrics of a long run) are left as they are.
@@ -48,17 +55,23 @@ class StartGuard:
         self._before: set[str] = set()
         self._saved: dict[str, bytes] = {}
         self._shallow = False
+        self._lock: RunLock | None = None
 
     # ---------------------------------------------------------------- recording
 
-    def watch(self, output_dir: Path) -> None:
-        """Record what ``output_dir`` holds now (call before anything writes into it)."""
+    def watch(self, output_dir: Path, lock: bool = True) -> None:
+        """Take ``output_dir``'s run lock (``lock``; see :mod:`hone.train.run_lock`; held until the
+        guard exits) and record what the directory holds now (call before anything writes into it)."""
         root = Path(output_dir).absolute()
-        self._root = root
+        top = None
         if not root.exists():
             top = root
             while not top.parent.exists() and top.parent != top:
                 top = top.parent
+        if lock and (top is not None or root.is_dir()):  # a file there: the run's own checks say so
+            self._lock = RunLock(root, note=lambda m: print(m, file=sys.stderr)).acquire()
+        self._root = root
+        if top is not None:
             self._created_top = top
             return
         if not root.is_dir():
@@ -126,6 +139,13 @@ class StartGuard:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        try:
+            return self._exit(exc)
+        finally:
+            if self._lock is not None:  # after the undo: no other run may start in a half-undone directory
+                self._lock.release()
+
+    def _exit(self, exc: BaseException | None) -> bool:
         if exc is None or self.started:
             return False
         self.undo()

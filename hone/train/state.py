@@ -28,6 +28,10 @@ class TrainState:
     """Steps in a row whose loss or gradient was not finite (the run stops at the configured limit)."""
     trained_tokens_total: int = 0
     tokens_total: int = 0
+    window_loss_sum: float = 0.0
+    """Sum of the finite step losses since the last train row (its ``loss`` is their mean): kept
+    with the checkpoint, so a resumed run logs the same means (:mod:`hone.train.step_log`)."""
+    window_losses: int = 0
 
     def advance(self, result: StepResult) -> None:
         """Count one optimizer step: its tokens when it updated, else a skip (and one more of a
@@ -61,6 +65,7 @@ class TrainState:
             },
             "seed": seed,
             "eval_rows": eval_rows,
+            "log_window": {"loss_sum": self.window_loss_sum, "losses": self.window_losses},
         }
 
     @classmethod
@@ -73,4 +78,6 @@ class TrainState:
             consecutive_nonfinite=saved["consecutive_nonfinite"],
             trained_tokens_total=saved["trained_tokens_total"],
             tokens_total=saved["tokens_total"],
+            window_loss_sum=float(saved.get("log_window", {}).get("loss_sum", 0.0)),  # absent before hone logged means
+            window_losses=int(saved.get("log_window", {}).get("losses", 0)),
         )

@@ -82,11 +82,14 @@ def best_row(rows: list[LongestRow]) -> LongestRow | None:
     return max(fitting, key=lambda r: r.longest) if fitting else None
 
 
-def render_longest(rows: list[LongestRow], budget: int, host_budget: int | None, host_source: str) -> list[str]:
-    """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory)."""
+def render_longest(
+    rows: list[LongestRow], budget: int, host_budget: int | None, host_source: str, memory: str = "GPU"
+) -> list[str]:
+    """Lines of the table ``hone plan`` prints (GiB; host = the process's resident memory;
+    ``memory``: what the budget is, ``GPU`` or, on a CPU run, ``memory``)."""
     host = f"{host_budget / GIB:.0f} GiB host ({host_source})" if host_budget else "unlimited host memory"
-    out = [f"Longest sequence that fits {gib(budget)} of GPU and {host} (estimate, micro-batch as configured):"]
-    header = ["checkpointing", "tiled MLP", "tiled layers", "loss", "longest", "GPU peak", "host", "layers offloaded"]
+    out = [f"Longest sequence that fits {gib(budget)} of {memory} and {host} (estimate, micro-batch as configured):"]
+    header = ["checkpointing", "tiled MLP", "tiled layers", "loss", "longest", f"{memory} peak", "host", "layers offloaded"]
     table = []
     for r in rows:
         est = r.at_longest

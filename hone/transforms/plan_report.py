@@ -6,6 +6,7 @@ can add its transform list (name, switch, on/off, why) to the same report throug
 :func:`render_plan` without touching the numbers.
 """
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -16,14 +17,14 @@ from hone.config.root import HoneConfig
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.decide import decide
-from hone.transforms.long_context import LongestRow, longest_table, render_longest
+from hone.transforms.long_context import LongestRow, best_row, longest_table, render_longest
 from hone.transforms.loss import loss_decision
-from hone.transforms.memory.decide import checkpointing_of, loss_of
+from hone.transforms.memory.decide import AUTO_MARGIN, checkpointing_of, fits_within, loss_of, usable_bytes
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
-from hone.units import gib, gib_cell
+from hone.units import GIB, gib, gib_cell
 
 __all__ = ["DEFAULT_GPU_MEMORY", "PlanInputError", "PlanView", "device_memory", "parse_size", "plan_view", "render_plan"]
 
@@ -59,6 +60,13 @@ class PlanView:
     host_source: str = ""
     long_rows: list[LongestRow] | None = None
     """The longest sequence of every policy x tiling x loss (:mod:`hone.transforms.long_context`)."""
+    policy: str = ""
+    """The checkpointing policy the run uses here (``auto`` resolved): the ``*`` column."""
+    experts: str | None = None
+    """How the experts are computed (``hone``, ``grouped_mm``, ...); None: a dense model."""
+    sequence_len: int = 0
+    remedies: tuple[str, ...] = ()
+    """What would shrink the weights of this config, for a verdict that not even the shortest sequence fits."""
 
 
 def _auto(value: str, asked: object) -> str:
@@ -168,7 +176,26 @@ def plan_view(
         host_budget=host_budget,
         host_source=host_source,
         long_rows=long_rows,
+        policy=decided.checkpointing,
+        experts=decided.experts_implementation if facts.experts else None,
+        sequence_len=est.sequence_len,
+        remedies=_remedies(cfg),
     )
+
+
+def _remedies(cfg: HoneConfig) -> tuple[str, ...]:
+    """What would shrink this config's weights (for a verdict that not even 256 tokens fit)."""
+    ways = (
+        ("a quantized base (model.quantize)", cfg.model.quantize == "none" and cfg.adapter.is_lora),
+        ("LoRA (adapter.type: lora)", not cfg.adapter.is_lora),
+        ("more processes (--nproc-per-node, FSDP)", True),
+        ("a bigger device", True),
+    )
+    return tuple(what for what, applies in ways if applies)
+
+
+#: Columns of ``hone plan``'s report unless ``--wide``: tables are cut, prose wrapped.
+WIDTH = 100
 
 
 def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> list[str]:
@@ -183,73 +210,204 @@ def _table(header: list[str], rows: list[list[str]], numeric: bool = True) -> li
     return [line(header), "  " + "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
-def _fits_row(label: str, estimates: dict[str, MemoryEstimate], budget: int) -> list[str]:
-    """Whether each policy's estimate fits the card, and its share of it."""
-    return [label, *(("yes" if e.total <= budget else "NO") + f" ({100 * e.total / budget:.0f}%)" for e in estimates.values())]
+def _cut(lines: list[str], width: int | None) -> list[str]:
+    """Table lines cut at ``width`` columns, the cut marked (``--wide``: ``width`` None, all of it)."""
+    if width is None:
+        return lines
+    return [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
 
 
-def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = None) -> str:
-    """The report. ``transforms``: the planner's lines (name, switch, on, why), shown in order."""
-    out = [f"hone plan: {view.title}", f"  {view.model_line}", ""]
-    out.append("Optimizations this run uses (auto: decided here from the model and the device):")
-    out += _table(["", "value", "key"], [[what, value, key] for what, value, key in view.optimizations], numeric=False)
-    if transforms:
-        out += ["", "Transforms, in the order the planner applies them:"]
-        lines = [[name, "on" if on else "off", switch, why] for name, switch, on, why in transforms]
-        out += _table(["", "", "switch", "why"], lines, numeric=False)
-    policies = list(view.estimates)
-    marked = [p + (" *" if p == view.chosen else "") for p in policies]
-    any_est = next(iter(view.estimates.values()))
-    out += [
-        "",
-        f"Memory by component, GiB (estimate: no weights loaded; {view.loss} loss"
-        f"{', compiled layers' if any_est.compiled else ''}; * = this config's checkpointing):",
+def _wrap(text: str, width: int | None, indent: str = "  ") -> list[str]:
+    """Prose wrapped at ``width`` columns, continuation lines indented two more."""
+    if width is None:
+        return [indent + text]
+    return textwrap.wrap(
+        text, width, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False, break_long_words=False
+    )
+
+
+def _wrap_parts(text: str, width: int | None, indent: str = "  ") -> list[str]:
+    """``a; b; c`` wrapped between its ``; ``-separated parts (a part longer than a line by words)."""
+    if width is None:
+        return [indent + text]
+    lines: list[str] = []
+    for part in text.split("; "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += "; " + part
+        else:
+            if lines:
+                lines[-1] += ";"
+            lines += _wrap(part, width, indent if not lines else indent + "  ")
+    return lines
+
+
+def memory_word(device: str) -> str:
+    """What the budget is on ``device``: a GPU's memory, or (``cpu``) the machine's."""
+    return "GPU" if device.startswith("cuda") else "memory"
+
+
+def _fits_row(label: str, estimates: dict[str, MemoryEstimate], budget: int, host_budget: int | None) -> list[str]:
+    """Whether each policy's estimate fits (:func:`fits_within`, as everywhere), and its share of the card."""
+    return [
+        label,
+        *(
+            ("yes" if fits_within(e, budget, host_budget) else "NO") + f" ({100 * e.total / budget:.0f}%)"
+            for e in estimates.values()
+        ),
     ]
+
+
+def _effective(view: PlanView) -> tuple[dict[str, MemoryEstimate], dict[str, int]]:
+    """The estimates and longest sequences of the run as it runs here (the MLP tiled when it is)."""
+    if view.tiled_on and view.tiled and view.tiled_longest:
+        return view.tiled, view.tiled_longest
+    return view.estimates, view.longest
+
+
+def verdict(view: PlanView) -> tuple[str, str | None]:
+    """The report's first line (fits or not, by how much, on what, and how long a sequence fits)
+    and, when it does not fit, a second one: what to change."""
+    estimates, longest = _effective(view)
+    policy = view.policy if view.policy in estimates else view.chosen
+    est = estimates[policy]
+    budget, host = view.budget, view.host_budget
+    share = f"{est.total / GIB:.1f} of {budget / GIB:.1f} GiB ({100 * est.total / budget:.0f}%)"
+    run = f"on {view.device}, checkpointing {policy}"
+    if fits_within(est, budget, host):
+        return f"fits: {share} {run}; longest that fits: {max(longest[policy], view.sequence_len):,}", None
+    if est.total <= usable_bytes(budget) and host is not None:
+        why = f"host needs {est.host_total / GIB:.1f} of {host / GIB:.1f} GiB"
+    else:
+        why = f"over {100 - 100 * AUTO_MARGIN:.0f}%"
+    fitting = [p for p in estimates if fits_within(estimates[p], budget, host)]
+    if fitting and view.chosen != "auto":
+        change = f"set memory.activation_checkpointing: {fitting[0]} (fits)"
+    elif max(longest.values()) > 0:
+        change = f"shorten data.sequence_len to {max(longest.values()):,} or less, or lower training.micro_batch_size"
+    else:
+        weights = dict(est.components()).get("weights", 0)
+        ways = ", ".join(view.remedies[:-1]) + f" or {view.remedies[-1]}" if view.remedies else "a bigger device"
+        change = f"not even 256 tokens fit (the weights alone: {weights / GIB:.1f} GiB): {ways}"
+    return f"does not fit: {share} {run} ({why})", f"  what to change: {change}"
+
+
+def _state(name: str, on: bool, view: PlanView) -> str:
+    """A transform's on/off; the experts by their implementation (transformers' ``grouped_mm`` is not "off")."""
+    if name == "experts" and view.experts is not None:
+        return view.experts
+    return "on" if on else "off"
+
+
+def _longest_cell(view: PlanView, est: MemoryEstimate, longest: int) -> str:
+    """The longest sequence that fits, never shorter than the configured one when that fits (the
+    search steps in multiples of 256 tokens)."""
+    if fits_within(est, view.budget, view.host_budget):
+        longest = max(longest, view.sequence_len)
+    return f"{longest:,}" if longest else "none"
+
+
+def _memory_rows(view: PlanView, policies: list[str], wide: bool) -> list[list[str]]:
+    any_est = next(iter(view.estimates.values()))
+    peak = f"peak ({memory_word(view.device)})"
+
+    def phase(p: str) -> str:  # "backward, last layer" -> "bwd last layer": four columns in 100
+        return view.estimates[p].phase if wide else view.estimates[p].phase.replace("backward, ", "bwd ")
+
     rows = []
     for index, (label, _) in enumerate(any_est.components()):
         rows.append([label, *(gib_cell(view.estimates[p].components()[index][1]) for p in policies)])
-    rows.append(["peak (GPU)", *(gib_cell(view.estimates[p].total) for p in policies)])
-    rows.append(["  at", *(view.estimates[p].phase for p in policies)])
+    rows.append([peak, *(gib_cell(view.estimates[p].total) for p in policies)])
+    rows.append(["  at", *(phase(p) for p in policies)])
     rows.append(["host (pinned)", *(gib_cell(view.estimates[p].host) for p in policies)])
     rows.append(["host (process, pinned incl.)", *(gib_cell(view.estimates[p].host_total) for p in policies)])
     if "offload" in view.estimates:
         off = view.estimates["offload"]
         rows.append(["layers offloaded", *(f"{off.offloaded_layers}/{off.layers}" if p == "offload" else "-" for p in policies)])
     rows.append(["activations per layer", *(gib_cell(view.estimates[p].activations_per_layer) for p in policies)])
-    budget = view.budget
-    rows.append(_fits_row(f"fits {gib(budget)}", view.estimates, budget))
-    rows.append(["longest sequence that fits", *(f"{view.longest[p]:,}" if view.longest[p] else "none" for p in policies)])
+    budget, host = view.budget, view.host_budget
+    fits_label = f"fits {gib(budget)} less {AUTO_MARGIN:.0%}"
+    rows.append(_fits_row(fits_label, view.estimates, budget, host))
+    rows.append(["longest sequence that fits", *(_longest_cell(view, view.estimates[p], view.longest[p]) for p in policies)])
     if view.tiled:
         shards = next(iter(view.tiled.values())).tiled_mlp
-        rows.append([f"tiled MLP ({shards} shards): activations", *(gib_cell(view.tiled[p].activations) for p in policies)])
-        rows.append(["  peak (GPU)", *(gib_cell(view.tiled[p].total) for p in policies)])
-        rows.append(_fits_row(f"  fits {gib(budget)}", view.tiled, budget))
+        label = f"tiled MLP ({shards} shards): activations" if wide else f"tiled MLP x{shards}: activations"
+        rows.append([label, *(gib_cell(view.tiled[p].activations) for p in policies)])
+        rows.append([f"  {peak}", *(gib_cell(view.tiled[p].total) for p in policies)])
+        rows.append(_fits_row(f"  {fits_label}", view.tiled, budget, host))
     if view.tiled_longest:
-        longest_tiled = (f"{view.tiled_longest[p]:,}" if view.tiled_longest[p] else "none" for p in policies)
+        longest_tiled = (_longest_cell(view, view.tiled[p], view.tiled_longest[p]) if view.tiled else "" for p in policies)
         rows.append(["  longest sequence that fits", *longest_tiled])
-    out += _table(["component", *marked], rows)
-    if view.tiled_line:
-        out.append(f"  tiled MLP: {view.tiled_line}")
-    out.append(f"  card: {gib(budget)} ({view.budget_source}); device {view.device}")
+    return rows
+
+
+def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = None, wide: bool = False) -> str:
+    """The report: a verdict line, then the model, the optimizations, the planner's transforms
+    (``transforms``: name, switch, on, why), the memory by component under each checkpointing
+    policy and the longest sequence. At most :data:`WIDTH` columns unless ``wide``."""
+    width = None if wide else WIDTH
+    first, change = verdict(view)
+    out = [first, *([] if change is None else _wrap(change.strip(), width)), f"hone plan: {view.title}"]
+    out += [*_wrap_parts(view.model_line, width), ""]
+    out.append("Optimizations this run uses (auto: decided here from the model and the device):")
+    chosen = [[what, value, key] for what, value, key in view.optimizations]
+    out += _cut(_table(["", "value", "key"], chosen, numeric=False), width)
+    if transforms:
+        out += ["", "Transforms, in the order the planner applies them" + (":" if wide else " (--wide: their reasons in full):")]
+        if wide:
+            lines = [[name, _state(name, on, view), switch, why] for name, switch, on, why in transforms]
+            out += _table(["", "", "switch", "why"], lines, numeric=False)
+        else:  # the why names the switch; it gets the room
+            lines = [[name, _state(name, on, view), why] for name, _, on, why in transforms]
+            out += _cut(_table(["", "", "why"], lines, numeric=False), width)
+    policies = list(view.estimates)
+    marked_policy = view.policy if view.chosen == "auto" else view.chosen
+    marked = [p + (" *" if p == marked_policy else "") for p in policies]
+    any_est = next(iter(view.estimates.values()))
+    star = "the checkpointing auto chose" if view.chosen == "auto" else "this config's checkpointing"
+    out += [""] + _wrap(
+        f"Memory by component, GiB (estimate: no weights loaded; {view.loss} loss"
+        f"{', compiled layers' if any_est.compiled else ''}; * = {star}):",
+        width,
+        indent="",
+    )
+    out += _cut(_table(["component", *marked], _memory_rows(view, policies, wide)), width)
+    budget = view.budget
+    notes = []
+    if view.tiled_line and (wide or view.tiled_on):
+        notes.append(f"tiled MLP: {view.tiled_line}")
+    device_memory_name = "card" if view.device.startswith("cuda") else "memory"
+    notes.append(
+        f"{device_memory_name}: {gib(budget)} ({view.budget_source}), device {view.device}; fits = within "
+        f"{gib(usable_bytes(budget))} (a {AUTO_MARGIN:.0%} margin)"
+    )
     longest = max(view.longest.values())
     if view.max_positions and longest > view.max_positions:
-        out.append(f"  note: the model's max_position_embeddings is {view.max_positions:,}; longer sequences need RoPE scaling")
-    # what the run really uses: the tiled estimates when it tiles the MLP
-    effective = view.tiled if view.tiled_on and view.tiled else view.estimates
+        notes.append(f"note: the model's max_position_embeddings is {view.max_positions:,}; longer sequences need RoPE scaling")
+    effective, _ = _effective(view)
+    fitting = [p for p in policies if fits_within(effective[p], budget, view.host_budget)]
     if view.chosen == "auto":
-        fitting = [p for p in policies if effective[p].total <= budget]
         fits = ", ".join(fitting) if fitting else "no policy"
-        out.append(f"  checkpointing auto: fits under {fits} (the planner picks the fastest with a margin)")
-    elif view.chosen in effective and effective[view.chosen].total > budget:
-        fitting = [p for p in policies if effective[p].total <= budget]
+        notes.append(f"checkpointing auto: fits under {fits}; it picks the fastest that fits")
+    elif view.chosen in effective and view.chosen not in fitting:
         hint = (
             f"; fits with: {', '.join(fitting)}"
             if fitting
             else "; no policy fits: shorten data.sequence_len or training.micro_batch_size"
         )
-        out.append(f"  warning: checkpointing '{view.chosen}' does not fit this card{hint}")
-    notes = sorted({n for e in view.estimates.values() for n in e.notes})
-    out += [f"  note: {n}" for n in notes]
+        notes.append(f"warning: checkpointing '{view.chosen}' does not fit this {device_memory_name}{hint}")
+    notes += [f"note: {n}" for n in sorted({n for e in view.estimates.values() for n in e.notes})]
+    for note in notes:
+        out += _wrap(note, width)
     if view.long_rows:
-        out += ["", *render_longest(view.long_rows, budget, view.host_budget, view.host_source)]
+        memory = memory_word(view.device)
+        if wide:
+            out += ["", *render_longest(view.long_rows, budget, view.host_budget, view.host_source, memory=memory)]
+        elif (best := best_row(view.long_rows)) is not None:
+            out += [""] + _wrap(
+                f"Longest sequence with any switch: {best.longest:,} tokens (checkpointing {best.checkpointing}, "
+                f"tiled MLP {'auto' if best.tiled else 'off'}, tiled layers {'auto' if best.layers_tiled else 'off'}, "
+                f"{best.loss} loss); --wide: every combination",
+                width,
+                indent="",
+            )
     return "\n".join(out) + "\n"

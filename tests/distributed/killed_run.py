@@ -1,7 +1,11 @@
 """A data-parallel run killed mid-training and resumed, shared by the CPU (gloo) test and the
 two-GPU (NCCL) one: the run is launched as a user would (``hone train CFG --nproc-per-node 2``),
 SIGKILLed with its whole process group once a checkpoint is complete (no graceful stop, maybe
-mid-write of the next one), then the same command runs again with ``training.resume: latest``."""
+mid-write of the next one), then the same command runs again with ``training.resume: latest``.
+
+torchrun starts each rank in a session of its own, so the kill reaches the launcher only: the
+ranks must die with it (hone.train.lifeline), within seconds, and leave the run directory's lock
+to the resumed run (hone.train.run_lock), which takes it over with a note."""
 
 import os
 import signal
@@ -32,7 +36,7 @@ def _launch(cfg: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _finish(cfg: Path, env: dict[str, str], timeout_s: float) -> None:
+def _finish(cfg: Path, env: dict[str, str], timeout_s: float) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
         env=env,
@@ -42,6 +46,40 @@ def _finish(cfg: Path, env: dict[str, str], timeout_s: float) -> None:
         timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a dead rank whose new parent has not reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def assert_ranks_die(ranks: list[int], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while any(running(pid) for pid in ranks):
+        if time.monotonic() > deadline:
+            alive = [pid for pid in ranks if running(pid)]
+            for pid in alive:  # do not leave them training behind the test
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"ranks {alive} outlived their killed launcher by {within_s} s")
+        time.sleep(0.05)
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
@@ -73,12 +111,19 @@ def kill_and_resume(
         assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stderr.read()[-4000:]}"
         assert time.monotonic() < deadline, f"no complete checkpoint at step {kill_after} after {timeout_s} s"
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
+    ranks = children_of(proc.pid)
+    assert len(ranks) == 2, f"expected the launcher's 2 ranks, found {ranks}"
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: the ranks have sessions of their own
+    finished_before = (run_dir / "final").exists()
     proc.wait(timeout=60)
-    assert not (run_dir / "final").exists(), "the run finished before the kill: give it more steps"
+    assert not finished_before, "the run finished before the kill: give it more steps"
+    assert_ranks_die(ranks)
+    # ranks that outlive their launcher keep training: a quick run's would have finished it by now
+    assert not (run_dir / "final").exists(), "the ranks outlived their launcher and wrote final/"
     done = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*") if (p / "COMPLETE").exists())
     assert done >= kill_after
     cfg["training"]["resume"] = "latest"
     killed_cfg.write_text(yaml.safe_dump(cfg))
-    _finish(killed_cfg, env, timeout_s)
+    stderr = _finish(killed_cfg, env, timeout_s)
+    assert "taking over the run directory lock of a run that is gone" in stderr
     return done

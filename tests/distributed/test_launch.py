@@ -63,7 +63,8 @@ def test_a_rank_failing_at_start_up_stops_every_rank_with_its_message(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     proc = run(torchrun("-m", "hone", "train", str(cfg)))
     assert proc.returncode != 0
-    assert "error: [rank 0] training.output_dir" in proc.stderr and "already holds another run" in proc.stderr
+    assert "error: [rank 0] training.output_dir" in proc.stderr
+    assert "already holds a run that stopped before its first checkpoint" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
     # the agreement itself: rank 1 fails inside a start-up phase, rank 0 stops with its message

@@ -171,3 +171,35 @@ def test_trainer_state_keeps_eval_rows_only_and_history_comes_from_the_runs_metr
         assert [l for _, l in resumed.eval_losses] == pytest.approx([l for _, l in first.eval_losses], rel=1e-6)
         train, evals = _losses(out_dir)
         assert [s for s, _ in train] == expect_train and [s for s, _ in evals] == [0, 2, 4, 6]
+
+
+def test_a_resume_mid_logging_window_logs_the_same_window_means(tmp_path):
+    """logging_steps 3, a crash after the checkpoint of step 4 (the window then holds step 4):
+    the resumed run's rows at steps 6 and 9 average the same steps (step 4's loss comes back
+    with the checkpoint)."""
+    seed = random.randrange(1000)
+    data = (random_rows(40, seed=seed), None)
+
+    def config(out, **training):
+        return tiny_config(out, training={"max_steps": 9, **training}, logging={"logging_steps": 3, "plot": False})
+
+    _run(config(tmp_path / "straight"), seed, data)
+
+    def crash(metrics):
+        if metrics.step == 5:
+            raise SimulatedCrash
+
+    with pytest.raises(SimulatedCrash):
+        _run(config(tmp_path / "crashed", save_steps=4), seed, data, callback=crash)
+    _run(config(tmp_path / "crashed", resume="latest"), seed, data, resume_from=tmp_path / "crashed" / "checkpoints" / "step-4")
+
+    def rows(out):
+        return [(r["step"], r["loss"], r["loss_step"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+    straight = rows(tmp_path / "straight")
+    assert [s for s, _, _ in straight] == [3, 6, 9]
+    assert straight[1][1] != straight[1][2]  # a mean of three steps, not the last one
+    resumed = rows(tmp_path / "crashed")
+    assert [s for s, _, _ in resumed] == [3, 6, 9]
+    for (_, *a), (_, *b) in zip(straight, resumed, strict=True):
+        assert b == pytest.approx(a, rel=1e-6, abs=1e-7)

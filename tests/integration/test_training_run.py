@@ -61,6 +61,8 @@ def test_a_run_leaves_config_metrics_plot_events_checkpoint_and_adapter(tmp_path
     text = out.getvalue()
     assert "trainable parameters:" in text and "data:" in text
     assert "Finished: step 4/4" in text and "eval loss:" in text and "final/" in text
+    assert f"checkpoint: step 4 saved to {run / 'checkpoints' / 'step-4'}" in text  # a line per checkpoint
+    assert "| rss " in text  # the CPU's memory on each step's line
 
     with pytest.raises(OutputDirInUse):  # the same output_dir again without resume
         run_training(cfg, device="cpu", console=Console(quiet=True))

@@ -383,8 +383,10 @@ def test_plan_report_shows_the_tiled_estimates():
     from hone.transforms.plan_report import plan_view, render_plan
 
     view = plan_view(_plan_cfg(3), "tiny", "cuda", 80 * 2**30, "--gpu-memory")
-    text = render_plan(view)
+    text = render_plan(view, wide=True)
     assert "tiled MLP (3 shards): activations" in text and "tiled MLP: on, 3 shards: memory.tiled_mlp: 3" in text
+    text = render_plan(view)  # 100 columns: the shorter label
+    assert "tiled MLP x3: activations" in text and "tiled MLP: on, 3 shards: memory.tiled_mlp: 3" in text
     assert all(view.tiled[p].activations < view.estimates[p].activations for p in ("none", "selective"))
 
 

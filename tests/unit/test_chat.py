@@ -150,3 +150,22 @@ def test_cli_through_stdin(chat_run):
     assert result.returncode == 0, result.stderr
     first, marker, second, rest = result.stdout.split("\n")
     assert marker == "(new conversation)" and first == second and first and rest == ""
+
+
+def test_an_unknown_command_lists_the_commands_and_is_not_sent(chat_run, tokenizer):
+    run, trained = chat_run
+    model, tok, setup = load_chat_model(run, device="cpu")
+    out = run_chat(model, tok, setup, "/exti\n/help\nhello there\n//slash\n/ 2\n/exit\n")
+    first = greedy_reply(trained, tokenizer, [{"role": "user", "content": "hello there"}], 8)
+    lines = out.getvalue().split("\n")
+    assert lines[0].startswith("unknown command '/exti' (nothing was sent to the model)") and "/reset" in lines[0]
+    assert "/exit" in lines[1] and "/reset" in lines[1]
+    # nothing of '/exti' reached the conversation: the first reply is that of a fresh chat
+    assert lines[2] == first
+    history = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": first.strip()},
+        {"role": "user", "content": "/slash"},  # '//' escapes a leading slash
+    ]
+    assert lines[3] == greedy_reply(trained, tokenizer, history, 8)
+    assert len(lines) == 6 and lines[5] == ""  # '/ 2' is text: answered

@@ -273,3 +273,16 @@ def test_summary_reports_counts_histogram_and_cache(tmp_path, write_jsonl, make_
     assert f"{stats.train.histogram[0].lo}-{stats.train.histogram[0].hi} | #" in text
     assert text.endswith(f"cache: {first.cache_dir} (written)")
     assert render_summary(prepare_data(cfg, tokenizer)).endswith(f"cache: {first.cache_dir} (hit)")
+
+
+def test_a_published_entry_is_readable_by_the_users_a_umask_allows(dataset, make_data_config, tokenizer):
+    """mkdtemp stages 0700; the published entry gets mkdir's mode under the umask (0755 for 022)."""
+    import stat
+
+    cfg = make_data_config([{"path": dataset, "type": "chat"}])
+    previous = os.umask(0o022)
+    try:
+        prepared = prepare_data(cfg, tokenizer)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(prepared.cache_dir.stat().st_mode) == 0o755

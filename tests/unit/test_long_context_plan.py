@@ -146,7 +146,9 @@ def test_longest_table_orders_the_switches():
     assert {r.checkpointing for r in cpu} == {"none", "selective", "full"}
 
 
-def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
+def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch, hub_standins):
+    """examples/long-context.yml names Qwen/Qwen3-8B: its config.json comes from a stand-in hub
+    cache (tests/conftest.py), as a user's would from theirs."""
     from pathlib import Path
 
     from hone.cli import main
@@ -154,10 +156,13 @@ def test_plan_cli_at_a_given_length_and_host(capsys, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = ["plan", "examples/long-context.yml", "--gpu-memory", "80GiB", "--host-memory", "128GiB"]
-    assert main([*args, "--seq-len", "524288"]) == 0
+    assert main([*args, "--seq-len", "524288", "--wide"]) == 0  # --wide: the table of every combination
     out = capsys.readouterr().out
     assert "1 x 524288 tokens" in out and "Longest sequence that fits 80.0 GiB of GPU and 128 GiB host" in out
     assert "layers offloaded" in out and "/36" in out and "furthest:" in out
+    assert main([*args, "--seq-len", "524288"]) == 0  # by default its furthest row
+    out = capsys.readouterr().out
+    assert "Longest sequence with any switch: " in out and "Longest sequence that fits" not in out
     assert main([*args[:-1], "lots"]) != 0
     assert "--host-memory: 'lots' is not a memory size" in capsys.readouterr().err
     assert main([*args, "--seq-len", "2"]) != 0

@@ -246,3 +246,15 @@ def test_gpt_oss_preset_is_built_in_the_target_dtype_with_the_sink_attention(tok
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # sinks and expert biases too
     assert model.config._attn_implementation == SINK_ATTENTION
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_the_written_out_config_fields_match_transformers():
+    """hone validate checks overrides against hone.models.preset_fields (no torch import): the
+    names must be the installed transformers' own."""
+    import transformers
+
+    from hone.models.preset_fields import CONFIG_FIELDS, config_fields
+
+    assert set(CONFIG_FIELDS) == {preset.config_name for preset in PRESETS.values()}
+    for name, names in CONFIG_FIELDS.items():
+        assert names == config_fields(getattr(transformers, name)), name

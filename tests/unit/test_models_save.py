@@ -1,5 +1,7 @@
 """Saving the final output (atomically, safetensors) and the trainable-weights round trip."""
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,20 @@ def test_full_final_is_a_model_directory_with_identical_logits(tmp_path, base_di
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files(out)
     reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     torch.testing.assert_close(logits(reloaded, ids), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_final_files_get_the_umasks_mode_not_0600(tmp_path, base_dir, tokenizer, umask):
+    """safetensors creates its file 0600; the published weights follow the umask like the rest."""
+    model, adapter = loaded(base_dir, tokenizer)
+    previous = os.umask(umask)
+    try:
+        out = save_final(model, tokenizer, tmp_path / "final", adapter)
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert modes["adapter_model.safetensors"] == 0o666 & ~umask, modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_adapter_type_must_match_the_model(tmp_path, base_dir, tokenizer):

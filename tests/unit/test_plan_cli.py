@@ -16,9 +16,9 @@ SPECS = sorted((ROOT / "benchmarks" / "specs").glob("*.yml"))
 
 
 @pytest.fixture(autouse=True)
-def _from_repo_root(monkeypatch):
+def _from_repo_root(monkeypatch, hub_standins):
     monkeypatch.chdir(ROOT)  # the examples name their data relative to the repository
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # model ids: the stand-in cache (tests/conftest.py)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -28,6 +28,11 @@ def test_plan_every_example(path, capsys):
     assert "peak (GPU)" in out and "fits 24.0 GiB" in out and "longest sequence that fits" in out
     for policy in ("none", "selective", "full", "offload"):
         assert policy in out
+    lines = out.splitlines()
+    assert lines[0].startswith(("fits: ", "does not fit: ")) and " of 24.0 GiB (" in lines[0] and "on cuda" in lines[0]
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    header = next(line for line in lines if line.lstrip().startswith("component "))
+    assert header.count(" *") == 1  # the policy the run uses, `auto` or not
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
@@ -146,3 +151,55 @@ def test_bench_rows_record_the_estimate_and_the_table_shows_it(tmp_path):
     table = markdown_table(spec, summarise(spec, rows))
     assert "| peak alloc GiB | estimated GiB |" in table
     assert f"| 20.1 | {estimated:.1f} |" in table
+
+
+def _plan(args: list[str], capsys) -> list[str]:
+    assert main(["plan", *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_plan_on_cpu_says_memory_not_gpu_and_names_the_experts(capsys):
+    lines = _plan(["examples/moe_expert_lora.yml", "--device", "cpu"], capsys)
+    assert lines[0].startswith("fits: ") and " on cpu" in lines[0]
+    assert not [line for line in lines if "GPU" in line]
+    assert max(len(line) for line in lines) <= 100
+    experts = next(line for line in lines if line.split()[:1] == ["experts"] and "(" not in line.split()[1])
+    assert experts.split()[1] == "grouped_mm", experts  # transformers' kernel, not "off"
+
+
+def test_plan_wide_shows_every_reason_and_combination(capsys):
+    short = _plan(["examples/compile.yml", "--gpu-memory", "24GiB"], capsys)
+    wide = _plan(["examples/compile.yml", "--gpu-memory", "24GiB", "--wide"], capsys)
+    assert max(len(line) for line in wide) > 100 and len(wide) > len(short)
+    assert any(line.startswith("Longest sequence that fits 24.0 GiB of GPU") for line in wide)
+    assert "--wide" in "\n".join(short)
+
+
+def test_fits_and_longest_share_one_margin():
+    """The report never says "fits" beside "longest sequence that fits: none": a peak at 95% of
+    the card is over the margin everywhere (verdict, fits row, longest sequence, auto)."""
+    from hone.config import parse_config
+    from hone.transforms.memory.decide import AUTO_MARGIN
+
+    cfg = parse_config(
+        {
+            "model": {"preset": "qwen3-8b"},
+            "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 4096},
+            "memory": {"activation_checkpointing": "full"},
+            "performance": {"torch_compile": False},
+        }
+    )
+    peak = plan_view(cfg, "probe", "cuda", 200 * GIB, "--gpu-memory", 1024 * GIB, "test").estimates["full"].total
+    for share, fits in ((0.95, False), (0.85, True)):
+        view = plan_view(cfg, "qwen3-8b", "cuda", int(peak / share), "--gpu-memory", 1024 * GIB, "test")
+        text = render_plan(view)
+        first = text.splitlines()[0]
+        assert first.startswith("fits: " if fits else "does not fit: "), first
+        row = next(line for line in text.splitlines() if line.lstrip().startswith("fits "))
+        assert f"less {AUTO_MARGIN:.0%}" in row
+        full_column = list(view.estimates).index("full")
+        assert row.split()[-8 + 2 * full_column] == ("yes" if fits else "NO"), row
+        longest = view.longest["full"]
+        assert (longest >= 4096) == fits, longest
+        if fits:
+            assert first.endswith(f"longest that fits: {longest:,}")

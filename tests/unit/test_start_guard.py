@@ -41,7 +41,7 @@ def test_guard_removes_the_directories_it_created_and_passes_hone_errors_on(tmp_
     with pytest.raises(HoneError, match="bad data") as info:
         with StartGuard() as guard:
             guard.watch(tmp_path / "a" / "b" / "run")
-            (tmp_path / "a" / "b" / "run").mkdir(parents=True)
+            (tmp_path / "a" / "b" / "run").mkdir(parents=True, exist_ok=True)  # the guard took its lock: it exists
             (tmp_path / "a" / "b" / "run" / "config.yml").write_text("x")
             raise HoneError("bad data")
     assert not isinstance(info.value, StartFailed)
@@ -52,7 +52,7 @@ def test_guard_keeps_everything_once_the_first_step_ran(tmp_path):
     with pytest.raises(RuntimeError):
         with StartGuard() as guard:
             guard.watch(tmp_path / "run")
-            (tmp_path / "run").mkdir()
+            (tmp_path / "run").mkdir(exist_ok=True)
             guard.on_step(object())
             raise RuntimeError("a bug after step 1 keeps its traceback")
     assert (tmp_path / "run").is_dir()

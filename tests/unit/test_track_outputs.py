@@ -3,7 +3,9 @@
 import io
 import json
 import math
+import os
 import random
+import stat
 from pathlib import Path
 
 from rich.console import Console
@@ -83,6 +85,22 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
         pass
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["config.yml"]
+
+
+def test_atomic_writes_follow_the_umask_even_when_the_writer_makes_a_private_file(tmp_path):
+    def private(tmp: Path) -> None:  # as safetensors and mkstemp do
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"weights")
+        os.close(fd)
+
+    previous = os.umask(0o022)
+    try:
+        atomic_write_with(tmp_path / "w.safetensors", private)
+        atomic_write_text(tmp_path / "c.yml", "a: 1\n")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "w.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "c.yml").stat().st_mode) == 0o644
 
 
 def test_tensorboard_events_hold_the_scalars(tmp_path):

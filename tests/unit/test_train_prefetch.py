@@ -2,6 +2,7 @@
 one-step-late step log (hone.train.step_log), on their own."""
 
 import io
+import json
 import random
 from types import SimpleNamespace
 
@@ -16,9 +17,10 @@ from hone.testing import random_rows
 from hone.track.metrics import read_metrics
 from hone.track.progress import ProgressDisplay
 from hone.track.tracker import Tracker
-from hone.train.batches import BatchStream, DataPosition, PaddedBatches, plan_steps
+from hone.train.batches import BatchStream, DataPosition, PaddedBatches, StepPlan, plan_steps
 from hone.train.prefetch import WindowFeed
 from hone.train.signals import StopRequest
+from hone.train.state import TrainState
 from hone.train.step_log import StepLog, StepMetrics
 from hone.train.train_step import StepOutcome, StepParts, Window, take_window, train_step
 
@@ -115,8 +117,60 @@ def test_the_step_log_writes_a_held_row_at_the_next_flush_or_hold_and_never_twic
     assert written() == [2]
     log.flush()
     assert written() == [2, 4]
-    assert read_metrics(tmp_path / "metrics.jsonl")[1] == _metrics(4).as_row()
+    row = read_metrics(tmp_path / "metrics.jsonl")[1]
+    assert row == {
+        **_metrics(4).as_row(),
+        "loss": (2.0 / 3 + 2.0 / 4) / 2,  # the window's mean: steps 3 and 4
+        "loss_step": 2.0 / 4,
+        "tokens_per_s": 24 / (0.12 + 0.12),
+    }
     tracker.close()
+
+
+def test_a_row_logs_its_windows_mean_loss_and_tokens_per_s_and_keeps_its_steps_loss(tmp_path):
+    """HF Trainer / Axolotl: the logged loss is the mean over the logging window."""
+    tracker = Tracker(
+        LoggingConfig(tensorboard=False, plot=False, progress_bar=False), tmp_path, Console(quiet=True), total_steps=7
+    )
+    log = StepLog(tracker, logging_steps=3)
+    steps = [  # (loss, tokens, step time)
+        (3.0, 10, 1.0),
+        (2.0, 30, 1.0),
+        (1.0, 20, 4.0),  # row: mean of 3, 2, 1; 60 tokens over 6 s
+        (float("nan"), 5, 1.0),  # skipped: a row of its own; its nan is not averaged
+        (4.0, 10, 1.0),
+        (6.0, 10, 1.0),  # row (step 6): only steps 5 and 6 since the skipped step's row
+        (0.5, 8, 2.0),  # last
+    ]
+    for step, (loss, tokens, seconds) in enumerate(steps, start=1):
+        metrics = _metrics(step)
+        metrics.loss, metrics.tokens, metrics.step_time_s, metrics.skipped = loss, tokens, seconds, loss != loss
+        log.hold(metrics, last=step == len(steps))
+    log.flush()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    got = [(r["step"], r["loss"], r["loss_step"], r["tokens_per_s"]) for r in rows]
+    assert got == [(3, 2.0, 1.0, 10.0), (4, None, None, 5.0), (6, 5.0, 6.0, 10.0), (7, 0.5, 0.5, 4.0)]
+    assert log.state.window_losses == 0  # the window starts again after each row
+    tracker.close()
+
+
+def test_the_loss_window_is_carried_by_the_runs_state_through_a_checkpoint():
+    state = TrainState(step=3, window_loss_sum=0.1 + 0.2, window_losses=2)
+    saved = json.loads(json.dumps(state.state_dict(StepPlan(20, 2, 1, 10, 10), 0, [])))
+    restored = TrainState.from_state_dict(saved)
+    assert (restored.window_loss_sum, restored.window_losses) == (0.1 + 0.2, 2)  # bit for bit
+    del saved["log_window"]  # a checkpoint of an earlier hone
+    assert TrainState.from_state_dict(saved).window_losses == 0
+
+
+def test_the_console_shows_memory_cuda_allocated_over_reserved_or_cpu_rss():
+    out = io.StringIO()
+    display = ProgressDisplay(Console(file=out, width=300), total_steps=10, bar=False)
+    row = {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 10.0}
+    display.step({**row, "peak_mem_gib": 12.34, "peak_reserved_gib": 14.02})
+    display.step({**row, "peak_mem_gib": 0.456, "peak_reserved_gib": None})
+    lines = out.getvalue().splitlines()
+    assert "| mem 12.3/14.0 GiB |" in lines[0] and "| rss 0.46 GiB |" in lines[1]
 
 
 def test_a_row_shown_late_gives_the_eta_as_of_its_steps_end():

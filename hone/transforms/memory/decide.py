@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from hone.config.memory import INPUT_ONLY_POLICIES
 from hone.config.root import HoneConfig
 from hone.transforms.loss import loss_decision
-from hone.transforms.memory.estimate import estimate_memory
+from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.units import gib
 
@@ -38,10 +38,22 @@ class TiledDecision:
     """``auto`` left tiling off on a run that does not fit even tiled (worth recording)."""
 
 
+def usable_bytes(budget: int) -> int:
+    """The bytes of a ``budget``-byte card an estimate may use: the card less :data:`AUTO_MARGIN`."""
+    return int(budget * (1 - AUTO_MARGIN))
+
+
+def fits_within(est: MemoryEstimate, budget: int, host_budget: int | None = None) -> bool:
+    """The one meaning of "fits": what ``auto`` decides by, what ``hone plan``'s verdict and
+    fits rows say, and what its longest sequence is searched by: the estimated peak within the
+    card less :data:`AUTO_MARGIN`, and (``host_budget`` given) the process's host memory within that."""
+    return est.total <= usable_bytes(budget) and (host_budget is None or est.host_total <= host_budget)
+
+
 def auto_limit(budget: int, source: str) -> tuple[int, str]:
     """What an ``auto`` memory decision may use of a ``budget``-byte card, and how to say it."""
-    usable = int(budget * (1 - AUTO_MARGIN))
-    return usable, f"{gib(usable)} ({source} less a {AUTO_MARGIN:.0%} margin)"
+    limit = usable_bytes(budget)
+    return limit, f"{gib(limit)} ({source} less a {AUTO_MARGIN:.0%} margin)"
 
 
 def decide_tiled_mlp(cfg: HoneConfig, knobs: Knobs, budget: int, source: str) -> TiledDecision:

@@ -95,6 +95,8 @@ def transformers_config(model: Any) -> Any:
     """The transformers config of ``model`` (a ModelConfig) as the loader builds it: preset
     (tiny ones take the tokenizer's vocabulary) or the directory's config.json. No weight file
     is opened."""
+    from hone.models.rope_scaling import with_rope_scaling
+
     if model.preset is not None:
         from hone.models.presets import build_preset_config, get_preset
 
@@ -103,11 +105,11 @@ def transformers_config(model: Any) -> Any:
             from hone.models.tokenizer import load_tokenizer
 
             vocab = len(load_tokenizer(model))
-        return build_preset_config(model.preset, dict(model.preset_overrides), vocab)
+        return with_rope_scaling(build_preset_config(model.preset, dict(model.preset_overrides), vocab), model.rope_scaling)
     from hone.models.hub import local_model_dir
     from hone.models.model_dir import read_causal_lm_config
 
-    return read_causal_lm_config(local_model_dir(model.path), model.trust_remote_code)
+    return with_rope_scaling(read_causal_lm_config(local_model_dir(model.path), model.trust_remote_code), model.rope_scaling)
 
 
 def _layer_facts(layer: Any) -> LayerFacts:

@@ -3,13 +3,15 @@
 from dataclasses import replace
 
 from hone.config.root import HoneConfig
+from hone.transforms.memory.decide import fits_within
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs
 
 
 def longest_sequence(cfg: HoneConfig, knobs: Knobs, budget_bytes: int, *, multiple: int = 256, limit: int = 1 << 24) -> int:
     """The longest ``sequence_len`` (a multiple of ``multiple``) of the step ``knobs`` describes
-    (their ``sequence_len`` aside) whose estimated peak fits ``budget_bytes`` on the GPU and,
+    (their ``sequence_len`` aside) whose estimated peak fits ``budget_bytes`` on the GPU (less the
+    margin every "fits" keeps: :func:`~hone.transforms.memory.decide.fits_within`) and,
     when ``knobs.host_budget`` is given, whose host memory (``host_total``) fits that; 0 when not
     even ``multiple`` tokens fit. Bisection on the estimate, which grows with the sequence
     (linearly, or quadratically with eager attention; an ``auto`` offload split keeps fewer
@@ -17,8 +19,7 @@ def longest_sequence(cfg: HoneConfig, knobs: Knobs, budget_bytes: int, *, multip
     full)."""
 
     def fits(seq: int) -> bool:
-        est = estimate_memory(cfg, replace(knobs, sequence_len=seq))
-        return est.total <= budget_bytes and (knobs.host_budget is None or est.host_total <= knobs.host_budget)
+        return fits_within(estimate_memory(cfg, replace(knobs, sequence_len=seq)), budget_bytes, knobs.host_budget)
 
     lo, hi = 0, 1
     if not fits(multiple):

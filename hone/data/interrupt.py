@@ -1,0 +1,67 @@
+"""Ctrl-C while data is prepared: stop at once, publish nothing.
+
+Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT arrives, and the
+libraries that read, tokenize and write the data do not always let it through:
+
+- ``datasets``' multi-process ``map`` (``data.num_proc``) replaces it with a ``TimeoutError``
+  while it collects its workers' results (``iflatmap_unordered``'s ``finally``), so the
+  command died with a traceback and exit 1;
+- ``datasets``' fingerprinting hashes a transform's arguments under a bare ``except:``
+  (``update_fingerprint``), and an exception raised inside a finalizer (``__del__``) is
+  printed and dropped: an interrupt landing there is lost, and the preparation ran to its end
+  and published the cache entry (exit 0).
+
+So while data is prepared, SIGINT also sets a flag (and still raises ``KeyboardInterrupt`` at
+once, as Python's own handler does): the encoder checks it before each batch and the build
+before it publishes, so an interrupt that a library swallowed stops the run a batch later,
+and an exception seen after the flag was set is reported as the interrupt it replaced. The
+previous handler is put back afterwards (training installs its own around the loop). A
+process that ignores SIGINT (started in the background with ``nohup``) keeps ignoring it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: Set by SIGINT while :func:`interruptible` is active; per process (a forked worker has its own).
+_interrupted = False
+
+
+def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signature)
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def check_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` if SIGINT arrived during the preparation, even if the
+    ``KeyboardInterrupt`` it raised then was swallowed on the way."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Route SIGINT through the flag for the duration of the block (main thread only)."""
+    global _interrupted
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
+        yield
+        return
+    _interrupted = False
+    signal.signal(signal.SIGINT, _handle)
+    try:
+        yield
+        check_interrupted()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        if _interrupted:  # e.g. datasets' TimeoutError that replaced the KeyboardInterrupt
+            raise KeyboardInterrupt from exc
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted = False
