@@ -236,3 +236,11 @@ def test_converted_pretraining_config_validates_through_the_cli(tmp_path, capsys
     source.write_text(BASE + "pretraining_dataset:\n  - path: data/web.jsonl\n    type: pretrain\n")
     assert main(["convert", str(source), "-o", str(out)]) == 0
     assert load_config(out).data.datasets[0].type == "completion"
+
+
+def test_a_template_name_hone_does_not_ship_fails_validation_naming_the_ones_it_does(tmp_path, capsys):
+    source, out = tmp_path / "axolotl.yml", tmp_path / "hone.yml"
+    source.write_text(BASE + "chat_template: mistral_v1\ndatasets:\n  - path: d.jsonl\n    type: chat_template\n")
+    assert main(["convert", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "data.chat_template: 'mistral_v1'" in err and "did you mean 'mistral'?" in err
