@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from hone.config.attention import BACKENDS
-from hone.config.data import SUFFIX_FORMATS
+from hone.config.data import SUFFIX_FORMATS, looks_like_hub_id
 from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS
 from hone.errors import HoneError
 
@@ -381,13 +381,30 @@ def _local_path(ds: _Reader, entry: dict[str, Any]) -> list[str]:
     if suffix in SUFFIX_FORMATS:
         entry["path"] = text
         return rest
-    # A hub dataset id (or a directory): hone reads one local file per entry.
+    if looks_like_hub_id(text):
+        # a hub dataset id: hone reads it from the local Hugging Face caches (never downloads)
+        revision = ds.take("revision")
+        entry["path"] = f"{text}@{revision}" if revision and "@" not in text else text
+        split = ds.take("split")
+        if isinstance(split, str) and "[" in split:
+            ds.untranslated.append(
+                Untranslated(ds.name("split"), f"'{split}': hone reads whole splits (no slices); the whole split is read")
+            )
+            split = split.split("[")[0]
+        if isinstance(split, str) and split not in ("", "train"):
+            entry["split"] = split
+        ds.notes.append(
+            f"{ds.name('path')}: '{text}' is read from the local Hugging Face cache "
+            f"(fetch it first: hf download {text.split('@')[0]} --repo-type dataset)"
+        )
+        return rest
+    # A directory (or an id hone cannot read): hone reads one local file per entry.
     local = "data/" + text.strip("/").replace("/", "__") + ".jsonl"
     entry["path"] = local
     ds.untranslated.append(
         Untranslated(
             ds.name("path"),
-            f"'{text}' is a hub dataset id or directory; hone reads local files: export it (e.g. "
+            f"'{text}' is a directory or a dataset hone cannot read; hone reads files and hub dataset ids: export it (e.g. "
             f"datasets.load_dataset('{text}', split='train').to_json('{local}')), the output points at {local}",
         )
     )
@@ -489,9 +506,9 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[li
         )
         ds.left.clear()
         return [], ds
-    ds.drop("split", "hone reads the whole file")
+    ds.drop("split", "hone reads the whole file (a split applies to hub dataset ids)")
     ds.drop("name", "hone reads one file per entry (no dataset configs)")
-    ds.drop("revision", "hone reads one local file per entry (a revision is kept only with data_files of a hub dataset)")
+    ds.drop("revision", "a revision applies to hub dataset ids")
     ds.drop("shards", "hone reads the whole file")
     ds.finish("not a dataset key hone knows how to translate")
     return [entry] + [{**entry, "path": path} for path in more_files], ds

@@ -412,11 +412,11 @@ CASES: dict[str, tuple[str, set[str]]] = {
     ),
     "llama-qlora": (
         LLAMA_QLORA,
-        {"datasets[0].path", "evals_per_epoch", "loss_watchdog_threshold", "loss_watchdog_patience", "special_tokens"},
+        {"evals_per_epoch", "loss_watchdog_threshold", "loss_watchdog_patience", "special_tokens"},
     ),
     "llama-full-fsdp": (
         LLAMA_FULL_FSDP,
-        {"datasets[0].path", "special_tokens", "fsdp_config.state_dict_type"},
+        {"special_tokens", "fsdp_config.state_dict_type"},
     ),
     "qwen3-chat": (
         QWEN3_CHAT,
@@ -445,7 +445,6 @@ CASES: dict[str, tuple[str, set[str]]] = {
     "alpaca-mixed": (
         ALPACA_MIXED,
         {
-            "datasets[1].path",
             "datasets[1].split",
             "datasets[2]",
             "datasets[3]",
@@ -638,7 +637,7 @@ def test_full_finetune_float32_completion_fields():
 
 def test_alpaca_mix_drops_unknown_types_and_keeps_lora_extras():
     cfg = converted(ALPACA_MIXED).config
-    assert [d["path"] for d in cfg["data"]["datasets"]] == ["data/alpaca_clean.jsonl", "data/vicgalle__alpaca-gpt4.jsonl"]
+    assert [d["path"] for d in cfg["data"]["datasets"]] == ["data/alpaca_clean.jsonl", "vicgalle/alpaca-gpt4"]
     assert cfg["model"]["tokenizer_path"] == "./tokenizers/llama32-chat"
     assert cfg["adapter"]["lora_modules_to_save"] == ["embed_tokens", "lm_head"] and cfg["adapter"]["use_rslora"] is True
     assert cfg["optimizer"]["cosine_min_lr_ratio"] == 0.1 and cfg["optimizer"]["warmup_ratio"] == 0.03

@@ -244,3 +244,29 @@ def test_a_template_name_hone_does_not_ship_fails_validation_naming_the_ones_it_
     assert main(["convert", str(source), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "data.chat_template: 'mistral_v1'" in err and "did you mean 'mistral'?" in err
+
+
+def test_a_bare_hub_dataset_id_stays_an_id_with_its_split_and_revision(tmp_path):
+    conversion = _convert(
+        BASE
+        + """
+datasets:
+  - path: tatsu-lab/alpaca
+    type: alpaca
+  - path: OrgName/chats
+    revision: 1a2b3c
+    split: validation
+    type: chat_template
+  - path: OrgName/more
+    split: train[:10%]
+    type: alpaca
+"""
+    )
+    assert conversion.config["data"]["datasets"] == [
+        {"path": "tatsu-lab/alpaca", "type": "alpaca"},
+        {"path": "OrgName/chats@1a2b3c", "split": "validation", "type": "chat"},
+        {"path": "OrgName/more", "type": "alpaca"},
+    ]
+    assert conversion.untranslated_keys == ["datasets[2].split"]  # no slices: the whole split
+    assert any("hf download tatsu-lab/alpaca --repo-type dataset" in n for n in conversion.notes)
+    assert [d.split for d in _valid(conversion, tmp_path).data.datasets] == [None, "validation", None]
