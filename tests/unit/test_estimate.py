@@ -206,7 +206,8 @@ def test_low_bit_adamw_counts_its_quantized_moments(name, per_weight):
     est_full, est_low = estimate_memory(full, knobs), estimate_memory(low, knobs)
     params = model_facts(low).trainable_params
     assert est_low.optimizer == round(per_weight * params)  # two bf16 moments were 4 bytes a weight
-    assert est_full.total - est_low.total >= est_full.optimizer - est_low.optimizer  # (the workspace allowance scales)
+    saved = est_full.optimizer - est_low.optimizer - est_low.optimizer_step  # the step's temporaries take some back
+    assert est_full.total - est_low.total >= saved > 0  # (the workspace allowance scales)
     assert est_low.weights == est_full.weights and est_low.trainable_state == est_full.trainable_state
 
 
@@ -326,3 +327,17 @@ def test_fp8_lora_base_counts_two_float8_copies_of_each_wrapped_weight(small):
     buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if b.dtype == torch.uint8)
     assert fp8.weights - plain.weights == buffers
     assert (buffers > 0) == (small == "fp8") and (details["converted"] > 0) == (small == "fp8")
+
+
+@pytest.mark.parametrize(("name", "per_weight"), [("adamw", 0), ("adamw_8bit", 8), ("adamw_4bit", 24)])
+def test_low_bit_adamw_step_holds_the_largest_tensors_float32_temporaries(name, per_weight):
+    """Measured on an H100: torchao's step over a 128256 x 3072 embedding holds 8.0 / 24.1 bytes a
+    weight beside the moments; a full fine-tune of llama3.2-3b peaked at 21.1 / 24.1 GiB (8 / 4
+    bits) in the optimizer step, where the moments alone gave 18.1 / 15.2."""
+    cfg = _cfg("llama3.2-3b", adapter={"type": "none"}, optimizer__name=name)
+    est = estimate_memory(cfg, Knobs(checkpointing="full", loss="fused_linear_ce"))
+    facts = model_facts(cfg)
+    assert est.phase == ("optimizer step" if per_weight else est.phase)
+    assert est.optimizer_step == per_weight * facts.vocab * facts.hidden  # the tied embedding is the largest
+    lora = estimate_memory(_cfg("llama3.2-3b", optimizer__name=name), Knobs(checkpointing="full", loss="fused_linear_ce"))
+    assert lora.optimizer_step == 0 or lora.phase != "optimizer step"  # LoRA's tensors are small

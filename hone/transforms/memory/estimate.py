@@ -7,7 +7,8 @@
   the weight's dtype (master copies: none, see :mod:`hone.models.precision`).
 * **Peak**: the maximum over the phases of a step (the loss's backward with every saved
   activation alive; the first and last layer's backward with the recompute of one layer; the
-  optimizer step), plus a workspace allowance (cuBLAS workspaces, allocator rounding).
+  optimizer step, with a low-bit optimizer's temporaries: :mod:`~hone.transforms.memory.terms.optimizer`),
+  plus a workspace allowance (cuBLAS workspaces, allocator rounding).
 
 A transform that changes what the step holds adds its term in :mod:`hone.transforms.memory.terms`
 and calls it in :func:`estimate_memory` (the layers' activations, the training state or the
@@ -27,6 +28,7 @@ from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
 from hone.transforms.memory.terms.loss import loss_bytes
 from hone.transforms.memory.terms.offload import host_bytes
+from hone.transforms.memory.terms.optimizer import optimizer_step_transient
 from hone.transforms.memory.terms.tiled_layers import layer_chunks, rebuilt_chunk_bytes
 from hone.transforms.memory.terms.tiled_mlp import mlp_backward_transient, mlp_shards
 from hone.units import GIB, MIB
@@ -70,6 +72,8 @@ class MemoryEstimate:
     frozen_params: int
     trainable_params: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    optimizer_step: int = 0
+    """The low-bit optimizer update's float32 temporaries, when the peak is the optimizer step."""
     tiled_mlp: int = 0
     """Shards of the tiled MLP (0: untiled)."""
     tiled_transient: int = 0
@@ -119,7 +123,8 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     transient = mlp_backward_transient(m, step)
     host, host_total = host_bytes(step, kept.offloaded)
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
-    phases = step_phases(m, step, kept, recompute + transient, grads)
+    step_transient = optimizer_step_transient(cfg, m, step.param_shards)
+    phases = step_phases(m, step, kept, recompute + transient, grads, step_transient)
     phase, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
     subtotal = weights + optimizer + sum(parts.values())
     workspace = WORKSPACE_BYTES + int(WORKSPACE_FRACTION * subtotal)
@@ -203,10 +208,13 @@ def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[i
     return sharded_state(m, weights, m.trainable_bytes, optimizer, param_shards)
 
 
-def step_phases(m: ModelFacts, step: Step, kept: Kept, rebuilt: int, grads: int) -> dict[str, dict[str, int]]:
+def step_phases(
+    m: ModelFacts, step: Step, kept: Kept, rebuilt: int, grads: int, optimizer_step: int = 0
+) -> dict[str, dict[str, int]]:
     """The parts alive at each phase of the step (beside the weights and the optimizer state), in
     the order a tie goes to. ``rebuilt``: what one layer's backward adds to what the layers keep
-    (its recompute and the MLP's backward)."""
+    (its recompute and the MLP's backward); ``optimizer_step``: what the optimizer's update holds
+    beside the moments (:mod:`hone.transforms.memory.terms.optimizer`)."""
     tokens = step.tokens
     grad_stream = 2 * m.compute_bytes * tokens * m.hidden  # the residual stream's gradient and one temporary
     accumulating = step.accumulating  # earlier micro-batches' gradients are alive
@@ -224,5 +232,5 @@ def step_phases(m: ModelFacts, step: Step, kept: Kept, rebuilt: int, grads: int)
         "backward, first layer": dict(
             trainable_state=grads, activations=kept.each[0] + kept.in_flight + rebuilt + grad_stream, outside_layers=0, loss=0
         ),
-        "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0),
+        "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0, optimizer_step=optimizer_step),
     }
