@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from hone.config.attention import BACKENDS
-from hone.config.data import SUFFIX_FORMATS, looks_like_hub_id
+from hone.config.data import CHAT_TEMPLATE_NAMES, SUFFIX_FORMATS, looks_like_hub_id
 from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS
 from hone.errors import HoneError
 
@@ -523,8 +523,18 @@ def _chat_template(r: _Reader, template: Any, jinja: Any, data: dict[str, Any], 
         data["chat_template"] = str(jinja)
     elif isinstance(template, str) and ("{%" in template or "{{" in template):
         data["chat_template"] = template
-    elif isinstance(template, str):
-        data["chat_template"] = TEMPLATE_NAMES.get(template, template)  # hone validate refuses a name hone lacks
+    elif isinstance(template, str) and TEMPLATE_NAMES.get(template, template).lower() in CHAT_TEMPLATE_NAMES:
+        data["chat_template"] = TEMPLATE_NAMES.get(template, template)
+    elif isinstance(template, str):  # Axolotl's copy of a model's own template (falcon_h1, phi_3, llama4, ...)
+        r.untranslated.append(
+            Untranslated(
+                f"{key_prefix}chat_template",
+                f"{template!r} is not a template hone ships ({', '.join(CHAT_TEMPLATE_NAMES)}); left unset, so the "
+                "tokenizer's own template (tokenizer_config.json / chat_template.jinja of the model) renders the chats: "
+                "Axolotl's named templates copy the model's own, but compare with `hone preprocess --show 3`, or paste "
+                "the Jinja text as data.chat_template",
+            )
+        )
     else:
         r.untranslated.append(
             Untranslated(f"{key_prefix}chat_template", f"{template!r} is neither a template name nor Jinja text")
