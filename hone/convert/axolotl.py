@@ -276,7 +276,39 @@ def _model(r: _Reader, model: dict[str, Any]) -> None:
         model["tokenizer_path"] = str(tokenizer)
     if r.take("trust_remote_code") is True:
         model["trust_remote_code"] = True
+    _rope_scaling(r, model)
     model["dtype"] = _dtype(r)
+
+
+#: RoPE-scaling fields model.rope_scaling takes (besides ``type``), as transformers names them.
+ROPE_FIELDS = (
+    "factor", "original_max_position_embeddings", "max_position_embeddings", "beta_fast", "beta_slow",
+    "attention_factor", "low_freq_factor", "high_freq_factor",
+)  # fmt: skip
+
+
+def _rope_scaling(r: _Reader, model: dict[str, Any]) -> None:
+    """``rope_scaling`` (top level, older Axolotl) or ``overrides_of_model_config.rope_scaling`` ->
+    model.rope_scaling (``rope_type`` or ``type`` -> ``type``); other overrides are listed."""
+    overrides = r.take("overrides_of_model_config")
+    overrides = dict(overrides) if isinstance(overrides, Mapping) else {}
+    rope = overrides.pop("rope_scaling", None) or r.take("rope_scaling")
+    for key in overrides:
+        r.untranslated.append(
+            Untranslated(
+                f"overrides_of_model_config.{key}",
+                "only rope_scaling maps (model.rope_scaling); presets take model.preset_overrides",
+            )
+        )
+    if not isinstance(rope, Mapping):
+        return
+    rope = dict(rope)
+    scaling = {"type": rope.pop("rope_type", None) or rope.pop("type", None)}
+    rope.pop("type", None)
+    scaling.update({key: rope.pop(key) for key in ROPE_FIELDS if key in rope})
+    model["rope_scaling"] = scaling  # hone validate checks the type and the fields
+    for key in rope:
+        r.untranslated.append(Untranslated(f"rope_scaling.{key}", "not a RoPE-scaling field model.rope_scaling takes"))
 
 
 def _dtype(r: _Reader) -> str:

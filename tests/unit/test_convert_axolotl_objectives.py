@@ -275,3 +275,20 @@ datasets:
     assert conversion.untranslated_keys == ["datasets[2].split"]  # no slices: the whole split
     assert any("hf download tatsu-lab/alpaca --repo-type dataset" in n for n in conversion.notes)
     assert [d.split for d in _valid(conversion, tmp_path).data.datasets] == [None, "validation", None]
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        "overrides_of_model_config:\n  rope_scaling: {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}\n",
+        "rope_scaling:\n  type: yarn\n  factor: 4.0\n  original_max_position_embeddings: 32768\n",
+    ],
+)
+def test_rope_scaling_maps_to_model_rope_scaling(tmp_path, rope):
+    conversion = _convert(BASE + rope + "datasets:\n  - path: d.jsonl\n    type: alpaca\n")
+    assert conversion.config["model"]["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
+    assert conversion.untranslated_keys == []
