@@ -163,4 +163,4 @@ def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = lookup[twice] | (torch.signbit(values).to(torch.int32) << 3)
     codes = codes.unflatten(-1, (MXFP4_BLOCK_BYTES, 2))
     blocks = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)  # even element in the low nibble
-    return blocks, scales
+    return blocks.contiguous(), scales.contiguous()
