@@ -30,7 +30,9 @@ if triton is not None:
         mantissa = code & 1
         twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
         magnitude = twice.to(tl.float32) * 0.5
-        return tl.where((code & 8) != 0, -magnitude, magnitude)
+        # the sign as a bit (code 8 is -0.0, as the published table has it; ``-x`` may compile to ``0 - x``, +0.0)
+        signed = magnitude.to(tl.int32, bitcast=True) | ((code & 8) << 28)
+        return signed.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _to_output(x, IS_BF16: tl.constexpr, out_dtype: tl.constexpr):
