@@ -65,8 +65,9 @@ def test_dequant_launches_without_a_host_sync_and_compiles_without_a_graph_break
     x = torch.randn(8, 2880, device="cuda", dtype=torch.bfloat16)
     assert torch._dynamo.explain(fn)(blocks, scales, x).graph_break_count == 0
     compiled = torch.compile(fn, fullgraph=True)
-    # the op is exact (the test above); the matmul around it may take another cuBLAS path when compiled
-    torch.testing.assert_close(compiled(blocks, scales, x), x @ out[0].t())
+    # the op is exact (the test above); the matmul around it may take another cuBLAS path when compiled.
+    # Row 0's overflowing scales (253, 254) give inf weights, so output column 0 is NaN on both sides.
+    torch.testing.assert_close(compiled(blocks, scales, x), x @ out[0].t(), equal_nan=True)
 
 
 def test_quantizer_gives_on_the_gpu_what_it_gives_on_the_cpu():
