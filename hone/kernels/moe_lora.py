@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +40,7 @@ from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_ac
 from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, rows_bucket, triton
 from hone.kernels.triton_support import triton_available
 
-__all__ = ["moe_experts", "moe_lora_linear", "moe_triton_available", "route"]
+__all__ = ["combine", "expert_of_rows", "moe_experts", "moe_lora_linear", "moe_triton_available", "route"]
 
 
 def moe_triton_available(device: torch.device | str) -> bool:
@@ -66,6 +67,23 @@ def _check_available(t: torch.Tensor, op: str) -> None:
 # Primitive launches (no autograd): forward grouped GEMM and grouped weight-gradient GEMM.
 
 
+@dataclass(frozen=True)
+class MxWeight:
+    """An MXFP4 expert weight ``W [E, out, in]`` as :func:`mm_launch` reads it: ``blocks`` its
+    contiguous bytes viewed ``[E, out, in / 2]``, ``scales`` ``[E, out, in / 32]`` (unit last
+    stride), and which product the launch computes: ``x W_e^T`` (``k_is_in``: K = in, N = out,
+    the forward) or ``dY W_e`` (K = out, N = in, the input gradient)."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    k_is_in: bool
+
+    def k_n(self) -> tuple[int, int, int]:
+        """(experts, K, N) of the launch."""
+        num_experts, n_out, half_in = self.blocks.shape
+        return (num_experts, 2 * half_in, n_out) if self.k_is_in else (num_experts, n_out, 2 * half_in)
+
+
 @torch.library.custom_op("hone::moe_grouped_mm", mutates_args=())
 def grouped_mm(
     x: torch.Tensor,
@@ -87,16 +105,21 @@ def grouped_mm(
     y = torch.empty(s, n_dim, dtype=x.dtype, device=x.device)
     if s == 0 or n_dim == 0:
         return y
-    grid, args, kwargs = _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling, y, s)
+    grid, args, kwargs = mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling, y, s)
     grouped_mm_kernel[grid](*args, **kwargs)
     return y
 
 
-def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch.Tensor, s: int) -> tuple:
+def mm_launch(
+    x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch.Tensor, s: int, mxfp4: MxWeight | None = None
+) -> tuple:
     """(grid, args, kwargs) of one :func:`grouped_mm` launch writing ``y``, a contiguous
     ``[s, N]`` (its strides are taken as such, so :func:`precompile_projection` can pass any
-    tensor of its dtype); shared by the launch and the precompile, so both specialise alike."""
-    num_experts, k_dim, n_dim = weight.shape
+    tensor of its dtype); shared by the launch and the precompile, so both specialise alike.
+    With ``mxfp4`` the weight is MXFP4 (``weight`` is then ignored, see :class:`MxWeight`)."""
+    if mxfp4 is not None:
+        weight = mxfp4.blocks  # [E, out, in / 2] bytes
+    num_experts, k_dim, n_dim = weight.shape if mxfp4 is None else mxfp4.k_n()
     has_lora = xa is not None and lora_b is not None
     rank = xa.shape[1] if has_lora else 0
     dummy = ends  # any tensor: the kernel never reads a pointer whose flag is off
@@ -111,8 +134,8 @@ def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch
         num_experts,
         weight,
         weight.stride(0),
-        weight.stride(1),
-        weight.stride(2),
+        weight.stride(1),  # MXFP4: the out rows' byte stride, whether out is K or N
+        weight.stride(2) if mxfp4 is None else weight.stride(1),
         bias if bias is not None else dummy,
         bias.stride(0) if bias is not None else 0,
         bias.stride(1) if bias is not None else 0,
@@ -140,6 +163,11 @@ def _mm_launch(x, rows, ends, weight, bias, xa, lora_b, scaling: float, y: torch
         BLOCK_R=max(16, _next_pow2(rank)),
         CAST_F32=cast_f32,
         PRECISION=precision,
+        ws_ptr=dummy if mxfp4 is None else mxfp4.scales,
+        stride_wse=0 if mxfp4 is None else mxfp4.scales.stride(0),
+        stride_wso=0 if mxfp4 is None else mxfp4.scales.stride(1),
+        W_MXFP4=mxfp4 is not None,
+        MX_K_IS_IN=mxfp4 is None or mxfp4.k_is_in,
     )
     return grid, args, kwargs
 
@@ -177,7 +205,7 @@ def grouped_wgrad(
 
 def _wgrad_launch(a, b, rows, gather_a: bool, gather_b: bool, ends, scale: float, out: torch.Tensor, s: int) -> tuple:
     """(grid, args, kwargs) of one :func:`grouped_wgrad` launch writing ``out``, a contiguous
-    ``[E, M, N]`` (strides taken as such), over ``s`` sorted rows (see :func:`_mm_launch`)."""
+    ``[E, M, N]`` (strides taken as such), over ``s`` sorted rows (see :func:`mm_launch`)."""
     num_experts = ends.shape[0]
     m_dim, n_dim = a.shape[1], b.shape[1]
     cast_f32, precision = _launch_flags(a.dtype)
@@ -245,7 +273,7 @@ def precompile_projection(x, rows, ends, weight, transposed: bool, bias, lora_a,
     and a thread pool. Without it each variant compiles when first launched, one after the
     other, in the first step (about a dozen compiles for a LoRA step; Triton's compiler spends
     most of its time outside Python, so threads overlap). The launch arguments come from the
-    same helpers as the real launches (:func:`_mm_launch`, :func:`_wgrad_launch`), with one-row
+    same helpers as the real launches (:func:`mm_launch`, :func:`_wgrad_launch`), with one-row
     stand-ins for tensors that do not exist yet (the kernels specialise on strides, dtypes and
     alignment, not on sizes), so the real launches find their kernels compiled. Returns whether
     it compiled; a failure here is ignored (the launch compiles, and reports, as before)."""
@@ -284,11 +312,11 @@ def _compile_variants(x, rows, ends, weight, transposed, bias, lora_a, lora_b, s
     dy = stand_in(n_out)
     if has_lora:
         xa, dxa = stand_in(lora_a.shape[1]), stand_in(lora_a.shape[1])
-        mm.append(_mm_launch(x, rows, ends, lora_a.transpose(1, 2), None, None, None, 0.0, xa, s))
-        mm.append(_mm_launch(dy, None, ends, lora_b, None, None, None, 0.0, dxa, s))
-    mm.append(_mm_launch(x, rows, ends, w_in_out, bias, xa, lora_b if has_lora else None, scaling, stand_in(n_out), s))
+        mm.append(mm_launch(x, rows, ends, lora_a.transpose(1, 2), None, None, None, 0.0, xa, s))
+        mm.append(mm_launch(dy, None, ends, lora_b, None, None, None, 0.0, dxa, s))
+    mm.append(mm_launch(x, rows, ends, w_in_out, bias, xa, lora_b if has_lora else None, scaling, stand_in(n_out), s))
     a_t = lora_a.transpose(1, 2) if has_lora else None
-    mm.append(_mm_launch(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0, stand_in(n_in), s))
+    mm.append(mm_launch(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0, stand_in(n_in), s))
     if has_lora:
         wgrad.append(_wgrad_launch(dxa, x, rows, False, rows is not None, ends, 1.0, out(lora_a.dtype), s))
         wgrad.append(_wgrad_launch(dy, xa, None, False, False, ends, scaling, out(lora_b.dtype), s))
@@ -355,7 +383,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, rows, ends, weight, lora_a, lora_b, xa)
 
 
-def _expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
+def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
     """The expert of each sorted row, on the device (no sync)."""
     return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
 
@@ -395,7 +423,7 @@ def _backward(ctx, grad_y, _grad_xa):
         else:
             d_w = grouped_wgrad(dy, x, rows, False, ctx.has_rows, ends, 1.0, weight.dtype)
     if need_bias and ctx.has_bias:
-        experts = _expert_of_rows(ends, dy.shape[0])
+        experts = expert_of_rows(ends, dy.shape[0])
         d_bias = torch.zeros(weight.shape[0], dy.shape[1], dtype=torch.float32, device=dy.device)
         d_bias.index_add_(0, experts, dy.float())
         d_bias = d_bias.to(weight.dtype)
@@ -464,7 +492,6 @@ def moe_experts(
     :func:`hone.kernels.moe_lora_reference.moe_experts_reference` (see the module docstring
     for the steps). ``down_scaling`` is the down projection's LoRA scaling where it differs
     from gate_up's ``scaling``. Output in ``hidden``'s dtype."""
-    n_tokens, hidden_dim = hidden.shape
     k = top_k_index.shape[1]
     perm, ends = route(top_k_index, gate_up_proj.shape[0])
     token_of_row = perm // k
@@ -473,8 +500,15 @@ def moe_experts(
     y = moe_lora_linear(
         h, None, ends, down_proj, layout.transposed, down_bias, down_lora, scaling if down_scaling is None else down_scaling
     )
+    return combine(y, perm, top_k_weights).to(hidden.dtype)
+
+
+def combine(y: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` float32: each token's ``k`` expert rows of ``y [T*k, H]`` (sorted as :func:`route`
+    sorts them), weighted by ``top_k_weights [T, k]`` and summed in float32 (a gather through the
+    inverse permutation: deterministic, and differentiable w.r.t. the routing weights)."""
+    n_tokens, k = top_k_weights.shape
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
-    per_choice = y[inverse].view(n_tokens, k, hidden_dim).float()
-    out = (per_choice * top_k_weights.float().unsqueeze(-1)).sum(dim=1)
-    return out.to(hidden.dtype)
+    per_choice = y[inverse].view(n_tokens, k, y.shape[1]).float()
+    return (per_choice * top_k_weights.float().unsqueeze(-1)).sum(dim=1)

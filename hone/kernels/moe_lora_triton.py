@@ -44,6 +44,9 @@ import os
 
 from hone.kernels.triton_support import tl, triton
 
+if triton is not None:
+    from hone.kernels.mxfp4_dequant_triton import e2m1_value
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -219,9 +222,32 @@ if triton is not None:
         end = tl.sum(tl.where(here, ends, 0), 0)
         return expert, start + (pid_m - first_tile) * BLOCK_M, end
 
+    @triton.jit
+    def _mxfp4_tile(
+        blocks_ptr, scales_ptr, stride_bo, stride_so, outs, out_mask, in0, in_dim, K_IS_IN: tl.constexpr, BLOCK_IN: tl.constexpr
+    ):
+        """One expert's MXFP4 weight ``W [out, in]`` decoded in registers (float32, exact), rows
+        ``outs`` and inputs ``in0:in0 + BLOCK_IN``: the ``[BLOCK_IN, len(outs)]`` tile of ``W^T``
+        where K is ``in`` (forward), the ``[len(outs), BLOCK_IN]`` tile of ``W`` where K is ``out``
+        (input gradient). ``blocks_ptr`` / ``scales_ptr`` are the expert's ``[out, in / 2]`` bytes
+        (unit stride along ``in``) and ``[out, in / 32]`` scales. Each byte is loaded once and gives
+        two neighbouring inputs (low nibble first, interleaved back along ``in``), both in one
+        32-value block, so one scale."""
+        pairs = in0 // 2 + tl.arange(0, BLOCK_IN // 2)
+        mask = out_mask[:, None] & (pairs < in_dim // 2)[None, :]
+        rows = outs.to(tl.int64)[:, None]
+        byte = tl.load(blocks_ptr + rows * stride_bo + pairs[None, :], mask=mask, other=0).to(tl.int32)
+        s = tl.load(scales_ptr + rows * stride_so + (pairs // 16)[None, :], mask=mask, other=127).to(tl.int32)
+        # E8M0 -> float32 bits: 0 is the subnormal 2**-127, 255 is NaN, else s is the exponent field
+        scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+        values = tl.interleave(e2m1_value(byte & 15) * scale, e2m1_value(byte >> 4) * scale)
+        if K_IS_IN:
+            values = tl.trans(values)
+        return values
+
     @triton.autotune(
         configs=_configs(_MM_TILES),
-        key=["N", "K", "ROWS_BUCKET", "HAS_LORA"],
+        key=["N", "K", "ROWS_BUCKET", "HAS_LORA", "W_MXFP4"],
         prune_configs_by={"early_config_prune": _prune_mm},
         do_bench=_bench,
         **_autotune_options(),
@@ -260,6 +286,11 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         HAS_LORA: tl.constexpr,
         E_P2: tl.constexpr,
+        ws_ptr,
+        stride_wse,
+        stride_wso,
+        W_MXFP4: tl.constexpr,
+        MX_K_IS_IN: tl.constexpr,
         BLOCK_R: tl.constexpr,
         CAST_F32: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -287,9 +318,21 @@ if triton is not None:
             a = tl.load(
                 x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
             )
-            b = tl.load(
-                w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0
-            )
+            if W_MXFP4:
+                ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
+                if MX_K_IS_IN:
+                    b = _mxfp4_tile(w_base, ws_base, stride_wn, stride_wso, cols, col_mask, k0, K, True, BLOCK_K)
+                else:
+                    n0 = tl.program_id(1) * BLOCK_N
+                    b = _mxfp4_tile(w_base, ws_base, stride_wk, stride_wso, ks, k_mask, n0, N, False, BLOCK_N)
+                if not CAST_F32:
+                    b = b.to(x_ptr.dtype.element_ty)
+            else:
+                b = tl.load(
+                    w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
+                    mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0,
+                )
             if CAST_F32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)

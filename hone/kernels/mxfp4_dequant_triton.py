@@ -23,7 +23,7 @@ BLOCK_BYTES = 1024
 if triton is not None:
 
     @triton.jit
-    def _e2m1(code):
+    def e2m1_value(code):
         """The float32 value of 4-bit codes (int32, 0..15): bit 3 the sign, bits 2..1 the
         exponent field, bit 0 the mantissa."""
         exponent = (code >> 1) & 3
@@ -55,8 +55,8 @@ if triton is not None:
         bits = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23))
         scale = bits.to(tl.float32, bitcast=True)
         out_dtype = out_ptr.dtype.element_ty
-        low = _to_output(_e2m1(byte & 15) * scale, IS_BF16, out_dtype)
-        high = _to_output(_e2m1(byte >> 4) * scale, IS_BF16, out_dtype)
+        low = _to_output(e2m1_value(byte & 15) * scale, IS_BF16, out_dtype)
+        high = _to_output(e2m1_value(byte >> 4) * scale, IS_BF16, out_dtype)
         # byte i holds values 2i (low nibble) and 2i+1: one contiguous store of 2 * BLOCK values
         values = tl.interleave(low, high)
         out_offs = pid.to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
