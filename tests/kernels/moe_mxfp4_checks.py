@@ -24,9 +24,10 @@ from moe_lora_checks import compare, make_case  # noqa: E402
 
 def random_mxfp4(experts: int, out: int, inputs: int, gen: torch.Generator, low: int = 122, high: int = 128, device="cpu"):
     """(blocks, scales) of a random ``[experts, out, inputs]`` MXFP4 weight: every code (-0 and
-    -6 included), scales ``2 ** (low - 127) .. 2 ** (high - 128)`` (around 0.03 to 0.5 per unit code)."""
-    blocks = torch.randint(0, 256, (experts, out, inputs // 32, 16), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(low, high, (experts, out, inputs // 32), dtype=torch.uint8, generator=gen)
+    -6 included), scales ``2 ** (low - 127) .. 2 ** (high - 128)`` (around 0.03 to 0.5 per unit code),
+    drawn on ``gen``'s device."""
+    blocks = torch.randint(0, 256, (experts, out, inputs // 32, 16), dtype=torch.uint8, generator=gen, device=gen.device)
+    scales = torch.randint(low, high, (experts, out, inputs // 32), dtype=torch.uint8, generator=gen, device=gen.device)
     return blocks.to(device), scales.to(device)
 
 
