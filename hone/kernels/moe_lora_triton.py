@@ -23,6 +23,12 @@ GEMM's K loop: every N tile would redo it, ``r / BLOCK_N`` extra work (12% at r=
 and ``xa`` has to reach memory anyway because the backward's ``dB = dY^T xa`` needs it; as its
 own launch it costs one more read of ``x`` and about ``r / N`` of the base GEMM's FLOPs.
 
+With ``W_MXFP4`` the weight is a frozen MXFP4 ``[E, out, in]`` (:mod:`hone.kernels.mxfp4_dequant`'s
+layout: bytes, two inputs each, and one E8M0 scale per 32 inputs): each W tile is loaded as bytes
+and scales and decoded in registers (:func:`_mxfp4_tile`; exact in float32 and in bf16), read as
+``W^T`` (K = in: the forward, ``MX_K_IS_IN``) or as ``W`` (K = out: the input gradient ``dY W``).
+Everything else (rows, experts, LoRA epilogue, bias) is the same kernel (:mod:`hone.kernels.moe_mxfp4`).
+
 :func:`grouped_wgrad_kernel` computes ``out[e] = scale * a_e^T b_e`` over expert ``e``'s rows
 (weights, LoRA A and B gradients), one program per (expert, M tile, N tile), its K loop running
 over that expert's rows only; an empty expert's block is written as zeros.
