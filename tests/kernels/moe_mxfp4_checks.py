@@ -22,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_lora_checks import compare, make_case  # noqa: E402
 
 
-def random_mxfp4(experts: int, out: int, inputs: int, gen: torch.Generator, low: int = 122, high: int = 128, device="cpu"):
+def random_mxfp4(experts: int, out: int, inputs: int, gen: torch.Generator, low: int = 122, high: int = 128, device=None):
     """(blocks, scales) of a random ``[experts, out, inputs]`` MXFP4 weight: every code (-0 and
     -6 included), scales ``2 ** (low - 127) .. 2 ** (high - 128)`` (around 0.03 to 0.5 per unit code),
-    drawn on ``gen``'s device."""
+    drawn on ``gen``'s device and left there unless ``device`` is given."""
     blocks = torch.randint(0, 256, (experts, out, inputs // 32, 16), dtype=torch.uint8, generator=gen, device=gen.device)
     scales = torch.randint(low, high, (experts, out, inputs // 32), dtype=torch.uint8, generator=gen, device=gen.device)
-    return blocks.to(device), scales.to(device)
+    return (blocks, scales) if device is None else (blocks.to(device), scales.to(device))
 
 
 def mx_case(
