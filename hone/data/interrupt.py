@@ -9,7 +9,8 @@ libraries that read, tokenize and write the data do not always let it through:
 - ``datasets``' fingerprinting hashes a transform's arguments under a bare ``except:``
   (``update_fingerprint``), and an exception raised inside a finalizer (``__del__``) is
   printed and dropped: an interrupt landing there is lost, and the preparation ran to its end
-  and published the cache entry (exit 0).
+  and published the cache entry (exit 0). (One such place: logging's at-fork hook, run while
+  ``datasets`` forks its workers.)
 
 So while data is prepared, SIGINT also sets a flag (and still raises ``KeyboardInterrupt`` at
 once, as Python's own handler does): the encoder checks it before each batch and the build
@@ -22,6 +23,7 @@ process that ignores SIGINT (started in the background with ``nohup``) keeps ign
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +36,20 @@ def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signatu
     global _interrupted
     _interrupted = True
     raise KeyboardInterrupt
+
+
+def _quiet_unraisable(previous):
+    """A ``sys.unraisablehook`` that drops the ``KeyboardInterrupt`` our handler raised where
+    Python cannot raise it (a finalizer, an at-fork hook such as logging's ``_releaseLock``
+    while ``datasets`` forks its workers): Python would print it as "Exception ignored in ..."
+    with a traceback, yet the flag already stops the build a batch later."""
+
+    def hook(unraisable) -> None:
+        if _interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return
+        previous(unraisable)
+
+    return hook
 
 
 def check_interrupted() -> None:
@@ -53,6 +69,8 @@ def interruptible() -> Iterator[None]:
         return
     _interrupted = False
     signal.signal(signal.SIGINT, _handle)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_unraisable(previous_hook)
     try:
         yield
         check_interrupted()
@@ -64,4 +82,5 @@ def interruptible() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
         _interrupted = False

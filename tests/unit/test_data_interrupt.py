@@ -67,7 +67,7 @@ def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc
         config["data"]["num_proc"] = num_proc
     cfg = tmp_path / "cfg.yml"
     cfg.write_text(json.dumps(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}  # SIGABRT: every thread's stack
     proc = subprocess.Popen(
         [sys.executable, "-m", "hone", "preprocess", str(cfg)],
         cwd=tmp_path,
@@ -81,7 +81,12 @@ def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc
         wait_for_staging(proc, cache)
         time.sleep(0.3)  # into loading / tokenizing
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # still running: show where it waits, then fail
+            proc.send_signal(signal.SIGABRT)
+            _, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"hone preprocess still ran 120 s after SIGINT; its threads:\n{stderr[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,3 +132,27 @@ def test_an_exception_that_replaces_the_interrupt_is_reported_as_it(tmp_path, ma
     with pytest.raises(KeyboardInterrupt):
         prepare_data(cfg, tokenizer)
     assert entries(tmp_path / "cache") == ([], [])
+
+
+def test_an_interrupt_python_cannot_raise_is_kept_quiet_and_still_stops_the_build(monkeypatch):
+    """SIGINT inside a finalizer (or an at-fork hook: logging's, while datasets forks its workers)
+    is "ignored" by Python, which prints it with a traceback; the flag still stops the build, so
+    the hook drops that print, and only that one."""
+    from hone.data.interrupt import interruptible
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(type(unraisable.exc_value)))
+
+    class SignalledWhileFinalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    class FailsWhileFinalized:
+        def __del__(self):
+            raise ValueError("not an interrupt")
+
+    with pytest.raises(KeyboardInterrupt), interruptible():
+        SignalledWhileFinalized()  # collected at once: the handler raises inside __del__
+        FailsWhileFinalized()
+    assert seen == [ValueError]
+    assert sys.unraisablehook is not None and sys.unraisablehook.__name__ == "<lambda>"  # put back
