@@ -388,23 +388,23 @@ def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
 
 
-def _backward(ctx, grad_y, _grad_xa):
-    x, rows, ends, weight, lora_a, lora_b, xa = ctx.saved_tensors
+def projection_backward(
+    ctx, dy: torch.Tensor, x, rows, ends, lora_a, lora_b, xa, bias_dtype: torch.dtype, input_grad
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dX, dA, dB, dbias) of an expert projection op whose inputs are ``(x, rows, ends, <weight>,
+    <weight>, bias, lora_a, lora_b, scaling)`` (the bf16 op and :mod:`hone.kernels.moe_mxfp4`'s):
+    every gradient but the weight's, which never reads ``W``, so both ops share it.
+    ``input_grad(dxa, a_t)`` gives the rows' ``dY W_e^T`` with ``dxa a_t`` in the epilogue."""
     need = ctx.needs_input_grad
-    need_x, need_w, need_bias = need[0], need[3], need[5]
     need_a, need_b = (need[6], need[7]) if ctx.has_lora else (False, False)
-    dy = grad_y.contiguous()
-    w_in_out = weight if ctx.transposed else weight.transpose(1, 2)
-    d_x = d_w = d_bias = d_a = d_b = None
-
+    d_x = d_a = d_b = d_bias = None
     dxa = None
-    if ctx.has_lora and (need_x or need_a):
+    if ctx.has_lora and (need[0] or need_a):
         # dxa = s * dY B_e  ([S, out] @ [out, r]); B_e is lora_b[e] seen as [E, out (K), r (N)].
         dxa = grouped_mm(dy, None, ends, lora_b, None, None, None, 0.0) * ctx.scaling
-    if need_x:
-        # dX = dY W_e^T + dxa A_e: the same kernel, W read transposed, A as the epilogue's "B".
-        lora_args = (dxa, lora_a.transpose(1, 2)) if dxa is not None else (None, None)
-        dx_rows = grouped_mm(dy, None, ends, w_in_out.transpose(1, 2), None, lora_args[0], lora_args[1], 1.0)
+    if need[0]:
+        # dX = dY W_e^T + dxa A_e: the base kernel with A as the epilogue's "B".
+        dx_rows = input_grad(dxa, None if dxa is None else lora_a.transpose(1, 2))
         if ctx.has_rows:
             # Each token's k rows summed back (float32 accumulate, then x's dtype).
             d_x = torch.zeros(ctx.x_shape, dtype=torch.float32, device=dy.device)
@@ -416,17 +416,29 @@ def _backward(ctx, grad_y, _grad_xa):
         d_a = grouped_wgrad(dxa, x, rows, False, ctx.has_rows, ends, 1.0, lora_a.dtype)
     if need_b:
         d_b = grouped_wgrad(dy, xa, None, False, False, ends, ctx.scaling, lora_b.dtype)
-    if need_w:
+    if need[5] and ctx.has_bias:
+        d_bias = torch.zeros(ends.shape[0], dy.shape[1], dtype=torch.float32, device=dy.device)
+        d_bias.index_add_(0, expert_of_rows(ends, dy.shape[0]), dy.float())
+        d_bias = d_bias.to(bias_dtype)
+    return d_x, d_a, d_b, d_bias
+
+
+def _backward(ctx, grad_y, _grad_xa):
+    x, rows, ends, weight, lora_a, lora_b, xa = ctx.saved_tensors
+    dy = grad_y.contiguous()
+    w_in_out = weight if ctx.transposed else weight.transpose(1, 2)
+
+    def input_grad(dxa, a_t):  # the same kernel, W read transposed
+        return grouped_mm(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0)
+
+    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, weight.dtype, input_grad)
+    d_w = None
+    if ctx.needs_input_grad[3]:
         # Written straight in the parameter's layout: [E, in, out] = x^T dY, [E, out, in] = dY^T x.
         if ctx.transposed:
             d_w = grouped_wgrad(x, dy, rows, ctx.has_rows, False, ends, 1.0, weight.dtype)
         else:
             d_w = grouped_wgrad(dy, x, rows, False, ctx.has_rows, ends, 1.0, weight.dtype)
-    if need_bias and ctx.has_bias:
-        experts = expert_of_rows(ends, dy.shape[0])
-        d_bias = torch.zeros(weight.shape[0], dy.shape[1], dtype=torch.float32, device=dy.device)
-        d_bias.index_add_(0, experts, dy.float())
-        d_bias = d_bias.to(weight.dtype)
     return d_x, None, None, d_w, None, d_bias, d_a, d_b, None
 
 

@@ -30,11 +30,10 @@ import torch
 from hone.kernels.moe_lora import (
     MxWeight,
     combine,
-    expert_of_rows,
     grouped_mm,
-    grouped_wgrad,
     mm_launch,
     moe_triton_available,
+    projection_backward,
     route,
 )
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
@@ -130,28 +129,13 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_y, _grad_xa):
     x, rows, ends, blocks, scales, bias, lora_a, lora_b, xa = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    need_a, need_b = (need[6], need[7]) if ctx.has_lora else (False, False)
     dy = grad_y.contiguous()
-    d_x = d_bias = d_a = d_b = None
-    dxa = None
-    if ctx.has_lora and (need[0] or need_a):
-        dxa = grouped_mm(dy, None, ends, lora_b, None, None, None, 0.0) * ctx.scaling  # s dY B_e, as the bf16 path
-    if need[0]:
-        lora_args = (dxa, lora_a.transpose(1, 2)) if dxa is not None else (None, None)
-        dx_rows = mxfp4_grouped_mm(dy, None, ends, blocks, scales, False, None, lora_args[0], lora_args[1], 1.0)
-        if ctx.has_rows:  # each token's k rows summed back in float32
-            d_x = torch.zeros(ctx.x_shape, dtype=torch.float32, device=dy.device)
-            d_x = d_x.index_add_(0, rows, dx_rows.float()).to(dy.dtype)
-        else:
-            d_x = dx_rows
-    if need_a:
-        d_a = grouped_wgrad(dxa, x, rows, False, ctx.has_rows, ends, 1.0, lora_a.dtype)
-    if need_b:
-        d_b = grouped_wgrad(dy, xa, None, False, False, ends, ctx.scaling, lora_b.dtype)
-    if need[5] and ctx.has_bias:
-        d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=dy.device)
-        d_bias = d_bias.index_add_(0, expert_of_rows(ends, dy.shape[0]), dy.float()).to(bias.dtype)
+
+    def input_grad(dxa, a_t):  # dY W_e: the MXFP4 tile read along ``in``
+        return mxfp4_grouped_mm(dy, None, ends, blocks, scales, False, None, dxa, a_t, 1.0)
+
+    bias_dtype = bias.dtype if bias is not None else dy.dtype
+    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, bias_dtype, input_grad)
     return d_x, None, None, None, None, d_bias, d_a, d_b, None
 
 
