@@ -44,6 +44,7 @@ from hone.atomic import atomic_write_text, normal_dir_mode
 from hone.config.data import DataConfig
 from hone.config.root import HoneConfig
 from hone.data.errors import DataError
+from hone.processes import pid_alive
 
 #: Bump when the encoding of rows changes (labels, EOS, columns, dtypes), to invalidate caches.
 DATA_FORMAT_VERSION = 1
@@ -179,16 +180,6 @@ def key_of(inputs: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- staging and publishing
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_staging(root: Path) -> None:
     """Delete staging directories left by processes that died (crash, kill -9)."""
     host = socket.gethostname()
@@ -198,7 +189,7 @@ def remove_stale_staging(root: Path) -> None:
         try:
             owner = json.loads((path / _OWNER).read_text(encoding="utf-8"))
             same_host = owner.get("host") == host
-            dead = same_host and not _pid_alive(int(owner["pid"]))
+            dead = same_host and not pid_alive(int(owner["pid"]))
         except (OSError, ValueError, KeyError, TypeError):
             same_host, dead = False, False
         old = time.time() - path.stat().st_mtime > _STALE_FOREIGN_S

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hone.errors import HoneError
+from hone.processes import pid_alive
 from hone.run_files import LOCK_FILE
 
 
@@ -54,16 +55,6 @@ def read_holder(text: str) -> Holder | None:
         return Holder(int(data["pid"]), str(data["host"]), str(data.get("since", "?")))
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 class RunLock:

@@ -137,7 +137,7 @@ def test_the_config_imports_nothing_above_it(module):
 #: the trainer share (hone.runtime) sit below both; run-directory names (hone.run_files) below all.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hone", "hone.errors"),
-    ("hone.atomic", "hone.paths", "hone.run_files", "hone.units"),
+    ("hone.atomic", "hone.paths", "hone.processes", "hone.run_files", "hone.units"),
     ("hone.kernels", "hone.config"),
     ("hone.models", "hone.track", "hone.convert"),
     ("hone.data",),
