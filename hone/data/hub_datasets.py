@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hone.config.data import SUFFIX_FORMATS, looks_like_hub_id
 from hone.data.errors import DataError
-from hone.models.hub import HubId, hub_cache_dir, parse_hub_id
+from hone.models.hub import HubId, cached_snapshot, hub_cache_dir, parse_hub_id
 
 #: Metadata files that ``datasets`` writes beside data and that are never rows.
 _NOT_DATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
@@ -59,7 +59,7 @@ def datasets_cache_dir() -> Path:
 def find_cached_dataset(hub: HubId, split: str | None, key: str) -> CachedDataset:
     """The files of ``split`` (default train) of ``hub``; :class:`DataError` when neither cache has them."""
     split = split or "train"
-    snapshot = _cached_snapshot(hub)
+    snapshot = cached_snapshot(hub, repo_type="dataset")
     if snapshot is not None:
         return _snapshot_split(hub, snapshot, split, key)
     arrow = _arrow_cache_split(hub, split, key)
@@ -73,19 +73,6 @@ def find_cached_dataset(hub: HubId, split: str | None, key: str) -> CachedDatase
         f"`huggingface-cli download --repo-type dataset {hub.repo_id}{revision}` (or `hf download {hub.repo_id} "
         "--repo-type dataset`), or point the path at a local file (see docs/datasets.md)"
     )
-
-
-def _cached_snapshot(hub: HubId) -> Path | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        folder = snapshot_download(
-            hub.repo_id, repo_type="dataset", revision=hub.revision, cache_dir=hub_cache_dir(), local_files_only=True
-        )
-    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
-        return None
-    return Path(folder)
 
 
 def _snapshot_split(hub: HubId, snapshot: Path, split: str, key: str) -> CachedDataset:

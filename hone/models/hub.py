@@ -84,13 +84,16 @@ def hub_cache_dir() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def cached_snapshot(hub: HubId) -> Path | None:
-    """The snapshot directory of ``hub`` in the local cache, or None. Never touches the network."""
+def cached_snapshot(hub: HubId, repo_type: str = "model") -> Path | None:
+    """The snapshot directory of ``hub`` (a model, or a ``dataset`` repository) in the local
+    cache, or None. Never touches the network."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(hub.repo_id, revision=hub.revision, cache_dir=hub_cache_dir(), local_files_only=True)
+        folder = snapshot_download(
+            hub.repo_id, repo_type=repo_type, revision=hub.revision, cache_dir=hub_cache_dir(), local_files_only=True
+        )
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         return None
     return Path(folder)
