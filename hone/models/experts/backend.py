@@ -23,7 +23,10 @@ from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
 
 from hone.kernels.moe_lora import moe_experts, moe_triton_available
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors
+from hone.kernels.moe_mxfp4 import moe_mxfp4_experts
+from hone.kernels.moe_mxfp4_reference import moe_mxfp4_experts_reference
 from hone.models.errors import ModelError
+from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, has_mxfp4_experts, mxfp4_weights
 
 HONE = "hone"
 #: ``model.experts_implementation`` values: hone's kernels, or transformers' own two.
@@ -93,7 +96,7 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
             f"{type(model).__name__} has no experts module"
         ]
     problems = []
-    if not moe_triton_available(device):
+    if not moe_triton_available(device) and not has_mxfp4_experts(model):  # MXFP4: the reference runs elsewhere
         problems.append(
             f"model.experts_implementation: hone runs Triton kernels, which need triton and a CUDA device "
             f"(this run is on {device.type}); use grouped_mm or eager"
@@ -139,6 +142,8 @@ def hone_experts_forward(
     top_k_index, top_k_weights = _routing_args(args, kwargs)
     lora = lora or {}
     lora_scaling = lora_scaling or {}
+    if mxfp4_weights(self):
+        return mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
     return moe_experts(
         hidden_states,
         top_k_index,
@@ -153,6 +158,45 @@ def hone_experts_forward(
         lora_scaling.get("gate_up_proj", 1.0),
         lora_scaling.get("down_proj", 1.0),
     )
+
+
+def mxfp4_experts_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    lora: dict[str, LoraFactors],
+    lora_scaling: dict[str, float],
+) -> torch.Tensor:
+    """The experts of a module holding MXFP4 weights (:mod:`hone.models.experts.mxfp4`): hone's
+    grouped kernels decode the weight tiles in registers where they run (CUDA with triton, or
+    Triton's interpreter); elsewhere (a CPU run, the tests) the plain-PyTorch reference computes
+    the same function on the float32-dequantized weights, slowly but exactly."""
+    weights = mxfp4_weights(module)
+    if set(weights) != set(EXPERT_PROJECTIONS):
+        raise ModelError(
+            f"{type(module).__name__}: MXFP4 experts need both {' and '.join(EXPERT_PROJECTIONS)} in MXFP4, "
+            f"found only {', '.join(weights)}"
+        )
+    layout = layout_of(module)
+    has_bias = bool(getattr(module, "has_bias", False))
+    args = (
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        weights["gate_up_proj"],
+        weights["down_proj"],
+        layout,
+        module.gate_up_proj_bias if has_bias else None,
+        module.down_proj_bias if has_bias else None,
+        lora.get("gate_up_proj"),
+        lora.get("down_proj"),
+        lora_scaling.get("gate_up_proj", 1.0),
+        lora_scaling.get("down_proj", 1.0),
+    )
+    if moe_triton_available(hidden_states.device):
+        return moe_mxfp4_experts(*args)
+    return moe_mxfp4_experts_reference(*args)
 
 
 def register_hone_experts() -> None:
