@@ -23,12 +23,16 @@ PresetName = Literal[
     "qwen3-8b",
     "qwen3-30b-a3b",
     "gpt-oss-20b",
+    "gpt-oss-120b",
 ]
+#: The presets with mixture-of-experts layers (``model.quantize: mxfp4`` stores their experts);
+#: tests/unit/test_models_presets.py checks it against the presets' configs.
+MOE_PRESETS = frozenset({"tiny-qwen3-moe", "tiny-gpt-oss", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"})
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
 ExpertsImplementation = Literal["auto", "grouped_mm", "eager", "hone"]
-Quantize = Literal["none", "nf4"]
+Quantize = Literal["none", "nf4", "mxfp4"]
 #: RoPE scalings that stretch a fixed pretraining length (transformers' ``dynamic`` NTK is left out:
 #: it takes ``max_position_embeddings`` as the pretraining length, which this key raises).
 RopeType = Literal["yarn", "llama3", "linear"]
@@ -164,15 +168,21 @@ class ModelConfig(Section):
     inside hone's kernels only under ``hone``; see docs/moe.md. Read only for MoE models."""
 
     quantize: Quantize = "none"
-    """Store the frozen base model's linear layers in 4 bits for LoRA (QLoRA): ``nf4`` keeps each
-    linear layer but the output head as NormalFloat-4 codes in blocks of 64 weights with
-    double-quantized scales (torchao's NF4 layout; about 0.52 bytes a weight) and computes in
-    ``model.dtype`` (bf16), dequantizing one layer at a time in hone's kernel. The base is
-    quantized layer by layer as it is loaded, so the full-precision model never sits on the
-    GPU. Needs ``adapter.type: lora`` and the optional ``quant`` extra
-    (``pip install 'hone[quant]'``); not with ``distributed.strategy: fsdp``. Adapters save as
-    usual PEFT adapters; ``hone merge`` merges into the dequantized base. See
-    docs/quantization.md."""
+    """Store the frozen base model in 4 bits for LoRA (QLoRA). ``nf4`` keeps each linear layer
+    but the output head as NormalFloat-4 codes in blocks of 64 weights with double-quantized
+    scales (torchao's NF4 layout; about 0.52 bytes a weight) and computes in ``model.dtype``
+    (bf16), dequantizing one layer at a time in hone's kernel; it needs the optional ``quant``
+    extra (``pip install 'hone[quant]'``). ``mxfp4`` (mixture-of-experts bases only: qwen3-moe,
+    gpt-oss in bf16, mixtral) stores the experts of every MoE layer in MXFP4 (4-bit E2M1 codes
+    with one power-of-two scale per 32 weights, 0.53 bytes a weight, the format gpt-oss ships);
+    the attention and dense layers stay in ``model.dtype``; the experts run in hone's kernels
+    (``model.experts_implementation``: auto or hone; their float32 reference off CUDA). A
+    checkpoint that ships MXFP4 experts (gpt-oss) is MXFP4 whatever this key says (``none`` or
+    ``mxfp4``). The base is quantized layer by layer as it is loaded, so the full-precision
+    model never sits on the GPU. Both need ``adapter.type: lora``; not with
+    ``distributed.strategy: fsdp`` nor ``performance.fp8``. Adapters save as usual PEFT
+    adapters; ``hone merge`` merges into the dequantized base. See docs/quantization.md and
+    docs/moe.md."""
 
     trust_remote_code: bool = False
     """Allow Python code shipped inside the model directory to run. Off unless you trust it."""
@@ -207,6 +217,19 @@ class ModelConfig(Section):
                 "model.quantize: 'nf4' needs the Python package 'torchao', which is not installed: "
                 "pip install 'hone[quant]' (or pip install torchao), or set model.quantize: none"
             )
+        if self.quantize == "mxfp4" and self.experts_implementation in ("eager", "grouped_mm"):
+            raise ValueError(
+                f"model.quantize: mxfp4 runs the MXFP4 experts in hone's kernels only (their float32 reference off "
+                f"CUDA), but model.experts_implementation is '{self.experts_implementation}': allowed with mxfp4: "
+                "auto, hone (or model.quantize: none)"
+            )
+        if self.quantize == "mxfp4" and self.preset is not None:
+            if self.preset not in MOE_PRESETS:
+                raise ValueError(
+                    f"model.quantize: mxfp4 stores the experts of a mixture-of-experts model, but model.preset "
+                    f"'{self.preset}' has no experts: use a MoE preset ("
+                    f"{', '.join(sorted(MOE_PRESETS))}), model.quantize: nf4, or none"
+                )
         if self.sdpa_varlen is True and self.attn_implementation != "sdpa":
             raise ValueError(
                 f"model.sdpa_varlen: true applies to attn_implementation: sdpa, but it is "

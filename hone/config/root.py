@@ -125,26 +125,31 @@ class HoneConfig(Section):
     @model_validator(mode="after")
     def _quantized_base_needs_lora(self) -> "HoneConfig":
         """A 4-bit base cannot be trained: its weights are codes, not parameters. FSDP2 would have
-        to shard and all-gather the packed codes and scales, which hone does not do yet."""
-        if self.model.quantize == "none":
+        to shard and all-gather the packed codes and scales, which hone does not do yet. An MXFP4
+        checkpoint (known only once its config.json is read) gets the same refusals at plan time
+        (:mod:`hone.transforms.quantize`)."""
+        quantize = self.model.quantize
+        if quantize == "none":
             return self
+        what = "the experts' weights" if quantize == "mxfp4" else "the base weights"
         if not self.adapter.is_lora:
             raise ValueError(
-                f"model.quantize: '{self.model.quantize}' stores the base weights in 4 bits, which cannot "
+                f"model.quantize: '{quantize}' stores {what} in 4 bits, which cannot "
                 "be trained, but adapter.type is 'none' (full fine-tune): set adapter.type: lora (QLoRA), "
                 "or model.quantize: none"
             )
         if self.distributed.strategy == "fsdp":
+            held = "the model with 4-bit experts" if quantize == "mxfp4" else "the 4-bit model, about a quarter of its bf16 size"
             raise ValueError(
-                f"model.quantize: '{self.model.quantize}' does not work with distributed.strategy: fsdp "
-                "(FSDP2 would shard the packed 4-bit weights): use distributed.strategy: ddp (each GPU holds "
-                "the 4-bit model, about a quarter of its bf16 size), or model.quantize: none"
+                f"model.quantize: '{quantize}' does not work with distributed.strategy: fsdp "
+                f"(FSDP2 would shard the packed 4-bit weights): use distributed.strategy: ddp (each GPU holds {held}), "
+                "or model.quantize: none"
             )
         if self.performance.fp8 != "off":
             raise ValueError(
-                f"model.quantize: '{self.model.quantize}' and performance.fp8: {self.performance.fp8} both replace "
-                "the base's linear layers (a 4-bit base is dequantized to bf16 for its matmuls, a float8 one keeps "
-                "float8 copies): choose one, model.quantize: none or performance.fp8: off"
+                f"model.quantize: '{quantize}' and performance.fp8: {self.performance.fp8} both replace "
+                f"how the base computes ({what} are dequantized from 4 bits to bf16 for their matmuls, a float8 base "
+                "keeps float8 copies): choose one, model.quantize: none or performance.fp8: off"
             )
         return self
 

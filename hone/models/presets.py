@@ -251,6 +251,33 @@ PRESETS: dict[str, Preset] = {
         ),
         tiny=False,
     ),
+    # openai/gpt-oss-120b config.json: gpt-oss-20b's layer (hidden 2880, 64 query / 8 key-value heads
+    # of 64, sliding window 128 alternating with full attention, the same YaRN RoPE), 36 layers,
+    # 128 experts of 2880, 4 active.
+    "gpt-oss-120b": Preset(
+        "GptOssConfig",
+        dict(
+            vocab_size=201_088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=36,
+            num_local_experts=128,
+            num_experts_per_tok=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            sliding_window=128,
+            max_position_embeddings=131_072,
+            rope_parameters=dict(_GPT_OSS_ROPE),
+            rms_norm_eps=1e-5,
+            attention_bias=True,
+            attention_dropout=0.0,
+            swiglu_limit=7.0,
+            router_aux_loss_coef=0.9,
+            tie_word_embeddings=False,
+        ),
+        tiny=False,
+    ),
 }
 
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)

@@ -2,7 +2,8 @@
 
 ``model.experts_implementation: auto`` (the default) is decided once per plan by
 :func:`experts_choice`: hone's kernels where they run (CUDA, triton, an experts layout they
-know), transformers' ``grouped_mm`` elsewhere. A choice other than transformers' default
+know), transformers' ``grouped_mm`` elsewhere; MXFP4 experts (an MXFP4 checkpoint or
+``model.quantize: mxfp4``) run only in hone's (its float32 reference off CUDA). A choice other than transformers' default
 (``grouped_mm``) is applied to the base model, before the adapter: the adapter reads it to decide whether LoRA on the
 experts runs inside hone's fused kernels (:mod:`hone.models.experts.lora`). Like the attention
 backend, it goes through transformers' own registry and ``set_experts_implementation``; no
@@ -21,7 +22,7 @@ from hone.config.root import HoneConfig
 from hone.models.errors import ModelError
 from hone.models.experts.backend import experts_problems, set_experts_implementation
 from hone.transforms.base import PlanContext, RunFacts, Transform
-from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.facts import model_facts, mxfp4_experts
 
 #: What ``auto`` gains, measured (benchmarks/2026-11-26-h100-moe-lora-model.md).
 _MEASURED = "qwen3-30b-a3b 8 layers, expert LoRA, compiled, on an H100: 64 ms a step, 91 ms on grouped_mm; 36 ms with CUDA graphs"
@@ -41,6 +42,9 @@ def experts_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
     what ``auto`` decides from the device and the model's experts modules (read on the meta
     device). ``auto`` never fails a run: where the model cannot be read it keeps transformers'."""
     asked = cfg.model.experts_implementation
+    mxfp4 = mxfp4_experts(cfg)
+    if mxfp4 is not None:
+        return _mxfp4_choice(asked, mxfp4, facts)
     if asked != "auto":
         return asked, f"model.experts_implementation: {asked}"
     fallback = "experts_implementation: auto: grouped_mm (transformers' default)"
@@ -57,6 +61,22 @@ def experts_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
     if model.experts_layout_problems:
         return "grouped_mm", f"{fallback}: hone's kernels cannot run {model.experts_layout_problems[0]}"
     return "hone", f"experts_implementation: auto: hone, its kernels run this model's experts on CUDA ({_MEASURED})"
+
+
+def _mxfp4_choice(asked: str, mxfp4: str, facts: RunFacts) -> tuple[str, str]:
+    """MXFP4 experts run only in hone's experts forward: its kernels on CUDA, their float32
+    reference elsewhere; transformers' implementations would read the placeholder weights."""
+    if asked in ("eager", "grouped_mm"):
+        raise ModelError(
+            f"model.experts_implementation: '{asked}' cannot run MXFP4 experts ({mxfp4}): they run only in hone's "
+            "kernels (their float32 reference off CUDA); allowed: auto, hone"
+        )
+    where = (
+        "its MXFP4 kernels on CUDA"
+        if facts.device.type == "cuda"
+        else f"the float32 reference of its MXFP4 kernels on {facts.device.type} (slow; CUDA runs the kernels)"
+    )
+    return "hone", f"experts_implementation: {asked}: hone, the only one that runs MXFP4 experts ({mxfp4}): {where}"
 
 
 def _check(ctx: PlanContext) -> list[str]:

@@ -1,4 +1,5 @@
-"""The quantized-base transform: QLoRA's frozen base in NF4 (``model.quantize: nf4``).
+"""The quantized-base transform: QLoRA's frozen base in NF4 (``model.quantize: nf4``), or the
+experts of a MoE base in MXFP4 (``model.quantize: mxfp4``, or a checkpoint that ships them so).
 
 It runs on the base model right after the attention kernel and before anything that wraps or
 traces layers (experts backend, adapter, checkpointing, compile): it swaps every linear layer
@@ -18,6 +19,12 @@ Checkpoints need no state-dict hook: the 4-bit weights are buffers, not trainabl
 and hone's step checkpoints hold only the trainable weights and the optimizer (LoRA), never the
 base. A full fine-tune of a 4-bit base and FSDP2 sharding of it are refused by the config
 (:class:`hone.config.root.HoneConfig`); ``distributed.strategy: auto`` choosing FSDP2 is refused here.
+
+MXFP4 (:mod:`hone.models.experts.mxfp4_quantize`) follows the same two paths for the experts
+modules only; attention and dense layers stay in ``model.dtype``. An MXFP4 checkpoint arrives with
+its experts already in MXFP4 (the loader keeps blocks and scales as shipped): this transform then
+only records them, and refuses here what the config validators refuse for ``model.quantize:
+mxfp4`` (the config alone cannot know the checkpoint's format) and ``nf4`` on top of it.
 """
 
 from __future__ import annotations
@@ -27,32 +34,77 @@ from typing import Any
 from torch import nn
 
 from hone.transforms.base import PlanContext, Transform
+from hone.transforms.memory.facts import mxfp4_experts, ships_mxfp4
+
+
+def _format(ctx: PlanContext) -> str:
+    """The 4-bit format of the base: ``mxfp4`` for an MXFP4 checkpoint whatever model.quantize says."""
+    return "mxfp4" if mxfp4_experts(ctx.cfg) is not None else ctx.cfg.model.quantize
+
+
+def _wanted(ctx: PlanContext) -> bool:
+    return ctx.cfg.model.quantize != "none" or ships_mxfp4(ctx.cfg.model)
+
+
+def _checkpoint_problems(ctx: PlanContext) -> list[str]:
+    """What the config validators refuse for ``model.quantize: mxfp4``, for an MXFP4 checkpoint
+    (known only once its config.json is read)."""
+    cfg = ctx.cfg
+    where = f"{cfg.model.path} ships its experts in MXFP4 (config.json quantization_config.quant_method: mxfp4)"
+    problems = []
+    if cfg.model.quantize == "nf4":
+        problems.append(
+            f"model.quantize: nf4 cannot quantize this base: {where}, which hone keeps as it is (its attention "
+            "stays in model.dtype); set model.quantize: none or mxfp4"
+        )
+    if not cfg.adapter.is_lora:
+        problems.append(
+            f"{where}: 4-bit experts cannot be trained, but adapter.type is 'none' (full fine-tune): set adapter.type: lora"
+        )
+    if cfg.performance.fp8 != "off":
+        problems.append(f"{where}: not with performance.fp8: {cfg.performance.fp8}; set performance.fp8: off")
+    return problems
 
 
 def _check(ctx: PlanContext) -> list[str]:
-    # hone.models.nf4 imports torchao and PEFT: only for a run that quantizes
-    from hone.models.nf4 import INSTALL_HINT, torchao_installed
+    fmt = _format(ctx)
+    problems = _checkpoint_problems(ctx) if ships_mxfp4(ctx.cfg.model) else []
+    if fmt == "nf4":
+        # hone.models.nf4 imports torchao and PEFT: only for a run that quantizes
+        from hone.models.nf4 import INSTALL_HINT, torchao_installed
 
-    problems = []
-    if not torchao_installed():
-        problems.append(f"model.quantize: nf4 needs the Python package 'torchao': {INSTALL_HINT}, or set model.quantize: none")
+        if not torchao_installed():
+            problems.append(
+                f"model.quantize: nf4 needs the Python package 'torchao': {INSTALL_HINT}, or set model.quantize: none"
+            )
     if ctx.decided.strategy == "fsdp":
+        fix = "(every GPU holds the model with 4-bit experts)" if fmt == "mxfp4" else "(every GPU holds the 4-bit model)"
         problems.append(
-            f"model.quantize: nf4 does not work with FSDP2 ({ctx.decided.strategy_why}); set distributed.strategy: ddp "
-            "(every GPU holds the 4-bit model), or model.quantize: none"
+            f"{mxfp4_experts(ctx.cfg) or 'model.quantize: nf4'}: does not work with FSDP2 ({ctx.decided.strategy_why}); "
+            f"set distributed.strategy: ddp {fix}" + ("" if ships_mxfp4(ctx.cfg.model) else ", or model.quantize: none")
         )
     return problems
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    model_cfg = ctx.cfg.model
+    if _format(ctx) == "mxfp4":
+        from hone.models.experts.mxfp4_quantize import quantize_model_experts
+
+        as_shipped = ships_mxfp4(model_cfg)
+        details = quantize_model_experts(model, ctx.facts.device)
+        return {"format": "mxfp4", "compute_dtype": model_cfg.dtype, "as_shipped": as_shipped, **details}
     from hone.models.nf4 import quantize_linears  # torchao and PEFT: see _check
 
-    model_cfg = ctx.cfg.model
     details = quantize_linears(model, ctx.facts.device)
     return {"format": model_cfg.quantize, "compute_dtype": model_cfg.dtype, **details}
 
 
 def _as_drawn(skeleton: nn.Module, ctx: PlanContext):
+    if _format(ctx) == "mxfp4":
+        from hone.models.experts.mxfp4_quantize import quantize_experts_as_drawn
+
+        return quantize_experts_as_drawn(skeleton)
     from hone.models.nf4 import quantize_as_drawn  # torchao and PEFT: see _check
 
     return quantize_as_drawn(skeleton)
@@ -63,6 +115,15 @@ def _size(mib: float) -> str:
 
 
 def _label(details: dict[str, Any]) -> str:
+    from hone.models.loader import format_count
+
+    if details.get("format") == "mxfp4":
+        source = "experts as shipped" if details.get("as_shipped") else "experts"
+        return (
+            f"quantize (mxfp4: {details['experts_modules']} {source} modules, "
+            f"{format_count(details['experts_weights'])} weights, "
+            f"{_size(details['weights_mib'])} -> {_size(details['mxfp4_mib'])}; the rest in {details['compute_dtype']})"
+        )
     kept = f", {len(details['kept_layers'])} kept in {details['compute_dtype']}" if details.get("kept_layers") else ""
     return (
         f"quantize ({details['format']}: {details['quantized_layers']} linear layers, "
@@ -70,14 +131,21 @@ def _label(details: dict[str, Any]) -> str:
     )
 
 
+def _why(ctx: PlanContext) -> str:
+    mxfp4 = mxfp4_experts(ctx.cfg)
+    if mxfp4 is not None:
+        return f"{mxfp4}: the experts in MXFP4 (4-bit, 0.53 bytes a weight), LoRA in full precision"
+    return f"model.quantize: {ctx.cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)"
+
+
 QUANTIZE = Transform(
     name="quantize",
     switch="model.quantize",
-    wanted=lambda ctx: ctx.cfg.model.quantize != "none",
+    wanted=_wanted,
     check=_check,
     stage="base",
     model=_apply,
     as_drawn=_as_drawn,
     label=_label,
-    why=lambda ctx: f"model.quantize: {ctx.cfg.model.quantize} (QLoRA: frozen 4-bit base, LoRA in full precision)",
+    why=_why,
 )

@@ -8,7 +8,7 @@ import torch
 from hone.config.model import ModelConfig, PresetName
 from hone.errors import HoneError
 from hone.models.loader import build_preset_model
-from hone.models.presets import PRESETS, build_preset_config
+from hone.models.presets import PRESET_NAMES, PRESETS, build_preset_config
 from hone.testing import tiny_tokenizer
 
 
@@ -110,24 +110,58 @@ def test_tiny_presets_cover_distinct_architectures():
                 layer_types=["sliding_attention", "full_attention"] * 12,
             ),
         ),
+        (
+            "gpt-oss-120b",
+            dict(
+                vocab_size=201088,
+                hidden_size=2880,
+                intermediate_size=2880,
+                num_hidden_layers=36,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                head_dim=64,
+                num_local_experts=128,
+                num_experts_per_tok=4,
+                sliding_window=128,
+                attention_bias=True,
+                swiglu_limit=7.0,
+                max_position_embeddings=131072,
+                tie_word_embeddings=False,
+                layer_types=["sliding_attention", "full_attention"] * 18,
+            ),
+        ),
     ],
 )
 def test_real_presets_have_published_shapes(name, expected):
     config = build_preset_config(name, {}, vocab_size=2048)
     for key, value in expected.items():
         assert getattr(config, key) == value, key
-    theta = {"llama3-8b": 500_000.0, "llama3.2-3b": 500_000.0, "gpt-oss-20b": 150_000.0}.get(name, 1_000_000.0)
+    theta = {"llama3-8b": 500_000.0, "llama3.2-3b": 500_000.0}.get(name, 150_000.0 if "gpt-oss" in name else 1_000_000.0)
     assert config.rope_parameters["rope_theta"] == theta
+    if "gpt-oss" in name:  # the same YaRN as gpt-oss-20b
+        assert config.rope_parameters == build_preset_config("gpt-oss-20b", {}, 2048).rope_parameters
 
 
 def test_real_presets_count_their_published_parameters():
     from transformers import AutoModelForCausalLM
 
     expected = {"llama3-8b": 8.03e9, "llama3.2-3b": 3.21e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.53e9, "gpt-oss-20b": 20.91e9}
+    expected["gpt-oss-120b"] = 116.83e9
     for name, count in expected.items():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(build_preset_config(name, {}, 2048))
         assert abs(sum(p.numel() for p in model.parameters()) - count) / count < 0.005, name
+
+
+def test_moe_presets_are_the_presets_with_experts():
+    from hone.config.model import MOE_PRESETS
+
+    with_experts = set()
+    for name in PRESET_NAMES:
+        config = build_preset_config(name, {}, 2048)
+        if (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0:
+            with_experts.add(name)
+    assert with_experts == set(MOE_PRESETS)
 
 
 def test_gpt_oss_20b_rope_is_its_yarn_and_depth_overrides_keep_alternating_layers():

@@ -85,6 +85,11 @@ class ModelFacts:
     experts_layout_problems: tuple[str, ...] = ()
     """Why hone's experts kernels cannot run this model's experts modules, one line per module
     class (empty: they can, or the model has none); ``experts_implementation: auto`` reads it."""
+    mxfp4_checkpoint: bool = False
+    """The model directory ships its experts in MXFP4 (``quantization_config.quant_method: mxfp4``)."""
+    mxfp4_weights: int = 0
+    """Expert weights held in MXFP4 (an MXFP4 checkpoint, or ``model.quantize: mxfp4``), counted at
+    :data:`~hone.models.experts.mxfp4.MXFP4_BYTES_PER_WEIGHT` instead of ``model.dtype``'s bytes."""
 
 
 def _elem_bytes(dtype: Any) -> int:
@@ -164,6 +169,45 @@ def _layer_facts(layer: Any) -> LayerFacts:
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / 16384
 
 
+def ships_mxfp4(model: Any) -> bool:
+    """Whether ``model`` (a ModelConfig) names a checkpoint whose experts ship in MXFP4
+    (config.json ``quantization_config.quant_method: mxfp4``, gpt-oss as published). A preset
+    never is; a directory whose config cannot be read counts as not (loading it says why)."""
+    if model.preset is not None:
+        return False
+    return _ships_mxfp4_cached(model.model_dump_json())
+
+
+@lru_cache(maxsize=32)
+def _ships_mxfp4_cached(model_json: str) -> bool:
+    from hone.config.model import ModelConfig
+    from hone.errors import HoneError
+    from hone.models.experts.mxfp4 import is_mxfp4_config
+
+    try:
+        return is_mxfp4_config(transformers_config(ModelConfig.model_validate_json(model_json)))
+    except (HoneError, OSError, ValueError):
+        return False
+
+
+def mxfp4_experts(cfg: HoneConfig) -> str | None:
+    """Why the run holds its experts in MXFP4, in words (None: it does not): an MXFP4 checkpoint
+    or ``model.quantize: mxfp4``."""
+    if ships_mxfp4(cfg.model):
+        return f"{cfg.model.path} ships its experts in MXFP4 (quantization_config.quant_method: mxfp4)"
+    if cfg.model.quantize == "mxfp4":
+        return "model.quantize: mxfp4"
+    return None
+
+
+def _mxfp4_weights(base: Any) -> int:
+    """Weights the experts modules of ``base`` hold in their projections (what MXFP4 stores)."""
+    from hone.models.experts.backend import experts_modules
+    from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS
+
+    return sum(getattr(module, name).numel() for _, module in experts_modules(base) for name in EXPERT_PROJECTIONS)
+
+
 def _nf4_weights(base: Any) -> int:
     """Weights the quantize transform stores in NF4 (every linear layer but the head that fits its blocks)."""
     from hone.models.nf4 import can_quantize, quantizable_linears
@@ -194,11 +238,15 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
 
     model_cfg = ModelConfig.model_validate_json(model_json)
     adapter_cfg = AdapterConfig.model_validate_json(adapter_json)
+    from hone.models.experts.mxfp4 import MXFP4_BYTES_PER_WEIGHT, is_mxfp4_config
+
     config = transformers_config(model_cfg)
     precision = precision_for(model_cfg.dtype, full_finetune=not adapter_cfg.is_lora)
+    checkpoint = is_mxfp4_config(config)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config)
-        quantized = _nf4_weights(base) if model_cfg.quantize == "nf4" else 0
+        mxfp4 = _mxfp4_weights(base) if checkpoint or model_cfg.quantize == "mxfp4" else 0
+        quantized = _nf4_weights(base) if model_cfg.quantize == "nf4" and not checkpoint else 0
         model = apply_adapter(base, adapter_cfg)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_list = decoder_layers(model)  # the decoder layers as every transform finds them
@@ -241,7 +289,8 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         layers=tuple(_layer_facts(layer) for layer in layer_list),
         frozen_params=frozen,
         trainable_params=trainable,
-        frozen_bytes=(frozen - quantized) * _elem_bytes(precision.weights) + round(quantized * NF4_BYTES_PER_WEIGHT),
+        frozen_bytes=(frozen - quantized - mxfp4) * _elem_bytes(precision.weights)
+        + round(quantized * NF4_BYTES_PER_WEIGHT + mxfp4 * MXFP4_BYTES_PER_WEIGHT),
         trainable_bytes=trainable * tbytes,
         outside_trainable_bytes=outside_trainable * tbytes,
         head_trainable=bool(head is not None and any(p.requires_grad for p in head.parameters())),
@@ -253,6 +302,8 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         lora_base_shapes=tuple(lora_base),
         frozen_layer_linear_shapes=tuple(layer_linears),
         experts_layout_problems=_experts_layout_problems(base),
+        mxfp4_checkpoint=checkpoint,
+        mxfp4_weights=mxfp4,
     )
 
 
