@@ -107,6 +107,23 @@ def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool =
     return cfg
 
 
+def _experts_format(cfg) -> str | None:
+    """``experts in MXFP4 as shipped`` for a checkpoint whose config.json says so (read as JSON:
+    validate imports no torch); None otherwise, or where it cannot be read (preflight says why)."""
+    from hone.models.hub import local_model_dir
+    from hone.models.model_dir import read_raw_config
+
+    if cfg.model.path is None:
+        return None
+    try:
+        quantization = read_raw_config(local_model_dir(cfg.model.path)).get("quantization_config")
+    except HoneError:
+        return None
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+        return "experts in MXFP4 as shipped (LoRA only)"
+    return None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     """A verdict and a short summary; ``--verbose`` adds the resolved config (every default)."""
     from hone.config.loader import dump_config
@@ -118,7 +135,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     print(f"{args.config}: valid")
-    print("\n".join(summarize(cfg)))
+    print("\n".join(summarize(cfg, _experts_format(cfg))))
     print(f"  (every setting with its default: hone validate {args.config} --verbose)")
     return 0
 

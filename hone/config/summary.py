@@ -9,7 +9,7 @@ the rest. Reads the validated config only: nothing is loaded.
 from hone.config.root import HoneConfig
 
 
-def _model(cfg: HoneConfig) -> str:
+def _model(cfg: HoneConfig, experts_format: str | None) -> str:
     model = cfg.model
     if model.preset is not None:
         text = f"preset {model.preset} (random weights)"
@@ -18,8 +18,12 @@ def _model(cfg: HoneConfig) -> str:
     else:
         text = str(model.path)
     text += f", {model.dtype}"
-    if model.quantize != "none":
+    if model.quantize == "mxfp4":
+        text += ", experts quantized to mxfp4 (attention and dense layers in the dtype)"
+    elif model.quantize != "none":
         text += f", quantized {model.quantize}"
+    if experts_format is not None:
+        text += f", {experts_format}"
     return text
 
 
@@ -60,10 +64,12 @@ def _training(cfg: HoneConfig) -> str:
     return text + (f"; {', '.join(every)} steps" if every else "")
 
 
-def summarize(cfg: HoneConfig) -> list[str]:
-    """``  model     ...`` lines: model, adapter, data, training, output."""
+def summarize(cfg: HoneConfig, experts_format: str | None = None) -> list[str]:
+    """``  model     ...`` lines: model, adapter, data, training, output. ``experts_format``: what
+    the model directory's config.json says of its experts' storage (``experts in MXFP4 as shipped``),
+    which the caller reads (the config alone does not know it)."""
     rows = [
-        ("model", _model(cfg)),
+        ("model", _model(cfg, experts_format)),
         ("adapter", _adapter(cfg)),
         ("data", _data(cfg)),
         ("training", _training(cfg)),

@@ -21,7 +21,7 @@ from hone.transforms.long_context import LongestRow, best_row, longest_table, re
 from hone.transforms.loss import loss_decision
 from hone.transforms.memory.decide import AUTO_MARGIN, checkpointing_of, fits_within, loss_of, usable_bytes
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
-from hone.transforms.memory.facts import model_facts
+from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs, LossKind
 from hone.transforms.memory.longest import longest_sequence
 from hone.units import GIB, gib, gib_cell
@@ -107,6 +107,17 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
     return rows
 
 
+def _experts_format(facts: ModelFacts) -> str:
+    """How the experts are stored, where not in model.dtype (MXFP4: a checkpoint as shipped, or model.quantize)."""
+    from hone.models.experts.mxfp4 import MXFP4_BYTES_PER_WEIGHT
+    from hone.models.loader import format_count
+
+    if not facts.mxfp4_weights:
+        return ""
+    source = "as shipped" if facts.mxfp4_checkpoint else "model.quantize"
+    return f", experts in MXFP4 ({source}; {format_count(facts.mxfp4_weights)} weights at {MXFP4_BYTES_PER_WEIGHT:g} B)"
+
+
 def plan_view(
     cfg: HoneConfig,
     title: str,
@@ -154,7 +165,8 @@ def plan_view(
     model_line = (
         f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
         f"{format_count(est.trainable_params)} trainable; "
-        f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}; micro-batch {est.micro_batch} x {est.sequence_len} tokens"
+        f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}{_experts_format(facts)}; "
+        f"micro-batch {est.micro_batch} x {est.sequence_len} tokens"
         + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
     )
     return PlanView(

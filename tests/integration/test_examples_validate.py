@@ -63,3 +63,14 @@ def test_a_real_id_needs_the_cache(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["validate", "examples/long-context.yml"]) == 2
     assert "Qwen/Qwen3-8B" in capsys.readouterr().err
+
+
+def test_gpt_oss_example_validates_and_plans_its_experts_as_shipped_mxfp4(at_root, capsys):
+    """The stand-in carries openai/gpt-oss-20b's real quantization_config: validate and plan both say
+    the experts stay MXFP4, and the plan counts them at MXFP4's bytes and runs them in hone's kernels."""
+    assert main(["validate", "examples/gpt-oss-20b-lora.yml"]) == 0
+    assert "experts in MXFP4 as shipped" in capsys.readouterr().out
+    assert main(["plan", "examples/gpt-oss-20b-lora.yml", "--gpu-memory", "80GiB"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "experts in MXFP4 (as shipped; 19.11B weights at 0.53125 B)" in out
+    assert "experts hone (auto)" in out and "quantize on openai/gpt-oss-20b ships its experts in MXFP4" in out
