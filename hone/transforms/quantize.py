@@ -34,7 +34,7 @@ from typing import Any
 from torch import nn
 
 from hone.transforms.base import PlanContext, Transform
-from hone.transforms.memory.facts import mxfp4_experts, ships_mxfp4
+from hone.transforms.memory.facts import model_facts, mxfp4_experts, ships_mxfp4
 
 
 def _format(ctx: PlanContext) -> str:
@@ -66,9 +66,26 @@ def _checkpoint_problems(ctx: PlanContext) -> list[str]:
     return problems
 
 
+def _no_experts_problem(ctx: PlanContext) -> list[str]:
+    """``model.quantize: mxfp4`` on a model without MoE layers (a dense model directory; the config
+    refuses a dense preset by name), known once the model is read on the meta device."""
+    try:
+        layers = model_facts(ctx.cfg).layers
+    except Exception:  # noqa: BLE001 -- an unreadable model is the loader's error to report
+        return []
+    if any(layer.moe for layer in layers):
+        return []
+    return [
+        f"model.quantize: mxfp4 stores the experts of a mixture-of-experts model, but {ctx.cfg.model.source} has no "
+        "MoE layers: use model.quantize: nf4 for a dense model, or none"
+    ]
+
+
 def _check(ctx: PlanContext) -> list[str]:
     fmt = _format(ctx)
     problems = _checkpoint_problems(ctx) if ships_mxfp4(ctx.cfg.model) else []
+    if ctx.cfg.model.quantize == "mxfp4":
+        problems += _no_experts_problem(ctx)
     if fmt == "nf4":
         # hone.models.nf4 imports torchao and PEFT: only for a run that quantizes
         from hone.models.nf4 import INSTALL_HINT, torchao_installed

@@ -98,6 +98,18 @@ def test_plan_quantizes_every_experts_module_and_the_logits_equal_the_dequantize
         assert (full_model(input_ids=ids).logits - logits).abs().max() > 0  # 4 bits changed the experts
 
 
+def test_plan_refuses_mxfp4_for_a_dense_model_directory(tmp_path):
+    from hone.models.presets import build_preset_config
+
+    model_dir = tmp_path / "dense"
+    build_preset_config("llama3-8b", {"num_hidden_layers": 2}, None).save_pretrained(model_dir)
+    raw = _raw(tmp_path)
+    raw["model"] = {"path": str(model_dir), "dtype": "float32", "quantize": "mxfp4"}
+    raw["adapter"]["lora_target_modules"] = ["q_proj", "v_proj"]
+    with pytest.raises(HoneError, match=rf"model.quantize: mxfp4 .* but {model_dir} has no MoE layers"):
+        plan_optimizations(parse_config(raw), CPU)
+
+
 def test_dense_model_given_to_the_transform_is_a_clear_error(tmp_path):
     from hone.models.experts.mxfp4_quantize import quantize_experts_as_drawn, quantize_model_experts
 
