@@ -75,10 +75,14 @@ def load_for_inference(
         # QLoRA: the same draws as training's (which quantized each layer as it was drawn), in full
         # precision, then every 4-bit weight is replaced by its NF4 round trip
         base = build_base_model(cfg.model, tokenizer, device, trained_dtype, seed=cfg.training.seed)
-        if cfg.model.quantize != "none":
+        if cfg.model.quantize == "nf4":
             from hone.models.nf4 import nf4_roundtrip_
 
             nf4_roundtrip_(base, trained_dtype)
+        elif cfg.model.quantize == "mxfp4":  # the experts only, as training held them
+            from hone.models.experts.mxfp4_quantize import mxfp4_roundtrip_
+
+            mxfp4_roundtrip_(base)
         model: nn.Module = PeftModel.from_pretrained(base, str(run.final), is_trainable=False)
     else:
         model = load_pretrained(run.final, cfg.model, device, target, key=f"{run.directory}/final")
