@@ -22,7 +22,7 @@ from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter, record_base_model
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
-from hone.models.experts.mxfp4 import quant_method
+from hone.models.experts.mxfp4 import has_mxfp4_experts, quant_method
 from hone.models.hub import base_model_reference, local_model_dir
 from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
@@ -74,6 +74,10 @@ def load_model(
     base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed, as_drawn=as_drawn)
     if before_adapter is not None:
         before_adapter(base)
+    if has_mxfp4_experts(base):
+        from hone.models.mxfp4_checkpoint import check_mxfp4_run
+
+        check_mxfp4_run(base, full_finetune=not cfg.adapter.is_lora)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
     if cfg.model.path is not None:  # final/adapter_config.json names the base usably from anywhere

@@ -73,6 +73,25 @@ def check_quant_method(config: object, path: Path, key: str = "model.path") -> N
     )
 
 
+def check_mxfp4_run(model: nn.Module, full_finetune: bool) -> None:
+    """Refuse, before training, a run that cannot train a base holding MXFP4 experts: their weight
+    parameters are placeholders, so only hone's experts backend computes them, and they hold no
+    gradient (a full fine-tune would silently freeze them, then save the placeholders)."""
+    implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if implementation != "hone":
+        raise ModelError(
+            f"model.experts_implementation: '{implementation}' cannot compute MXFP4 experts: the base holds them as "
+            "4-bit blocks and scales, and only hone's experts backend reads those (model.experts_implementation: "
+            "hone; off CUDA it runs a float32 reference)"
+        )
+    if full_finetune:
+        raise ModelError(
+            "adapter.type: a full fine-tune cannot train MXFP4 experts (4-bit blocks and scales hold no gradient): "
+            "train a LoRA adapter (adapter.type: lora; name 'experts' in adapter.lora_target_modules to adapt the "
+            "experts), or fine-tune an unquantized (bf16) checkpoint"
+        )
+
+
 @dataclass(frozen=True)
 class _Source:
     """Where one tensor is: its safetensors key and file."""

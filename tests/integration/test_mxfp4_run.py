@@ -125,3 +125,17 @@ def test_generate_loads_the_mxfp4_run(trained):
     model, tokenizer = load_for_inference(cfg.training.output_dir, device="cpu")
     text = generate(model, tokenizer, "Which color does a lemon have?", max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_chat_on_the_shipped_checkpoint_runs_its_dequantized_experts(trained):
+    from hone.export.chat import load_chat_model
+    from hone.models.experts.mxfp4 import has_mxfp4_experts
+
+    checkpoint, _, _ = trained
+    model, _, setup = load_chat_model(checkpoint.path, device="cpu", dtype="float32")
+    assert not has_mxfp4_experts(model) and setup.style == "chat"
+    ids = torch.randint(5, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, _dequantized_base(checkpoint)(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )

@@ -168,3 +168,42 @@ def test_the_sharded_fsdp_load_refuses_an_mxfp4_checkpoint(checkpoint):
     )
     with pytest.raises(ModelError, match="quant_method 'mxfp4'.*distributed.strategy: fsdp"):
         load_model_sharded(cfg, tokenizer=None, device=CPU, shard=lambda model: None)
+
+
+def _run_config(path: Path, adapter: dict):
+    from hone.config import parse_config
+
+    return parse_config(
+        {
+            "model": {"path": str(path), "dtype": "float32", "attn_implementation": "eager"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "completion"}]},
+            "adapter": adapter,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("implementation", "adapter", "says"),
+    [
+        ("eager", {"type": "lora"}, "model.experts_implementation: 'eager' cannot compute MXFP4 experts"),
+        ("grouped_mm", {"type": "lora"}, "model.experts_implementation: 'grouped_mm' cannot compute MXFP4 experts"),
+        ("hone", {"type": "none"}, "adapter.type: a full fine-tune cannot train MXFP4 experts"),
+    ],
+)
+def test_a_run_that_cannot_train_the_mxfp4_experts_is_refused_as_it_loads(checkpoint, implementation, adapter, says):
+    from hone.models.loader import load_model
+    from hone.testing import tiny_tokenizer
+
+    cfg = _run_config(checkpoint.path, adapter)
+    with pytest.raises(ModelError, match=says):
+        load_model(cfg, tiny_tokenizer(), CPU, before_adapter=lambda base: set_experts_implementation(base, implementation))
+
+
+def test_the_lora_run_loads_with_hone_experts(checkpoint):
+    from hone.models.loader import load_model
+    from hone.testing import tiny_tokenizer
+
+    cfg = _run_config(checkpoint.path, {"type": "lora", "lora_target_modules": ["q_proj", "experts"]})
+    loaded = load_model(cfg, tiny_tokenizer(), CPU, before_adapter=lambda base: set_experts_implementation(base, "hone"))
+    assert sum("experts" in n and p.requires_grad for n, p in loaded.model.named_parameters()) == 8
+    assert not any(is_placeholder(p) for p in loaded.model.parameters() if p.requires_grad)
