@@ -47,7 +47,7 @@ def trained(tmp_path_factory) -> tuple[Mxfp4Checkpoint, object, object]:
                 "lora_dropout": 0.0,
                 "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"],
             },
-            "training": {"max_steps": STEPS, "micro_batch_size": 4, "output_dir": str(tmp / "run"), "seed": 3},
+            "training": {"max_steps": STEPS, "micro_batch_size": 4, "save_steps": 3, "output_dir": str(tmp / "run"), "seed": 3},
             "optimizer": {"learning_rate": 5e-3, "warmup_steps": 1},
             "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
         }
@@ -85,6 +85,9 @@ def test_the_mxfp4_base_trains_expert_lora_and_saves_a_peft_adapter(trained):
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)  # no base weight, no blocks, no scales
     assert sum(".experts." in k for k in keys) == 8  # 2 layers x 2 projections x (A, B)
     assert len(expert_b) == 4 and all(b.abs().max() > 0 for b in expert_b)  # B starts at zero: the experts' LoRA trained
+    with safe_open(str(next(result.last_checkpoint.glob("*.safetensors"))), framework="pt") as f:
+        in_checkpoint = list(f.keys())  # a checkpoint holds the adapter only, never the MXFP4 base
+    assert len(in_checkpoint) == len(keys) and all(".lora_A." in k or ".lora_B." in k for k in in_checkpoint)
     record = json.loads((cfg.training.output_dir / "optimizations.json").read_text())
     assert any(a["name"] == "experts" and a["details"]["implementation"] == "hone" for a in record["applied"])
 
