@@ -76,10 +76,29 @@ def _check(ctx: PlanContext) -> list[str]:
         return []
     if moe_triton_available(facts.device):  # the interpreter (tests)
         return []
+    if _mxfp4_base(ctx.cfg):  # MXFP4 experts off CUDA: the float32 reference computes them
+        return []
     return [
         "model.experts_implementation: hone runs Triton kernels on CUDA devices only "
         f"(this run is on {facts.device.type}); use grouped_mm or eager"
     ]
+
+
+def _mxfp4_base(cfg: HoneConfig) -> bool:
+    """Whether the run's experts are MXFP4: ``model.quantize: mxfp4``, or a checkpoint that ships
+    them so (``quantization_config.quant_method: mxfp4`` in its config.json)."""
+    if cfg.model.quantize == "mxfp4":
+        return True
+    if cfg.model.path is None:
+        return False
+    from hone.models.hub import local_model_dir
+    from hone.models.model_dir import read_raw_config
+
+    try:
+        quantization = read_raw_config(local_model_dir(cfg.model.path)).get("quantization_config")
+    except Exception:  # noqa: BLE001 -- an unreadable model is reported where it is loaded
+        return False
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
