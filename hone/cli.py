@@ -108,20 +108,10 @@ def _load(args: argparse.Namespace, check_files: bool = True, output_dir: bool =
 
 
 def _experts_format(cfg) -> str | None:
-    """``experts in MXFP4 as shipped`` for a checkpoint whose config.json says so (read as JSON:
-    validate imports no torch); None otherwise, or where it cannot be read (preflight says why)."""
-    from hone.models.hub import local_model_dir
-    from hone.models.model_dir import read_raw_config
+    """``experts in MXFP4 as shipped`` for a checkpoint whose config.json says so."""
+    from hone.models.model_dir import ships_mxfp4
 
-    if cfg.model.path is None:
-        return None
-    try:
-        quantization = read_raw_config(local_model_dir(cfg.model.path)).get("quantization_config")
-    except HoneError:
-        return None
-    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
-        return "experts in MXFP4 as shipped (LoRA only)"
-    return None
+    return "experts in MXFP4 as shipped (LoRA only)" if ships_mxfp4(cfg.model) else None
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

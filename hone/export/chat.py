@@ -100,6 +100,7 @@ def load_chat_model(
         model, tokenizer = load_for_inference(path, device=device, dtype=dtype)
         return model, tokenizer, setup_of(model) or PromptSetup("raw")
     from hone.config.model import ModelConfig
+    from hone.models.experts.mxfp4 import dequantize_model_experts
     from hone.models.loader import load_pretrained
     from hone.models.precision import DTYPES
     from hone.models.tokenizer import load_tokenizer
@@ -110,6 +111,7 @@ def load_chat_model(
     model_cfg = ModelConfig(path=path, dtype=chosen)
     tokenizer = load_tokenizer(model_cfg)
     model = load_pretrained(path, model_cfg, resolved, DTYPES[chosen])
+    dequantize_model_experts(model, DTYPES[chosen])  # MXFP4 experts (gpt-oss as shipped): transformers' experts run them
     model.eval()
     style = "chat" if getattr(tokenizer, "chat_template", None) else "raw"
     return model, tokenizer, PromptSetup(style)

@@ -5,7 +5,9 @@ A LoRA run's base model is rebuilt exactly as training built it (a preset from t
 in the run's weight dtype; or the same local directory), then its adapter is loaded on top. A
 QLoRA run's (``model.quantize: nf4``) base is read in full precision and every weight training
 held in 4 bits is replaced by its NF4 round trip (quantized and dequantized by the same code):
-the adapter was trained against those weights, not the original ones.
+the adapter was trained against those weights, not the original ones. MXFP4 experts (a gpt-oss
+checkpoint as shipped, or ``model.quantize: mxfp4``) are dequantized the same way, to the exact
+values the experts kernels computed with.
 Its own module so that ``generate`` and ``merge`` both build on it without importing each other.
 """
 
@@ -23,6 +25,8 @@ from hone.config import HoneConfig
 from hone.data.chat_templates import named_template
 from hone.export.run_dir import Run, read_run
 from hone.models.errors import ModelError
+from hone.models.experts.backend import experts_modules
+from hone.models.experts.mxfp4 import dequantize_model_experts, quantize_experts
 from hone.models.loader import build_base_model, cast_parameters, load_pretrained
 from hone.models.precision import DTYPES, precision_for
 from hone.train.device import resolve_device
@@ -75,14 +79,17 @@ def load_for_inference(
         # QLoRA: the same draws as training's (which quantized each layer as it was drawn), in full
         # precision, then every 4-bit weight is replaced by its NF4 round trip
         base = build_base_model(cfg.model, tokenizer, device, trained_dtype, seed=cfg.training.seed)
-        if cfg.model.quantize == "nf4":
+        if cfg.model.quantize == "mxfp4":  # the experts training held in MXFP4: their round trip
+            for _, module in experts_modules(base):
+                quantize_experts(module, device)
+        elif cfg.model.quantize != "none":
             from hone.models.nf4 import nf4_roundtrip_
 
             nf4_roundtrip_(base, trained_dtype)
-        elif cfg.model.quantize == "mxfp4":  # the experts only, as training held them
-            from hone.models.experts.mxfp4_quantize import mxfp4_roundtrip_
-
-            mxfp4_roundtrip_(base)
+        # MXFP4 experts (a checkpoint that ships them so, or the round trip above) become ordinary
+        # weights holding exactly the values training computed with, so PEFT applies and merges the
+        # expert LoRA on them and transformers' own experts run them
+        dequantize_model_experts(base, trained_dtype)
         model: nn.Module = PeftModel.from_pretrained(base, str(run.final), is_trainable=False)
     else:
         model = load_pretrained(run.final, cfg.model, device, target, key=f"{run.directory}/final")

@@ -10,7 +10,11 @@ quantized and dequantized exactly as training did (:func:`hone.models.nf4.nf4_ro
 and the adapter is added to that. The adapter learned to correct the 4-bit weights it saw, so
 this merged model computes what the trained model computed; merging into the original bf16
 weights instead would apply those corrections to weights they were not learned for. The 4-bit
-weights themselves are never merged into (a 4-bit matrix cannot hold the sum).
+weights themselves are never merged into (a 4-bit matrix cannot hold the sum). A base whose
+experts are MXFP4 (a gpt-oss checkpoint as shipped, or ``model.quantize: mxfp4``) merges the
+same way: :func:`hone.export.load.load_for_inference` dequantizes the experts to exactly the
+values training computed with, and the merged model is an ordinary one (no
+``quantization_config``), in the run's ``model.dtype``.
 """
 
 from pathlib import Path

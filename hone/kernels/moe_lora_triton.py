@@ -25,7 +25,7 @@ own launch it costs one more read of ``x`` and about ``r / N`` of the base GEMM'
 
 With ``W_MXFP4`` the weight is a frozen MXFP4 ``[E, out, in]`` (:mod:`hone.kernels.mxfp4_dequant`'s
 layout: bytes, two inputs each, and one E8M0 scale per 32 inputs): each W tile is loaded as bytes
-and scales and decoded in registers (:func:`_mxfp4_tile`; exact in float32 and in bf16), read as
+and scales and decoded in registers (:func:`_mxfp4_halves`; exact in float32 and in bf16), read as
 ``W^T`` (K = in: the forward, ``MX_K_IS_IN``) or as ``W`` (K = out: the input gradient ``dY W``).
 Everything else (rows, experts, LoRA epilogue, bias) is the same kernel (:mod:`hone.kernels.moe_mxfp4`).
 
@@ -49,9 +49,6 @@ from __future__ import annotations
 import os
 
 from hone.kernels.triton_support import tl, triton
-
-if triton is not None:
-    from hone.kernels.mxfp4_dequant_triton import e2m1_value
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -95,6 +92,21 @@ _MM_TILES = [
     (64, 64, 64, 4, 4),
     (128, 32, 64, 4, 3),  # the rank-r outputs (x A^T, dY B): N = r
 ]
+# MXFP4 weights (forward and input gradient): every program decodes its weight tiles, so tall
+# row tiles, which decode each weight tile for more rows, pay off sooner than with bf16 weights.
+_MX_TILES = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
+    (64, 128, 128, 4, 3),
+    (64, 256, 64, 8, 3),
+    (128, 64, 128, 4, 3),
+]
+#: The tile an MXFP4 launch takes when not autotuning: what autotuning chose at gpt-oss-20b's
+#: shapes on an H100 (256 rows per expert): the forward (K = in) with a 128x64 tile and long K
+#: steps, the input gradient (K = out, two accumulators of half the width) with a 128x256 one.
+MX_TILE_K_IN = (128, 64, 128, 4, 3)
+MX_TILE_K_OUT = (128, 256, 64, 8, 3)
 # Weight gradients: M and N are the weight's dimensions, K the expert's rows (their loop is
 # as long as the expert's load, so long K tiles pay off with many rows per expert).
 _WGRAD_TILES = [
@@ -173,7 +185,18 @@ def _prune(kernel: str, configs: list, m: int | None, n: int, rows_per_expert: i
 
 
 def _prune_mm(configs: list, named_args: dict, **kwargs) -> list:
+    if kwargs.get("W_MXFP4", named_args.get("W_MXFP4")) and not INTERPRET:
+        if autotuning():
+            return [c for c in configs if _tile_of(c) in _MX_TILES]
+        k_is_in = kwargs.get("MX_K_IS_IN", named_args.get("MX_K_IS_IN"))
+        return [_config(MX_TILE_K_IN if k_is_in else MX_TILE_K_OUT)]
+    configs = [c for c in configs if _tile_of(c) in _MM_TILES] if not INTERPRET else configs
     return _prune("mm", configs, None, named_args["N"], named_args["ROWS_BUCKET"], named_args["x_ptr"].element_size())
+
+
+def _tile_of(config) -> tuple[int, int, int, int, int]:
+    kw = config.kwargs
+    return (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps, config.num_stages)
 
 
 def _prune_wgrad(configs: list, named_args: dict, **kwargs) -> list:
@@ -229,30 +252,137 @@ if triton is not None:
         return expert, start + (pid_m - first_tile) * BLOCK_M, end
 
     @triton.jit
-    def _mxfp4_tile(
-        blocks_ptr, scales_ptr, stride_bo, stride_so, outs, out_mask, in0, in_dim, K_IS_IN: tl.constexpr, BLOCK_IN: tl.constexpr
+    def _mxfp4_halves(
+        blocks_ptr,
+        scales_ptr,
+        stride_bo,
+        stride_so,
+        outs,
+        out_mask,
+        in0,
+        in_dim,
+        K_IS_IN: tl.constexpr,
+        BLOCK_IN: tl.constexpr,
+        len_outs: tl.constexpr,
     ):
-        """One expert's MXFP4 weight ``W [out, in]`` decoded in registers (float32, exact), rows
-        ``outs`` and inputs ``in0:in0 + BLOCK_IN``: the ``[BLOCK_IN, len(outs)]`` tile of ``W^T``
-        where K is ``in`` (forward), the ``[len(outs), BLOCK_IN]`` tile of ``W`` where K is ``out``
-        (input gradient). ``blocks_ptr`` / ``scales_ptr`` are the expert's ``[out, in / 2]`` bytes
-        (unit stride along ``in``) and ``[out, in / 32]`` scales. Each byte is loaded once and gives
-        two neighbouring inputs (low nibble first, interleaved back along ``in``), both in one
-        32-value block, so one scale."""
+        """One expert's MXFP4 weight ``W [out, in]`` decoded in registers, rows ``outs`` and inputs
+        ``in0:in0 + BLOCK_IN``, as two halves: the even inputs (each byte's low nibble) and the odd
+        ones (high nibble), each ``[len(outs), BLOCK_IN / 2]`` (transposed to ``[BLOCK_IN / 2,
+        len(outs)]`` where K is ``in``). Keeping the halves apart spares the interleave of every
+        tile: the caller splits its other operand (K = in) or its accumulator (K = out) instead.
+
+        The decode is bit placement, exact: a code ``s e1 e0 m`` placed as float32 sign, the two
+        low exponent bits and the top mantissa bit is its E2M1 value times ``2 ** -126``
+        (normal codes and the subnormal 0.5 alike), then scaled by ``2 ** 126`` and the block's
+        E8M0 scale (0 is ``2 ** -127``, 255 NaN); every product is a power of two times a value
+        of two significant bits, exact in float32 and in bfloat16."""
         pairs = in0 // 2 + tl.arange(0, BLOCK_IN // 2)
         mask = out_mask[:, None] & (pairs < in_dim // 2)[None, :]
         rows = outs.to(tl.int64)[:, None]
         byte = tl.load(blocks_ptr + rows * stride_bo + pairs[None, :], mask=mask, other=0).to(tl.int32)
-        s = tl.load(scales_ptr + rows * stride_so + (pairs // 16)[None, :], mask=mask, other=127).to(tl.int32)
-        # E8M0 -> float32 bits: 0 is the subnormal 2**-127, 255 is NaN, else s is the exponent field
-        scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
-        values = tl.interleave(e2m1_value(byte & 15) * scale, e2m1_value(byte >> 4) * scale)
+        # 2 ** 126 times the placed code is its E2M1 value (the scale itself may be up to 2 ** 127)
+        low = (((byte & 7) << 22) | ((byte & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        high = (((byte & 0x70) << 18) | ((byte & 0x80) << 24)).to(tl.float32, bitcast=True) * 8.507059173023462e37
+        if BLOCK_IN >= 64:  # whole blocks: one scale decoded per 32 values, broadcast over its 16 bytes
+            n_blocks = in0 // 32 + tl.arange(0, BLOCK_IN // 32)
+            block_mask = out_mask[:, None] & (n_blocks < in_dim // 32)[None, :]
+            s = tl.load(scales_ptr + rows * stride_so + n_blocks[None, :], mask=block_mask, other=127).to(tl.int32)
+            scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+            low = tl.reshape(tl.reshape(low, (len_outs, BLOCK_IN // 32, 16)) * scale[:, :, None], (len_outs, BLOCK_IN // 2))
+            high = tl.reshape(tl.reshape(high, (len_outs, BLOCK_IN // 32, 16)) * scale[:, :, None], (len_outs, BLOCK_IN // 2))
+        else:  # the interpreter's small tiles: a scale per byte
+            s = tl.load(scales_ptr + rows * stride_so + (pairs // 16)[None, :], mask=mask, other=127).to(tl.int32)
+            scale = tl.where(s == 0, 0x00400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+            low = low * scale
+            high = high * scale
         if K_IS_IN:
-            values = tl.trans(values)
-        return values
+            low = tl.trans(low)
+            high = tl.trans(high)
+        return low, high
+
+    @triton.jit
+    def _mxfp4_k_in_loop(
+        acc,
+        x_ptr,
+        src,
+        stride_xm,
+        stride_xk,
+        row_mask,
+        w_base,
+        ws_base,
+        stride_wn,
+        stride_wso,
+        cols,
+        col_mask,
+        K,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``acc += x W_e^T`` over K = in: each x tile split into its even and odd inputs (a
+        register split of neighbouring pairs), one dot per half with the matching decoded half."""
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(
+                x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            w_even, w_odd = _mxfp4_halves(w_base, ws_base, stride_wn, stride_wso, cols, col_mask, k0, K, True, BLOCK_K, BLOCK_N)
+            if CAST_F32:
+                a_even = a_even.to(tl.float32)
+                a_odd = a_odd.to(tl.float32)
+            else:
+                w_even = w_even.to(x_ptr.dtype.element_ty)
+                w_odd = w_odd.to(x_ptr.dtype.element_ty)
+            acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _mxfp4_k_out_loop(
+        x_ptr,
+        src,
+        stride_xm,
+        stride_xk,
+        row_mask,
+        w_base,
+        ws_base,
+        stride_wk,
+        stride_wso,
+        N,
+        K,
+        CAST_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        """``dY W_e`` over K = out: one accumulator for the even inputs (output columns) and one for
+        the odd, interleaved once at the end rather than every decoded tile."""
+        n0 = tl.program_id(1) * BLOCK_N
+        acc_even = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(
+                x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
+            )
+            w_even, w_odd = _mxfp4_halves(w_base, ws_base, stride_wk, stride_wso, ks, k_mask, n0, N, False, BLOCK_N, BLOCK_K)
+            if CAST_F32:
+                a = a.to(tl.float32)
+            else:
+                w_even = w_even.to(x_ptr.dtype.element_ty)
+                w_odd = w_odd.to(x_ptr.dtype.element_ty)
+            acc_even = tl.dot(a, w_even, acc_even, input_precision=PRECISION)
+            acc_odd = tl.dot(a, w_odd, acc_odd, input_precision=PRECISION)
+        return tl.interleave(acc_even, acc_odd)
 
     @triton.autotune(
-        configs=_configs(_MM_TILES),
+        configs=_configs(_MM_TILES + [t for t in _MX_TILES if t not in _MM_TILES]),
         key=["N", "K", "ROWS_BUCKET", "HAS_LORA", "W_MXFP4"],
         prune_configs_by={"early_config_prune": _prune_mm},
         do_bench=_bench,
@@ -318,31 +448,66 @@ if triton is not None:
         w_base = w_ptr + expert.to(tl.int64) * stride_we
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            a = tl.load(
-                x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :], other=0.0
-            )
-            if W_MXFP4:
-                ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
-                if MX_K_IS_IN:
-                    b = _mxfp4_tile(w_base, ws_base, stride_wn, stride_wso, cols, col_mask, k0, K, True, BLOCK_K)
-                else:
-                    n0 = tl.program_id(1) * BLOCK_N
-                    b = _mxfp4_tile(w_base, ws_base, stride_wk, stride_wso, ks, k_mask, n0, N, False, BLOCK_N)
-                if not CAST_F32:
-                    b = b.to(x_ptr.dtype.element_ty)
+        if W_MXFP4:
+            ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
+            if MX_K_IS_IN:
+                acc = _mxfp4_k_in_loop(
+                    acc,
+                    x_ptr,
+                    src,
+                    stride_xm,
+                    stride_xk,
+                    row_mask,
+                    w_base,
+                    ws_base,
+                    stride_wn,
+                    stride_wso,
+                    cols,
+                    col_mask,
+                    K,
+                    CAST_F32,
+                    PRECISION,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
             else:
+                acc = _mxfp4_k_out_loop(
+                    x_ptr,
+                    src,
+                    stride_xm,
+                    stride_xk,
+                    row_mask,
+                    w_base,
+                    ws_base,
+                    stride_wk,
+                    stride_wso,
+                    N,
+                    K,
+                    CAST_F32,
+                    PRECISION,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                a = tl.load(
+                    x_ptr + src[:, None] * stride_xm + ks[None, :] * stride_xk,
+                    mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )
                 b = tl.load(
                     w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
                     mask=k_mask[:, None] & col_mask[None, :],
                     other=0.0,
                 )
-            if CAST_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                if CAST_F32:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
         if HAS_LORA:
             # Epilogue: + s * xa B_e^T, xa the rows' rank-r intermediate (sorted row order).

@@ -22,6 +22,7 @@ from hone.config.model import ModelConfig
 from hone.models.adapters import apply_adapter, record_base_model
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
+from hone.models.experts.mxfp4 import has_mxfp4_experts, quant_method
 from hone.models.hub import base_model_reference, local_model_dir
 from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
@@ -73,6 +74,10 @@ def load_model(
     base = build_base_model(cfg.model, tokenizer, build_on, precision.weights, seed=cfg.training.seed, as_drawn=as_drawn)
     if before_adapter is not None:
         before_adapter(base)
+    if has_mxfp4_experts(base):
+        from hone.models.mxfp4_checkpoint import check_mxfp4_run
+
+        check_mxfp4_run(base, full_finetune=not cfg.adapter.is_lora)
     with seeded(seed=cfg.training.seed + 1, device=build_on):  # new adapter weights, own stream
         model = apply_adapter(base, cfg.adapter)
     if cfg.model.path is not None:  # final/adapter_config.json names the base usably from anywhere
@@ -150,9 +155,17 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 def load_pretrained(
     path: Path, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path"
 ) -> PreTrainedModel:
-    """A causal LM from a local save_pretrained directory (safetensors only, no network)."""
+    """A causal LM from a local save_pretrained directory (safetensors only, no network).
+
+    A checkpoint that ships its experts in MXFP4 (gpt-oss) keeps them so
+    (:mod:`hone.models.mxfp4_checkpoint`); one quantized otherwise is refused with what hone loads."""
     check_model_dir(path, key)
     config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code, key), model_cfg.rope_scaling)
+    if quant_method(config) is not None:
+        from hone.models.mxfp4_checkpoint import check_quant_method, load_mxfp4_pretrained
+
+        check_quant_method(config, path, key)
+        return load_mxfp4_pretrained(path, config, model_cfg, device, dtype, key)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path),

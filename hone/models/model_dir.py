@@ -24,6 +24,8 @@ from hone.models.errors import ModelError
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
+    from hone.config.model import ModelConfig
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SHARD_INDEX = "model.safetensors.index.json"
 #: A safetensors header larger than this is not a header (the format caps it at 100 MB).
@@ -201,6 +203,22 @@ def read_raw_config(path: Path, key: str = "model.path") -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ModelError(f"{key}: '{file}' is not a JSON object")
     return raw
+
+
+def ships_mxfp4(model: ModelConfig) -> bool:
+    """Whether ``model`` names a checkpoint whose experts ship in MXFP4 (config.json's
+    ``quantization_config.quant_method: mxfp4``, gpt-oss as published). Read as JSON (no torch,
+    no transformers: ``hone validate`` asks too). A preset never is; a directory whose config
+    cannot be read counts as not (loading it says why)."""
+    from hone.models.hub import local_model_dir
+
+    if model.path is None:
+        return False
+    try:
+        quantization = read_raw_config(local_model_dir(model.path)).get("quantization_config")
+    except (ModelError, OSError):
+        return False
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
 def raw_config_problem(raw: dict[str, Any], path: Path, trust_remote_code: bool, key: str = "model.path") -> str | None:

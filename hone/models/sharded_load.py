@@ -21,10 +21,8 @@ The result equals a normal load sharded afterwards (a CPU test proves it for LoR
 full fine-tune with tied embeddings). Presets (random weights, no files) load normally.
 """
 
-import json
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,56 +33,13 @@ from hone.config import HoneConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
+from hone.models.experts.mxfp4 import quant_method
 from hone.models.hub import local_model_dir
 from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import precision_for
 from hone.models.rope_scaling import with_rope_scaling
-
-
-@contextmanager
-def parameters_on_meta(keep: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
-    """Every parameter registered inside the block lands on the meta device.
-
-    With ``keep``, parameters are left where they are created instead and their storage is
-    recorded (``id(module) -> tensor`` under ``"<id>.<name>"``), so values drawn in place later
-    survive a move to the meta device (PEFT moves new adapters next to their base layer)."""
-    from torch.nn.modules.module import register_module_parameter_registration_hook
-
-    def to_meta(module: nn.Module, name: str, param):
-        if param is None or param.device.type == "meta":
-            return None
-        if keep is not None:
-            keep[f"{id(module)}.{name}"] = param.data
-            return None
-        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    handle = register_module_parameter_registration_hook(to_meta)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def checkpoint_key(name: str) -> str:
-    """The safetensors key of a parameter of the (possibly PEFT-wrapped) model."""
-    key = name.removeprefix("base_model.model.")
-    for infix in (".base_layer", ".original_module"):
-        key = key.replace(infix, "")
-    return key.replace(".modules_to_save.default", "")
-
-
-def weight_files(path: Path) -> dict[str, Path]:
-    """safetensors key -> file, from the index of a sharded save or the single file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {key: path / file for key, file in weight_map.items()}
-    from safetensors import safe_open
-
-    single = path / "model.safetensors"
-    with safe_open(str(single), framework="pt") as f:
-        return {key: single for key in f.keys()}
+from hone.models.weight_files import checkpoint_key, parameters_on_meta, weight_files
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -161,6 +116,14 @@ def load_model_sharded(
     check_model_dir(path)
     precision = precision_for(model_cfg.dtype, full_finetune=not cfg.adapter.is_lora)
     config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code), model_cfg.rope_scaling)
+    method = quant_method(config)
+    if method is not None:
+        raise ModelError(
+            f"model.path: '{path}' ships a quantized checkpoint (quantization_config.quant_method '{method}'), "
+            "which the sharded load (distributed.strategy: fsdp) does not read: FSDP2 shards plain weights only, and MXFP4 "
+            "experts train on one GPU (hone loads them as blocks and scales there). Train it without "
+            "distributed.strategy: fsdp, or point model.path at an unquantized checkpoint"
+        )
     with parameters_on_meta():
         base = AutoModelForCausalLM.from_config(
             config,

@@ -33,8 +33,9 @@ from typing import Any
 
 from torch import nn
 
+from hone.models.model_dir import ships_mxfp4
 from hone.transforms.base import PlanContext, Transform
-from hone.transforms.memory.facts import model_facts, mxfp4_experts, ships_mxfp4
+from hone.transforms.memory.facts import model_facts, mxfp4_experts
 
 
 def _format(ctx: PlanContext) -> str:

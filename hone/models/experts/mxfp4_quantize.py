@@ -22,7 +22,7 @@ from torch import nn
 
 from hone.models.errors import ModelError
 from hone.models.experts.backend import experts_modules, is_experts_module
-from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, dequantize_experts, mxfp4_weights, quantize_experts
+from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, mxfp4_weights, quantize_experts
 
 _MIB = 2**20
 
@@ -84,16 +84,3 @@ def quantize_experts_as_drawn(skeleton: nn.Module):
 
     return replace
 
-
-@torch.no_grad()
-def mxfp4_roundtrip_(model: nn.Module) -> int:
-    """Replace every experts weight of ``model`` by its MXFP4 round trip (quantized by the same
-    code as training, dequantized back to the weight's own dtype, in place of the original): the
-    base a ``model.quantize: mxfp4`` adapter was trained against, in full precision, for merging
-    and generation. Returns the experts modules changed."""
-    modules = experts_modules(model)
-    for _, module in modules:
-        dtype = getattr(module, EXPERT_PROJECTIONS[0]).dtype
-        quantize_experts(module, getattr(module, EXPERT_PROJECTIONS[0]).device)
-        dequantize_experts(module, dtype)
-    return len(modules)

@@ -169,30 +169,11 @@ def _layer_facts(layer: Any) -> LayerFacts:
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / 16384
 
 
-def ships_mxfp4(model: Any) -> bool:
-    """Whether ``model`` (a ModelConfig) names a checkpoint whose experts ship in MXFP4
-    (config.json ``quantization_config.quant_method: mxfp4``, gpt-oss as published). A preset
-    never is; a directory whose config cannot be read counts as not (loading it says why)."""
-    if model.preset is not None:
-        return False
-    return _ships_mxfp4_cached(model.model_dump_json())
-
-
-@lru_cache(maxsize=32)
-def _ships_mxfp4_cached(model_json: str) -> bool:
-    from hone.config.model import ModelConfig
-    from hone.errors import HoneError
-    from hone.models.experts.mxfp4 import is_mxfp4_config
-
-    try:
-        return is_mxfp4_config(transformers_config(ModelConfig.model_validate_json(model_json)))
-    except (HoneError, OSError, ValueError):
-        return False
-
-
 def mxfp4_experts(cfg: HoneConfig) -> str | None:
     """Why the run holds its experts in MXFP4, in words (None: it does not): an MXFP4 checkpoint
     or ``model.quantize: mxfp4``."""
+    from hone.models.model_dir import ships_mxfp4
+
     if ships_mxfp4(cfg.model):
         return f"{cfg.model.path} ships its experts in MXFP4 (quantization_config.quant_method: mxfp4)"
     if cfg.model.quantize == "mxfp4":

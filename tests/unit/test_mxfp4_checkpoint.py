@@ -1,0 +1,209 @@
+"""Loading a gpt-oss checkpoint with MXFP4 experts as it ships (hone/models/mxfp4_checkpoint.py):
+the experts stay blocks + scales with placeholder parameters, the model computes what transformers'
+GptOss computes with the dequantized experts, the expert LoRA gradients equal those on the
+dequantized base, and each bad checkpoint is refused before training, naming file and tensor."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GptOssForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mxfp4_checkpoint import Mxfp4Checkpoint, write_mxfp4_gpt_oss  # noqa: E402
+
+from hone.config.adapter import AdapterConfig  # noqa: E402
+from hone.config.model import ModelConfig  # noqa: E402
+from hone.models.adapters import apply_adapter  # noqa: E402
+from hone.models.errors import ModelError  # noqa: E402
+from hone.models.experts import set_experts_implementation  # noqa: E402
+from hone.models.experts.mxfp4 import is_placeholder, mxfp4_bytes, mxfp4_weights  # noqa: E402
+from hone.models.loader import load_pretrained  # noqa: E402
+
+CPU = torch.device("cpu")
+LAYER0 = "model.layers.0.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Mxfp4Checkpoint:
+    return write_mxfp4_gpt_oss(tmp_path_factory.mktemp("mxfp4") / "gpt-oss", dtype=torch.float32)
+
+
+def _load(path: Path) -> torch.nn.Module:
+    return load_pretrained(path, ModelConfig(path=path, dtype="float32", attn_implementation="eager"), CPU, torch.float32)
+
+
+def _dequantized_reference(checkpoint: Mxfp4Checkpoint) -> GptOssForCausalLM:
+    """transformers' GptOss holding the checkpoint's weights, its experts dequantized (float32)."""
+    config = GptOssForCausalLM.config_class.from_dict(
+        {k: v for k, v in checkpoint.config.to_dict().items() if k != "quantization_config"}
+    )
+    config._attn_implementation = "eager"
+    model = GptOssForCausalLM(config)
+    model.load_state_dict({**checkpoint.weights, **checkpoint.experts})
+    set_experts_implementation(model, "eager")
+    return model.eval()
+
+
+def _copy(checkpoint: Mxfp4Checkpoint, to: Path, edit=None, config_edit=None) -> Path:
+    """The checkpoint copied to ``to`` with its tensors (and config.json) edited."""
+    to.mkdir()
+    tensors = load_file(str(checkpoint.path / "model.safetensors"))
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(to / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    if config_edit is not None:
+        config_edit(config)
+    (to / "config.json").write_text(json.dumps(config))
+    return to
+
+
+def test_experts_load_as_blocks_and_scales_and_compute_the_dequantized_model(checkpoint):
+    model = _load(checkpoint.path)
+    assert getattr(model.config, "quantization_config", None) is None  # transformers ran no quantizer
+    experts = [m for m in model.modules() if mxfp4_weights(m)]
+    assert len(experts) == checkpoint.config.num_hidden_layers
+    for module in experts:
+        assert set(mxfp4_weights(module)) == {"gate_up_proj", "down_proj"}
+        assert is_placeholder(module.gate_up_proj) and is_placeholder(module.down_proj)  # no float expert weight
+        assert module.gate_up_proj.untyped_storage().nbytes() == 4
+    files = load_file(str(checkpoint.path / "model.safetensors"))
+    blocks, scales = mxfp4_weights(model.get_submodule(LAYER0))["down_proj"]
+    assert torch.equal(blocks, files[f"{LAYER0}.down_proj_blocks"]) and torch.equal(scales, files[f"{LAYER0}.down_proj_scales"])
+    assert mxfp4_bytes(model) == sum(t.numel() for k, t in files.items() if k.endswith(("_blocks", "_scales")))
+    assert all(p.device == CPU and p.dtype == torch.float32 for p in model.parameters())
+    assert all(b.device == CPU for b in model.buffers())
+    torch.testing.assert_close(model.model.norm.weight, checkpoint.weights["model.norm.weight"], rtol=0, atol=0)
+
+    set_experts_implementation(model, "hone")  # MXFP4 experts: the float32 reference on the CPU
+    reference = _dequantized_reference(checkpoint)
+    ids = torch.randint(0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_lora_gradients_on_the_mxfp4_base_equal_those_on_the_dequantized_base(checkpoint):
+    adapter = AdapterConfig(type="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "experts"])
+    base = _load(checkpoint.path)
+    set_experts_implementation(base, "hone")
+    mxfp4 = apply_adapter(base, adapter)
+    gen = torch.Generator().manual_seed(2)
+    for name, param in mxfp4.named_parameters():  # a nonzero B, else every A gradient is zero
+        if "lora_" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    plain = apply_adapter(_dequantized_reference(checkpoint), adapter)
+    lora = {k: v for k, v in mxfp4.state_dict().items() if "lora_" in k}
+    assert not plain.load_state_dict(lora, strict=False).unexpected_keys
+    ids = torch.randint(0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for model in (mxfp4, plain):
+        model(input_ids=ids).logits.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert sorted(grads[0]) == sorted(grads[1]) and sum(".experts." in n for n in grads[0]) == 8
+    for name, expected in grads[1].items():
+        torch.testing.assert_close(grads[0][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _drop(key):
+    return lambda tensors: tensors.pop(key)
+
+
+def _truncate(key):
+    def edit(tensors):
+        tensors[key] = tensors[key][:, :, :1].contiguous()
+
+    return edit
+
+
+GATE_UP, DOWN = f"{LAYER0}.gate_up_proj", f"{LAYER0}.down_proj"
+BAD_CHECKPOINTS = {
+    "no-scales": (_drop(f"{GATE_UP}_scales"), [f"'{GATE_UP}_blocks' (in model.safetensors) but not '{GATE_UP}_scales'", "E8M0"]),
+    "no-blocks": (_drop(f"{DOWN}_blocks"), [f"'{DOWN}_scales' (in model.safetensors) but not '{DOWN}_blocks'"]),
+    "shapes-disagree": (
+        _truncate(f"{GATE_UP}_scales"),
+        [
+            f"'{GATE_UP}_blocks' (model.safetensors)",
+            "blocks (8, 64, 2, 16) and scales (8, 64, 1)",
+            "expected blocks (8, 64, 2, 16)",
+        ],
+    ),
+    "missing-parameter": (_drop("model.norm.weight"), ["lack 1 tensor(s) the model needs (model.norm.weight)"]),
+}
+
+
+@pytest.mark.parametrize(("edit", "says"), list(BAD_CHECKPOINTS.values()), ids=list(BAD_CHECKPOINTS))
+def test_a_bad_mxfp4_checkpoint_is_refused_naming_file_tensor_and_shapes(checkpoint, tmp_path, edit, says):
+    bad = _copy(checkpoint, tmp_path / "bad", edit=edit)
+    with pytest.raises(ModelError) as err:
+        _load(bad)
+    for text in says:
+        assert text in str(err.value)
+    assert str(bad) in str(err.value)
+
+
+@pytest.mark.parametrize("method", ["fp8", "nvfp4", "bitsandbytes"])
+def test_a_checkpoint_quantized_otherwise_is_refused_with_what_hone_loads(checkpoint, tmp_path, method):
+    bad = _copy(checkpoint, tmp_path / "other", config_edit=lambda c: c["quantization_config"].update(quant_method=method))
+    with pytest.raises(ModelError) as err:
+        _load(bad)
+    message = str(err.value)
+    assert f"quant_method '{method}'" in message and str(bad / "config.json") in message
+    assert "quant_method: mxfp4" in message and "model.quantize" in message
+
+
+def test_the_sharded_fsdp_load_refuses_an_mxfp4_checkpoint(checkpoint):
+    from hone.config import parse_config
+    from hone.models.sharded_load import load_model_sharded
+
+    cfg = parse_config(
+        {
+            "model": {"path": str(checkpoint.path), "dtype": "float32"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "completion"}]},
+            "adapter": {"type": "lora"},
+        }
+    )
+    with pytest.raises(ModelError, match="quant_method 'mxfp4'.*distributed.strategy: fsdp"):
+        load_model_sharded(cfg, tokenizer=None, device=CPU, shard=lambda model: None)
+
+
+def _run_config(path: Path, adapter: dict):
+    from hone.config import parse_config
+
+    return parse_config(
+        {
+            "model": {"path": str(path), "dtype": "float32", "attn_implementation": "eager"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "completion"}]},
+            "adapter": adapter,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("implementation", "adapter", "says"),
+    [
+        ("eager", {"type": "lora"}, "model.experts_implementation: 'eager' cannot compute MXFP4 experts"),
+        ("grouped_mm", {"type": "lora"}, "model.experts_implementation: 'grouped_mm' cannot compute MXFP4 experts"),
+        ("hone", {"type": "none"}, "adapter.type: a full fine-tune cannot train MXFP4 experts"),
+    ],
+)
+def test_a_run_that_cannot_train_the_mxfp4_experts_is_refused_as_it_loads(checkpoint, implementation, adapter, says):
+    from hone.models.loader import load_model
+    from hone.testing import tiny_tokenizer
+
+    cfg = _run_config(checkpoint.path, adapter)
+    with pytest.raises(ModelError, match=says):
+        load_model(cfg, tiny_tokenizer(), CPU, before_adapter=lambda base: set_experts_implementation(base, implementation))
+
+
+def test_the_lora_run_loads_with_hone_experts(checkpoint):
+    from hone.models.loader import load_model
+    from hone.testing import tiny_tokenizer
+
+    cfg = _run_config(checkpoint.path, {"type": "lora", "lora_target_modules": ["q_proj", "experts"]})
+    loaded = load_model(cfg, tiny_tokenizer(), CPU, before_adapter=lambda base: set_experts_implementation(base, "hone"))
+    assert sum("experts" in n and p.requires_grad for n, p in loaded.model.named_parameters()) == 8
+    assert not any(is_placeholder(p) for p in loaded.model.parameters() if p.requires_grad)
