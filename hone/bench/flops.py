@@ -24,7 +24,8 @@ def active_matmul_params(config: Any, total_params: int) -> int:
         n += vocab * hidden  # the tied output projection is still a matmul
     experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
     if experts:
-        per_expert = 3 * hidden * config.moe_intermediate_size
+        # qwen3-moe / olmoe name the expert width moe_intermediate_size; gpt-oss and mixtral intermediate_size
+        per_expert = 3 * hidden * (getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
         routed = config.num_experts_per_tok
         moe_layers = _moe_layer_count(config)
         n -= moe_layers * (experts - routed) * per_expert

@@ -185,7 +185,8 @@ def _prune(kernel: str, configs: list, m: int | None, n: int, rows_per_expert: i
 
 
 def _prune_mm(configs: list, named_args: dict, **kwargs) -> list:
-    if kwargs.get("W_MXFP4", named_args.get("W_MXFP4")) and not INTERPRET:
+    two_byte = named_args["x_ptr"].element_size() == 2  # float32 takes the bf16 path's halved-K tiles
+    if kwargs.get("W_MXFP4", named_args.get("W_MXFP4")) and two_byte and not INTERPRET:
         if autotuning():
             return [c for c in configs if _tile_of(c) in _MX_TILES]
         k_is_in = kwargs.get("MX_K_IS_IN", named_args.get("MX_K_IS_IN"))

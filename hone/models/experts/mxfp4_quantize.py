@@ -83,4 +83,3 @@ def quantize_experts_as_drawn(skeleton: nn.Module):
         return None
 
     return replace
-
