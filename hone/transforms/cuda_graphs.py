@@ -13,7 +13,10 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
   slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
   is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
 
-Not measured yet, so not chosen by ``auto``: data-parallel steps, a quantized base and float8;
+MXFP4 experts (a shipped checkpoint or ``model.quantize: mxfp4``) replay like bf16 ones (their
+kernels have no host sync; gpt-oss-20b and qwen3-30b-a3b were measured with graphs:
+benchmarks/2026-11-27-h100-mxfp4.md). Not measured yet, so not chosen by ``auto``: data-parallel
+steps, an NF4 base and float8;
 ``cuda_graphs: true`` turns them on where the user has measured them.
 """
 
@@ -53,8 +56,8 @@ def _blocker(
         return f"data parallelism ({strategy}) is not measured with CUDA graphs yet"
     if policy in INPUT_ONLY_POLICIES or tiled:
         return f"checkpointing {policy}{' with tiled layers/MLP' if tiled else ''} re-runs each layer's forward in the backward"
-    if cfg.model.quantize != "none" or perf.fp8 != "off":
-        return "a quantized or float8 base is not measured with CUDA graphs yet"
+    if cfg.model.quantize == "nf4" or perf.fp8 != "off":
+        return "an NF4 or float8 base is not measured with CUDA graphs yet"
     if experts != "hone":
         return "the step is bound by the GPU, not by the host's launches (only MoE experts on hone's kernels are)"
     return None

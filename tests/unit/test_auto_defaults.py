@@ -97,6 +97,7 @@ def test_the_experts_transform_applies_what_auto_decided():
 
 def test_cuda_graphs_auto_turn_on_for_hone_experts_with_one_shape_only():
     assert decide(moe(), H100).cuda_graphs is True
+    assert decide(moe(model={"quantize": "mxfp4"}), H100).cuda_graphs is True  # measured: MXFP4 experts replay too
     off = {
         "dense step (GPU-bound)": (config(), H100, "bound by the GPU"),
         "rows of different lengths": (moe(), VARYING, "3 to 90 tokens"),
@@ -105,6 +106,7 @@ def test_cuda_graphs_auto_turn_on_for_hone_experts_with_one_shape_only():
         "eager": (moe(performance={"torch_compile": False}), H100, "not compiled"),
         "grouped_mm experts": (moe(model={"experts_implementation": "grouped_mm"}), H100, "bound by the GPU"),
         "whole-model compile": (moe(performance={"torch_compile_scope": "model"}), H100, "torch_compile_scope: model"),
+        "NF4 base": (moe(model={"quantize": "nf4"}, memory={"activation_checkpointing": "none"}), H100, "an NF4 or float8 base"),
     }
     for case, (cfg, facts, reason) in off.items():
         chosen = decide(cfg, facts)
