@@ -221,8 +221,33 @@ def ships_mxfp4(model: ModelConfig) -> bool:
     return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
+#: ``quantization_config.quant_method`` values hone loads (the experts stay quantized).
+LOADED_QUANT_METHODS = ("mxfp4",)
+
+
+def quant_method_problem(method: str | None, path: Path, key: str = "model.path") -> str | None:
+    """Why a checkpoint quantized with ``method`` cannot be loaded (None: it can, or it is not
+    quantized), saying what hone loads instead."""
+    if method is None or method in LOADED_QUANT_METHODS:
+        return None
+    return (
+        f"{key}: '{Path(path) / 'config.json'}' declares a checkpoint quantized with "
+        f"quantization_config.quant_method '{method}', which hone does not load: hone trains unquantized "
+        "checkpoints (bf16, fp16 or fp32 safetensors) and gpt-oss MXFP4 checkpoints (quant_method: mxfp4, "
+        "experts kept in MXFP4), and quantizes a base itself with model.quantize (nf4 for linear layers, "
+        "mxfp4 for MoE experts). Point model.path at the unquantized original, or dequantize the checkpoint "
+        "to bf16 once and save it with save_pretrained"
+    )
+
+
 def raw_config_problem(raw: dict[str, Any], path: Path, trust_remote_code: bool, key: str = "model.path") -> str | None:
-    """Refuse remote code without consent and model types that are not causal LMs."""
+    """Refuse remote code without consent, quantized formats hone does not load and model types
+    that are not causal LMs."""
+    quantization = raw.get("quantization_config")
+    if isinstance(quantization, dict):
+        problem = quant_method_problem(quantization.get("quant_method"), path, key)
+        if problem is not None:
+            return problem
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     remote = "AutoModelForCausalLM" in (raw.get("auto_map") or {})

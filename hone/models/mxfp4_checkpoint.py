@@ -43,10 +43,9 @@ from hone.models.experts.mxfp4 import (
     out_in_shape,
     quant_method,
 )
+from hone.models.model_dir import quant_method_problem
 from hone.models.weight_files import checkpoint_key, parameters_on_meta, weight_files
 
-#: ``quantization_config.quant_method`` values hone loads (the experts stay quantized).
-LOADED_QUANT_METHODS = ("mxfp4",)
 #: safetensors dtype names -> torch dtypes, for the header-only shape checks.
 _HEADER_DTYPES = {
     "U8": torch.uint8,
@@ -60,17 +59,9 @@ _HEADER_DTYPES = {
 
 def check_quant_method(config: object, path: Path, key: str = "model.path") -> None:
     """Refuse a checkpoint quantized in a format hone does not load, saying what it loads."""
-    method = quant_method(config)
-    if method is None or method in LOADED_QUANT_METHODS:
-        return
-    raise ModelError(
-        f"{key}: '{Path(path) / 'config.json'}' declares a checkpoint quantized with "
-        f"quantization_config.quant_method '{method}', which hone does not load: hone trains unquantized "
-        "checkpoints (bf16, fp16 or fp32 safetensors) and gpt-oss MXFP4 checkpoints (quant_method: mxfp4, "
-        "experts kept in MXFP4), and quantizes a base itself with model.quantize (nf4 for linear layers, "
-        "mxfp4 for MoE experts). Point model.path at the unquantized original, or dequantize the checkpoint "
-        "to bf16 once and save it with save_pretrained"
-    )
+    problem = quant_method_problem(quant_method(config), path, key)
+    if problem is not None:
+        raise ModelError(problem)
 
 
 def check_mxfp4_run(model: nn.Module, full_finetune: bool) -> None:

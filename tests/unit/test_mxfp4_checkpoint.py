@@ -155,6 +155,15 @@ def test_a_checkpoint_quantized_otherwise_is_refused_with_what_hone_loads(checkp
     assert "quant_method: mxfp4" in message and "model.quantize" in message
 
 
+def test_hone_validate_refuses_a_checkpoint_quantized_otherwise_before_loading(checkpoint, tmp_path):
+    from hone.models.model_dir import model_dir_problems
+
+    bad = _copy(checkpoint, tmp_path / "other", config_edit=lambda c: c["quantization_config"].update(quant_method="fp8"))
+    problems, _ = model_dir_problems(bad, trust_remote_code=False)
+    assert any("quant_method 'fp8'" in p and "hone does not load" in p for p in problems), problems
+    assert model_dir_problems(checkpoint.path, trust_remote_code=False)[0] == []  # MXFP4 itself is fine
+
+
 def test_the_sharded_fsdp_load_refuses_an_mxfp4_checkpoint(checkpoint):
     from hone.config import parse_config
     from hone.models.sharded_load import load_model_sharded

@@ -158,3 +158,16 @@ def dequantize_model_experts(model: nn.Module, dtype: torch.dtype) -> int:
 def mxfp4_bytes(model: nn.Module) -> int:
     """Bytes the MXFP4 blocks and scales of ``model`` take."""
     return sum(b.numel() + s.numel() for module in model.modules() for b, s in mxfp4_weights(module).values())
+
+
+def mxfp4_state_names(model: nn.Module) -> list[str]:
+    """Names (as ``model.named_parameters`` / ``named_buffers`` give them) of the MXFP4 blocks,
+    scales and placeholders: frozen tensors every process builds identically (same checkpoint, or
+    the same seeded draw and quantizer), which data parallelism must not broadcast (a placeholder
+    cannot be written; the blocks are gigabytes)."""
+    names = [name for name, param in model.named_parameters() if is_placeholder(param)]
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for projection in mxfp4_weights(module):
+            names += [prefix + projection + BLOCKS_SUFFIX, prefix + projection + SCALES_SUFFIX]
+    return names
