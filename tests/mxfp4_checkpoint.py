@@ -74,3 +74,20 @@ def write_mxfp4_gpt_oss(
     config.save_pretrained(path)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return Mxfp4Checkpoint(path=path, config=config, weights=weights, experts=experts)
+
+
+def dequantized_reference(checkpoint: Mxfp4Checkpoint):
+    """transformers' GptOss holding the checkpoint's weights, its experts the dequantized values
+    (float32, eager attention and experts): what a model loaded from the checkpoint must equal."""
+    from transformers import GptOssForCausalLM
+
+    from hone.models.experts import set_experts_implementation
+
+    config = GptOssForCausalLM.config_class.from_dict(
+        {k: v for k, v in checkpoint.config.to_dict().items() if k != "quantization_config"}
+    )
+    config._attn_implementation = "eager"
+    model = GptOssForCausalLM(config)
+    model.load_state_dict({**checkpoint.weights, **checkpoint.experts})
+    set_experts_implementation(model, "eager")
+    return model.eval()

@@ -11,6 +11,7 @@ the tokenizer in use.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
@@ -44,6 +45,27 @@ _GPT_OSS_ROPE = dict(
     beta_slow=1.0,
     truncate=False,
     original_max_position_embeddings=4096,
+)
+
+#: What openai/gpt-oss-20b and -120b share (their config.json): hidden 2880, 64 query / 8 key-value
+#: heads of 64, sliding window 128 alternating with full attention, YaRN RoPE, experts of 2880, 4 active.
+_GPT_OSS_LAYER = dict(
+    vocab_size=201_088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_experts_per_tok=4,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    sliding_window=128,
+    max_position_embeddings=131_072,
+    rope_parameters=dict(_GPT_OSS_ROPE),
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    attention_dropout=0.0,
+    swiglu_limit=7.0,
+    router_aux_loss_coef=0.9,
+    tie_word_embeddings=False,
 )
 
 
@@ -227,57 +249,9 @@ PRESETS: dict[str, Preset] = {
     ),
     # openai/gpt-oss-20b config.json: 24 layers alternating (GptOssConfig's own layer_types) sliding-window (128) and full
     # attention, attention sinks, 32 experts of 2880, 4 active, YaRN RoPE (x32 over 4096).
-    "gpt-oss-20b": Preset(
-        "GptOssConfig",
-        dict(
-            vocab_size=201_088,
-            hidden_size=2880,
-            intermediate_size=2880,
-            num_hidden_layers=24,
-            num_local_experts=32,
-            num_experts_per_tok=4,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=64,
-            sliding_window=128,
-            max_position_embeddings=131_072,
-            rope_parameters=dict(_GPT_OSS_ROPE),
-            rms_norm_eps=1e-5,
-            attention_bias=True,
-            attention_dropout=0.0,
-            swiglu_limit=7.0,
-            router_aux_loss_coef=0.9,
-            tie_word_embeddings=False,
-        ),
-        tiny=False,
-    ),
-    # openai/gpt-oss-120b config.json: gpt-oss-20b's layer (hidden 2880, 64 query / 8 key-value heads
-    # of 64, sliding window 128 alternating with full attention, the same YaRN RoPE), 36 layers,
-    # 128 experts of 2880, 4 active.
-    "gpt-oss-120b": Preset(
-        "GptOssConfig",
-        dict(
-            vocab_size=201_088,
-            hidden_size=2880,
-            intermediate_size=2880,
-            num_hidden_layers=36,
-            num_local_experts=128,
-            num_experts_per_tok=4,
-            num_attention_heads=64,
-            num_key_value_heads=8,
-            head_dim=64,
-            sliding_window=128,
-            max_position_embeddings=131_072,
-            rope_parameters=dict(_GPT_OSS_ROPE),
-            rms_norm_eps=1e-5,
-            attention_bias=True,
-            attention_dropout=0.0,
-            swiglu_limit=7.0,
-            router_aux_loss_coef=0.9,
-            tie_word_embeddings=False,
-        ),
-        tiny=False,
-    ),
+    "gpt-oss-20b": Preset("GptOssConfig", dict(_GPT_OSS_LAYER, num_hidden_layers=24, num_local_experts=32), tiny=False),
+    # openai/gpt-oss-120b config.json: gpt-oss-20b's layer, 36 layers, 128 experts of 2880, 4 active.
+    "gpt-oss-120b": Preset("GptOssConfig", dict(_GPT_OSS_LAYER, num_hidden_layers=36, num_local_experts=128), tiny=False),
 }
 
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
@@ -315,7 +289,7 @@ def _check_keys(name: str, preset: Preset, overrides: dict[str, Any], valid: lis
 
 
 def _preset_values(preset: Preset, overrides: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
-    values = dict(preset.values)
+    values = copy.deepcopy(dict(preset.values))  # nested dicts (rope_parameters) are shared by presets
     if preset.tiny and vocab_size is not None:
         values["vocab_size"] = vocab_size
     values.update(overrides)

@@ -15,7 +15,7 @@ from rich.console import Console
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mxfp4_checkpoint import Mxfp4Checkpoint, write_mxfp4_gpt_oss  # noqa: E402
+from mxfp4_checkpoint import Mxfp4Checkpoint, dequantized_reference, write_mxfp4_gpt_oss  # noqa: E402
 
 from hone.config import parse_config  # noqa: E402
 from hone.models.tokenizer import bundled_tokenizer_path  # noqa: E402
@@ -56,22 +56,6 @@ def trained(tmp_path_factory) -> tuple[Mxfp4Checkpoint, object, object]:
     return checkpoint, cfg, result
 
 
-def _dequantized_base(checkpoint: Mxfp4Checkpoint):
-    """transformers' GptOss with the checkpoint's weights, its experts dequantized (float32)."""
-    from transformers import GptOssForCausalLM
-
-    from hone.models.experts import set_experts_implementation
-
-    config = GptOssForCausalLM.config_class.from_dict(
-        {k: v for k, v in checkpoint.config.to_dict().items() if k != "quantization_config"}
-    )
-    config._attn_implementation = "eager"
-    model = GptOssForCausalLM(config)
-    model.load_state_dict({**checkpoint.weights, **checkpoint.experts})
-    set_experts_implementation(model, "eager")
-    return model.eval()
-
-
 def test_the_mxfp4_base_trains_expert_lora_and_saves_a_peft_adapter(trained):
     _, cfg, result = trained
     assert result.steps == STEPS
@@ -92,7 +76,7 @@ def test_the_mxfp4_base_trains_expert_lora_and_saves_a_peft_adapter(trained):
     assert any(a["name"] == "experts" and a["details"]["implementation"] == "hone" for a in record["applied"])
 
 
-def test_merge_writes_a_plain_model_equal_to_peft_on_the_dequantized_base(trained, tmp_path):
+def test_merge_writes_a_plain_model_equal_to_peft_on_thedequantized_reference(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -100,11 +84,11 @@ def test_merge_writes_a_plain_model_equal_to_peft_on_the_dequantized_base(traine
     from hone.export.merge import merge_adapter
 
     checkpoint, cfg, result = trained
-    expected_model = PeftModel.from_pretrained(_dequantized_base(checkpoint), str(result.final_dir)).eval()
+    expected_model = PeftModel.from_pretrained(dequantized_reference(checkpoint), str(result.final_dir)).eval()
     ids = torch.randint(5, 2000, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = expected_model(input_ids=ids).logits
-        without_adapter = _dequantized_base(checkpoint)(input_ids=ids).logits
+        without_adapter = dequantized_reference(checkpoint)(input_ids=ids).logits
     merged_dir = merge_adapter(cfg.training.output_dir, tmp_path / "merged")
     config = json.loads((merged_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
@@ -140,5 +124,5 @@ def test_chat_on_the_shipped_checkpoint_runs_its_dequantized_experts(trained):
     ids = torch.randint(5, 2000, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(
-            model(input_ids=ids).logits, _dequantized_base(checkpoint)(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+            model(input_ids=ids).logits, dequantized_reference(checkpoint)(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )

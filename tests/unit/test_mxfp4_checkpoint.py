@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GptOssForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mxfp4_checkpoint import Mxfp4Checkpoint, write_mxfp4_gpt_oss  # noqa: E402
+from mxfp4_checkpoint import Mxfp4Checkpoint, dequantized_reference, write_mxfp4_gpt_oss  # noqa: E402
 
 from hone.config.adapter import AdapterConfig  # noqa: E402
 from hone.config.model import ModelConfig  # noqa: E402
@@ -34,18 +33,6 @@ def checkpoint(tmp_path_factory) -> Mxfp4Checkpoint:
 
 def _load(path: Path) -> torch.nn.Module:
     return load_pretrained(path, ModelConfig(path=path, dtype="float32", attn_implementation="eager"), CPU, torch.float32)
-
-
-def _dequantized_reference(checkpoint: Mxfp4Checkpoint) -> GptOssForCausalLM:
-    """transformers' GptOss holding the checkpoint's weights, its experts dequantized (float32)."""
-    config = GptOssForCausalLM.config_class.from_dict(
-        {k: v for k, v in checkpoint.config.to_dict().items() if k != "quantization_config"}
-    )
-    config._attn_implementation = "eager"
-    model = GptOssForCausalLM(config)
-    model.load_state_dict({**checkpoint.weights, **checkpoint.experts})
-    set_experts_implementation(model, "eager")
-    return model.eval()
 
 
 def _copy(checkpoint: Mxfp4Checkpoint, to: Path, edit=None, config_edit=None) -> Path:
@@ -80,7 +67,7 @@ def test_experts_load_as_blocks_and_scales_and_compute_the_dequantized_model(che
     torch.testing.assert_close(model.model.norm.weight, checkpoint.weights["model.norm.weight"], rtol=0, atol=0)
 
     set_experts_implementation(model, "hone")  # MXFP4 experts: the float32 reference on the CPU
-    reference = _dequantized_reference(checkpoint)
+    reference = dequantized_reference(checkpoint)
     ids = torch.randint(0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
@@ -95,7 +82,7 @@ def test_expert_lora_gradients_on_the_mxfp4_base_equal_those_on_the_dequantized_
     for name, param in mxfp4.named_parameters():  # a nonzero B, else every A gradient is zero
         if "lora_" in name:
             param.data = torch.randn(param.shape, generator=gen) * 0.1
-    plain = apply_adapter(_dequantized_reference(checkpoint), adapter)
+    plain = apply_adapter(dequantized_reference(checkpoint), adapter)
     lora = {k: v for k, v in mxfp4.state_dict().items() if "lora_" in k}
     assert not plain.load_state_dict(lora, strict=False).unexpected_keys
     ids = torch.randint(0, checkpoint.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
