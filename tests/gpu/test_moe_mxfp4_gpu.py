@@ -1,6 +1,7 @@
-"""The MXFP4 grouped expert kernels (hone.kernels.moe_mxfp4) on CUDA at one gpt-oss-20b layer's
-shapes (32 experts, hidden 2880, gate_up 5760 x 2880, down 2880 x 2880, top-4, 2048 tokens, LoRA
-r16, per-expert biases, routing skewed with two empty experts), random MXFP4 weights (every
+"""The MXFP4 grouped expert kernels (hone.kernels.moe_mxfp4) on CUDA at one layer's shapes of
+gpt-oss-20b (32 experts, hidden 2880, gate_up 5760 x 2880, down 2880 x 2880, top-4, per-expert
+biases, its layout) and of qwen3-30b-a3b (128 experts, hidden 2048, experts of 768, top-8, no
+biases), 2048 tokens, LoRA r16, routing skewed with empty experts, random MXFP4 weights (every
 code, scales around 2**-8): output and every gradient against the float32 reference on the
 dequantized weights (bf16: relative error in norm within 1.5x that of the same reference run in
 plain bf16, plus 2e-3, and <= 3e-2; fp32: <= 1e-4, IEEE dots), and one projection's LoRA
@@ -17,7 +18,7 @@ from moe_lora_checks import skewed_routing  # noqa: E402
 from moe_mxfp4_checks import TRAINABLE, random_mxfp4, run_experts  # noqa: E402
 
 from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route  # noqa: E402
-from hone.kernels.moe_lora_reference import GPT_OSS  # noqa: E402
+from hone.kernels.moe_lora_reference import GPT_OSS, QWEN3_MOE  # noqa: E402
 from hone.kernels.moe_mxfp4 import moe_mxfp4_experts, moe_mxfp4_linear  # noqa: E402
 from hone.kernels.moe_mxfp4_reference import moe_mxfp4_experts_reference  # noqa: E402
 from hone.kernels.mxfp4_dequant import mxfp4_dequantize  # noqa: E402
@@ -27,12 +28,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-TOKENS, HIDDEN, INTER, EXPERTS, TOP_K, RANK, EMPTY = 2048, 2880, 2880, 32, 4, 16, 2
+TOKENS, RANK = 2048, 16
+#: (hidden, expert width, experts, top-k, empty experts, layout, biases) of one layer of each model.
+SHAPES = {
+    "gpt-oss-20b": (2880, 2880, 32, 4, 2, GPT_OSS, True),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 4, QWEN3_MOE, False),
+}
+HIDDEN, INTER, EXPERTS, TOP_K, EMPTY, _, _ = SHAPES["gpt-oss-20b"]
 
 
-def _case(seed: int = 0) -> dict:
+def _case(seed: int = 0, model: str = "gpt-oss-20b") -> dict:
+    hidden, inter, experts, top_k, empty, layout, biases = SHAPES[model]
     gen = torch.Generator().manual_seed(seed)
-    index, weights = skewed_routing(TOKENS, TOP_K, EXPERTS, EMPTY, gen, skew=0.97)
+    index, weights = skewed_routing(TOKENS, top_k, experts, empty, gen, skew=0.97)
     cuda_gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rnd(*shape, std=1.0):
@@ -40,22 +48,22 @@ def _case(seed: int = 0) -> dict:
 
     return {
         "index": index.cuda(),
-        "layout": GPT_OSS,
+        "layout": layout,
         "tensors": {
-            "hidden": rnd(TOKENS, HIDDEN),
+            "hidden": rnd(TOKENS, hidden),
             "routing_weights": weights.cuda(),
-            "gate_up_bias": rnd(EXPERTS, 2 * INTER, std=0.1),
-            "down_bias": rnd(EXPERTS, HIDDEN, std=0.1),
-            "gu_A": rnd(EXPERTS, RANK, HIDDEN, std=0.3),
-            "gu_B": rnd(EXPERTS, 2 * INTER, RANK, std=0.015),  # a trained adapter's update is small beside W
-            "dn_A": rnd(EXPERTS, RANK, INTER, std=0.3),
-            "dn_B": rnd(EXPERTS, HIDDEN, RANK, std=0.015),
+            "gate_up_bias": rnd(experts, 2 * inter, std=0.1) if biases else None,
+            "down_bias": rnd(experts, hidden, std=0.1) if biases else None,
+            "gu_A": rnd(experts, RANK, hidden, std=0.3),
+            "gu_B": rnd(experts, 2 * inter, RANK, std=0.015),  # a trained adapter's update is small beside W
+            "dn_A": rnd(experts, RANK, inter, std=0.3),
+            "dn_B": rnd(experts, hidden, RANK, std=0.015),
         },
         "mx": {
-            "gate_up": random_mxfp4(EXPERTS, 2 * INTER, HIDDEN, cuda_gen, low=118, high=122),
-            "down": random_mxfp4(EXPERTS, HIDDEN, INTER, cuda_gen, low=118, high=122),
+            "gate_up": random_mxfp4(experts, 2 * inter, hidden, cuda_gen, low=118, high=122),
+            "down": random_mxfp4(experts, hidden, inter, cuda_gen, low=118, high=122),
         },
-        "grad_out": rnd(TOKENS, HIDDEN),
+        "grad_out": rnd(TOKENS, hidden),
     }
 
 
@@ -65,17 +73,19 @@ def _rel_norm(got: dict, expected: dict) -> dict:
 
 def _reference(case: dict, dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> dict:
     """The reference fed the same (dtype-rounded) inputs the kernels see, computing in ``compute_dtype``."""
-    rounded = dict(case, tensors={n: t.to(dtype).float() for n, t in case["tensors"].items()})
+    rounded = dict(case, tensors={n: None if t is None else t.to(dtype).float() for n, t in case["tensors"].items()})
     return run_experts(moe_mxfp4_experts_reference, rounded, TRAINABLE, compute_dtype=compute_dtype)
 
 
+@pytest.mark.parametrize("model", sorted(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_experts_match_float32_reference_at_gpt_oss_20b_shapes(dtype):
+def test_experts_match_float32_reference_at_real_shapes(dtype, model):
     assert moe_triton_available("cuda")
-    case = _case()
+    case = _case(model=model)
     expected = _reference(case, dtype)
     got = run_experts(moe_mxfp4_experts, case, TRAINABLE, dtype=dtype)
-    assert set(got) == set(expected) == TRAINABLE | {"out"}
+    trained = {n for n in TRAINABLE if case["tensors"].get(n) is not None}
+    assert set(got) == set(expected) == trained | {"out"}
     for name, value in got.items():
         assert torch.isfinite(value).all(), name
     errors = _rel_norm(got, expected)
