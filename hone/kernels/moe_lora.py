@@ -417,9 +417,11 @@ def projection_backward(
     if need_b:
         d_b = grouped_wgrad(dy, xa, None, False, False, ends, ctx.scaling, lora_b.dtype)
     if need[5] and ctx.has_bias:
-        d_bias = torch.zeros(ends.shape[0], dy.shape[1], dtype=torch.float32, device=dy.device)
+        # One bucket more than experts: rows past ends[-1] (an expert-parallel caller's sentinel
+        # rows, which the kernels leave unwritten) land there and are dropped.
+        d_bias = torch.zeros(ends.shape[0] + 1, dy.shape[1], dtype=torch.float32, device=dy.device)
         d_bias.index_add_(0, expert_of_rows(ends, dy.shape[0]), dy.float())
-        d_bias = d_bias.to(bias_dtype)
+        d_bias = d_bias[: ends.shape[0]].to(bias_dtype)
     return d_x, d_a, d_b, d_bias
 
 

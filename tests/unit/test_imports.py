@@ -139,6 +139,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hone", "hone.errors"),
     ("hone.atomic", "hone.paths", "hone.processes", "hone.run_files", "hone.units"),
     ("hone.kernels", "hone.config"),
+    ("hone.parallel",),  # expert parallelism: kernels + torch.distributed; below the experts backend that calls it
     ("hone.models", "hone.track", "hone.convert"),
     ("hone.data",),
     ("hone.runtime",),
