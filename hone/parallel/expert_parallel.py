@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from hone.errors import HoneError
 from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route
-from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation, moe_experts_reference
+from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, gated_activation
 
 __all__ = [
     "Dispatched",
@@ -251,23 +251,42 @@ def local_experts(
         use_kernels = moe_triton_available(rows.device)
     down_scaling = experts.scaling if experts.down_scaling is None else experts.down_scaling
     if not use_kernels:
-        # Sentinel ids match no expert of the loop, so their rows stay zero; weight 1 is exact.
-        ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-        return moe_experts_reference(
-            rows,
-            local_ids.unsqueeze(1),
-            ones,
-            experts.gate_up,
-            experts.down,
-            experts.layout,
-            experts.gate_up_bias,
-            experts.down_bias,
-            experts.gate_up_lora,
-            experts.down_lora,
-            experts.scaling,
-            down_scaling,
-        )
+        return _local_experts_dense(rows, local_ids, experts, down_scaling)
     return _local_experts_grouped(rows, local_ids, experts, down_scaling)
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias, lora: LoraFactors | None, scaling: float) -> torch.Tensor:
+    """``x [S, in] @ weight [in, out] (+ bias) + s (x A^T) B^T`` for one expert, in float32."""
+    y = x @ weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    if lora is not None:
+        y = y + scaling * ((x @ lora[0].float().T) @ lora[1].float().T)
+    return y
+
+
+def _local_experts_dense(rows: torch.Tensor, local_ids: torch.Tensor, experts: LocalExperts, down_scaling: float) -> torch.Tensor:
+    """The plain-PyTorch path, in float32 like :func:`~hone.kernels.moe_lora_reference.moe_experts_reference`:
+    each local expert on every row, kept where the row is its own (``where``: exact, and zero on
+    sentinels). Slower than gathering each expert's rows, but its autograd graph does not depend
+    on the routing: a rank whose experts got no row still runs the same backward, so every rank
+    reaches the backward's exchanges (a graph cut off by an empty expert would leave the other
+    ranks waiting in them)."""
+    layout = experts.layout
+    x = rows.float()
+    w_gu, w_dn = as_in_out(experts.gate_up, layout.transposed), as_in_out(experts.down, layout.transposed)
+    out = torch.zeros_like(x)
+    for e in range(experts.count):
+
+        def pick(t, e=e):
+            return None if t is None else t[e]
+
+        gu_lora = None if experts.gate_up_lora is None else (experts.gate_up_lora[0][e], experts.gate_up_lora[1][e])
+        dn_lora = None if experts.down_lora is None else (experts.down_lora[0][e], experts.down_lora[1][e])
+        h = gated_activation(_project(x, w_gu[e], pick(experts.gate_up_bias), gu_lora, experts.scaling), layout)
+        y = _project(h, w_dn[e], pick(experts.down_bias), dn_lora, down_scaling)
+        out = out + torch.where((local_ids == e).unsqueeze(1), y, 0.0)
+    return out.to(rows.dtype)
 
 
 def _local_experts_grouped(

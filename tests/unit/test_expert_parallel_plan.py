@@ -88,7 +88,7 @@ def test_local_experts_leave_sentinel_rows_zero():
         rows[[0, 2, 4]], ids[[0, 2, 4]].unsqueeze(1), torch.ones(3, 1), w["gate_up_proj"], w["down_proj"], QWEN3_MOE,
         gate_up_lora=w["gate_up_lora"], scaling=0.5,
     )  # fmt: skip
-    torch.testing.assert_close(got[[0, 2, 4]], want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[[0, 2, 4]], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", [QWEN3_MOE, GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
