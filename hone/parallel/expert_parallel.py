@@ -294,7 +294,10 @@ def _local_experts_grouped(
 ) -> torch.Tensor:
     """The grouped-kernel path: sort by local id (a stable sort, sentinels last, their bucket
     dropped from ``ends``), run both projections on the real experts' rows only, zero the
-    unwritten sentinel rows, and put the rows back in received order."""
+    unwritten sentinel rows, and put the rows back in received order. In the backward the
+    kernels leave the sentinel rows' input gradient unwritten too: it goes back to the sender's
+    sentinel slots, which read the padding row of :func:`dispatch`, and is dropped there. The
+    bias gradient puts them in a bucket past the last expert, also dropped."""
     n_rows, layout = rows.shape[0], experts.layout
     perm, ends_with_sentinels = route(local_ids.unsqueeze(1), experts.count + 1)
     ends = ends_with_sentinels[: experts.count]
