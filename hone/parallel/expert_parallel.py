@@ -203,6 +203,27 @@ def exchange(x: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
     return out
 
 
+class _GatherRows(torch.autograd.Function):
+    """``[hidden; 0][source]``: the send buffer, index ``T`` (a sentinel) reading a zero row.
+    The backward sums each token's ``k`` rows in float32 and rounds once, as the grouped
+    kernels' input gradient does; the sentinels' gradients land on the padding row, dropped."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(source)
+        ctx.shape = hidden.shape
+        padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+        return padded[source]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (source,) = ctx.saved_tensors
+        n_tokens, width = ctx.shape
+        summed = torch.zeros(n_tokens + 1, width, dtype=torch.float32, device=grad.device)
+        summed.index_add_(0, source, grad.float())
+        return summed[:n_tokens].to(grad.dtype), None
+
+
 @dataclass(frozen=True)
 class Dispatched:
     """What a rank received (its experts' work) and how its own pairs were sent (for :func:`combine`)."""
@@ -216,8 +237,7 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, shard: ExpertShard
     """Send each (token, slot) pair of ``hidden [T, H]`` / ``top_k_index [T, k]`` to the rank
     owning its expert (see the module docstring); differentiable w.r.t. ``hidden``."""
     plan = plan_send(top_k_index, shard, capacity)
-    padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])  # row T: the sentinels' zeros
-    send = padded[plan.source]
+    send = _GatherRows.apply(hidden, plan.source)
     return Dispatched(rows=exchange(send, shard), local_ids=exchange(plan.local_ids, shard), plan=plan)
 
 

@@ -13,6 +13,7 @@ from hone.parallel.expert_parallel import (
     ExpertShard,
     LocalExperts,
     check_overflow,
+    dispatch,
     expert_capacity,
     expert_parallel_experts,
     local_experts,
@@ -126,3 +127,18 @@ def test_local_weights_must_match_the_shard():
             torch.randn(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), w["gate_up_proj"], w["down_proj"],
             QWEN3_MOE, shard,
         )  # fmt: skip
+
+
+def test_dispatch_sums_each_tokens_gradient_in_float32_and_drops_the_sentinels():
+    torch.manual_seed(0)
+    shard = ExpertShard(size=1, rank=0, num_experts=4)
+    hidden = torch.randn(6, 8).to(torch.bfloat16).requires_grad_()
+    index = torch.rand(6, 4).argsort(dim=1)  # top-4: four rows per token to sum back
+    sent = dispatch(hidden, index, shard, capacity=32)  # 8 sentinel slots past the 24 pairs
+    assert sent.rows.dtype == torch.bfloat16 and sent.rows.shape == (32, 8)
+    assert sent.plan.source[24:].tolist() == [6] * 8 and sent.rows[24:].abs().sum() == 0
+    grad_rows = torch.randn(32, 8).to(torch.bfloat16)
+    sent.rows.backward(grad_rows)
+    # rounded once, not after each of the 4 additions (bf16 additions round each time)
+    want = torch.zeros(7, 8).index_add_(0, sent.plan.source, grad_rows.float())[:6].to(torch.bfloat16)
+    assert torch.equal(hidden.grad, want)
