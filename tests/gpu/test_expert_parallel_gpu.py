@@ -103,6 +103,38 @@ def test_grouped_local_experts_skip_sentinels_like_the_plain_path(layout_name, t
         assert got["gate_up"][3].abs().sum().item() == 0  # the expert with no row
 
 
+def test_one_layer_runs_without_a_host_sync():
+    """Dispatch, the grouped local experts and the combine, forward and backward, with sentinel
+    slots (a capacity past ``T * k``), under CUDA's sync debug mode once the kernels are compiled."""
+    from hone.parallel.expert_parallel import ExpertShard, expert_parallel_experts
+
+    layout = QWEN3_MOE
+    tensors, _ = _local_case(layout, 0.0)
+    shard = ExpertShard(size=1, rank=0, num_experts=LOCAL)
+    hidden = torch.randn(128, HIDDEN, device=DEVICE, requires_grad=True)
+    index = torch.rand(128, LOCAL, device=DEVICE).argsort(dim=1)[:, :4]
+    weights = torch.rand(128, 4, device=DEVICE, requires_grad=True)
+    lora = [tensors[n].to(DEVICE).requires_grad_() for n in ("gu_A", "gu_B", "dn_A", "dn_B")]
+    gate_up, down = tensors["gate_up"].to(DEVICE), tensors["down"].to(DEVICE)
+
+    def step() -> torch.Tensor:
+        out, overflow = expert_parallel_experts(
+            hidden, index, weights, gate_up, down, layout, shard, lora=((lora[0], lora[1]), (lora[2], lora[3])),
+            capacity=128 * 4 + 64, use_kernels=True,
+        )  # fmt: skip
+        out.square().sum().backward()
+        return overflow
+
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        overflow = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert overflow.item() == 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
