@@ -33,6 +33,12 @@ once per step (one sync per step, not per layer) and refuses the step where it i
 Every rank of the group must use the same ``C`` (each all-to-all exchanges ``N * C`` rows per
 rank): with the default, every rank must route the same number of tokens ``T``.
 
+**Memory.** The send and receive buffers, and the local experts' intermediate rows (saved for
+the backward), are ``N * C`` rows per rank, sentinel rows included: the kernels skip their
+compute, not their storage. With the default capacity that is ``N`` times the ``T * k`` rows
+one process holds without expert parallelism, so large runs want a capacity factor near 1
+(with the overflow check) rather than the default.
+
 Gradients reach the hidden states, the routing weights, the LoRA factors of the local experts
 and, when they require grad (full fine-tune), the local expert weights and biases; a rank's
 expert gradients hold the contributions of every rank's tokens routed to those experts, so
