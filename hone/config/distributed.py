@@ -7,6 +7,8 @@ not a config key: it is how the run was launched (``hone train CFG --nproc-per-n
 
 from typing import Literal
 
+from pydantic import model_validator
+
 from hone.config.base import Section
 
 Strategy = Literal["auto", "none", "ddp", "fsdp"]
@@ -30,3 +32,28 @@ class DistributedConfig(Section):
     """FSDP2: keep sharded parameters, gradients and optimizer state in host memory (the
     optimizer steps on the CPU): full fine-tunes that do not fit the GPUs, at a large cost in
     speed."""
+
+    expert_parallel: int = 1
+    """Expert parallelism: the routed experts of every mixture-of-experts layer are split into
+    ``N`` contiguous blocks, one per process; each token travels to the processes holding its
+    experts and back (two all-to-all exchanges per layer, no host syncs), and every other weight
+    stays under DDP. Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b):
+    each GPU holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This
+    first version takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's
+    experts backend (``model.experts_implementation``: auto or hone), and does not combine with
+    ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md)."""
+
+    @model_validator(mode="after")
+    def _expert_parallel_alone(self) -> "DistributedConfig":
+        if self.expert_parallel < 1:
+            raise ValueError(
+                f"distributed.expert_parallel: {self.expert_parallel} must be at least 1 (1: off; N > 1: the experts "
+                "split over N processes, N = --nproc-per-node)"
+            )
+        if self.expert_parallel > 1 and self.strategy in ("fsdp", "none"):
+            raise ValueError(
+                f"distributed.expert_parallel: {self.expert_parallel} does not work with distributed.strategy: "
+                f"{self.strategy} yet (expert parallelism runs beside DDP): use distributed.strategy: auto or ddp, "
+                "or distributed.expert_parallel: 1"
+            )
+        return self

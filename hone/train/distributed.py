@@ -46,9 +46,9 @@ def check_launch(cfg: "HoneConfig", world: World, device_type: str, local_proces
     """Refuse, before any data or model loads, a launch that cannot work: raises
     :class:`DistributedSetupError` naming the key or flag, the value and what is allowed.
     ``local_processes``: processes on this host (default: torchrun's ``LOCAL_WORLD_SIZE``)."""
-    if not world.distributed:
+    problems = expert_parallel_problems(cfg, world)
+    if not world.distributed and not problems:
         return
-    problems = []
     strategy = cfg.distributed.strategy
     if strategy == "none":
         problems.append(
@@ -71,6 +71,19 @@ def check_launch(cfg: "HoneConfig", world: World, device_type: str, local_proces
         )
     if problems:
         raise DistributedSetupError("cannot start this multi-process run:\n  - " + "\n  - ".join(problems))
+
+
+def expert_parallel_problems(cfg: "HoneConfig", world: World) -> list[str]:
+    """``distributed.expert_parallel`` against the launch: 1, or every process of the job (all
+    ranks form one expert-parallel group; smaller groups beside data parallelism come later)."""
+    ep = cfg.distributed.expert_parallel
+    if ep == 1 or ep == world.world_size:
+        return []
+    return [
+        f"distributed.expert_parallel: {ep} on {world.world_size} process{'es' if world.world_size != 1 else ''}: "
+        f"not yet: expert_parallel must equal --nproc-per-node (times the hosts: {world.world_size} here), "
+        "or be 1 (off)"
+    ]
 
 
 def _describe(exc: BaseException) -> tuple[str, int]:

@@ -5,23 +5,38 @@ norm of the whole gradient, over all shards. ``torch.nn.utils.get_total_norm`` o
 gradients is itself a DTensor whose ``full_tensor()`` is that global norm (one all-reduce), and
 clipping scales every shard by the same factor. Plain tensors (one process, or DDP's replicated
 gradients, already all-reduced) take the same path without communication.
+
+Under expert parallelism each rank holds the gradients of its own block of experts (and of
+their LoRA factors), complete but different on every rank: the squares of those are summed over
+the ranks (one all-reduce on the device, no host sync) and added to the replicated part's,
+counted once, so every rank clips by the same global norm.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
-def global_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def global_grad_norm(params: list[nn.Parameter], max_norm: float | None, sharded: list[nn.Parameter] = ()) -> torch.Tensor:
     """The L2 norm of all gradients of ``params`` over every rank (a plain device tensor, no host
-    sync), clipping them to ``max_norm`` when it is set (scale ``min(1, max_norm / norm)``)."""
+    sync), clipping them to ``max_norm`` when it is set (scale ``min(1, max_norm / norm)``).
+    ``sharded``: those of ``params`` whose gradient each rank holds a different block of
+    (expert parallelism; the default process group)."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    apart = {id(p) for p in sharded}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in apart]
+    own = [p.grad for p in params if p.grad is not None and id(p) in apart]
+    if not grads and not own:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads)
+    total = torch.nn.utils.get_total_norm(grads) if grads else own[0].new_zeros((), dtype=torch.float32)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if own:
+        squares = torch.nn.utils.get_total_norm(own).float().square()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(squares)
+        total = (total.float().square() + squares).sqrt().to(total.dtype)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -21,6 +21,7 @@ from hone.config.loader import dump_config
 from hone.config.recorded import recorded_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
+from hone.models.experts.parallel import expert_parallel_params
 from hone.runtime.world import World
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, PackedBatches, PaddedBatches, StepPlan, micro_batches, plan_steps
@@ -129,7 +130,7 @@ def set_up(
         resumed_from=resume_from,
         batches=batches,
         stream=stream,
-        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm),
+        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm, expert_parallel_params(model)),
         device=device,
         world=world,
         tracker=tracker,

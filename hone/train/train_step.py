@@ -43,7 +43,7 @@ skipped step but not towards the consecutive limit.
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -142,6 +142,7 @@ class StepParts:
     scaler: torch.amp.GradScaler | None
     params: list[nn.Parameter]  # the trainable ones: the gradient norm's
     max_grad_norm: float | None
+    sharded: list[nn.Parameter] = field(default_factory=list)  # those of params each rank holds its own block of
 
 
 @dataclass
@@ -268,7 +269,7 @@ def _plain_step(parts: StepParts, window: Window, stop: StopRequest, meanwhile: 
     """Clip on the device, then the step's one sync: loss and norm together."""
     loss_t = forward_backward(parts.step_module, window.batches, window.divisor, parts.hooks, None)
     with record_function("hone: grad norm"):
-        norm_t = global_grad_norm(parts.params, parts.max_grad_norm)  # over every rank's shard under FSDP2
+        norm_t = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded)  # over every rank (FSDP2, experts)
     with record_function("hone: while the device works"):
         meanwhile()
     with record_function("hone: read loss and norm"):
@@ -294,7 +295,7 @@ def _float16_step(
     grad_norm = None
     if classify(read.trained_tokens, read.loss, None, scaled=True) is StepOutcome.UPDATED:
         scaler.unscale_(parts.optimizer)
-        grad_norm = global_grad_norm(parts.params, parts.max_grad_norm).item()
+        grad_norm = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded).item()
     outcome = classify(read.trained_tokens, read.loss, grad_norm, scaled=True)
     loss_scale = None
     if outcome is StepOutcome.UPDATED:

@@ -37,6 +37,7 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.models.experts.mxfp4 import mxfp4_state_names
+from hone.models.experts.parallel import expert_parallel_names
 from hone.runtime.step import StepModule
 from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.memory.decide import loss_of
@@ -106,7 +107,8 @@ def sum_gradients(process_group: dist.ProcessGroup | None, bucket: dist.GradBuck
 def wrap_ddp(step: StepModule) -> StepModule:
     """Wrap the per-micro-batch module in ``DistributedDataParallel`` (weights broadcast from
     rank 0 at construction, so every replica starts identical; MXFP4 experts are left out of the
-    broadcast, see :func:`hone.models.experts.mxfp4.mxfp4_state_names`)."""
+    broadcast, see :func:`hone.models.experts.mxfp4.mxfp4_state_names`, and expert-parallel
+    blocks out of the broadcast and the all-reduce, see :mod:`hone.models.experts.parallel`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     module: nn.Module = step.module
@@ -114,7 +116,9 @@ def wrap_ddp(step: StepModule) -> StepModule:
     # tables are the same on every rank (torch >= 2.13 names the switch forward_sync_buffers)
     takes = inspect.signature(DistributedDataParallel.__init__).parameters
     buffers = {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
-    frozen = mxfp4_state_names(module)
+    # MXFP4 experts are frozen; expert-parallel ones differ per rank and their gradients already
+    # sum every rank's tokens: neither may be broadcast or all-reduced
+    frozen = mxfp4_state_names(module) + expert_parallel_names(module)
     if frozen:  # torch's documented hook for tensors DDP must leave alone (set before construction)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
     ddp = DistributedDataParallel(

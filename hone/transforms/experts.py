@@ -45,6 +45,12 @@ def experts_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
     mxfp4 = mxfp4_experts(cfg)
     if mxfp4 is not None:
         return _mxfp4_choice(asked, mxfp4, facts)
+    ep = cfg.distributed.expert_parallel
+    if ep > 1:  # the config's validator refused eager and grouped_mm
+        return "hone", (
+            f"experts_implementation: {asked}: hone, whose experts forward holds the exchange of "
+            f"distributed.expert_parallel: {ep} (its kernels on CUDA, their float32 reference elsewhere)"
+        )
     if asked != "auto":
         return asked, f"model.experts_implementation: {asked}"
     fallback = "experts_implementation: auto: grouped_mm (transformers' default)"
@@ -85,6 +91,8 @@ def _check(ctx: PlanContext) -> list[str]:
     facts = ctx.facts
     if ctx.decided.experts_implementation != "hone" or ctx.cfg.model.experts_implementation == "auto":
         return []  # auto chose hone only where it runs
+    if ctx.cfg.distributed.expert_parallel > 1:
+        return []  # the expert-parallel path computes with the kernels' reference where they cannot run
     from hone.kernels.moe_lora import moe_triton_available
 
     if facts.device.type == "cuda":
@@ -107,7 +115,7 @@ def _check(ctx: PlanContext) -> list[str]:
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     implementation = ctx.decided.experts_implementation
     if implementation == "hone":
-        problems = experts_problems(model, ctx.facts.device)
+        problems = experts_problems(model, ctx.facts.device, reference_ok=ctx.cfg.distributed.expert_parallel > 1)
         if problems:
             raise ModelError("; ".join(problems))
     details = set_experts_implementation(model, implementation)

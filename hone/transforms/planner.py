@@ -33,6 +33,7 @@ from hone.transforms.checkpointing import CHECKPOINTING
 from hone.transforms.compile import COMPILE
 from hone.transforms.data_parallel import DDP
 from hone.transforms.decide import decide
+from hone.transforms.expert_parallel import EXPERT_PARALLEL
 from hone.transforms.experts import EXPERTS
 from hone.transforms.fp8 import FP8
 from hone.transforms.fsdp import FSDP
@@ -60,6 +61,10 @@ TRANSFORMS: tuple[Transform, ...] = (
     # base model: the MoE experts implementation; before the adapter, which reads it to decide
     # whether expert LoRA runs inside hone's fused kernels
     EXPERTS,
+    # base model, distributed.expert_parallel: each rank keeps its block of every MoE layer's
+    # experts; after the experts backend (whose forward holds the exchange) and before the
+    # adapter, so that PEFT's expert LoRA creates factors for the local experts only
+    EXPERT_PARALLEL,
     # adapted model: float8 matmuls for the base's linears; it swaps module instances, so it comes
     # after the quantized base (a 4-bit base is not also float8) and before the tiled MLP,
     # checkpointing, compile and FSDP2, which wrap, trace and shard the swapped modules

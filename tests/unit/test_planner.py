@@ -65,6 +65,7 @@ def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled
         "attention",
         "quantize",
         "experts",
+        "expert_parallel",
         "fp8",
         "tiled_mlp",
         "loss",

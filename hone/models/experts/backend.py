@@ -27,8 +27,16 @@ from hone.kernels.moe_mxfp4 import moe_mxfp4_experts
 from hone.kernels.moe_mxfp4_reference import moe_mxfp4_experts_reference
 from hone.models.errors import ModelError
 from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, has_mxfp4_experts, mxfp4_weights
+from hone.parallel.expert_parallel import ExpertShard, expert_capacity, expert_parallel_experts
 
 HONE = "hone"
+#: The attribute an experts module carries under hone's expert parallelism: its
+#: :class:`~hone.parallel.expert_parallel.ExpertShard` (its parameters then hold that block only).
+EXPERT_SHARD_ATTR = "hone_expert_shard"
+#: The most tokens one forward of an expert-parallel module routes on a rank (micro-batch size x
+#: sequence length): every rank sizes its exchange buffers from it, so they agree whatever each
+#: rank's micro-batch holds.
+EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
 #: ``model.experts_implementation`` values: hone's kernels, or transformers' own two.
 EXPERTS_IMPLEMENTATIONS = (HONE, "grouped_mm", "eager")
 
@@ -87,8 +95,9 @@ def layout_problem(module: nn.Module) -> str | None:
     return f"its gate function {type(module).__name__}._apply_gate is not one the kernels know (SiLU, gpt_oss' clamped SwiGLU)"
 
 
-def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
-    """Why ``experts_implementation: hone`` cannot run ``model`` on ``device`` (empty: it can)."""
+def experts_problems(model: nn.Module, device: torch.device, reference_ok: bool = False) -> list[str]:
+    """Why ``experts_implementation: hone`` cannot run ``model`` on ``device`` (empty: it can).
+    ``reference_ok``: the plain-PyTorch path may compute the experts off CUDA (expert parallelism)."""
     modules = experts_modules(model)
     if not modules:
         return [
@@ -96,7 +105,8 @@ def experts_problems(model: nn.Module, device: torch.device) -> list[str]:
             f"{type(model).__name__} has no experts module"
         ]
     problems = []
-    if not moe_triton_available(device) and not has_mxfp4_experts(model):  # MXFP4: the reference runs elsewhere
+    # MXFP4 and expert parallelism: their plain-PyTorch references run where the kernels cannot
+    if not moe_triton_available(device) and not has_mxfp4_experts(model) and not reference_ok:
         problems.append(
             f"model.experts_implementation: hone runs Triton kernels, which need triton and a CUDA device "
             f"(this run is on {device.type}); use grouped_mm or eager"
@@ -144,6 +154,8 @@ def hone_experts_forward(
     lora_scaling = lora_scaling or {}
     if mxfp4_weights(self):
         return mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
+    if getattr(self, EXPERT_SHARD_ATTR, None) is not None:
+        return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
     return moe_experts(
         hidden_states,
         top_k_index,
@@ -158,6 +170,45 @@ def hone_experts_forward(
         lora_scaling.get("gate_up_proj", 1.0),
         lora_scaling.get("down_proj", 1.0),
     )
+
+
+def expert_parallel_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    lora: dict[str, LoraFactors],
+    lora_scaling: dict[str, float],
+) -> torch.Tensor:
+    """The experts of a module holding one rank's block (:data:`EXPERT_SHARD_ATTR`): tokens go to
+    the ranks owning their experts and come back (:func:`~hone.parallel.expert_parallel.expert_parallel_experts`).
+    The capacity is the default rule's ``T * k`` for the largest ``T`` any rank routes
+    (:data:`EXPERT_TOKENS_ATTR`), the same on every rank whatever its micro-batch holds: no pair
+    can overflow, so the overflow count needs no check."""
+    shard: ExpertShard = getattr(module, EXPERT_SHARD_ATTR)
+    n_tokens, top_k = top_k_index.shape
+    max_tokens = getattr(module, EXPERT_TOKENS_ATTR, None) or n_tokens
+    if n_tokens > max_tokens:
+        raise ModelError(
+            f"expert parallel: a forward routed {n_tokens} tokens on rank {shard.rank}, more than the {max_tokens} "
+            "(training.micro_batch_size x data.sequence_len) its exchange buffers were sized for"
+        )
+    has_bias = bool(getattr(module, "has_bias", False))
+    out, _overflow = expert_parallel_experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        module.gate_up_proj,
+        module.down_proj,
+        layout_of(module),
+        shard,
+        biases=(module.gate_up_proj_bias, module.down_proj_bias) if has_bias else None,
+        lora=(lora.get("gate_up_proj"), lora.get("down_proj")),
+        scaling=lora_scaling.get("gate_up_proj", 1.0),
+        down_scaling=lora_scaling.get("down_proj", 1.0),
+        capacity=expert_capacity(max_tokens, top_k, shard.size),
+    )
+    return out
 
 
 def mxfp4_experts_forward(

@@ -1,0 +1,106 @@
+"""Which of a model's parameters hold one rank's block of experts (expert parallelism).
+
+Under ``distributed.expert_parallel: N`` every experts module keeps only its rank's contiguous
+block of ``E / N`` experts (:func:`shard_experts`, applied to the base model before the
+adapter) and carries its :class:`~hone.parallel.expert_parallel.ExpertShard` as
+:data:`~hone.models.experts.backend.EXPERT_SHARD_ATTR`. The contract every reader relies on
+(the forward, DDP, the gradient norm, saving):
+
+- ``gate_up_proj``, ``down_proj`` (and ``gate_up_proj_bias``, ``down_proj_bias`` when
+  ``has_bias``) are the global tensors' rows ``[first, first + E / N)`` along dim 0
+  (``ExpertShard.local``), the global shape otherwise;
+- PEFT's expert LoRA, created after the split, sees ``num_experts = E / N``: its ``lora_A``
+  ``[r * E/N, in]`` is the global ``[r * E, in]`` viewed ``[E, r, in]`` sliced on dim 0, and its
+  ``lora_B`` ``[out, r * E/N]`` is the global ``[out, r * E]`` viewed ``[out, r, E]`` sliced on
+  its last dim (PEFT lays B out expert-minor);
+- their gradients already sum every rank's tokens (the exchange's backward brings them), so no
+  reduction across ranks may touch them, and the gradient norm adds their squares over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft.tuners.lora.layer import ParamWrapper
+from torch import nn
+
+from hone.models.experts.backend import EXPERT_SHARD_ATTR, EXPERT_TOKENS_ATTR, experts_modules
+from hone.parallel.expert_parallel import ExpertShard
+
+#: The experts' own tensors split along their first (expert) dimension.
+SHARDED_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def expert_shard(module: nn.Module) -> ExpertShard | None:
+    """The block of experts ``module`` holds (None: all of them, or not an experts module)."""
+    return getattr(module, EXPERT_SHARD_ATTR, None)
+
+
+def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None = None) -> int:
+    """Keep, in every experts module of ``model``, this ``rank``'s block of experts out of
+    ``size`` ranks (new Parameters, cloned, with the same ``requires_grad``), and mark the module
+    with its shard (the default process group: the model stays picklable and compilable) and
+    the most tokens a forward routes per rank. Returns the number of experts modules split."""
+    modules = experts_modules(model)
+    for _, module in modules:
+        names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
+        shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0])
+        for name in names:
+            param = getattr(module, name)
+            setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
+        setattr(module, EXPERT_SHARD_ATTR, shard)
+        setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
+    return len(modules)
+
+
+def _sharded_owners(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, lora): the sharded experts modules and PEFT's wrappers around them."""
+    owners = []
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper) and expert_shard(module.get_base_layer()) is not None:
+            owners.append((name, module, True))
+        elif expert_shard(module) is not None:
+            owners.append((name, module, False))
+    return owners
+
+
+def expert_parallel_names(model: nn.Module) -> list[str]:
+    """Qualified names (in ``model``) of the parameters that hold this rank's experts only: the
+    split experts' tensors and the LoRA factors PEFT made for them."""
+    names = []
+    for owner, module, lora in _sharded_owners(model):
+        prefix = f"{owner}." if owner else ""
+        if lora:
+            for part in ("lora_A", "lora_B"):
+                names += [f"{prefix}{part}.{n}" for n, _ in getattr(module, part).named_parameters()]
+        else:
+            names += [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False) if n in SHARDED_TENSORS]
+    return names
+
+
+def expert_parallel_params(model: nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of :func:`expert_parallel_names`, in the same order."""
+    by_name = dict(model.named_parameters())
+    return [by_name[n] for n in expert_parallel_names(model)]
+
+
+def local_block(name: str, full: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """This rank's block of the global tensor ``full`` of the sharded parameter ``name`` (see the
+    module docstring for the layouts): what :func:`shard_experts` and PEFT hold on the rank."""
+    if ".lora_B." in f".{name}":
+        out, ranks = full.shape[0], full.shape[1] // shard.num_experts
+        block = full.view(out, ranks, shard.num_experts)[..., shard.first : shard.first + shard.local_count]
+        return block.reshape(out, ranks * shard.local_count)
+    if ".lora_A." in f".{name}":
+        blocks = full.view(shard.num_experts, -1, full.shape[-1])
+        return shard.local(blocks).reshape(-1, full.shape[-1])
+    return shard.local(full)
+
+
+def join_blocks(name: str, blocks: list[torch.Tensor], local_count: int) -> torch.Tensor:
+    """The global tensor of the sharded parameter ``name`` from every rank's block (rank order;
+    ``local_count`` experts each): the inverse of :func:`local_block`."""
+    if ".lora_B." in f".{name}":
+        out = blocks[0].shape[0]
+        joined = torch.cat([b.reshape(out, -1, local_count) for b in blocks], dim=-1)
+        return joined.reshape(out, -1)
+    return torch.cat(blocks, dim=0)

@@ -1,0 +1,70 @@
+"""Expert parallelism as a transform: each rank keeps ``E / N`` of every MoE layer's experts.
+
+``distributed.expert_parallel: N`` (N > 1, on N processes: all ranks form one group) splits
+the routed experts of every experts module into N contiguous blocks, one per rank
+(:func:`hone.models.experts.parallel.shard_experts`), on the base model before the adapter, so
+PEFT's expert LoRA creates factors for the local experts only. hone's experts forward then
+sends each token to the ranks holding its experts and back
+(:mod:`hone.parallel.expert_parallel`), with buffers sized for the largest micro-batch
+(``micro_batch_size x sequence_len`` tokens, ``k`` slots each): no pair can overflow, and no
+rank waits on the host. The split experts stay out of DDP (their gradients already sum every
+rank's tokens) and the gradient norm adds their squares over the ranks
+(:func:`hone.train.grad_norm.global_grad_norm`); every other weight stays under DDP's SUM.
+
+Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
+experts that N does not divide, an MXFP4 checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hone.models.experts.parallel import shard_experts
+from hone.transforms.base import PlanContext, Transform
+from hone.transforms.memory.facts import model_facts, mxfp4_experts
+
+
+def _size(ctx: PlanContext) -> int:
+    return ctx.cfg.distributed.expert_parallel
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    """What the model must be: read on the meta device (:func:`model_facts`), before it loads."""
+    n = _size(ctx)
+    key = f"distributed.expert_parallel: {n}"
+    mxfp4 = mxfp4_experts(ctx.cfg)
+    if mxfp4 is not None:
+        return [f"{key} does not split MXFP4 experts yet ({mxfp4}): use distributed.expert_parallel: 1"]
+    facts = model_facts(ctx.cfg)
+    if not any(layer.moe for layer in facts.layers) or facts.experts < 1:
+        return [f"{key} splits the experts of mixture-of-experts layers, and {facts.architecture} has none"]
+    if facts.experts % n:
+        return [
+            f"{key}: {facts.architecture} has {facts.experts} experts per layer, which {n} ranks cannot split evenly: "
+            f"use a divisor of {facts.experts}"
+        ]
+    return []
+
+
+def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
+    world, cfg = ctx.facts.world, ctx.cfg
+    max_tokens = cfg.training.micro_batch_size * cfg.data.sequence_len
+    modules = shard_experts(model, world.world_size, world.rank, max_tokens)
+    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": max_tokens}
+
+
+EXPERT_PARALLEL = Transform(
+    name="expert_parallel",
+    switch="distributed.expert_parallel",
+    wanted=lambda ctx: _size(ctx) > 1 and ctx.facts.world.distributed,
+    why=lambda ctx: (
+        f"distributed.expert_parallel: {_size(ctx)}: each rank holds 1/{_size(ctx)} of every MoE layer's experts; "
+        "tokens travel to them and back (two all-to-all exchanges per layer)"
+    ),
+    check=_check,
+    stage="base",
+    model=_apply,
+    label=lambda d: f"expert parallel ({d['ranks']} ranks, {d['experts_modules']} MoE layers)" if d else "expert parallel",
+)

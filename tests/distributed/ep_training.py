@@ -1,0 +1,161 @@
+"""Expert-parallel training cases: what each of 2 gloo ranks runs, and the same cases on one
+process for the reference (imported by tests/distributed/test_expert_parallel_training.py).
+
+A tiny Qwen3-MoE (8 experts, top-2): the reference is the whole model in one process, its
+experts computed by transformers (``grouped_mm``, PEFT's own expert LoRA); the expert-parallel
+run builds the same model from the same seed, keeps each rank's 4 experts through the plan's
+``experts`` and ``expert_parallel`` transforms, attaches the same adapter (PEFT then makes the
+factors of the local experts only) and copies the reference's initial adapter into it, each
+rank its block (LoRA's A is drawn from the global generator, whose draws differ with the
+number of experts).
+"""
+
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+from hone.config.adapter import AdapterConfig
+from hone.models.adapters import apply_adapter
+from hone.models.experts.parallel import expert_parallel_names, expert_shard, local_block
+from hone.models.presets import build_preset_config
+from hone.runtime.world import World
+from hone.testing import VOCAB, random_rows, tiny_config
+from hone.train.loop import train_loop
+from hone.transforms.base import PlanContext, RunFacts
+from hone.transforms.planner import plan_optimizations
+
+CPU = torch.device("cpu")
+CASES = [(adapter, packed) for adapter in ("lora", "full") for packed in (False, True)]
+STEPS = 3
+LORA = AdapterConfig(type="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "o_proj", "experts"])
+
+
+def case_name(adapter: str, packed: bool) -> str:
+    return f"{adapter}-{'packed' if packed else 'padded'}"
+
+
+def make_config(out: Path, adapter: str, packed: bool, accumulation: int, expert_parallel: int):
+    return tiny_config(
+        out,
+        model={"preset": "tiny-qwen3-moe", "dtype": "float32"},
+        data={"val_set_size": 0.1, "sequence_len": 48, **({"sample_packing": True} if packed else {})},
+        adapter={"type": "none"} if adapter == "full" else LORA.model_dump(),
+        training={
+            "max_steps": STEPS,
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": accumulation,
+            "eval_steps": STEPS,
+            "save_steps": None,
+            "max_grad_norm": 0.5,  # clips: the norm must be the global one on every rank
+        },
+        # adam_epsilon 1e-6, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
+        # of near-zero gradients (a token seen once, summed in another order) into whole updates
+        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-6},
+        distributed={"expert_parallel": expert_parallel},
+    )
+
+
+def base_model(seed: int) -> torch.nn.Module:
+    config = build_preset_config("tiny-qwen3-moe", {}, VOCAB)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def reference_model(adapter: str, seed: int) -> torch.nn.Module:
+    """The whole model with its adapter (random B: a zero B makes every A gradient zero)."""
+    model = base_model(seed)
+    if adapter == "full":
+        return apply_adapter(model, AdapterConfig(type="none"))
+    torch.manual_seed(seed)
+    model = apply_adapter(model, LORA)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    return model
+
+
+def expert_parallel_model(adapter: str, seed: int, cfg, facts: RunFacts) -> torch.nn.Module:
+    """This rank's model: the plan's experts and expert-parallel transforms on the base, the
+    adapter, then the reference's initial trainable weights (each rank its block)."""
+    plan = plan_optimizations(cfg, facts)
+    assert "expert_parallel" in plan.names, plan.names
+    model = base_model(seed)
+    ctx = PlanContext(cfg, facts, plan.decided)
+    for transform in plan.transforms:
+        if transform.name in ("experts", "expert_parallel"):
+            transform.model(model, ctx)
+    model = apply_adapter(model, AdapterConfig(type="none") if adapter == "full" else LORA)
+    copy_global(model, reference_model(adapter, seed))
+    return model
+
+
+def shards(model: torch.nn.Module) -> dict[str, object]:
+    """Each sharded parameter's name -> the shard of the experts module it belongs to."""
+    return {name: _owner_shard(model, name) for name in expert_parallel_names(model)}
+
+
+def _owner_shard(model: torch.nn.Module, name: str):
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = model.get_submodule(".".join(parts[:cut]))
+        base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+        if expert_shard(base) is not None:
+            return expert_shard(base)
+    raise AssertionError(f"{name} belongs to no expert-parallel module")
+
+
+def copy_global(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Set every trainable weight of ``model`` from ``reference``'s (the rank's block where sharded)."""
+    sharded = set(expert_parallel_names(model))
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = full[name].detach()
+            if name in sharded:
+                value = local_block(name, value, _owner_shard(model, name))
+            assert value.shape == param.shape, (name, value.shape, param.shape)
+            param.copy_(value)
+
+
+def make_data(seed: int):
+    return random_rows(40, seed=seed, min_len=5, max_len=24), random_rows(7, seed=seed + 1, min_len=5, max_len=24)
+
+
+def run(model, cfg, world: World, facts: RunFacts, seed: int) -> None:
+    train, evaluation = make_data(seed)
+    hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks)
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_reference(adapter: str, packed: bool, out: Path, seed: int) -> dict[str, torch.Tensor]:
+    """One process, accumulation 2: the trained weights."""
+    from hone.runtime.world import SINGLE
+
+    cfg = make_config(out, adapter, packed, accumulation=2, expert_parallel=1)
+    model = reference_model(adapter, seed)
+    run(model, cfg, SINGLE, RunFacts(CPU, world=SINGLE), seed)
+    return trainable(model)
+
+
+def run_ranks(rank: int, out: Path, seed: int) -> None:
+    """Every case on this rank (2 ranks, accumulation 1); writes each rank's trained weights
+    and which of them are expert blocks."""
+    from hone.runtime.world import current_world
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    for adapter, packed in CASES:
+        case = out / case_name(adapter, packed)
+        cfg = make_config(case, adapter, packed, accumulation=1, expert_parallel=world.world_size)
+        model = expert_parallel_model(adapter, seed, cfg, facts)
+        run(model, cfg, world, facts, seed)
+        sharded = {n: s.local_count for n, s in shards(model).items()}
+        torch.save({"weights": trainable(model), "sharded": sharded}, case / f"weights-rank{rank}.pt")
