@@ -1,0 +1,126 @@
+"""``distributed.expert_parallel`` before any process group: the config's refusals, the launch
+check, the plan's checks and order, the experts backend it picks, and the layout contract of a
+rank's block (its experts' tensors and PEFT's LoRA factors for them) against the whole model.
+Training on 2 gloo ranks is tested in tests/distributed/test_expert_parallel_training.py."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hone.config import parse_config
+from hone.config.adapter import AdapterConfig
+from hone.errors import HoneError
+from hone.models.adapters import apply_adapter
+from hone.models.experts.backend import EXPERT_SHARD_ATTR, experts_modules
+from hone.models.experts.lora import expert_lora_factors
+from hone.models.experts.parallel import expert_parallel_names, join_blocks, local_block, shard_experts
+from hone.models.presets import build_preset_config
+from hone.runtime.world import World
+from hone.train.distributed import check_launch
+from hone.train.grad_norm import global_grad_norm
+from hone.transforms.base import RunFacts
+from hone.transforms.planner import plan_optimizations
+
+CPU = torch.device("cpu")
+MOE = {"preset": "tiny-qwen3-moe", "dtype": "float32"}
+DATA = {"datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
+LORA = AdapterConfig(type="lora", lora_r=2, lora_target_modules=["q_proj", "experts"])
+
+
+def config(model=None, adapter="none", **distributed):
+    return parse_config({"model": model or MOE, "data": DATA, "adapter": adapter, "distributed": distributed})
+
+
+@pytest.mark.parametrize(
+    ("model", "distributed", "message"),
+    [
+        (MOE, {"expert_parallel": 0}, "distributed.expert_parallel: 0 must be at least 1"),
+        (MOE, {"expert_parallel": 2, "strategy": "fsdp"}, "does not work with distributed.strategy: fsdp yet"),
+        ({**MOE, "experts_implementation": "grouped_mm"}, {"expert_parallel": 2}, "model.experts_implementation is 'grouped_mm'"),
+    ],
+)
+def test_the_config_refuses_what_expert_parallelism_cannot_run(model, distributed, message):
+    with pytest.raises(HoneError, match=message):
+        config(model, **distributed)
+
+
+def test_mxfp4_experts_are_not_split_yet():
+    with pytest.raises(HoneError, match="expert_parallel: 2 does not work with model.quantize: mxfp4 yet"):
+        config({"preset": "tiny-gpt-oss", "quantize": "mxfp4"}, "lora", expert_parallel=2)
+
+
+def test_expert_parallel_must_span_every_process():
+    with pytest.raises(HoneError, match="not yet: expert_parallel must equal --nproc-per-node"):
+        check_launch(config(expert_parallel=2), World(0, 4, 0), "cpu", local_processes=4)
+    with pytest.raises(HoneError, match="distributed.expert_parallel: 2 on 1 process"):
+        check_launch(config(expert_parallel=2), World(), "cpu")
+    check_launch(config(expert_parallel=2), World(1, 2, 1), "cpu", local_processes=2)
+
+
+def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_the_cpu():
+    plan = plan_optimizations(config(expert_parallel=2), RunFacts(CPU, world=World(0, 2, 0)))
+    names = plan.names
+    assert names.index("experts") < names.index("expert_parallel") < names.index("ddp")
+    assert plan.decided.experts_implementation == "hone"
+    assert "expert_parallel" not in plan_optimizations(config(), RunFacts(CPU, world=World(0, 2, 0))).names
+
+
+@pytest.mark.parametrize(
+    ("model", "ranks", "message"),
+    [
+        ({"preset": "tiny-llama"}, 2, "splits the experts of mixture-of-experts layers, and .* has none"),
+        (MOE, 3, "has 8 experts per layer, which 3 ranks cannot split evenly"),
+    ],
+)
+def test_the_plan_refuses_a_model_it_cannot_split(model, ranks, message):
+    with pytest.raises(HoneError, match=message):
+        plan_optimizations(config(model, expert_parallel=ranks), RunFacts(CPU, world=World(0, ranks, 0)))
+
+
+def _moe(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(build_preset_config("tiny-qwen3-moe", {}, 64), dtype=torch.float32)
+
+
+def test_a_rank_s_block_is_its_experts_and_the_lora_factors_peft_makes_for_them():
+    whole = apply_adapter(_moe(), LORA)
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.copy_(torch.randn_like(param))
+    blocks = []
+    for rank in (0, 1):
+        model = _moe()
+        model.config._experts_implementation = "hone"  # what the experts transform selects
+        assert shard_experts(model, 2, rank, max_tokens=16) == 2
+        model = apply_adapter(model, LORA)
+        names = expert_parallel_names(model)
+        assert any(".lora_B." in n for n in names) and any(n.endswith(".down_proj") for n in names)
+        assert not any("q_proj" in n for n in names)
+        full = dict(whole.named_parameters())
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                shard = getattr(experts_modules(model)[0][1], EXPERT_SHARD_ATTR)
+                param.copy_(local_block(name, full[name], shard) if name in names else full[name])
+        # PEFT's per-expert view of the rank's factors is the whole model's, experts [4 rank, 4 rank + 4)
+        for (name, wrapper), (_, local) in zip(_wrappers(whole), _wrappers(model), strict=True):
+            for got, want in zip(expert_lora_factors(local, "default"), expert_lora_factors(wrapper, "default"), strict=True):
+                torch.testing.assert_close(got, want[4 * rank : 4 * rank + 4], rtol=0, atol=0, msg=name)
+        blocks.append({n: p.detach() for n, p in model.named_parameters() if n in names})
+    for name, block in blocks[0].items():
+        joined = join_blocks(name, [block, blocks[1][name]], local_count=4)
+        torch.testing.assert_close(joined, dict(whole.named_parameters())[name].detach(), rtol=0, atol=0, msg=name)
+
+
+def _wrappers(model):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ParamWrapper)]
+
+
+def test_the_norm_of_sharded_gradients_alone_on_one_process_is_their_plain_norm():
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))]
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    assert global_grad_norm(params, None, sharded=params[1:]).item() == pytest.approx(global_grad_norm(params, None).item())
+    assert global_grad_norm(params, 1.0, sharded=params).item() == pytest.approx(2.0 * 7**0.5)
+    assert params[0].grad.norm().item() == pytest.approx(2.0 * 3**0.5 / (2.0 * 7**0.5), rel=1e-5)
