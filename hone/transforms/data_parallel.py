@@ -5,7 +5,9 @@ Which strategy a run uses (:func:`resolve_strategy`) is decided once, before the
 - a world of one process: none (nothing to share);
 - ``distributed.strategy: ddp`` / ``fsdp``: as written; ``none`` on several processes is refused
   (:func:`hone.train.distributed.check_launch`);
-- ``auto`` on several processes: FSDP2 when the training state (weights, gradients, AdamW moments,
+- ``auto`` on several processes with ``distributed.expert_parallel`` > 1: DDP (the experts are
+  split by expert parallelism; FSDP2 beside it comes later);
+- ``auto`` on several processes otherwise: FSDP2 when the training state (weights, gradients, AdamW moments,
   from :mod:`hone.transforms.memory` on the meta device) does not fit one device, DDP otherwise.
   Where the estimate cannot be made (an unusual model), DDP, and the plan says so.
 
@@ -59,6 +61,11 @@ def resolve_strategy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
         return "none", "one process: no data parallelism"
     if chosen != "auto":
         return chosen, f"distributed.strategy: {chosen} ({world.world_size} processes)"
+    if cfg.distributed.expert_parallel > 1:  # FSDP2 beside expert parallelism comes later
+        return "ddp", (
+            f"distributed.strategy: auto on {world.world_size} processes: DDP for the weights outside the experts, "
+            f"which distributed.expert_parallel: {cfg.distributed.expert_parallel} splits over the ranks"
+        )
     state = training_state_bytes(cfg, facts.device.type)
     if state is None:
         return "ddp", (

@@ -62,6 +62,7 @@ def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_t
     names = plan.names
     assert names.index("experts") < names.index("expert_parallel") < names.index("ddp")
     assert plan.decided.experts_implementation == "hone"
+    assert plan.decided.strategy == "ddp" and "expert_parallel: 2 splits" in plan.decided.strategy_why
     assert "expert_parallel" not in plan_optimizations(config(), RunFacts(CPU, world=World(0, 2, 0))).names
 
 
