@@ -7,9 +7,11 @@ run builds the same model from the same seed, keeps each rank's 4 experts throug
 ``experts`` and ``expert_parallel`` transforms, attaches the same adapter (PEFT then makes the
 factors of the local experts only) and copies the reference's initial adapter into it, each
 rank its block (LoRA's A is drawn from the global generator, whose draws differ with the
-number of experts).
+number of experts). Cases: LoRA and full fine-tune, padded and packed; gpt-oss' experts (biases,
+transposed layout); and, slow, regional compile with full checkpointing through the plan.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,21 +29,40 @@ from hone.transforms.base import PlanContext, RunFacts
 from hone.transforms.planner import plan_optimizations
 
 CPU = torch.device("cpu")
-CASES = [(adapter, packed) for adapter in ("lora", "full") for packed in (False, True)]
 STEPS = 3
 LORA = AdapterConfig(type="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "o_proj", "experts"])
+#: Regional compile (aot_eager on the CPU) and full activation checkpointing, applied by the plan.
+COMPOSED = {
+    "performance": {"torch_compile": True, "torch_compile_backend": "aot_eager", "torch_compile_scope": "regional"},
+    "memory": {"activation_checkpointing": "full"},
+}
 
 
-def case_name(adapter: str, packed: bool) -> str:
-    return f"{adapter}-{'packed' if packed else 'padded'}"
+@dataclass(frozen=True)
+class Case:
+    adapter: str  # lora (attention + experts) or full
+    packed: bool
+    preset: str = "tiny-qwen3-moe"
+    composed: bool = False  # through the plan's compile and checkpointing
+
+    @property
+    def name(self) -> str:
+        extra = ("-gpt-oss" if "gpt-oss" in self.preset else "") + ("-composed" if self.composed else "")
+        return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
-def make_config(out: Path, adapter: str, packed: bool, accumulation: int, expert_parallel: int):
+CASES = [Case(adapter, packed) for adapter in ("lora", "full") for packed in (False, True)]
+#: gpt-oss' experts: transposed, interleaved gate/up, biases (split with the experts), clamped SwiGLU.
+GPT_OSS = Case("full", False, "tiny-gpt-oss")
+SLOW_CASES = [Case("lora", True, composed=True)]
+
+
+def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
     return tiny_config(
         out,
-        model={"preset": "tiny-qwen3-moe", "dtype": "float32"},
-        data={"val_set_size": 0.1, "sequence_len": 48, **({"sample_packing": True} if packed else {})},
-        adapter={"type": "none"} if adapter == "full" else LORA.model_dump(),
+        model={"preset": case.preset, "dtype": "float32"},
+        data={"val_set_size": 0.1, "sequence_len": 48, **({"sample_packing": True} if case.packed else {})},
+        adapter={"type": "none"} if case.adapter == "full" else LORA.model_dump(),
         training={
             "max_steps": STEPS,
             "micro_batch_size": 1,
@@ -54,20 +75,21 @@ def make_config(out: Path, adapter: str, packed: bool, accumulation: int, expert
         # of near-zero gradients (a token seen once, summed in another order) into whole updates
         optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-6},
         distributed={"expert_parallel": expert_parallel},
+        **(COMPOSED if case.composed else {}),
     )
 
 
-def base_model(seed: int) -> torch.nn.Module:
-    config = build_preset_config("tiny-qwen3-moe", {}, VOCAB)
+def base_model(preset: str, seed: int) -> torch.nn.Module:
+    config = build_preset_config(preset, {}, VOCAB)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def reference_model(adapter: str, seed: int) -> torch.nn.Module:
+def reference_model(case: Case, seed: int) -> torch.nn.Module:
     """The whole model with its adapter (random B: a zero B makes every A gradient zero)."""
-    model = base_model(seed)
-    if adapter == "full":
+    model = base_model(case.preset, seed)
+    if case.adapter == "full":
         return apply_adapter(model, AdapterConfig(type="none"))
     torch.manual_seed(seed)
     model = apply_adapter(model, LORA)
@@ -78,18 +100,18 @@ def reference_model(adapter: str, seed: int) -> torch.nn.Module:
     return model
 
 
-def expert_parallel_model(adapter: str, seed: int, cfg, facts: RunFacts) -> torch.nn.Module:
+def expert_parallel_model(case: Case, seed: int, cfg, facts: RunFacts) -> torch.nn.Module:
     """This rank's model: the plan's experts and expert-parallel transforms on the base, the
     adapter, then the reference's initial trainable weights (each rank its block)."""
     plan = plan_optimizations(cfg, facts)
     assert "expert_parallel" in plan.names, plan.names
-    model = base_model(seed)
+    model = base_model(case.preset, seed)
     ctx = PlanContext(cfg, facts, plan.decided)
     for transform in plan.transforms:
         if transform.name in ("experts", "expert_parallel"):
             transform.model(model, ctx)
-    model = apply_adapter(model, AdapterConfig(type="none") if adapter == "full" else LORA)
-    copy_global(model, reference_model(adapter, seed))
+    model = apply_adapter(model, AdapterConfig(type="none") if case.adapter == "full" else LORA)
+    copy_global(model, reference_model(case, seed))
     return model
 
 
@@ -126,8 +148,12 @@ def make_data(seed: int):
 
 
 def run(model, cfg, world: World, facts: RunFacts, seed: int) -> None:
+    """The plan's adapted stage (compile, checkpointing where the case asks), then the loop."""
+    torch._dynamo.reset()
     train, evaluation = make_data(seed)
-    hooks = plan_optimizations(cfg, facts).hooks(model, cfg, facts)
+    plan = plan_optimizations(cfg, facts)
+    plan.apply(model, "adapted", cfg, facts)
+    hooks = plan.hooks(model, cfg, facts)
     train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks)
 
 
@@ -135,27 +161,26 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def run_reference(adapter: str, packed: bool, out: Path, seed: int) -> dict[str, torch.Tensor]:
+def run_reference(case: Case, out: Path, seed: int) -> dict[str, torch.Tensor]:
     """One process, accumulation 2: the trained weights."""
     from hone.runtime.world import SINGLE
 
-    cfg = make_config(out, adapter, packed, accumulation=2, expert_parallel=1)
-    model = reference_model(adapter, seed)
+    cfg = make_config(out, case, accumulation=2, expert_parallel=1)
+    model = reference_model(case, seed)
     run(model, cfg, SINGLE, RunFacts(CPU, world=SINGLE), seed)
     return trainable(model)
 
 
-def run_ranks(rank: int, out: Path, seed: int) -> None:
-    """Every case on this rank (2 ranks, accumulation 1); writes each rank's trained weights
-    and which of them are expert blocks."""
+def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
+    """Each case on this rank (2 ranks, accumulation 1); writes each rank's trained weights
+    and which of them are expert blocks (with their experts per rank)."""
     from hone.runtime.world import current_world
 
     world = current_world()
     facts = RunFacts(CPU, world=world)
-    for adapter, packed in CASES:
-        case = out / case_name(adapter, packed)
-        cfg = make_config(case, adapter, packed, accumulation=1, expert_parallel=world.world_size)
-        model = expert_parallel_model(adapter, seed, cfg, facts)
+    for case in cases:
+        cfg = make_config(out / case.name, case, accumulation=1, expert_parallel=world.world_size)
+        model = expert_parallel_model(case, seed, cfg, facts)
         run(model, cfg, world, facts, seed)
         sharded = {n: s.local_count for n, s in shards(model).items()}
-        torch.save({"weights": trainable(model), "sharded": sharded}, case / f"weights-rank{rank}.pt")
+        torch.save({"weights": trainable(model), "sharded": sharded}, out / case.name / f"weights-rank{rank}.pt")

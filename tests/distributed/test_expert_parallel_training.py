@@ -1,7 +1,8 @@
 """Exact expert parallelism in training: 2 ranks, each holding 4 of a tiny Qwen3-MoE's 8 experts
 (micro-batch 1), give the losses, eval losses and final weights of one process holding all
 experts with accumulation 2 (fp32, 1e-5): LoRA on attention + experts and a full fine-tune,
-padded and packed, gradients clipped by the global norm. The reference computes its experts
+padded and packed, gradients clipped by the global norm; gpt-oss' experts (biases, transposed
+layout); and, slow, through regional compile and full activation checkpointing. The reference computes its experts
 with transformers' own implementation (and PEFT's own expert LoRA), not hone's."""
 
 import os
@@ -9,7 +10,7 @@ import random
 
 import pytest
 import torch
-from ep_training import CASES, case_name, run_ranks, run_reference
+from ep_training import CASES, GPT_OSS, SLOW_CASES, run_ranks, run_reference
 from fsdp_harness import spawn
 
 from hone.models.experts.parallel import join_blocks
@@ -18,16 +19,24 @@ from hone.track.metrics import read_metrics
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep-parity")
-    for adapter, packed in CASES:
-        (out / case_name(adapter, packed)).mkdir()
+def _spawn(out, cases):
+    for case in cases:
+        (out / case.name).mkdir()
     try:
-        spawn(run_ranks, 2, out, SEED, timeout_s=300)
+        spawn(run_ranks, 2, out, SEED, cases, timeout_s=300)
     except Exception as exc:
         raise AssertionError(f"expert-parallel runs (seed {SEED}) failed:\n{exc}") from exc
     return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-parity"), [*CASES, GPT_OSS])
+
+
+@pytest.fixture(scope="module")
+def composed_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-composed"), SLOW_CASES)
 
 
 def _losses(path):
@@ -51,20 +60,28 @@ def _joined(two_ranks):
     return joined, sharded
 
 
-@pytest.mark.parametrize(("adapter", "packed"), CASES, ids=[case_name(a, p) for a, p in CASES])
-def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, adapter, packed):
-    name = case_name(adapter, packed)
-    expected = run_reference(adapter, packed, tmp_path / name, SEED)
-    ref_train, ref_eval = _losses(tmp_path / name)
-    got_train, got_eval = _losses(two_rank_runs / name)
+@pytest.mark.parametrize("case", [*CASES, GPT_OSS], ids=lambda c: c.name)
+def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, case):
+    _assert_same_run(two_rank_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
+def test_expert_parallel_composes_with_regional_compile_and_checkpointing(composed_runs, tmp_path, case):
+    _assert_same_run(composed_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+
+
+def _assert_same_run(two_ranks, one_rank, expected, case):
+    ref_train, ref_eval = _losses(one_rank)
+    got_train, got_eval = _losses(two_ranks)
     assert len(got_train) == len(ref_train) == 3 and len(got_eval) == len(ref_eval) == 2
     # the losses, and the gradient norms (which clip: each rank's must be the global one)
     assert [x for row in got_train for x in row] == pytest.approx([x for row in ref_train for x in row], rel=1e-5), SEED
     assert got_eval == pytest.approx(ref_eval, rel=1e-5), f"seed {SEED}"
-    joined, sharded = _joined(two_rank_runs / name)
+    joined, sharded = _joined(two_ranks)
     assert joined.keys() == expected.keys()
     assert any("experts" in n for n in sharded) and all("experts" in n for n in sharded)
-    if adapter == "lora":
+    if case.adapter == "lora":
         assert any("lora_A" in n for n in sharded) and any("lora_B" in n for n in sharded)
     else:
         assert any(n.endswith("gate_up_proj") for n in sharded) and any(n.endswith("down_proj") for n in sharded)
