@@ -21,7 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from hone.models.experts.parallel import shard_experts
+from hone.models.experts.backend import is_experts_module
+from hone.models.experts.parallel import shard_experts, shard_module
+from hone.models.materialize import Replace
 from hone.transforms.base import PlanContext, Transform
 from hone.transforms.memory.facts import model_facts, mxfp4_experts
 
@@ -48,11 +50,28 @@ def _check(ctx: PlanContext) -> list[str]:
     return []
 
 
+def _max_tokens(ctx: PlanContext) -> int:
+    """The most tokens one forward routes on a rank: every rank sizes its exchange from it."""
+    return ctx.cfg.training.micro_batch_size * ctx.cfg.data.sequence_len
+
+
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
-    world, cfg = ctx.facts.world, ctx.cfg
-    max_tokens = cfg.training.micro_batch_size * cfg.data.sequence_len
-    modules = shard_experts(model, world.world_size, world.rank, max_tokens)
-    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": max_tokens}
+    world = ctx.facts.world
+    modules = shard_experts(model, world.world_size, world.rank, _max_tokens(ctx))
+    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": _max_tokens(ctx)}
+
+
+def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
+    """A big preset drawn on the device: each experts module keeps its block as soon as it is
+    drawn, so no rank holds every expert of the model at once (``_apply`` then finds them split)."""
+    world = ctx.facts.world
+
+    def keep_block(module: nn.Module) -> None:
+        if is_experts_module(module):
+            shard_module(module, world.world_size, world.rank, _max_tokens(ctx))
+        return None  # split in place: the module stays
+
+    return keep_block
 
 
 EXPERT_PARALLEL = Transform(
@@ -66,5 +85,6 @@ EXPERT_PARALLEL = Transform(
     check=_check,
     stage="base",
     model=_apply,
+    as_drawn=_as_drawn,
     label=lambda d: f"expert parallel ({d['ranks']} ranks, {d['experts_modules']} MoE layers)" if d else "expert parallel",
 )

@@ -125,3 +125,24 @@ def test_the_norm_of_sharded_gradients_alone_on_one_process_is_their_plain_norm(
     assert global_grad_norm(params, None, sharded=params[1:]).item() == pytest.approx(global_grad_norm(params, None).item())
     assert global_grad_norm(params, 1.0, sharded=params).item() == pytest.approx(2.0 * 7**0.5)
     assert params[0].grad.norm().item() == pytest.approx(2.0 * 3**0.5 / (2.0 * 7**0.5), rel=1e-5)
+
+
+def test_a_big_preset_drawn_on_the_device_keeps_each_rank_s_block_as_each_experts_module_is_drawn():
+    from hone.models.materialize import build_skeleton, materialize
+
+    cfg = config(expert_parallel=2)
+    facts = RunFacts(CPU, world=World(1, 2, 1))
+    plan = plan_optimizations(cfg, facts)
+    moe = build_preset_config("tiny-qwen3-moe", {}, 64)
+    torch.manual_seed(5)
+    whole = materialize(build_skeleton(moe, torch.float32), CPU)  # the same draws, every expert kept
+    skeleton = build_skeleton(moe, torch.float32)
+    torch.manual_seed(5)
+    drawn = materialize(skeleton, CPU, plan.as_drawn(cfg, facts)(skeleton))
+    assert all(m.down_proj.shape[0] == 4 for _, m in experts_modules(drawn))  # split as drawn
+    plan.apply(drawn, "base", cfg, facts)  # finds the experts split already: splits nothing twice
+    expected = dict(whole.named_parameters())
+    for name, param in drawn.named_parameters():
+        want = expected[name][4:] if name.endswith("_proj") and ".experts." in name else expected[name]
+        torch.testing.assert_close(param, want, rtol=0, atol=0, msg=name)
+    assert all(getattr(m, EXPERT_SHARD_ATTR).rank == 1 for _, m in experts_modules(drawn))

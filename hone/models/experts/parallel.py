@@ -35,20 +35,28 @@ def expert_shard(module: nn.Module) -> ExpertShard | None:
     return getattr(module, EXPERT_SHARD_ATTR, None)
 
 
+def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None = None) -> bool:
+    """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
+    ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
+    (the default process group: the model stays picklable and compilable) and the most tokens a
+    forward routes per rank. False where it was split already (idempotent)."""
+    if expert_shard(module) is not None:
+        return False
+    names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
+    shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0])
+    for name in names:
+        param = getattr(module, name)
+        setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
+    setattr(module, EXPERT_SHARD_ATTR, shard)
+    setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
+    return True
+
+
 def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None = None) -> int:
-    """Keep, in every experts module of ``model``, this ``rank``'s block of experts out of
-    ``size`` ranks (new Parameters, cloned, with the same ``requires_grad``), and mark the module
-    with its shard (the default process group: the model stays picklable and compilable) and
-    the most tokens a forward routes per rank. Returns the number of experts modules split."""
+    """:func:`shard_module` on every experts module of ``model``; returns how many it holds."""
     modules = experts_modules(model)
     for _, module in modules:
-        names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
-        shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0])
-        for name in names:
-            param = getattr(module, name)
-            setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
-        setattr(module, EXPERT_SHARD_ATTR, shard)
-        setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
+        shard_module(module, size, rank, max_tokens)
     return len(modules)
 
 
