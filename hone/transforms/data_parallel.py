@@ -25,7 +25,10 @@ on, but its API is still private in torch 2.x. Two choices make the math exact:
   micro-batch under ``no_sync`` (:attr:`StepModule.no_sync`), so gradients are reduced once.
 
 After the reduction every rank holds the same full gradients, so the clipping norm computed
-locally is the global one and every rank takes the same skip/step decision.
+locally is the global one and every rank takes the same skip/step decision. Under expert
+parallelism the split experts (and their LoRA factors) stay out of DDP: their gradients already
+sum every rank's tokens, and :func:`hone.train.grad_norm.global_grad_norm` adds their squares
+over the ranks.
 
 As a transform (:data:`DDP`) it comes last in the plan, beside FSDP2: it wraps the final modules.
 """

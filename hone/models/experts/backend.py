@@ -8,9 +8,11 @@ transformers 5 routes every ``@use_experts_implementation`` experts module's for
 The module's flags (``is_transposed``, ``is_concatenated``, ``has_bias``, ``has_gate``,
 ``has_post_expert_norm``), its activation and its gate function are turned into an
 :class:`~hone.kernels.moe_lora_reference.ExpertsLayout`; what the kernels do not cover
-(ungated experts, a post-expert norm, expert parallelism, an activation other than SiLU or
-gpt_oss' clamped SwiGLU) is refused by :func:`experts_problems` before training, naming the
-module and the alternatives.
+(ungated experts, a post-expert norm, transformers' own expert parallelism, an activation
+other than SiLU or gpt_oss' clamped SwiGLU) is refused by :func:`experts_problems` before
+training, naming the module and the alternatives. hone's own expert parallelism runs here: a
+module split by it (:data:`EXPERT_SHARD_ATTR`) exchanges its tokens with the other ranks
+(:func:`expert_parallel_forward`).
 """
 
 from __future__ import annotations
