@@ -12,7 +12,8 @@ rank's tokens) and the gradient norm adds their squares over the ranks
 (:func:`hone.train.grad_norm.global_grad_norm`); every other weight stays under DDP's SUM.
 
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
-experts that N does not divide, an MXFP4 checkpoint.
+experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
+run as many pieces of a layer as its own tokens make, and the exchanges need them in step).
 """
 
 from __future__ import annotations
@@ -39,15 +40,33 @@ def _check(ctx: PlanContext) -> list[str]:
     mxfp4 = mxfp4_experts(ctx.cfg)
     if mxfp4 is not None:
         return [f"{key} does not split MXFP4 experts yet ({mxfp4}): use distributed.expert_parallel: 1"]
+    problems = _tiling_problems(ctx, key)
     facts = model_facts(ctx.cfg)
     if not any(layer.moe for layer in facts.layers) or facts.experts < 1:
-        return [f"{key} splits the experts of mixture-of-experts layers, and {facts.architecture} has none"]
+        return [*problems, f"{key} splits the experts of mixture-of-experts layers, and {facts.architecture} has none"]
     if facts.experts % n:
-        return [
+        problems.append(
             f"{key}: {facts.architecture} has {facts.experts} experts per layer, which {n} ranks cannot split evenly: "
             f"use a divisor of {facts.experts}"
-        ]
-    return []
+        )
+    return problems
+
+
+def _tiling_problems(ctx: PlanContext, key: str) -> list[str]:
+    """Tiled MLP and tiled layers run each layer on pieces of the tokens whose number follows the
+    rank's own micro-batch; expert parallelism needs every rank in the same exchange (not yet)."""
+    d, problems = ctx.decided, []
+    if d.tiled_mlp_shards > 0:
+        problems.append(
+            f"{key} does not run with memory.tiled_mlp yet ({d.tiled_mlp_why}): every rank must take part in each "
+            "layer's exchange, and the tiled shards follow each rank's tokens; set memory.tiled_mlp: off"
+        )
+    if d.tiled_layers_chunks >= 2:
+        problems.append(
+            f"{key} does not run with memory.tiled_layers yet ({d.tiled_layers_why}): every rank must take part in each "
+            "layer's exchange; set memory.tiled_layers: off"
+        )
+    return problems
 
 
 def _max_tokens(ctx: PlanContext) -> int:

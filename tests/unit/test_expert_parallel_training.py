@@ -78,6 +78,12 @@ def test_the_plan_refuses_a_model_it_cannot_split(model, ranks, message):
         plan_optimizations(config(model, expert_parallel=ranks), RunFacts(CPU, world=World(0, ranks, 0)))
 
 
+def test_the_plan_refuses_tiled_layers_and_mlp_beside_expert_parallelism():
+    cfg = parse_config({"model": MOE, "data": DATA, "memory": {"tiled_mlp": 2}, "distributed": {"expert_parallel": 2}})
+    with pytest.raises(HoneError, match="does not run with memory.tiled_mlp yet"):
+        plan_optimizations(cfg, RunFacts(CPU, world=World(0, 2, 0)))
+
+
 def _moe(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(build_preset_config("tiny-qwen3-moe", {}, 64), dtype=torch.float32)
