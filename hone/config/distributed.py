@@ -43,12 +43,29 @@ class DistributedConfig(Section):
     experts backend (``model.experts_implementation``: auto or hone), and does not combine with
     ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md)."""
 
+    expert_capacity_factor: float | None = None
+    """Expert parallelism: the rows each rank reserves, per layer, for the token-expert pairs of
+    each other rank, as a multiple of the balanced share ``micro_batch_size x sequence_len x k /
+    N`` (rounded up to a multiple of 8). Unset (the default): the worst case, every pair of a rank
+    to one rank, so nothing can overflow whatever the routing, at ``N`` times the exchange and
+    expert-activation memory of one process. ``1.25`` or so keeps that memory near one process's;
+    a micro-batch whose routing then overflows stops the run with an error naming this key (a
+    pair is never dropped silently)."""
+
     @model_validator(mode="after")
     def _expert_parallel_alone(self) -> "DistributedConfig":
         if self.expert_parallel < 1:
             raise ValueError(
                 f"distributed.expert_parallel: {self.expert_parallel} must be at least 1 (1: off; N > 1: the experts "
                 "split over N processes, N = --nproc-per-node)"
+            )
+        factor = self.expert_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"distributed.expert_capacity_factor: {factor} must be a positive number (or unset: no overflow)")
+        if factor is not None and self.expert_parallel == 1:
+            raise ValueError(
+                f"distributed.expert_capacity_factor: {factor} sizes the exchanges of expert parallelism, which is off "
+                "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_capacity_factor"
             )
         if self.expert_parallel > 1 and self.strategy in ("fsdp", "none"):
             raise ValueError(

@@ -6,10 +6,13 @@ the routed experts of every experts module into N contiguous blocks, one per ran
 PEFT's expert LoRA creates factors for the local experts only. hone's experts forward then
 sends each token to the ranks holding its experts and back
 (:mod:`hone.parallel.expert_parallel`), with buffers sized for the largest micro-batch
-(``micro_batch_size x sequence_len`` tokens, ``k`` slots each): no pair can overflow, and no
-rank waits on the host. The split experts stay out of DDP (their gradients already sum every
-rank's tokens) and the gradient norm adds their squares over the ranks
-(:func:`hone.train.grad_norm.global_grad_norm`); every other weight stays under DDP's SUM.
+(``micro_batch_size x sequence_len`` tokens, ``k`` slots each): by default no pair can overflow
+and no rank waits on the host; with ``distributed.expert_capacity_factor`` the buffers shrink to
+about that multiple of the balanced share, and the pairs over capacity, counted on the device,
+are checked once per micro-batch (an overflow stops the run on every rank). The split experts
+stay out of DDP (their gradients already sum every rank's tokens) and the gradient norm adds
+their squares over the ranks (:func:`hone.train.grad_norm.global_grad_norm`); every other
+weight stays under DDP's SUM.
 
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
 experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
@@ -18,13 +21,17 @@ run as many pieces of a layer as its own tokens make, and the exchanges need the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
 from hone.models.experts.backend import is_experts_module
-from hone.models.experts.parallel import shard_experts, shard_module
+from hone.models.experts.parallel import shard_experts, shard_module, take_overflow
 from hone.models.materialize import Replace
+from hone.parallel.expert_parallel import ExpertCapacityError, ExpertShard, check_overflow, expert_capacity
+from hone.runtime.step import StepContext
 from hone.transforms.base import PlanContext, Transform
 from hone.transforms.memory.facts import model_facts, mxfp4_experts
 
@@ -74,10 +81,48 @@ def _max_tokens(ctx: PlanContext) -> int:
     return ctx.cfg.training.micro_batch_size * ctx.cfg.data.sequence_len
 
 
+@contextmanager
+def _no_check(batch: object) -> Iterator[None]:
+    yield  # capacity T * k: no pair can overflow
+
+
+def _factor(ctx: PlanContext) -> float | None:
+    return ctx.cfg.distributed.expert_capacity_factor
+
+
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
-    world = ctx.facts.world
-    modules = shard_experts(model, world.world_size, world.rank, _max_tokens(ctx))
-    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": _max_tokens(ctx)}
+    world, factor, max_tokens = ctx.facts.world, _factor(ctx), _max_tokens(ctx)
+    modules = shard_experts(model, world.world_size, world.rank, max_tokens, factor)
+    return {
+        "ranks": world.world_size,
+        "experts_modules": modules,
+        "max_tokens": max_tokens,
+        "capacity": expert_capacity(max_tokens, model_facts(ctx.cfg).top_k, world.world_size, factor),
+        "capacity_rule": "T * k: no pair can overflow" if factor is None else f"factor {factor}: overflow stops the run",
+    }
+
+
+def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
+    """With a capacity factor: after each micro-batch's forward and backward, the pairs over
+    capacity summed over the layers and the ranks (one sync per micro-batch, none per layer); any
+    stops the run on every rank together (:func:`~hone.parallel.expert_parallel.check_overflow`)."""
+    world, cfg = ctx.facts.world, ctx.cfg
+    facts = model_facts(cfg)
+    shard = ExpertShard(world.world_size, world.rank, facts.experts)
+    capacity = expert_capacity(_max_tokens(ctx), facts.top_k, world.world_size, _factor(ctx))
+
+    @contextmanager
+    def checked(batch: object) -> Iterator[None]:
+        yield
+        overflow = take_overflow(model)
+        if overflow is None:
+            return
+        try:
+            check_overflow(overflow, capacity, shard)
+        except ExpertCapacityError as exc:
+            raise ExpertCapacityError(f"distributed.expert_capacity_factor: {_factor(ctx)}: {exc}") from None
+
+    return checked
 
 
 def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
@@ -87,7 +132,7 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            shard_module(module, world.world_size, world.rank, _max_tokens(ctx))
+            shard_module(module, world.world_size, world.rank, _max_tokens(ctx), _factor(ctx))
         return None  # split in place: the module stays
 
     return keep_block
@@ -105,5 +150,6 @@ EXPERT_PARALLEL = Transform(
     stage="base",
     model=_apply,
     as_drawn=_as_drawn,
+    step_context=lambda model, ctx: _step_context(model, ctx) if _factor(ctx) is not None else _no_check,
     label=lambda d: f"expert parallel ({d['ranks']} ranks, {d['experts_modules']} MoE layers)" if d else "expert parallel",
 )

@@ -44,16 +44,21 @@ class Case:
     packed: bool
     preset: str = "tiny-qwen3-moe"
     composed: bool = False  # through the plan's compile and checkpointing
+    capacity_factor: float | None = None  # distributed.expert_capacity_factor (None: T * k)
 
     @property
     def name(self) -> str:
         extra = ("-gpt-oss" if "gpt-oss" in self.preset else "") + ("-composed" if self.composed else "")
+        extra += f"-capacity-{self.capacity_factor}" if self.capacity_factor is not None else ""
         return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
 CASES = [Case(adapter, packed) for adapter in ("lora", "full") for packed in (False, True)]
 #: gpt-oss' experts: transposed, interleaved gate/up, biases (split with the experts), clamped SwiGLU.
 GPT_OSS = Case("full", False, "tiny-gpt-oss")
+#: Buffers sized for 48 tokens, top-2: 48 slots per pair of ranks instead of 96; padded rows hold
+#: at most 24 tokens (48 pairs), so none overflows however skewed the tiny router is (it is).
+CAPPED = Case("lora", False, capacity_factor=1.0)
 SLOW_CASES = [Case("lora", True, composed=True)]
 
 
@@ -71,10 +76,12 @@ def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
             "save_steps": None,
             "max_grad_norm": 0.5,  # clips: the norm must be the global one on every rank
         },
-        # adam_epsilon 1e-6, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
+        # adam_epsilon 1e-5, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
         # of near-zero gradients (a token seen once, summed in another order) into whole updates
-        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-6},
-        distributed={"expert_parallel": expert_parallel},
+        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-5},
+        distributed={"expert_parallel": expert_parallel}
+        if expert_parallel == 1
+        else {"expert_parallel": expert_parallel, "expert_capacity_factor": case.capacity_factor},
         **(COMPOSED if case.composed else {}),
     )
 
@@ -184,3 +191,24 @@ def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
         run(model, cfg, world, facts, seed)
         sharded = {n: s.local_count for n, s in shards(model).items()}
         torch.save({"weights": trainable(model), "sharded": sharded}, out / case.name / f"weights-rank{rank}.pt")
+
+
+def overflow_ranks(rank: int, out: Path, seed: int) -> None:
+    """A capacity far too small for packed rows: every rank must stop at the first micro-batch
+    with the same error (none left waiting in a collective)."""
+    import json
+
+    from hone.parallel.expert_parallel import ExpertCapacityError
+    from hone.runtime.world import current_world
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    case = Case("full", True, capacity_factor=0.1)
+    cfg = make_config(out, case, accumulation=1, expert_parallel=world.world_size)
+    model = expert_parallel_model(case, seed, cfg, facts)
+    outcome = {"rank": rank, "result": "finished"}
+    try:
+        run(model, cfg, world, facts, seed)
+    except ExpertCapacityError as exc:
+        outcome.update(result="ExpertCapacityError", message=str(exc))
+    (out / f"outcome-rank{rank}.json").write_text(json.dumps(outcome))

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from ep_training import CASES, GPT_OSS, SLOW_CASES, run_ranks, run_reference
+from ep_training import CAPPED, CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
 from fsdp_harness import spawn
 
 from hone.models.experts.parallel import join_blocks
@@ -31,7 +31,7 @@ def _spawn(out, cases):
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("ep-parity"), [*CASES, GPT_OSS])
+    return _spawn(tmp_path_factory.mktemp("ep-parity"), [*CASES, GPT_OSS, CAPPED])
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def _joined(two_ranks):
     return joined, sharded
 
 
-@pytest.mark.parametrize("case", [*CASES, GPT_OSS], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [*CASES, GPT_OSS, CAPPED], ids=lambda c: c.name)
 def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, case):
     _assert_same_run(two_rank_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
 
@@ -69,6 +69,17 @@ def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, case):
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: c.name)
 def test_expert_parallel_composes_with_regional_compile_and_checkpointing(composed_runs, tmp_path, case):
     _assert_same_run(composed_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+
+
+def test_a_capacity_overflow_stops_every_rank_with_the_key_named(tmp_path):
+    import json
+
+    spawn(overflow_ranks, 2, tmp_path, SEED, timeout_s=300)
+    for rank in (0, 1):
+        outcome = json.loads((tmp_path / f"outcome-rank{rank}.json").read_text())
+        assert outcome["result"] == "ExpertCapacityError", outcome
+        assert outcome["message"].startswith("distributed.expert_capacity_factor: 0.1: expert parallel: ")
+        assert "exceeded the capacity of 8 slots" in outcome["message"]
 
 
 def _assert_same_run(two_ranks, one_rank, expected, case):

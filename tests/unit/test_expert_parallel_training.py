@@ -36,6 +36,8 @@ def config(model=None, adapter="none", **distributed):
     [
         (MOE, {"expert_parallel": 0}, "distributed.expert_parallel: 0 must be at least 1"),
         (MOE, {"expert_parallel": 2, "strategy": "fsdp"}, "does not work with distributed.strategy: fsdp yet"),
+        (MOE, {"expert_parallel": 2, "expert_capacity_factor": 0}, "expert_capacity_factor: 0.0 must be a positive"),
+        (MOE, {"expert_capacity_factor": 1.25}, "sizes the exchanges of expert parallelism, which is off"),
         ({**MOE, "experts_implementation": "grouped_mm"}, {"expert_parallel": 2}, "model.experts_implementation is 'grouped_mm'"),
     ],
 )

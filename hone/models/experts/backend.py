@@ -39,6 +39,11 @@ EXPERT_SHARD_ATTR = "hone_expert_shard"
 #: sequence length): every rank sizes its exchange buffers from it, so they agree whatever each
 #: rank's micro-batch holds.
 EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
+#: ``distributed.expert_capacity_factor`` on an expert-parallel module (None: capacity ``T * k``).
+EXPERT_CAPACITY_ATTR = "hone_expert_capacity_factor"
+#: With a capacity factor: the module's buffer counting the pairs over capacity on the device,
+#: summed over its forwards until the run reads and clears it (once per micro-batch).
+EXPERT_OVERFLOW_BUFFER = "hone_expert_overflow"
 #: ``model.experts_implementation`` values: hone's kernels, or transformers' own two.
 EXPERTS_IMPLEMENTATIONS = (HONE, "grouped_mm", "eager")
 
@@ -184,9 +189,10 @@ def expert_parallel_forward(
 ) -> torch.Tensor:
     """The experts of a module holding one rank's block (:data:`EXPERT_SHARD_ATTR`): tokens go to
     the ranks owning their experts and come back (:func:`~hone.parallel.expert_parallel.expert_parallel_experts`).
-    The capacity is the default rule's ``T * k`` for the largest ``T`` any rank routes
-    (:data:`EXPERT_TOKENS_ATTR`), the same on every rank whatever its micro-batch holds: no pair
-    can overflow, so the overflow count needs no check."""
+    The capacity follows from the largest ``T`` any rank routes (:data:`EXPERT_TOKENS_ATTR`), the
+    same on every rank whatever its micro-batch holds: ``T * k`` by default (no pair can
+    overflow), or from :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
+    :data:`EXPERT_OVERFLOW_BUFFER` on the device for the run to check."""
     shard: ExpertShard = getattr(module, EXPERT_SHARD_ATTR)
     n_tokens, top_k = top_k_index.shape
     max_tokens = getattr(module, EXPERT_TOKENS_ATTR, None) or n_tokens
@@ -196,7 +202,8 @@ def expert_parallel_forward(
             "(training.micro_batch_size x data.sequence_len) its exchange buffers were sized for"
         )
     has_bias = bool(getattr(module, "has_bias", False))
-    out, _overflow = expert_parallel_experts(
+    factor = getattr(module, EXPERT_CAPACITY_ATTR, None)
+    out, overflow = expert_parallel_experts(
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -208,8 +215,10 @@ def expert_parallel_forward(
         lora=(lora.get("gate_up_proj"), lora.get("down_proj")),
         scaling=lora_scaling.get("gate_up_proj", 1.0),
         down_scaling=lora_scaling.get("down_proj", 1.0),
-        capacity=expert_capacity(max_tokens, top_k, shard.size),
+        capacity=expert_capacity(max_tokens, top_k, shard.size, factor),
     )
+    if factor is not None:
+        getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)
     return out
 
 

@@ -23,7 +23,13 @@ import torch
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
-from hone.models.experts.backend import EXPERT_SHARD_ATTR, EXPERT_TOKENS_ATTR, experts_modules
+from hone.models.experts.backend import (
+    EXPERT_CAPACITY_ATTR,
+    EXPERT_OVERFLOW_BUFFER,
+    EXPERT_SHARD_ATTR,
+    EXPERT_TOKENS_ATTR,
+    experts_modules,
+)
 from hone.parallel.expert_parallel import ExpertShard
 
 #: The experts' own tensors split along their first (expert) dimension.
@@ -35,11 +41,14 @@ def expert_shard(module: nn.Module) -> ExpertShard | None:
     return getattr(module, EXPERT_SHARD_ATTR, None)
 
 
-def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None = None) -> bool:
+def shard_module(
+    module: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity_factor: float | None = None
+) -> bool:
     """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
     ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
-    (the default process group: the model stays picklable and compilable) and the most tokens a
-    forward routes per rank. False where it was split already (idempotent)."""
+    (the default process group: the model stays picklable and compilable), the most tokens a
+    forward routes per rank and the capacity factor (with a factor, a buffer counts the pairs
+    over capacity). False where it was split already (idempotent)."""
     if expert_shard(module) is not None:
         return False
     names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
@@ -49,15 +58,33 @@ def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None
         setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
     setattr(module, EXPERT_SHARD_ATTR, shard)
     setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
+    setattr(module, EXPERT_CAPACITY_ATTR, capacity_factor)
+    if capacity_factor is not None:
+        counter = torch.zeros((), dtype=torch.int64, device=getattr(module, names[0]).device)
+        module.register_buffer(EXPERT_OVERFLOW_BUFFER, counter, persistent=False)
     return True
 
 
-def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None = None) -> int:
+def shard_experts(
+    model: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity_factor: float | None = None
+) -> int:
     """:func:`shard_module` on every experts module of ``model``; returns how many it holds."""
     modules = experts_modules(model)
     for _, module in modules:
-        shard_module(module, size, rank, max_tokens)
+        shard_module(module, size, rank, max_tokens, capacity_factor)
     return len(modules)
+
+
+def take_overflow(model: nn.Module) -> torch.Tensor | None:
+    """The pairs over capacity counted since the last call, summed over the layers (a device
+    tensor: no sync), and the counters cleared; None where no module counts (no capacity factor)."""
+    counters = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == EXPERT_OVERFLOW_BUFFER]
+    if not counters:
+        return None
+    total = torch.stack(counters).sum()
+    for counter in counters:
+        counter.zero_()
+    return total
 
 
 def _sharded_owners(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
