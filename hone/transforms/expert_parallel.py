@@ -90,26 +90,27 @@ def _factor(ctx: PlanContext) -> float | None:
     return ctx.cfg.distributed.expert_capacity_factor
 
 
+def _capacity(ctx: PlanContext) -> int | None:
+    """Slots per pair of ranks under ``expert_capacity_factor``; None: ``T * k``, no overflow."""
+    factor = _factor(ctx)
+    if factor is None:
+        return None
+    return expert_capacity(_max_tokens(ctx), model_facts(ctx.cfg).top_k, _size(ctx), factor)
+
+
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
-    world, factor, max_tokens = ctx.facts.world, _factor(ctx), _max_tokens(ctx)
-    modules = shard_experts(model, world.world_size, world.rank, max_tokens, factor)
-    return {
-        "ranks": world.world_size,
-        "experts_modules": modules,
-        "max_tokens": max_tokens,
-        "capacity": expert_capacity(max_tokens, model_facts(ctx.cfg).top_k, world.world_size, factor),
-        "capacity_rule": "T * k: no pair can overflow" if factor is None else f"factor {factor}: overflow stops the run",
-    }
+    world, capacity, max_tokens = ctx.facts.world, _capacity(ctx), _max_tokens(ctx)
+    modules = shard_experts(model, world.world_size, world.rank, max_tokens, capacity)
+    rule = "T * k: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
+    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
 
 
 def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
     """With a capacity factor: after each micro-batch's forward and backward, the pairs over
     capacity summed over the layers and the ranks (one sync per micro-batch, none per layer); any
     stops the run on every rank together (:func:`~hone.parallel.expert_parallel.check_overflow`)."""
-    world, cfg = ctx.facts.world, ctx.cfg
-    facts = model_facts(cfg)
-    shard = ExpertShard(world.world_size, world.rank, facts.experts)
-    capacity = expert_capacity(_max_tokens(ctx), facts.top_k, world.world_size, _factor(ctx))
+    world, capacity = ctx.facts.world, _capacity(ctx)
+    shard = ExpertShard(world.world_size, world.rank, model_facts(ctx.cfg).experts)
 
     @contextmanager
     def checked(batch: object) -> Iterator[None]:
@@ -118,7 +119,7 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
         if overflow is None:
             return
         try:
-            check_overflow(overflow, capacity, shard)
+            check_overflow(overflow, capacity or 0, shard)
         except ExpertCapacityError as exc:
             raise ExpertCapacityError(f"distributed.expert_capacity_factor: {_factor(ctx)}: {exc}") from None
 
@@ -128,11 +129,11 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
 def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
     """A big preset drawn on the device: each experts module keeps its block as soon as it is
     drawn, so no rank holds every expert of the model at once (``_apply`` then finds them split)."""
-    world = ctx.facts.world
+    world, capacity = ctx.facts.world, _capacity(ctx)
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            shard_module(module, world.world_size, world.rank, _max_tokens(ctx), _factor(ctx))
+            shard_module(module, world.world_size, world.rank, _max_tokens(ctx), capacity)
         return None  # split in place: the module stays
 
     return keep_block

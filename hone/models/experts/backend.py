@@ -39,8 +39,9 @@ EXPERT_SHARD_ATTR = "hone_expert_shard"
 #: sequence length): every rank sizes its exchange buffers from it, so they agree whatever each
 #: rank's micro-batch holds.
 EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
-#: ``distributed.expert_capacity_factor`` on an expert-parallel module (None: capacity ``T * k``).
-EXPERT_CAPACITY_ATTR = "hone_expert_capacity_factor"
+#: The slots per pair of ranks of an expert-parallel module set by ``distributed.expert_capacity_factor``
+#: (an int, computed once: no float reaches a compiled forward); None: ``T * k``, no overflow.
+EXPERT_CAPACITY_ATTR = "hone_expert_capacity"
 #: With a capacity factor: the module's buffer counting the pairs over capacity on the device,
 #: summed over its forwards until the run reads and clears it (once per micro-batch).
 EXPERT_OVERFLOW_BUFFER = "hone_expert_overflow"
@@ -191,7 +192,7 @@ def expert_parallel_forward(
     the ranks owning their experts and come back (:func:`~hone.parallel.expert_parallel.expert_parallel_experts`).
     The capacity follows from the largest ``T`` any rank routes (:data:`EXPERT_TOKENS_ATTR`), the
     same on every rank whatever its micro-batch holds: ``T * k`` by default (no pair can
-    overflow), or from :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
+    overflow), or :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
     :data:`EXPERT_OVERFLOW_BUFFER` on the device for the run to check."""
     shard: ExpertShard = getattr(module, EXPERT_SHARD_ATTR)
     n_tokens, top_k = top_k_index.shape
@@ -202,7 +203,7 @@ def expert_parallel_forward(
             "(training.micro_batch_size x data.sequence_len) its exchange buffers were sized for"
         )
     has_bias = bool(getattr(module, "has_bias", False))
-    factor = getattr(module, EXPERT_CAPACITY_ATTR, None)
+    capacity = getattr(module, EXPERT_CAPACITY_ATTR, None)
     out, overflow = expert_parallel_experts(
         hidden_states,
         top_k_index,
@@ -215,9 +216,9 @@ def expert_parallel_forward(
         lora=(lora.get("gate_up_proj"), lora.get("down_proj")),
         scaling=lora_scaling.get("gate_up_proj", 1.0),
         down_scaling=lora_scaling.get("down_proj", 1.0),
-        capacity=expert_capacity(max_tokens, top_k, shard.size, factor),
+        capacity=expert_capacity(max_tokens, top_k, shard.size) if capacity is None else capacity,
     )
-    if factor is not None:
+    if capacity is not None:
         getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)
     return out
 

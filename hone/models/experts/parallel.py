@@ -41,14 +41,12 @@ def expert_shard(module: nn.Module) -> ExpertShard | None:
     return getattr(module, EXPERT_SHARD_ATTR, None)
 
 
-def shard_module(
-    module: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity_factor: float | None = None
-) -> bool:
+def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity: int | None = None) -> bool:
     """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
     ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
     (the default process group: the model stays picklable and compilable), the most tokens a
-    forward routes per rank and the capacity factor (with a factor, a buffer counts the pairs
-    over capacity). False where it was split already (idempotent)."""
+    forward routes per rank and the slots per pair of ranks (None: ``T * k``; else a buffer
+    counts the pairs over capacity). False where it was split already (idempotent)."""
     if expert_shard(module) is not None:
         return False
     names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
@@ -58,26 +56,24 @@ def shard_module(
         setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
     setattr(module, EXPERT_SHARD_ATTR, shard)
     setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
-    setattr(module, EXPERT_CAPACITY_ATTR, capacity_factor)
-    if capacity_factor is not None:
+    setattr(module, EXPERT_CAPACITY_ATTR, capacity)
+    if capacity is not None:
         counter = torch.zeros((), dtype=torch.int64, device=getattr(module, names[0]).device)
         module.register_buffer(EXPERT_OVERFLOW_BUFFER, counter, persistent=False)
     return True
 
 
-def shard_experts(
-    model: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity_factor: float | None = None
-) -> int:
+def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity: int | None = None) -> int:
     """:func:`shard_module` on every experts module of ``model``; returns how many it holds."""
     modules = experts_modules(model)
     for _, module in modules:
-        shard_module(module, size, rank, max_tokens, capacity_factor)
+        shard_module(module, size, rank, max_tokens, capacity)
     return len(modules)
 
 
 def take_overflow(model: nn.Module) -> torch.Tensor | None:
     """The pairs over capacity counted since the last call, summed over the layers (a device
-    tensor: no sync), and the counters cleared; None where no module counts (no capacity factor)."""
+    tensor: no sync), and the counters cleared; None where no module counts (capacity ``T * k``)."""
     counters = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == EXPERT_OVERFLOW_BUFFER]
     if not counters:
         return None
