@@ -100,3 +100,38 @@ def _assert_same_run(two_ranks, one_rank, expected, case):
         # 1e-5 absolute: AdamW divides by sqrt(v), which turns the rounding of a different
         # summation order in near-zero gradients into ~1e-6 of weight
         torch.testing.assert_close(joined[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
+
+
+def test_hone_train_runs_expert_parallel_end_to_end(tmp_path):
+    """``hone train`` on 2 ranks as torchrun starts it: the loader splits the experts through the
+    plan, with a capacity factor and full checkpointing; the plan records it."""
+    import json
+
+    import yaml
+    from dist_launch import hone_train_forked
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"text": " ".join(["red green blue lemon lime fox"] * (1 + i % 3))} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"preset": "tiny-qwen3-moe", "dtype": "float32"},
+        "data": {
+            "datasets": [{"path": str(data), "type": "completion"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(tmp_path / "c"),
+        },
+        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": ["q_proj", "experts"]},
+        "training": {"max_steps": 2, "micro_batch_size": 2, "output_dir": str(tmp_path / "run"), "save_steps": None},
+        "optimizer": {"learning_rate": 5e-3},
+        "memory": {"activation_checkpointing": "full"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.5},
+    }
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    hone_train_forked(path)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    applied = {a["name"]: a["details"] for a in json.loads((tmp_path / "run" / "optimizations.json").read_text())["applied"]}
+    assert applied["expert_parallel"]["ranks"] == 2 and applied["expert_parallel"]["capacity"] == 96  # 1.5 x 64 x 2 / 2
+    assert applied["experts"]["implementation"] == "hone" and "ddp" in applied and "activation_checkpointing" in applied
