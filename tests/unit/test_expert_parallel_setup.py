@@ -15,6 +15,7 @@ from hone.models.experts.backend import EXPERT_SHARD_ATTR, experts_modules
 from hone.models.experts.lora import expert_lora_factors
 from hone.models.experts.parallel import expert_parallel_names, join_blocks, local_block, shard_experts
 from hone.models.presets import build_preset_config
+from hone.parallel.expert_parallel import ExpertShard
 from hone.runtime.world import World
 from hone.train.distributed import check_launch
 from hone.train.grad_norm import global_grad_norm
@@ -154,3 +155,24 @@ def test_a_big_preset_drawn_on_the_device_keeps_each_rank_s_block_as_each_expert
         want = expected[name][4:] if name.endswith("_proj") and ".experts." in name else expected[name]
         torch.testing.assert_close(param, want, rtol=0, atol=0, msg=name)
     assert all(getattr(m, EXPERT_SHARD_ATTR).rank == 1 for _, m in experts_modules(drawn))
+
+
+def test_expert_parallel_lora_starts_from_the_draws_of_one_process():
+    whole = _moe()
+    whole.config._experts_implementation = "hone"
+    torch.manual_seed(7)
+    expected = dict(apply_adapter(whole, LORA).named_parameters())
+    for rank in (0, 1):
+        model = _moe()
+        model.config._experts_implementation = "hone"
+        shard = ExpertShard(2, rank, 8)
+        shard_experts(model, 2, rank)
+        torch.manual_seed(7)
+        model = apply_adapter(model, LORA)
+        names = set(expert_parallel_names(model))
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        assert {n for n, _ in trained} == {n for n, p in expected.items() if p.requires_grad}
+        for name, param in trained:  # attention LoRA after the experts' too: the generator stays in step
+            want = local_block(name, expected[name].detach(), shard) if name in names else expected[name]
+            torch.testing.assert_close(param, want, rtol=0, atol=0, msg=name)
+        assert any(n in names and "lora_A" in n and p.abs().sum() > 0 for n, p in trained)

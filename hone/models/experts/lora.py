@@ -19,6 +19,7 @@ several active adapters, mixed-adapter batches) falls back to PEFT's own forward
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 from hone.kernels.moe_lora_reference import LoraFactors
 from hone.models.experts.backend import experts_modules, hone_experts_forward
+from hone.models.experts.parallel import expert_shard, local_block
 
 
 def expert_lora_factors(layer: PeftParamWrapper, adapter: str) -> LoraFactors:
@@ -60,6 +62,27 @@ class ParamWrapper(PeftParamWrapper):
                 scalings[layer.parameter_name] = float(layer.scaling[active[0]])
             layer = layer.base_layer
         return factors, scalings
+
+    def reset_lora_parameters(self, adapter_name: str, init_lora_weights: Any) -> None:
+        """PEFT's default init (A kaiming-uniform, B zero), and under expert parallelism the
+        rank's block of what one process holding every expert draws: PEFT built this rank's
+        factors for ``E / N`` experts, so the values the whole factors' constructors would also
+        have drawn are skipped first, and A is drawn whole and cut. The generator then stands
+        where one process's does, so every later LoRA layer starts as in one process too."""
+        shard = expert_shard(self.get_base_layer())
+        if shard is None or shard.size == 1 or init_lora_weights is not True or adapter_name not in self.lora_A:
+            super().reset_lora_parameters(adapter_name, init_lora_weights)
+            return
+        a, b = self.lora_A[adapter_name].weight, self.lora_B[adapter_name]
+        with torch.no_grad():
+            skipped = (shard.size - 1) * (a.numel() + b.weight.numel())  # nn.Linear draws one value per weight
+            torch.empty(skipped, dtype=a.dtype, device=a.device).uniform_()
+            whole = torch.empty(a.shape[0] * shard.size, a.shape[1], dtype=a.dtype, device=a.device)
+            nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
+            a.copy_(local_block("lora_A.weight", whole, shard))
+            nn.init.zeros_(b.weight)
+            if b.bias is not None:
+                nn.init.zeros_(b.bias)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         fused = None if kwargs.get("adapter_names") is not None else self._fused_factors()
