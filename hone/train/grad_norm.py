@@ -27,13 +27,14 @@ def global_grad_norm(params: list[nn.Parameter], max_norm: float | None, sharded
     apart = {id(p) for p in sharded}
     grads = [p.grad for p in params if p.grad is not None and id(p) not in apart]
     own = [p.grad for p in params if p.grad is not None and id(p) in apart]
-    if not grads and not own:
+    if not grads and not own and not apart:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads) if grads else own[0].new_zeros((), dtype=torch.float32)
+    device = (grads or own)[0].device if grads or own else sharded[0].device
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    if own:
-        squares = torch.nn.utils.get_total_norm(own).float().square()
+    if apart:  # every rank joins the sum, whether or not its blocks got gradients this step
+        squares = torch.nn.utils.get_total_norm(own).float().square() if own else torch.zeros((), device=device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(squares)
         total = (total.float().square() + squares).sqrt().to(total.dtype)
