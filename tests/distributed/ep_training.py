@@ -7,8 +7,9 @@ run builds the same model from the same seed, keeps each rank's 4 experts throug
 ``experts`` and ``expert_parallel`` transforms, attaches the same adapter (PEFT then makes the
 factors of the local experts only) and copies the reference's initial adapter into it, each
 rank its block (the reference's B matrices are random instead of PEFT's zeros; that the A
-matrices PEFT draws already match is tested in tests/unit/test_expert_parallel_setup.py). Cases: LoRA and full fine-tune, padded and packed; gpt-oss' experts (biases,
-transposed layout); and, slow, regional compile with full checkpointing through the plan.
+matrices PEFT draws already match is tested in tests/unit/test_expert_parallel_setup.py).
+Cases: LoRA and full fine-tune, padded and packed; gpt-oss' experts (biases, transposed
+layout); a capacity below ``T * k``; and, slow, regional compile with full checkpointing.
 """
 
 from dataclasses import dataclass
