@@ -10,7 +10,9 @@ are set to its block of a one-process model's random factors. Then:
 - a full fine-tune's final model is the one-process model's save_pretrained directory;
 - a step checkpoint written by the 2 ranks (after an AdamW step with rank-specific gradients)
   holds the whole tensors, restores each rank's weight and moment blocks exactly on 2 fresh
-  ranks, and resumes on one process (2 -> 1) with the whole tensors.
+  ranks, and resumes on one process (2 -> 1) with the whole tensors;
+- a one-process checkpoint resumes on 2 ranks (1 -> 2), each with its block; a full fine-tune's
+  checkpoint (the 3-D expert weights with their moments) round-trips too.
 """
 
 import pytest
@@ -249,3 +251,97 @@ def test_a_checkpoint_of_2_ranks_resumes_on_one_process(checkpoint):
                 torch.testing.assert_close(rank_block(name, value, rank, WORLD), saved[rank][key], rtol=0, atol=0, msg=key)
         else:
             torch.testing.assert_close(value, saved[0][key], rtol=0, atol=0, msg=key)
+
+
+def _one_process_checkpoint(out) -> dict[str, torch.Tensor]:
+    """A one-process run's checkpoint after an AdamW step; its weights and moments by name."""
+    from hone.train.checkpoint_io import RankZeroCheckpoints
+
+    model = reference_lora()
+    optimizer, scheduler = _optimizer(model)
+    gen = torch.Generator().manual_seed(300)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.randn(param.shape, generator=gen)
+    optimizer.step()
+    RankZeroCheckpoints().save(
+        out, 1, model=model, optimizer=optimizer, scheduler=scheduler, scaler=None, state={"step": 1}, keep=None
+    )
+    return _blocks(model, optimizer)
+
+
+def _resume_worker(rank: int, path, out) -> None:
+    from hone.runtime.world import world_from_env
+    from hone.train.checkpoint_io import RankZeroCheckpoints
+
+    model = sharded_lora(rank, WORLD)
+    optimizer, scheduler = _optimizer(model)
+    RankZeroCheckpoints(world_from_env()).load(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=None)
+    save(_blocks(model, optimizer), out / f"resumed-{rank}.pt")
+
+
+def test_a_one_process_checkpoint_resumes_on_2_ranks(tmp_path):
+    whole = _one_process_checkpoint(tmp_path / "run")
+    spawn(_resume_worker, WORLD, tmp_path / "run" / "checkpoints" / "step-1", tmp_path, timeout_s=300)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"resumed-{rank}.pt")
+        assert sorted(got) == sorted(whole)
+        for key, value in whole.items():
+            want = rank_block(key.split(":")[0], value, rank, WORLD) if is_expert_factor(key.split(":")[0]) else value
+            torch.testing.assert_close(got[key], want, rtol=0, atol=0, msg=key)
+
+
+def _full_worker(rank: int, out) -> None:
+    from hone.runtime.world import world_from_env
+    from hone.train.checkpoint_io import RankZeroCheckpoints
+
+    io = RankZeroCheckpoints(world_from_env())
+    model = _base()
+    shard_experts(model, rank, WORLD)
+    optimizer, scheduler = _optimizer(model)
+    shared, own = torch.Generator().manual_seed(400), torch.Generator().manual_seed(500 + rank)
+    for name, param in model.named_parameters():
+        param.grad = torch.randn(param.shape, generator=own if ".experts." in name else shared)
+    optimizer.step()
+    save(_blocks(model, optimizer), out / f"saved-{rank}.pt")
+    common = {"optimizer": optimizer, "scheduler": scheduler, "scaler": None}
+    path = io.save(out / "run", 1, model=model, state={"step": 1}, keep=None, **common)
+    fresh = _base(seed=1)
+    shard_experts(fresh, rank, WORLD)
+    optimizer, scheduler = _optimizer(fresh)
+    io.load(path, model=fresh, optimizer=optimizer, scheduler=scheduler, scaler=None)
+    save(_blocks(fresh, optimizer), out / f"restored-{rank}.pt")
+
+
+def test_a_full_fine_tune_checkpoint_restores_each_ranks_expert_weights_and_moments(tmp_path):
+    from hone.train.checkpoint import WEIGHTS_FILE
+
+    spawn(_full_worker, WORLD, tmp_path, timeout_s=300)
+    weights = load_file(str(tmp_path / "run" / "checkpoints" / "step-1" / WEIGHTS_FILE))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert weights[name].shape[0] == EXPERTS
+    for rank in range(WORLD):
+        saved, restored = torch.load(tmp_path / f"saved-{rank}.pt"), torch.load(tmp_path / f"restored-{rank}.pt")
+        assert sorted(restored) == sorted(saved) and f"{name}:exp_avg_sq" in saved
+        for key in saved:
+            torch.testing.assert_close(restored[key], saved[key], rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(weights[name][rank * 4 : rank * 4 + 4], saved[name], rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_another_expert_count_is_refused_by_name(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from hone.testing import tiny_model, tiny_tokenizer
+    from hone.train.checkpoint_io import RankZeroCheckpoints
+    from hone.train.expert_checkpoint import ExpertCheckpointError
+
+    config = LoraConfig(r=R, lora_alpha=4, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS)
+    other = get_peft_model(tiny_model(PRESET, tiny_tokenizer(), num_experts=4), config)  # 4 experts, not 8
+    optimizer, scheduler = _optimizer(other)
+    path = RankZeroCheckpoints().save(
+        tmp_path, 1, model=other, optimizer=optimizer, scheduler=scheduler, scaler=None, state={"step": 1}, keep=None
+    )
+    model = sharded_lora(0, WORLD)  # rank 0 of 2 reads it (no collective on load)
+    optimizer, scheduler = _optimizer(model)
+    with pytest.raises(ExpertCheckpointError, match=r"lora_[AB]\.default\.weight' has shape .* over 8 experts has"):
+        RankZeroCheckpoints().load(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=None)
