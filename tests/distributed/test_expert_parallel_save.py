@@ -6,7 +6,8 @@ LoRA factors are per-rank (``lora_A [r * 4, in]``, ``lora_B [out, r * 4]``). The
 are set to its block of a one-process model's random factors. Then:
 
 - the final adapter both ranks save is the one-process model's adapter, tensor for tensor, and
-  loads with ``PeftModel.from_pretrained`` on the unsharded base;
+  loads with ``PeftModel.from_pretrained`` on the unsharded base, where PEFT's
+  ``merge_and_unload`` (what ``hone merge`` runs) gives the one-process model's merged weights;
 - a full fine-tune's final model is the one-process model's save_pretrained directory;
 - a step checkpoint written by the 2 ranks (after an AdamW step with rank-specific gradients)
   holds the whole tensors, restores each rank's weight and moment blocks exactly on 2 fresh
@@ -143,6 +144,12 @@ def test_the_final_adapter_is_the_one_process_adapter(finals, tmp_path):
     for name, param in loaded.named_parameters():
         if "lora_" in name:
             torch.testing.assert_close(param, ref_params[name], rtol=0, atol=0, msg=name)
+    # what hone merge does: PEFT's merge_and_unload
+    merged, want_merged = loaded.merge_and_unload().state_dict(), reference.merge_and_unload().state_dict()
+    for key in want_merged:
+        torch.testing.assert_close(merged[key], want_merged[key], rtol=0, atol=0, msg=key)
+    down = "model.layers.0.mlp.experts.down_proj"
+    assert not torch.equal(want_merged[down], _base().state_dict()[down])  # the experts' LoRA was merged in
 
 
 def test_the_final_full_model_is_the_one_process_model(finals):
