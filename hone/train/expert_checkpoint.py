@@ -79,7 +79,8 @@ class WholeExperts:
         return self
 
     def _gather_optimizer(self, keep: bool) -> dict[str, Any]:
-        saved = self.optimizer.state_dict()
+        live = self.optimizer.state_dict()  # its per-parameter dicts are the optimizer's own: copy before replacing
+        saved = {**live, "state": {index: dict(values) for index, values in live["state"].items()}}
         for index in sorted(self.optimizer_specs):
             name, spec, shape = self.optimizer_specs[index]
             values = saved["state"].get(index, {})
@@ -123,8 +124,9 @@ class WholeExperts:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore the optimizer from a state dict with every expert's moments: this rank's blocks."""
+        saved = {**saved, "state": {index: dict(values) for index, values in saved.get("state", {}).items()}}
         for index, (name, spec, shape) in self.optimizer_specs.items():
-            values = saved.get("state", {}).get(index, {})
+            values = saved["state"].get(index, {})
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     values[key] = self._block(f"{name} ({key})", spec, value, shape)

@@ -201,6 +201,8 @@ def _checkpoint_worker(rank: int, out) -> None:
     save(_blocks(model, optimizer), out / f"saved-{rank}.pt")
     common = {"optimizer": optimizer, "scheduler": scheduler, "scaler": None}
     path = io.save(out / "run", 1, model=model, state={"step": 1}, keep=None, **common)
+    save(_blocks(model, optimizer), out / f"after-save-{rank}.pt")  # saving must leave the run's state as it was
+    optimizer.step()  # and the run goes on
 
     fresh = sharded_lora(rank, WORLD)
     optimizer, scheduler = _optimizer(fresh)
@@ -228,6 +230,14 @@ def test_a_checkpoint_of_2_ranks_restores_each_ranks_blocks_exactly(checkpoint):
     first = torch.load(checkpoint / "saved-0.pt")
     expert_key = next(k for k in first if is_expert_factor(k) and k.endswith(":exp_avg"))
     assert not torch.equal(first[expert_key], other[expert_key])  # the ranks' blocks differ
+
+
+def test_saving_leaves_each_ranks_weights_and_moments_as_they_were(checkpoint):
+    for rank in range(WORLD):
+        saved, after = torch.load(checkpoint / f"saved-{rank}.pt"), torch.load(checkpoint / f"after-save-{rank}.pt")
+        assert sorted(after) == sorted(saved)
+        for key in saved:
+            torch.testing.assert_close(after[key], saved[key], rtol=0, atol=0, msg=key)
 
 
 def test_the_checkpoint_holds_every_expert_once(checkpoint):
