@@ -15,6 +15,7 @@ from hone.atomic import atomic_directory
 from hone.config.adapter import AdapterConfig
 from hone.models.adapters import unwrap_compiled
 from hone.models.errors import ModelError
+from hone.models.experts.sharded_state import gather_whole, is_expert_sharded, sharded_tensors
 from hone.models.structure import is_sharded
 
 
@@ -31,6 +32,10 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterC
         import torch.distributed as dist
 
         return save_final_sharded(model, tokenizer, out_dir, adapter_cfg, is_main=dist.get_rank() == 0)
+    if is_expert_sharded(model):  # expert parallel: every rank must call this; rank 0 writes
+        import torch.distributed as dist
+
+        return save_final_expert_parallel(model, tokenizer, out_dir, adapter_cfg, is_main=dist.get_rank() == 0)
     if adapter_cfg.is_lora != isinstance(model, PeftModel):
         raise ModelError(
             f"save_final: adapter.type is '{adapter_cfg.type}' but the model is "
@@ -123,7 +128,42 @@ def save_final_sharded(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: 
     out_dir = Path(out_dir)
     if not is_main:
         return out_dir
+    return write_whole(unwrap_compiled(model), tokenizer, out_dir, state)
+
+
+def expert_parallel_state_dict(model: nn.Module, trainable_only: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """The whole state dict of an expert-parallel model (every expert of every layer, the expert
+    LoRA factors in PEFT's layout for all ``E`` experts), on the CPU of the rank that ``keep``s it
+    (the others get an empty dict). Every rank must call it: each sharded tensor is all-gathered,
+    one at a time. ``trainable_only`` (LoRA): just the weights the run trains."""
     model = unwrap_compiled(model)
+    if trainable_only:
+        tensors = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        tensors = model.state_dict()
+    return gather_whole(tensors, sharded_tensors(model), keep)
+
+
+def save_final_expert_parallel(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig, is_main: bool) -> Path:
+    """:func:`save_final` for a model whose experts are split over the ranks: every rank's
+    blocks are gathered (all ranks call this) and rank 0 writes what one process writes: a PEFT
+    adapter for all ``E`` experts, or a save_pretrained model directory, atomically."""
+    model = unwrap_compiled(model)
+    if adapter_cfg.is_lora != isinstance(model, PeftModel):
+        raise ModelError(
+            f"save_final: adapter.type is '{adapter_cfg.type}' but the model is "
+            f"{'a PEFT model' if isinstance(model, PeftModel) else 'a plain model'}"
+        )
+    state = expert_parallel_state_dict(model, trainable_only=adapter_cfg.is_lora, keep=is_main)
+    out_dir = Path(out_dir)
+    if not is_main:
+        return out_dir
+    return write_whole(model, tokenizer, out_dir, state)
+
+
+def write_whole(model: nn.Module, tokenizer, out_dir: Path, state: dict[str, torch.Tensor]) -> Path:
+    """Write ``state`` (the whole model's, gathered from its shards) in ``model``'s format: a PEFT
+    adapter directory, or a save_pretrained model directory; atomically, with the tokenizer."""
     with atomic_directory(out_dir) as tmp:
         if isinstance(model, PeftModel):
             model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True, save_embedding_layers=False)

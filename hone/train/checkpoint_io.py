@@ -6,7 +6,10 @@ shards through Distributed Checkpoint; otherwise :class:`RankZeroCheckpoints` do
 need: every rank holds the same weights and optimizer state (DDP), so rank 0
 writes the ordinary checkpoint (:mod:`hone.train.checkpoint`) while the others wait at the
 agreement after it (none runs ahead into the next step, a failed save stops all of them with its
-message), and on resume every rank reads the same files.
+message), and on resume every rank reads the same files. Under expert parallelism the experts
+are the exception: every rank first gathers its blocks into the whole tensors, which rank 0
+writes in the same format, and on resume each rank keeps its block
+(:mod:`hone.train.expert_checkpoint`; the final adapter or model likewise, :mod:`hone.models.save`).
 
 The data position in ``trainer_state.json`` is global (see :mod:`hone.train.batches`), so a
 checkpoint resumes on any number of processes.
@@ -17,9 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hone.models.adapters import unwrap_compiled
 from hone.runtime.world import SINGLE, World
 from hone.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
 from hone.train.distributed import together
+from hone.train.expert_checkpoint import whole_experts
 
 if TYPE_CHECKING:
     from hone.config.adapter import AdapterConfig
@@ -69,30 +74,43 @@ class RankZeroCheckpoints:
 
     def save(self, output_dir, step, *, model, optimizer, scheduler, state, scaler, keep) -> Path:
         with together(self.world):
+            whole = whole_experts(model, optimizer)  # expert parallel: every rank gathers its blocks first
+            if whole is not None:
+                whole.gather()
             if self.world.is_main:
                 save_checkpoint(
                     output_dir,
                     step,
                     model=model,
-                    optimizer=optimizer,
+                    optimizer=optimizer if whole is None else whole,
                     scheduler=scheduler,
                     scaler=scaler,
                     state=state,
                     keep=keep,
+                    state_dict_hooks=() if whole is None else whole.hooks,
                 )
         return checkpoints_root(output_dir) / f"step-{step}"
 
     def load(self, path, *, model, optimizer, scheduler, scaler) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         with together(self.world):  # a rank that cannot read it stops them all
-            saved = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+            whole = whole_experts(model, optimizer)  # expert parallel: each rank keeps its blocks
+            saved = load_checkpoint(
+                path,
+                model=model,
+                optimizer=optimizer if whole is None else whole,
+                scheduler=scheduler,
+                scaler=scaler,
+                state_dict_hooks=() if whole is None else whole.hooks,
+            )
         return saved
 
     def save_final(self, model, tokenizer, final_dir, adapter) -> Path:
+        from hone.models.experts.sharded_state import is_expert_sharded
         from hone.models.save import save_final
 
         with together(self.world):
-            if self.world.is_main:
+            if self.world.is_main or is_expert_sharded(unwrap_compiled(model)):  # expert parallel: all ranks gather
                 save_final(model, tokenizer, final_dir, adapter)
         return Path(final_dir)
 

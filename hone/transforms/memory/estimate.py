@@ -24,6 +24,12 @@ from hone.transforms.memory.knobs import Knobs
 from hone.transforms.memory.layers import outside_layers_bytes, step_layer_bytes
 from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
+from hone.transforms.memory.terms.expert_parallel import (
+    dispatch_bytes_per_token,
+    expert_parallel_note,
+    expert_parallel_size,
+    expert_state_saved,
+)
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
 from hone.transforms.memory.terms.loss import loss_bytes
@@ -114,8 +120,12 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES_BY_SPEED)}, got {knobs.checkpointing!r}")
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
-    # the layers: what each keeps without checkpointing, then under the policy
-    full = [step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) for layer in m.layers]
+    # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
+    ep = expert_parallel_size(cfg)
+    full = [
+        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) + dispatch_bytes_per_token(layer, m, ep) * step.tokens
+        for layer in m.layers
+    ]
     kept = kept_by_policy(m, step, full)
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
@@ -131,6 +141,9 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     notes = []
     if step.attention == "eager":
         notes.append("eager attention keeps the T x T probabilities of every head: use sdpa")
+    ep_note = expert_parallel_note(m, ep)
+    if ep_note:
+        notes.append(ep_note)
     return MemoryEstimate(
         weights=weights,
         optimizer=optimizer,
@@ -202,10 +215,11 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
 
 def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[int, int, int]:
     """(weights, gradients, AdamW moments) on one device: the weights with their float8 copies,
-    sharded over ``param_shards`` processes by FSDP."""
-    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m)
-    optimizer = cfg.optimizer.state_bytes(m.trainable_params, m.trainable_elem_bytes)
-    return sharded_state(m, weights, m.trainable_bytes, optimizer, param_shards)
+    the experts split over the expert-parallel ranks, sharded over ``param_shards`` processes by FSDP."""
+    weights_off, grads_off, params_off = expert_state_saved(m, expert_parallel_size(cfg))
+    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m) - weights_off
+    optimizer = cfg.optimizer.state_bytes(m.trainable_params - params_off, m.trainable_elem_bytes)
+    return sharded_state(m, weights, m.trainable_bytes - grads_off, optimizer, param_shards)
 
 
 def step_phases(

@@ -87,6 +87,14 @@ class ModelFacts:
     class (empty: they can, or the model has none); ``experts_implementation: auto`` reads it."""
     mxfp4_checkpoint: bool = False
     """The model directory ships its experts in MXFP4 (``quantization_config.quant_method: mxfp4``)."""
+    expert_params: int = 0
+    """Parameters of the routed experts (their 3-D weights and biases, and the LoRA factors on
+    them): what expert parallelism divides over its ranks."""
+    expert_trainable_params: int = 0
+    """The trainable part of :attr:`expert_params` (LoRA factors, or every expert weight in a full fine-tune)."""
+    expert_bytes: int = 0
+    """Bytes of :attr:`expert_params` as stored (frozen in ``model.dtype``, trainable in the trainable dtype)."""
+    expert_trainable_bytes: int = 0
     mxfp4_weights: int = 0
     """Expert weights held in MXFP4 (an MXFP4 checkpoint, or ``model.quantize: mxfp4``), counted at
     :data:`~hone.models.experts.mxfp4.MXFP4_BYTES_PER_WEIGHT` instead of ``model.dtype``'s bytes."""
@@ -196,6 +204,36 @@ def _nf4_weights(base: Any) -> int:
     return sum(linear.weight.numel() for _, _, linear, _ in quantizable_linears(base) if can_quantize(linear))
 
 
+def _expert_parameter_ids(model: Any) -> set[int]:
+    """The parameters expert parallelism splits: every experts module's own (3-D weights, biases)
+    and the LoRA factors of the PEFT wrappers around one."""
+    from peft.tuners.lora import ParamWrapper
+
+    from hone.models.experts.backend import experts_modules
+
+    ids = {id(p) for _, module in experts_modules(model) for p in module.parameters()}
+    for module in model.modules():
+        if isinstance(module, ParamWrapper):
+            ids.update(id(p) for factors in (module.lora_A, module.lora_B) for p in factors.parameters())
+    return ids
+
+
+def _expert_facts(model: Any, frozen_bytes: int, trainable_bytes: int) -> dict[str, int]:
+    """:class:`ModelFacts`' expert fields: the parameters expert parallelism splits, and their bytes."""
+    in_experts = _expert_parameter_ids(model)
+    frozen = trainable = 0
+    for _, param in model.named_parameters():  # tied weights are listed once
+        if id(param) in in_experts:
+            trainable += param.numel() if param.requires_grad else 0
+            frozen += 0 if param.requires_grad else param.numel()
+    return dict(
+        expert_params=frozen + trainable,
+        expert_trainable_params=trainable,
+        expert_bytes=frozen * frozen_bytes + trainable * trainable_bytes,
+        expert_trainable_bytes=trainable * trainable_bytes,
+    )
+
+
 def _experts_layout_problems(base: Any) -> tuple[str, ...]:
     from hone.models.experts.backend import experts_modules, layout_problem
 
@@ -285,6 +323,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         experts_layout_problems=_experts_layout_problems(base),
         mxfp4_checkpoint=checkpoint,
         mxfp4_weights=mxfp4,
+        **_expert_facts(model, _elem_bytes(precision.weights), tbytes),
     )
 
 
