@@ -21,6 +21,8 @@ import torch
 from fsdp_harness import save, spawn
 from safetensors.torch import load_file
 
+from hone.models.experts.parallel import shard_experts
+
 PRESET, EXPERTS, WORLD, R = "tiny-qwen3-moe", 8, 2, 2
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -29,21 +31,6 @@ def _base(seed: int = 0):
     from hone.testing import tiny_model, tiny_tokenizer
 
     return tiny_model(PRESET, tiny_tokenizer(), seed=seed)
-
-
-def shard_experts(model: torch.nn.Module, rank: int, size: int) -> None:
-    """What the expert-parallel transform does: each experts module keeps its rank's contiguous
-    block of experts (new Parameters) and is marked with its ``ExpertShard``."""
-    from hone.models.experts.backend import experts_modules
-    from hone.models.experts.sharded_state import EXPERT_PARAMETERS, SHARD_ATTRIBUTE
-    from hone.parallel.expert_parallel import ExpertShard
-
-    for _, module in experts_modules(model):
-        shard = ExpertShard(size=size, rank=rank, num_experts=EXPERTS)
-        for name, param in list(module.named_parameters(recurse=False)):
-            if name in EXPERT_PARAMETERS:
-                setattr(module, name, torch.nn.Parameter(shard.local(param.detach()).clone(), param.requires_grad))
-        setattr(module, SHARD_ATTRIBUTE, shard)
 
 
 def _lora(model):
@@ -83,7 +70,7 @@ def sharded_lora(rank: int, size: int):
     """This rank's model: experts sliced, then PEFT, then its block of the reference factors."""
     reference = dict(reference_lora().named_parameters())
     model = _base()
-    shard_experts(model, rank, size)
+    shard_experts(model, size, rank)
     model = _lora(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -105,7 +92,7 @@ def _final_worker(rank: int, out) -> None:
     save_final(model, None, out / "final", AdapterConfig(type="lora"))
 
     full = _base()
-    shard_experts(full, rank, WORLD)
+    shard_experts(full, WORLD, rank)
     save_final(full, None, out / "final-full", AdapterConfig(type="none"))
 
 
@@ -314,7 +301,7 @@ def _full_worker(rank: int, out) -> None:
 
     io = RankZeroCheckpoints(world_from_env())
     model = _base()
-    shard_experts(model, rank, WORLD)
+    shard_experts(model, WORLD, rank)
     optimizer, scheduler = _optimizer(model)
     shared, own = torch.Generator().manual_seed(400), torch.Generator().manual_seed(500 + rank)
     for name, param in model.named_parameters():
@@ -324,7 +311,7 @@ def _full_worker(rank: int, out) -> None:
     common = {"optimizer": optimizer, "scheduler": scheduler, "scaler": None}
     path = io.save(out / "run", 1, model=model, state={"step": 1}, keep=None, **common)
     fresh = _base(seed=1)
-    shard_experts(fresh, rank, WORLD)
+    shard_experts(fresh, WORLD, rank)
     optimizer, scheduler = _optimizer(fresh)
     io.load(path, model=fresh, optimizer=optimizer, scheduler=scheduler, scaler=None)
     save(_blocks(fresh, optimizer), out / f"restored-{rank}.pt")

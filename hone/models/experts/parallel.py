@@ -38,7 +38,8 @@ SHARDED_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_
 
 def expert_shard(module: nn.Module) -> ExpertShard | None:
     """The block of experts ``module`` holds (None: all of them, or not an experts module)."""
-    return getattr(module, EXPERT_SHARD_ATTR, None)
+    shard = getattr(module, EXPERT_SHARD_ATTR, None)
+    return shard if isinstance(shard, ExpertShard) and shard.size > 1 else None
 
 
 def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity: int | None = None) -> bool:
@@ -83,29 +84,23 @@ def take_overflow(model: nn.Module) -> torch.Tensor | None:
     return total
 
 
-def _sharded_owners(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """(name, module, lora): the sharded experts modules and PEFT's wrappers around them."""
-    owners = []
-    for name, module in model.named_modules():
-        if isinstance(module, ParamWrapper) and expert_shard(module.get_base_layer()) is not None:
-            owners.append((name, module, True))
-        elif expert_shard(module) is not None:
-            owners.append((name, module, False))
-    return owners
+def expert_parallel_shards(model: nn.Module) -> dict[str, ExpertShard]:
+    """Qualified name (in ``model``) -> shard of every parameter that holds this rank's experts
+    only: the split experts' tensors and the LoRA factors PEFT made for them."""
+    found: dict[str, ExpertShard] = {}
+    for owner, module in model.named_modules():
+        prefix = f"{owner}." if owner else ""
+        if isinstance(module, ParamWrapper) and (shard := expert_shard(module.get_base_layer())) is not None:
+            for part in ("lora_A", "lora_B"):
+                found.update({f"{prefix}{part}.{n}": shard for n, _ in getattr(module, part).named_parameters()})
+        elif (shard := expert_shard(module)) is not None:
+            found.update({f"{prefix}{n}": shard for n, _ in module.named_parameters(recurse=False) if n in SHARDED_TENSORS})
+    return found
 
 
 def expert_parallel_names(model: nn.Module) -> list[str]:
-    """Qualified names (in ``model``) of the parameters that hold this rank's experts only: the
-    split experts' tensors and the LoRA factors PEFT made for them."""
-    names = []
-    for owner, module, lora in _sharded_owners(model):
-        prefix = f"{owner}." if owner else ""
-        if lora:
-            for part in ("lora_A", "lora_B"):
-                names += [f"{prefix}{part}.{n}" for n, _ in getattr(module, part).named_parameters()]
-        else:
-            names += [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False) if n in SHARDED_TENSORS]
-    return names
+    """The names of :func:`expert_parallel_shards`, in module order."""
+    return list(expert_parallel_shards(model))
 
 
 def expert_parallel_params(model: nn.Module) -> list[torch.nn.Parameter]:

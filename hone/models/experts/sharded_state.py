@@ -19,94 +19,56 @@ tensor, for a checkpoint read back on any ``N``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
-from peft.tuners.lora.layer import ParamWrapper as PeftParamWrapper
 from torch import nn
 
+from hone.models.experts.parallel import expert_parallel_shards, expert_shard, join_blocks, local_block
 from hone.parallel.expert_parallel import ExpertShard
-
-#: The attribute the expert-parallel transform sets on every experts module it slices.
-SHARD_ATTRIBUTE = "hone_expert_shard"
-
-#: An experts module's parameters whose first dimension runs over its experts.
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-
-
-def expert_shard_of(module: nn.Module) -> ExpertShard | None:
-    """The shard an experts module holds (None: all of its experts)."""
-    shard = getattr(module, SHARD_ATTRIBUTE, None)
-    return shard if isinstance(shard, ExpertShard) and shard.size > 1 else None
 
 
 @dataclass(frozen=True)
 class ShardedTensor:
-    """How one rank's tensor sits in the whole one. ``experts``: its first dimension is the
-    experts' (weights and biases ``[E / N, ...]``, LoRA A ``[r * E / N, in]``, expert-major), so
-    the whole is the ranks' blocks concatenated along dim 0. ``lora_b``: LoRA B ``[out, r * E / N]``
-    with the experts as the minor index of its second dimension."""
+    """How one rank's tensor ``name`` sits in the whole one (the layouts of
+    :mod:`hone.models.experts.parallel`: :func:`~hone.models.experts.parallel.local_block` and
+    :func:`~hone.models.experts.parallel.join_blocks`)."""
 
     shard: ExpertShard
-    kind: Literal["experts", "lora_b"]
+    name: str
+
+    @property
+    def is_lora_b(self) -> bool:
+        return ".lora_B." in f".{self.name}"
 
     def whole(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's block, in rank order."""
-        if self.kind == "experts":
-            return torch.cat(blocks, dim=0)
-        out, width = blocks[0].shape
-        local = self.shard.local_count
-        views = [b.reshape(out, width // local, local) for b in blocks]
-        return torch.cat(views, dim=2).reshape(out, width * self.shard.size)
+        return join_blocks(self.name, blocks, self.shard.local_count)
 
     def block(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of the whole tensor (a contiguous copy)."""
-        shard = self.shard
-        if self.kind == "experts":
-            if whole.shape[0] % shard.num_experts:
-                raise ValueError(f"a tensor of shape {tuple(whole.shape)} does not run over {shard.num_experts} experts")
-            return whole.chunk(shard.size, dim=0)[shard.rank].contiguous()
-        out, width = whole.shape
-        if width % shard.num_experts:
-            raise ValueError(f"a LoRA B of shape {tuple(whole.shape)} does not run over {shard.num_experts} experts")
-        view = whole.reshape(out, width // shard.num_experts, shard.num_experts)
-        return view[:, :, shard.first : shard.first + shard.local_count].reshape(out, -1).contiguous()
+        experts = self.shard.num_experts
+        if (whole.shape[1] if self.is_lora_b else whole.shape[0]) % experts:
+            raise ValueError(f"a tensor of shape {tuple(whole.shape)} does not run over {experts} experts")
+        return local_block(self.name, whole, self.shard).contiguous()
 
     def whole_shape(self, block: torch.Size) -> tuple[int, ...]:
         """The whole tensor's shape, from a block's."""
-        if self.kind == "experts":
-            return (block[0] * self.shard.size, *block[1:])
-        return (block[0], block[1] * self.shard.size)
+        if self.is_lora_b:
+            return (block[0], block[1] * self.shard.size)
+        return (block[0] * self.shard.size, *block[1:])
 
 
 def sharded_tensors(model: nn.Module) -> dict[str, ShardedTensor]:
-    """Every expert-sharded parameter of ``model`` by its ``named_parameters`` name: the experts
-    modules' weights and biases, and the LoRA factors of the PEFT wrappers around them. Empty
-    when no experts module is sharded over more than one rank."""
-    found: dict[str, ShardedTensor] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        shard = expert_shard_of(module)
-        if shard is not None:
-            own = dict(module.named_parameters(recurse=False))
-            for param in EXPERT_PARAMETERS:
-                if param in own:
-                    found[prefix + param] = ShardedTensor(shard, "experts")
-        if isinstance(module, PeftParamWrapper):
-            wrapped = expert_shard_of(module.get_base_layer())
-            if wrapped is None:
-                continue
-            for adapter in module.lora_A:
-                found[f"{prefix}lora_A.{adapter}.weight"] = ShardedTensor(wrapped, "experts")
-                found[f"{prefix}lora_B.{adapter}.weight"] = ShardedTensor(wrapped, "lora_b")
-    return found
+    """Every expert-sharded parameter of ``model`` by its ``named_parameters`` name (empty when
+    no experts module is sharded over more than one rank)."""
+    return {name: ShardedTensor(shard, name) for name, shard in expert_parallel_shards(model).items()}
 
 
 def is_expert_sharded(model: nn.Module) -> bool:
     """Whether any experts module of ``model`` holds only its rank's block of the experts: its
     files then need every rank (:func:`gather_whole`)."""
-    return any(expert_shard_of(module) is not None for module in model.modules())
+    return any(expert_shard(module) is not None for module in model.modules())
 
 
 def gather_one(block: torch.Tensor, spec: ShardedTensor, keep: bool) -> torch.Tensor | None:
