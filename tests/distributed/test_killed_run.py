@@ -1,5 +1,6 @@
-"""A 2-process FSDP2 or DDP run (gloo, CPU) killed with SIGKILL mid-run resumes from its newest complete
-checkpoint to the uninterrupted run's losses. The NCCL version is in tests/gpu/test_distributed_gpu.py."""
+"""A 2-process FSDP2, DDP or expert-parallel run (gloo, CPU) killed with SIGKILL mid-run resumes from
+its newest complete checkpoint to the uninterrupted run's losses. The NCCL version is in
+tests/gpu/test_distributed_gpu.py."""
 
 import json
 import random
@@ -12,7 +13,21 @@ from killed_run import kill_and_resume, train_losses
 STEPS = 24
 
 
+#: strategy -> what its run trains: a tiny llama, or under expert parallelism a tiny qwen3-moe with
+#: expert LoRA (each rank holding half the experts, DDP for the rest; strategy auto resolves to it).
+SETUPS = {
+    "fsdp": ({"preset": "tiny-llama"}, {"lora_r": 4}, {"strategy": "fsdp"}),
+    "ddp": ({"preset": "tiny-llama"}, {"lora_r": 4}, {"strategy": "ddp"}),
+    "expert_parallel": (
+        {"preset": "tiny-qwen3-moe"},
+        {"lora_r": 4, "lora_target_modules": ["q_proj", "v_proj", "experts"]},
+        {"expert_parallel": 2},
+    ),
+}
+
+
 def _config(tmp_path, name: str, strategy: str):
+    model, adapter, distributed = SETUPS[strategy]
     data = tmp_path / "data.jsonl"
     if not data.exists():
         rng = random.Random(1)
@@ -20,16 +35,16 @@ def _config(tmp_path, name: str, strategy: str):
             "".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(8, 40))]}) + "\n" for _ in range(48))
         )
     cfg = {
-        "model": {"preset": "tiny-llama", "dtype": "float32"},
+        "model": {**model, "dtype": "float32"},
         "data": {
             "datasets": [{"path": str(data), "type": "pretokenized"}],
             "sequence_len": 64,
             "dataset_prepared_path": str(tmp_path / "cache"),
         },
-        "adapter": {"type": "lora", "lora_r": 4},
+        "adapter": {"type": "lora", **adapter},
         "training": {"max_steps": STEPS, "save_steps": 4, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 5},
         "optimizer": {"learning_rate": 5e-3},
-        "distributed": {"strategy": strategy},
+        "distributed": distributed,
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
     }
     path = tmp_path / f"{name}.yml"
@@ -37,7 +52,7 @@ def _config(tmp_path, name: str, strategy: str):
     return path
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize("strategy", sorted(SETUPS))
 def test_a_killed_two_process_run_resumes_to_the_uninterrupted_losses(tmp_path, strategy):
     # the uninterrupted reference in forked ranks: the killed and the resumed runs are the launches under test
     done = kill_and_resume(
