@@ -6,26 +6,16 @@ check runs in a subprocess (tests/integration/expert_lora_checks.py), as ``TRITO
 must be set before triton is imported; skipped where triton is not installed."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
 def test_expert_lora_through_hone_backend_equals_peft_and_round_trips():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    script = Path(__file__).with_name("expert_lora_checks.py")
-    proc = subprocess.run([sys.executable, str(script), "qwen3_moe"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
+    r = _check("qwen3_moe", timeout_s=600)
     assert r["hone_wrappers"] == 4  # 2 layers x (gate_up_proj, down_proj) through hone's kernels
     assert r["expert_lora_params"] == 8 and r["same_trainable"]
     assert r["logits"] < 1e-5 and r["grads"] < 1e-5
@@ -33,13 +23,8 @@ def test_expert_lora_through_hone_backend_equals_peft_and_round_trips():
     assert r["loaded_logits"] < 1e-5 and r["merged_logits"] < 1e-5
 
 
-def _check(case: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    script = Path(__file__).with_name("expert_lora_checks.py")
-    proc = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
+def _check(case: str, timeout_s: int = 1200) -> dict:
+    return run_interpreted([str(Path(__file__).with_name("expert_lora_checks.py")), case], timeout_s)
 
 
 @pytest.mark.slow
@@ -71,11 +56,6 @@ def test_tiny_gpt_oss_learns_the_sample_task_with_hone_experts_as_with_eager():
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
 def test_expert_lora_model_compiles_fullgraph_through_peft_and_hone_kernels():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    script = Path(__file__).with_name("expert_lora_checks.py")
-    proc = subprocess.run([sys.executable, str(script), "compile"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]  # a graph break under fullgraph=True fails here
-    r = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT ") :])
+    r = _check("compile", timeout_s=600)  # a graph break under fullgraph=True fails the subprocess
     assert r["expert_grads"] == 8
     assert r["logits"] < 1e-6 and r["grads"] < 1e-6

@@ -4,13 +4,9 @@ checks run in one subprocess that reports its measured differences as JSON; skip
 triton is not installed (CPU-only torch wheels do not bring it)."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
@@ -70,13 +66,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-c", _CHECKS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_interpreted(["-c", _CHECKS])
 
 
 def test_kernel_fp32_matches_torch_step(interpreted):

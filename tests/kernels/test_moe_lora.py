@@ -10,29 +10,20 @@ subprocess (tests/kernels/moe_lora_checks.py) that reports measured errors as JS
 where triton is not installed (CPU-only torch wheels do not bring it)."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("moe_lora_checks.py")
 
 
 def _interpreted(case: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(CHECKS), case], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_interpreted([str(CHECKS), case])
 
 
 PARITY_CASES = [

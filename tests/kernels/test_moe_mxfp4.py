@@ -9,19 +9,15 @@ one projection with two experts of four empty, and whole experts in both layouts
 tests/gpu/test_moe_mxfp4_gpu.py checks bf16 at gpt-oss-20b's shapes."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from hone.kernels.moe_lora import route
 from hone.kernels.moe_mxfp4 import moe_mxfp4_linear
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("moe_mxfp4_checks.py")
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
@@ -29,12 +25,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def _interpreted(case: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(CHECKS), case], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_interpreted([str(CHECKS), case])
 
 
 def _too_far(errors: dict, tolerance: float = 1e-5) -> dict:

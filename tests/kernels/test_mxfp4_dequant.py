@@ -8,13 +8,12 @@ tests/gpu/test_mxfp4_gpu.py checks it at gpt-oss-20b's shapes."""
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from hone.kernels.mxfp4_dequant import (
     E2M1_VALUES,
@@ -259,7 +258,7 @@ for dtype in MXFP4_DTYPES:
         "dtype": str(flat.dtype),
         "numel": flat.numel(),
     }
-print(json.dumps(out))
+print("RESULT " + json.dumps(out))
 """
 
 
@@ -267,12 +266,7 @@ print(json.dumps(out))
 def interpreted():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (CPU-only torch); the GPU tests cover the kernel")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-c", _CHECKS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(["-c", _CHECKS])
 
 
 @pytest.mark.parametrize("dtype", [str(d) for d in MXFP4_DTYPES])

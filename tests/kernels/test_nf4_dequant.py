@@ -5,14 +5,10 @@ in a subprocess (``TRITON_INTERPRET=1`` must be set before triton is imported), 
 triton is not installed. tests/gpu/test_qlora_gpu.py checks the kernel at real shapes."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
 
@@ -118,7 +114,7 @@ for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", 
     flat = nf4_dequantize_triton(packed, scalers, factors, mean, nf4_code(dtype, "cpu"), 64, 256)
     expected = nf4.get_original_weight().reshape(-1)
     out[name] = {"mismatches": int((flat != expected).sum()), "dtype": str(flat.dtype), "numel": flat.numel()}
-print(json.dumps(out))
+print("RESULT " + json.dumps(out))
 """
 
 
@@ -126,12 +122,7 @@ print(json.dumps(out))
 def interpreted():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (CPU-only torch); the GPU tests cover the kernel")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-c", _CHECKS], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(["-c", _CHECKS])
 
 
 @pytest.mark.parametrize("name,dtype", [("fp32", "torch.float32"), ("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
