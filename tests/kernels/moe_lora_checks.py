@@ -170,6 +170,18 @@ def check_compile() -> dict:
     return {"errors": compare(compiled, eager)}
 
 
+def opcheck_each(cases) -> dict:
+    """``torch.library.opcheck`` on each ``(name, op, args)``: "ok", or the error for the test to print."""
+    results = {}
+    for name, op, args in cases:
+        try:
+            torch.library.opcheck(op, args)
+            results[name] = "ok"
+        except Exception as exc:  # reported to the test, which prints it
+            results[name] = repr(exc)[:2000]
+    return results
+
+
 def check_opcheck() -> dict:
     """torch.library.opcheck on the three ops (schema, fake tensors, autograd registration)."""
     from hone.kernels.moe_lora import _moe_lora_linear, grouped_mm, grouped_wgrad, route
@@ -182,22 +194,18 @@ def check_opcheck() -> dict:
     w = torch.randn(4, 20, 16, generator=gen)
     a = torch.randn(4, 4, 16, generator=gen)
     b = torch.randn(4, 20, 4, generator=gen)
-    results = {}
-    for name, op, args in (
-        ("grouped_mm", grouped_mm, (x, rows, ends, w.transpose(1, 2), None, None, None, 0.0)),
-        ("grouped_wgrad", grouped_wgrad, (x, torch.randn(16, 20, generator=gen), rows, True, False, ends, 0.5, torch.float32)),
+    dy = torch.randn(16, 20, generator=gen)
+    return opcheck_each(
         (
-            "moe_lora_linear",
-            _moe_lora_linear,
-            (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5),
-        ),
-    ):
-        try:
-            torch.library.opcheck(op, args)
-            results[name] = "ok"
-        except Exception as exc:  # reported to the test, which prints it
-            results[name] = repr(exc)[:2000]
-    return results
+            ("grouped_mm", grouped_mm, (x, rows, ends, w.transpose(1, 2), None, None, None, 0.0)),
+            ("grouped_wgrad", grouped_wgrad, (x, dy, rows, True, False, ends, 0.5, torch.float32)),
+            (
+                "moe_lora_linear",
+                _moe_lora_linear,
+                (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5),
+            ),
+        )
+    )
 
 
 def check_autotune() -> dict:

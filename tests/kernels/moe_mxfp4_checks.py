@@ -19,7 +19,7 @@ from hone.kernels.moe_mxfp4 import moe_mxfp4_experts, moe_mxfp4_linear
 from hone.kernels.moe_mxfp4_reference import dequantized, moe_mxfp4_experts_reference, mxfp4_linear_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_lora_checks import compare, make_case  # noqa: E402
+from moe_lora_checks import compare, make_case, opcheck_each  # noqa: E402
 
 
 def random_mxfp4(experts: int, out: int, inputs: int, gen: torch.Generator, low: int = 122, high: int = 128, device=None):
@@ -156,32 +156,27 @@ def check_opcheck() -> dict:
     rows, ends, (blocks, scales) = inp["rows"], inp["ends"], inp["weight"]
     x = inp["x"]
     dy = torch.randn(rows.shape[0], 96)
-    results = {}
-    for name, op, args in (
-        ("grouped_mm_forward", mxfp4_grouped_mm, (x, rows, ends, blocks, scales, True, inp["bias"], None, None, 0.0)),
-        ("grouped_mm_input_grad", mxfp4_grouped_mm, (dy, None, ends, blocks, scales, False, None, None, None, 0.0)),
+    return opcheck_each(
         (
-            "lora_linear",
-            _moe_mxfp4_lora_linear,
+            ("grouped_mm_forward", mxfp4_grouped_mm, (x, rows, ends, blocks, scales, True, inp["bias"], None, None, 0.0)),
+            ("grouped_mm_input_grad", mxfp4_grouped_mm, (dy, None, ends, blocks, scales, False, None, None, None, 0.0)),
             (
-                x.clone().requires_grad_(True),
-                rows,
-                ends,
-                blocks,
-                scales,
-                inp["bias"].clone().requires_grad_(True),
-                inp["A"].clone().requires_grad_(True),
-                inp["B"].clone().requires_grad_(True),
-                0.5,
+                "lora_linear",
+                _moe_mxfp4_lora_linear,
+                (
+                    x.clone().requires_grad_(True),
+                    rows,
+                    ends,
+                    blocks,
+                    scales,
+                    inp["bias"].clone().requires_grad_(True),
+                    inp["A"].clone().requires_grad_(True),
+                    inp["B"].clone().requires_grad_(True),
+                    0.5,
+                ),
             ),
-        ),
-    ):
-        try:
-            torch.library.opcheck(op, args)
-            results[name] = "ok"
-        except Exception as exc:  # reported to the test, which prints it
-            results[name] = repr(exc)[:2000]
-    return results
+        )
+    )
 
 
 def check_compile() -> dict:
