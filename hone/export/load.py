@@ -25,8 +25,8 @@ from hone.config import HoneConfig
 from hone.data.chat_templates import named_template
 from hone.export.run_dir import Run, read_run
 from hone.models.errors import ModelError
-from hone.models.experts.backend import experts_modules
-from hone.models.experts.mxfp4 import dequantize_model_experts, quantize_experts
+from hone.models.experts.mxfp4 import dequantize_model_experts
+from hone.models.experts.mxfp4_quantize import quantize_model_experts
 from hone.models.loader import build_base_model, cast_parameters, load_pretrained
 from hone.models.precision import DTYPES, precision_for
 from hone.train.device import resolve_device
@@ -80,8 +80,7 @@ def load_for_inference(
         # precision, then every 4-bit weight is replaced by its NF4 round trip
         base = build_base_model(cfg.model, tokenizer, device, trained_dtype, seed=cfg.training.seed)
         if cfg.model.quantize == "mxfp4":  # the experts training held in MXFP4: their round trip
-            for _, module in experts_modules(base):
-                quantize_experts(module, device)
+            quantize_model_experts(base, device)
         elif cfg.model.quantize != "none":
             from hone.models.nf4 import nf4_roundtrip_
 

@@ -161,10 +161,9 @@ def load_pretrained(
     (:mod:`hone.models.mxfp4_checkpoint`); one quantized otherwise is refused with what hone loads."""
     check_model_dir(path, key)
     config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code, key), model_cfg.rope_scaling)
-    if quant_method(config) is not None:
-        from hone.models.mxfp4_checkpoint import check_quant_method, load_mxfp4_pretrained
+    if quant_method(config) is not None:  # mxfp4: reading the config refused every other method
+        from hone.models.mxfp4_checkpoint import load_mxfp4_pretrained
 
-        check_quant_method(config, path, key)
         return load_mxfp4_pretrained(path, config, model_cfg, device, dtype, key)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(

@@ -15,8 +15,9 @@ every expert to bf16 (gpt-oss-120b: ~230 GB, more than any one card). Here, in o
    into its dtype; tied parameters get the one tensor; the buffers move to the device.
 
 Neither the whole checkpoint nor any expert weight in bf16 ever exists, on the CPU or the device.
-Other quantized checkpoints (fp8, NVFP4, bitsandbytes, GPTQ, AWQ, ...) are refused by
-:func:`check_quant_method` with what hone loads instead.
+Other quantized checkpoints (fp8, NVFP4, bitsandbytes, GPTQ, AWQ, ...) never get here: reading
+their config refuses them, with what hone loads instead
+(:func:`hone.models.model_dir.quant_method_problem`, which ``hone validate`` runs too).
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ from hone.models.experts.mxfp4 import (
     attach_mxfp4,
     check_mxfp4_shapes,
     out_in_shape,
-    quant_method,
 )
-from hone.models.model_dir import quant_method_problem
 from hone.models.weight_files import checkpoint_key, parameters_on_meta, weight_files
 
 #: safetensors dtype names -> torch dtypes, for the header-only shape checks.
@@ -55,13 +54,6 @@ _HEADER_DTYPES = {
     "F32": torch.float32,
     "F64": torch.float64,
 }
-
-
-def check_quant_method(config: object, path: Path, key: str = "model.path") -> None:
-    """Refuse a checkpoint quantized in a format hone does not load, saying what it loads."""
-    problem = quant_method_problem(quant_method(config), path, key)
-    if problem is not None:
-        raise ModelError(problem)
 
 
 def check_mxfp4_run(model: nn.Module, full_finetune: bool) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from hone.models.errors import ModelError
 from hone.models.experts.backend import experts_modules, is_experts_module
-from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, mxfp4_weights, quantize_experts
+from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, mxfp4_bytes, mxfp4_weights, quantize_experts
 
 _MIB = 2**20
 
@@ -38,22 +38,21 @@ def _no_experts(model: nn.Module) -> ModelError:
 def mxfp4_record(model: nn.Module) -> dict[str, Any]:
     """What the experts of ``model`` hold in MXFP4, whoever quantized them (this run, the loader of
     an MXFP4 checkpoint, or the as-drawn hook): modules, weights, MiB in ``model.dtype`` and in MXFP4."""
-    modules = weights = full_bytes = mx_bytes = 0
+    modules = weights = full_bytes = 0
     for _, module in experts_modules(model):
         held = mxfp4_weights(module)
         if not held:
             continue
         modules += 1
-        for name, (blocks, scales) in held.items():
+        for name in held:
             placeholder = getattr(module, name)
             weights += placeholder.numel()
             full_bytes += placeholder.numel() * placeholder.element_size()
-            mx_bytes += blocks.numel() * blocks.element_size() + scales.numel() * scales.element_size()
     return {
         "experts_modules": modules,
         "experts_weights": weights,
         "weights_mib": round(full_bytes / _MIB, 1),
-        "mxfp4_mib": round(mx_bytes / _MIB, 1),
+        "mxfp4_mib": round(mxfp4_bytes(model) / _MIB, 1),
     }
 
 
