@@ -56,6 +56,7 @@ import torch.distributed as dist
 from hone.errors import HoneError
 from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, gated_activation
+from hone.parallel.exchange import exchange
 
 __all__ = [
     "Dispatched",
@@ -180,35 +181,6 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, capacity: int) -> S
     )
 
 
-class _Exchange(torch.autograd.Function):
-    """``torch.distributed.all_to_all_single`` with equal splits, differentiable: block ``j`` of
-    the input goes to rank ``j``, block ``i`` of the output came from rank ``i``. The gradient is
-    the same exchange of the output's gradient. (What ``torch.distributed.nn.functional``'s
-    deprecated ``all_to_all_single`` does, without its warning on every call.)"""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _Exchange.apply(grad, ctx.group), None
-
-
-def exchange(x: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
-    """``x``'s ``N`` equal blocks swapped across the group (differentiable); itself for ``N = 1``."""
-    if shard.size == 1:
-        return x
-    if x.requires_grad or x.is_floating_point():
-        return _Exchange.apply(x, shard.group)
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=shard.group)
-    return out
-
-
 class _GatherRows(torch.autograd.Function):
     """``[hidden; 0][source]``: the send buffer, index ``T`` (a sentinel) reading a zero row.
     The backward sums each token's ``k`` rows in float32 and rounds once, as the grouped
@@ -244,7 +216,8 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, shard: ExpertShard
     owning its expert (see the module docstring); differentiable w.r.t. ``hidden``."""
     plan = plan_send(top_k_index, shard, capacity)
     send = _GatherRows.apply(hidden, plan.source)
-    return Dispatched(rows=exchange(send, shard), local_ids=exchange(plan.local_ids, shard), plan=plan)
+    rows, local_ids = exchange(send, shard.size, shard.group), exchange(plan.local_ids, shard.size, shard.group)
+    return Dispatched(rows=rows, local_ids=local_ids, plan=plan)
 
 
 @dataclass(frozen=True)
@@ -344,7 +317,7 @@ def combine(y_recv: torch.Tensor, plan: SendPlan, top_k_weights: torch.Tensor, s
     ranks they came from, then each token's ``k`` rows weighted by ``top_k_weights [T, k]`` and
     summed in float32. A pair over capacity contributes nothing (``plan.overflow`` counts it)."""
     n_tokens, k = top_k_weights.shape
-    back = exchange(y_recv, shard)  # [N * C, H]: block d holds destination d's results for our slots
+    back = exchange(y_recv, shard.size, shard.group)  # [N * C, H]: block d holds destination d's results for our slots
     per_choice = back[plan.slot].view(n_tokens, k, back.shape[1]).float()
     weights = torch.where(plan.kept.view(n_tokens, k), top_k_weights.float(), 0.0)
     return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
