@@ -44,13 +44,14 @@ class DistributedConfig(Section):
     ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md)."""
 
     expert_capacity_factor: float | None = None
-    """Expert parallelism: the rows each rank reserves, per layer, for the token-expert pairs of
-    each other rank, as a multiple of the balanced share ``micro_batch_size x sequence_len x k /
-    N`` (rounded up to a multiple of 8). Unset (the default): the worst case, every pair of a rank
-    to one rank, so nothing can overflow whatever the routing, at ``N`` times the exchange and
-    expert-activation memory of one process. ``1.25`` or so keeps that memory near one process's;
-    a micro-batch whose routing then overflows stops the run with an error naming this key (a
-    pair is never dropped silently)."""
+    """Expert parallelism: the token-expert pairs each rank's grouped kernels reserve rows for,
+    per layer, as a multiple of the balanced share ``micro_batch_size x sequence_len x k``
+    (rounded up to a multiple of 8). Unset (the default): the worst case, every received token's
+    choices all on this rank, so nothing can overflow whatever the routing, at up to ``N`` times
+    the expert-activation memory of one process. ``1.25`` or so keeps that memory near one
+    process's; a micro-batch whose routing then overflows stops the run with an error naming
+    this key (a pair is never dropped silently). The exchanges themselves never overflow: a token
+    travels at most once to each rank."""
 
     @model_validator(mode="after")
     def _expert_parallel_alone(self) -> "DistributedConfig":

@@ -3,41 +3,44 @@
 A mixture-of-experts layer under data parallelism alone needs every expert on every rank,
 though each token visits only ``k`` of them. Here the ``E`` experts are split into ``N``
 contiguous blocks, one per rank of a process group (:class:`ExpertShard`), and one layer's
-routed experts run in four steps, none of which waits on the host:
+routed experts run in three steps, none of which waits on the host:
 
-1. **Dispatch** (:func:`dispatch`). Each (token, slot) pair goes to the rank that owns its
-   expert. Every rank fills a send buffer ``[N, C, H]``: ``C`` slots per destination rank, the
-   pairs in a fixed order (grouped by destination with a stable sort, each pair's position
-   within its destination from a running count on the device), unused slots are *sentinels*:
-   zero rows whose local expert id is ``E / N`` (one past the last local expert). One
-   all-to-all moves the rows (differentiable), a second the int64 local expert ids. Every
-   shape depends only on ``T``, ``k``, ``N`` and ``C``: no ``.item()``, no ``nonzero``.
-2. **Local experts** (:func:`local_experts`) on the ``N * C`` received rows. Sentinel rows are
-   skipped, not computed and masked: the rows are sorted by local expert id, sentinels last,
-   and hone's grouped kernels (:func:`hone.kernels.moe_lora.moe_lora_linear`) are given
-   ``ends`` that cover the real experts only; the rows past ``ends[-1]`` they leave unwritten
-   are zeroed. Where the kernels cannot run (a CPU) the plain-PyTorch reference computes the
-   same function.
-3. **Combine** (:func:`combine`): the reverse all-to-all brings each result row back to the
-   slot it left from, and each token's output is the sum over its ``k`` slots of routing
-   weight times row, accumulated in float32.
+1. **Dispatch** (:func:`dispatch`). Each token travels **once to each rank that holds any of its
+   ``k`` experts** (not once per expert: with ``k = 8`` over 2 ranks that is 2 rows instead of 8),
+   with its ``k`` routing weights and the local ids of its experts there (``E / N``, one past the
+   last local expert, marks a choice the rank does not hold). Every rank fills a send buffer of
+   ``N x S`` token slots, ``S`` = the largest number of tokens any rank routes: a token goes to a
+   rank at most once, so ``S`` slots per pair of ranks always fit and **no token is ever
+   dropped**. A token's slot within its destination comes from a running count on the device;
+   unused slots are *sentinels* (zero rows, every choice marked). One all-to-all moves the rows,
+   one the weights (both differentiable), one the int64 local ids. Every shape depends only on
+   ``S``, ``k`` and ``N``: no ``.item()``, no ``nonzero``.
+2. **Local experts** (:func:`local_experts`) on the ``N x S`` received token rows: their
+   (token, choice) pairs are sorted by local expert, non-local choices last, and hone's grouped
+   kernels (:func:`hone.kernels.moe_lora.moe_lora_linear`) run the first ``R`` of them with
+   ``ends`` covering the real experts only: the sentinel pairs are skipped, not computed and
+   masked. Each received token's local pairs are then weighted and summed in float32 into one
+   row (a *partial* output), rounded to the hidden dtype for the way back. Where the kernels
+   cannot run (a CPU) the plain-PyTorch reference computes the same function.
+3. **Combine** (:func:`combine`): the reverse all-to-all brings each partial row back to the
+   slot it left from, and each token's output is the sum of its partials (at most ``N``), in
+   float32, in rank order (deterministic).
 
-**Capacity** ``C`` (slots per source-destination pair of ranks; the rule is
-:func:`expert_capacity`). The default is ``C = T * k``: a destination can then take every pair
-of the source, so nothing can overflow whatever the routing, at the price of ``N * T * k``
-rows per rank in each exchange. ``capacity_factor f`` gives ``ceil(f * T * k / N)`` rounded up
-to a multiple of 8 (``f = 1`` fits perfectly balanced routing exactly). A pair that does not fit
-is never dropped silently: :func:`dispatch` counts the pairs over capacity on the device and
-:func:`expert_parallel_experts` returns that count beside the output; the caller checks it
-once per step (one sync per step, not per layer) and refuses the step where it is non-zero.
-Every rank of the group must use the same ``C`` (each all-to-all exchanges ``N * C`` rows per
-rank): with the default, every rank must route the same number of tokens ``T``.
+**Capacity** ``R`` (the pair rows a rank's grouped kernels hold per layer; the rule is
+:func:`expert_capacity`). The default is the worst case, ``N x S x min(k, E / N)``: nothing can
+overflow whatever the routing. ``capacity_factor f`` gives ``ceil(f x S x k)`` rounded up to a
+multiple of 8 (``f = 1`` fits perfectly balanced routing exactly: each rank computes ``S x k``
+pairs on average). A pair that does not fit is never dropped silently: :func:`local_experts`
+counts the pairs over capacity on the device and :func:`expert_parallel_experts` returns that
+count beside the output; the caller checks it once per step (one sync per step, not per layer)
+and refuses the step where it is non-zero.
 
-**Memory.** The send and receive buffers, and the local experts' intermediate rows (saved for
-the backward), are ``N * C`` rows per rank, sentinel rows included: the kernels skip their
-compute, not their storage. With the default capacity that is ``N`` times the ``T * k`` rows
-one process holds without expert parallelism, so large runs want a capacity factor near 1
-(with the overflow check) rather than the default.
+**Traffic and memory.** Each exchange moves ``N x S`` rows of ``hidden`` per rank (the tokens
+out, the partials back), sentinel slots included; that is ``N`` rows per token where one row per
+(token, expert) pair would be ``k`` (with ``k = 8``: 4x less at ``N = 2``, 2x at ``N = 4``). The
+grouped kernels' rows (gate/up output, activation, expert output, kept for the backward) are
+``R`` per layer: with the default, ``N`` times one process's ``S x k``, so large runs want a
+capacity factor near 1.25 (with the overflow check).
 
 Gradients reach the hidden states, the routing weights, the LoRA factors of the local experts
 and, when they require grad (full fine-tune), the local expert weights and biases; a rank's
@@ -62,14 +65,15 @@ __all__ = [
     "Dispatched",
     "ExpertCapacityError",
     "ExpertShard",
+    "LocalExperts",
+    "Partials",
     "SendPlan",
+    "check_overflow",
     "combine",
     "dispatch",
     "expert_capacity",
     "expert_parallel_experts",
-    "LocalExperts",
     "local_experts",
-    "check_overflow",
     "plan_send",
 ]
 
@@ -121,70 +125,63 @@ class ExpertShard:
         return experts[self.first : self.first + self.local_count]
 
 
-def expert_capacity(num_tokens: int, top_k: int, size: int, capacity_factor: float | None = None) -> int:
-    """Slots ``C`` per source-destination pair of ranks. None: ``T * k``, the worst case (every
-    pair of a rank to one destination), which cannot overflow. A factor ``f > 0``:
-    ``ceil(f * T * k / N)`` rounded up to a multiple of :data:`CAPACITY_MULTIPLE`, and never more
-    than the worst case needs (rounded likewise). Overflow is then possible and reported."""
-    worst = num_tokens * top_k
+def expert_capacity(
+    num_tokens: int, top_k: int, size: int, capacity_factor: float | None = None, local_count: int | None = None
+) -> int:
+    """Pair rows ``R`` a rank's grouped kernels hold per layer, for ``num_tokens`` (``S``) token
+    slots per pair of ranks. None: the worst case ``N x S x min(k, E / N)`` (``local_count`` =
+    ``E / N``; unknown: ``k``), which cannot overflow. A factor ``f > 0``: ``ceil(f x S x k)``
+    rounded up to a multiple of :data:`CAPACITY_MULTIPLE`, never more than the worst case needs
+    (rounded likewise). Overflow is then possible and reported."""
+    worst = size * num_tokens * min(top_k, local_count or top_k)
     if capacity_factor is None:
         return worst
     if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor {capacity_factor!r} must be a positive number (or None: T * k, no overflow)")
-    slots = min(math.ceil(capacity_factor * worst / size), worst)
-    return -(-slots // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+        raise ValueError(f"capacity_factor {capacity_factor!r} must be a positive number (or None: no overflow)")
+    rows = min(math.ceil(capacity_factor * num_tokens * top_k), worst)
+    return -(-rows // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
 @dataclass(frozen=True)
 class SendPlan:
-    """Where each (token, slot) pair sits in the send buffer; all on the device. Pair ``p`` is
-    token ``p // k``'s ``p % k``-th choice; buffer slot ``d * C + i`` is the ``i``-th slot for
-    destination rank ``d``."""
+    """Where each token sits in the send buffer; all on the device. Buffer slot ``d * S + i`` is
+    the ``i``-th token slot for destination rank ``d``; index ``N * S`` is a trash slot past the
+    buffer (reads a zero row)."""
 
-    source: torch.Tensor  # [N * C] int64: the token each buffer slot carries; T for a sentinel
-    local_ids: torch.Tensor  # [N * C] int64: the local expert id at the destination; E / N for a sentinel
-    slot: torch.Tensor  # [T * k] int64: each pair's buffer slot (0 for a pair over capacity)
-    kept: torch.Tensor  # [T * k] bool: the pair fits its destination's capacity
-    overflow: torch.Tensor  # [] int64: pairs over capacity (0 unless C < T * k)
+    source: torch.Tensor  # [N * S] int64: the token each slot carries; T (a zero row) for a sentinel
+    local_ids: torch.Tensor  # [N * S, k] int64: each choice's local expert at the destination; E / N where not there
+    slot: torch.Tensor  # [T, N] int64: the token's slot for each destination; N * S where it has no expert there
 
 
-def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, capacity: int) -> SendPlan:
-    """The send buffer's layout for ``top_k_index [T, k]`` (global expert ids): pairs grouped by
-    destination rank in pair order (a stable sort), each pair's position within its destination
-    from the running count of the pairs before it; pairs past ``capacity`` are left out and
-    counted. No host sync: every shape follows from ``T``, ``k``, ``N`` and ``capacity``."""
-    if capacity < 0:
-        raise ValueError(f"capacity {capacity} must be >= 0")
-    ids = top_k_index.reshape(-1).long()
-    n_pairs, device = ids.shape[0], ids.device
-    n_tokens = top_k_index.shape[0]
-    dest = torch.div(ids, shard.local_count, rounding_mode="floor")
-    order = torch.sort(dest, stable=True).indices
-    counts = torch.zeros(shard.size, dtype=torch.int64, device=device).scatter_add_(0, dest, torch.ones_like(dest))
-    starts = torch.cumsum(counts, 0) - counts
-    arange = torch.arange(n_pairs, device=device)
-    position = torch.empty_like(ids).scatter_(0, order, arange - starts[dest[order]])
-    kept = position < capacity
-    slot = dest * capacity + position
-    n_slots = shard.size * capacity
-    target = torch.where(kept, slot, n_slots)  # one trash slot past the buffer for pairs over capacity
-    token_of_pair = torch.div(arange, top_k_index.shape[1], rounding_mode="floor")
-    source = torch.full((n_slots + 1,), n_tokens, dtype=torch.int64, device=device).scatter_(0, target, token_of_pair)
-    local_ids = torch.full((n_slots + 1,), shard.local_count, dtype=torch.int64, device=device)
-    local_ids.scatter_(0, target, ids - dest * shard.local_count)
-    return SendPlan(
-        source=source[:n_slots],
-        local_ids=local_ids[:n_slots],
-        slot=torch.where(kept, slot, 0),
-        kept=kept,
-        overflow=(~kept).sum(),
-    )
+def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> SendPlan:
+    """The send buffer's layout for ``top_k_index [T, k]`` (global expert ids), ``slots`` (``S``
+    >= ``T``) per destination: each token once per rank holding any of its experts, in token
+    order (its position from the running count of the tokens before it). No host sync: every
+    shape follows from ``T``, ``k``, ``N`` and ``S``."""
+    n_tokens, k = top_k_index.shape
+    if slots < n_tokens:
+        raise ValueError(f"{slots} token slots per rank cannot hold the {n_tokens} tokens routed here")
+    ids, device, size, count = top_k_index.long(), top_k_index.device, shard.size, shard.local_count
+    dest = torch.div(ids, count, rounding_mode="floor")  # [T, k]
+    present = torch.zeros(n_tokens, size, dtype=torch.bool, device=device).scatter_(1, dest, True)
+    position = torch.cumsum(present.long(), 0) - 1
+    n_slots = size * slots
+    base = torch.arange(size, device=device) * slots
+    slot = torch.where(present, base + position, n_slots)  # [T, N]
+    tokens = torch.arange(n_tokens, device=device).repeat_interleave(size)
+    source = torch.full((n_slots + 1,), n_tokens, dtype=torch.int64, device=device).index_put_((slot.reshape(-1),), tokens)
+    ranks = torch.arange(size, device=device).view(1, size, 1)
+    here = dest.unsqueeze(1) == ranks  # [T, N, k]: choice j of token t is on rank d
+    local = torch.where(here, (ids - dest * count).unsqueeze(1), count)  # [T, N, k]
+    local_ids = torch.full((n_slots + 1, k), count, dtype=torch.int64, device=device)
+    local_ids.index_put_((slot.reshape(-1),), local.reshape(-1, k))
+    return SendPlan(source=source[:n_slots], local_ids=local_ids[:n_slots], slot=slot)
 
 
 class _GatherRows(torch.autograd.Function):
     """``[hidden; 0][source]``: the send buffer, index ``T`` (a sentinel) reading a zero row.
-    The backward sums each token's ``k`` rows in float32 and rounds once, as the grouped
-    kernels' input gradient does; the sentinels' gradients land on the padding row, dropped."""
+    The backward sums each token's rows (one per destination) in float32 and rounds once; the
+    sentinels' gradients land on the padding row, dropped."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -204,20 +201,31 @@ class _GatherRows(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class Dispatched:
-    """What a rank received (its experts' work) and how its own pairs were sent (for :func:`combine`)."""
+    """What a rank received (its experts' work) and how its own tokens were sent (for :func:`combine`)."""
 
-    rows: torch.Tensor  # [N * C, H]: block i came from rank i; sentinel rows are zero
-    local_ids: torch.Tensor  # [N * C] int64: local expert of each row; E / N for a sentinel
+    rows: torch.Tensor  # [N * S, H]: block i came from rank i; sentinel rows are zero
+    local_ids: torch.Tensor  # [N * S, k] int64: each row's choices as local experts; E / N where not here
+    weights: torch.Tensor  # [N * S, k] float32: the routing weights, zero where the choice is not here
     plan: SendPlan
 
 
-def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, shard: ExpertShard, capacity: int) -> Dispatched:
-    """Send each (token, slot) pair of ``hidden [T, H]`` / ``top_k_index [T, k]`` to the rank
-    owning its expert (see the module docstring); differentiable w.r.t. ``hidden``."""
-    plan = plan_send(top_k_index, shard, capacity)
+def dispatch(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, shard: ExpertShard, slots: int
+) -> Dispatched:
+    """Send each token of ``hidden [T, H]`` (``top_k_index`` / ``top_k_weights [T, k]``) once to
+    every rank owning one of its experts (see the module docstring); differentiable w.r.t.
+    ``hidden`` and ``top_k_weights``."""
+    plan = plan_send(top_k_index, shard, slots)
     send = _GatherRows.apply(hidden, plan.source)
-    rows, local_ids = exchange(send, shard.size, shard.group), exchange(plan.local_ids, shard.size, shard.group)
-    return Dispatched(rows=rows, local_ids=local_ids, plan=plan)
+    weights = torch.cat([top_k_weights.float(), top_k_weights.new_zeros(1, top_k_weights.shape[1], dtype=torch.float32)])
+    send_weights = torch.where(plan.local_ids < shard.local_count, weights[plan.source], 0.0)
+    group, size = shard.group, shard.size
+    return Dispatched(
+        rows=exchange(send, size, group),
+        local_ids=exchange(plan.local_ids, size, group),
+        weights=exchange(send_weights, size, group),
+        plan=plan,
+    )
 
 
 @dataclass(frozen=True)
@@ -240,18 +248,34 @@ class LocalExperts:
         return self.gate_up.shape[0]
 
 
+@dataclass(frozen=True)
+class Partials:
+    """The local experts' result for the received rows: ``rows [N * S, H]`` (each received
+    token's local pairs weighted and summed in float32, in the rows' dtype; zero on sentinels)
+    and ``overflow`` (int64 on the device: local pairs past the capacity, not computed)."""
+
+    rows: torch.Tensor
+    overflow: torch.Tensor
+
+
 def local_experts(
-    rows: torch.Tensor, local_ids: torch.Tensor, experts: LocalExperts, use_kernels: bool | None = None
-) -> torch.Tensor:
-    """The local experts on the received ``rows [S, H]`` (``local_ids [S]``, ``E / N`` marking a
-    sentinel): ``[S, H]`` in ``rows``' order and dtype, zero on sentinel rows. ``use_kernels``
-    None: hone's grouped kernels where they can run on ``rows``' device, else the reference."""
+    rows: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: LocalExperts,
+    capacity: int | None = None,
+    use_kernels: bool | None = None,
+) -> Partials:
+    """The local experts on the received ``rows [S', H]`` with their choices ``local_ids [S', k]``
+    (``E / N`` marking a choice held elsewhere) and routing ``weights [S', k]``. ``capacity``: the
+    most pairs the grouped kernels hold (None: every pair, ``S' x k``). ``use_kernels`` None:
+    hone's grouped kernels where they can run on ``rows``' device, else the reference."""
     if use_kernels is None:
         use_kernels = moe_triton_available(rows.device)
     down_scaling = experts.scaling if experts.down_scaling is None else experts.down_scaling
     if not use_kernels:
-        return _local_experts_dense(rows, local_ids, experts, down_scaling)
-    return _local_experts_grouped(rows, local_ids, experts, down_scaling)
+        return _local_experts_dense(rows, local_ids, weights, experts, down_scaling, capacity)
+    return _local_experts_grouped(rows, local_ids, weights, experts, down_scaling, capacity)
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias, lora: LoraFactors | None, scaling: float) -> torch.Tensor:
@@ -264,13 +288,26 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias, lora: LoraFactors | No
     return y
 
 
-def _local_experts_dense(rows: torch.Tensor, local_ids: torch.Tensor, experts: LocalExperts, down_scaling: float) -> torch.Tensor:
+def _overflow(local_ids: torch.Tensor, count: int, capacity: int | None) -> torch.Tensor:
+    """Local pairs past ``capacity``, as an int64 on the device."""
+    real = (local_ids < count).sum()
+    return real.new_zeros(()) if capacity is None else (real - capacity).clamp(min=0)
+
+
+def _local_experts_dense(
+    rows: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: LocalExperts,
+    down_scaling: float,
+    capacity: int | None,
+) -> Partials:
     """The plain-PyTorch path, in float32 like :func:`~hone.kernels.moe_lora_reference.moe_experts_reference`:
-    each local expert on every row, kept where the row is its own (``where``: exact, and zero on
-    sentinels). Slower than gathering each expert's rows, but its autograd graph does not depend
-    on the routing: a rank whose experts got no row still runs the same backward, so every rank
-    reaches the backward's exchanges (a graph cut off by an empty expert would leave the other
-    ranks waiting in them)."""
+    each local expert on every row, weighted by the row's weight for it (zero where the row did
+    not choose it: exact). Slower than gathering each expert's rows, but its autograd graph does
+    not depend on the routing: a rank whose experts got no row still runs the same backward, so
+    every rank reaches the backward's exchanges. It computes every pair, so with a ``capacity``
+    it only counts the pairs the kernels would have left out, for the same check."""
     layout = experts.layout
     x = rows.float()
     w_gu, w_dn = as_in_out(experts.gate_up, layout.transposed), as_in_out(experts.down, layout.transposed)
@@ -284,43 +321,85 @@ def _local_experts_dense(rows: torch.Tensor, local_ids: torch.Tensor, experts: L
         dn_lora = None if experts.down_lora is None else (experts.down_lora[0][e], experts.down_lora[1][e])
         h = gated_activation(_project(x, w_gu[e], pick(experts.gate_up_bias), gu_lora, experts.scaling), layout)
         y = _project(h, w_dn[e], pick(experts.down_bias), dn_lora, down_scaling)
-        out = out + torch.where((local_ids == e).unsqueeze(1), y, 0.0)
-    return out.to(rows.dtype)
+        coefficient = torch.where(local_ids == e, weights, 0.0).sum(dim=1, keepdim=True)
+        out = out + coefficient * y
+    return Partials(out.to(rows.dtype), _overflow(local_ids, experts.count, capacity))
+
+
+class _WeightedRows(torch.autograd.Function):
+    """``out[s] = sum_j w[s, j] * y[row of pair (s, j)]`` in float32, choices in order (a
+    deterministic gather per choice, no atomics); pairs not among the computed rows read a zero
+    row. Saves only ``y``, the index and the weights (a plain gather would keep ``k`` float32
+    copies of ``y`` for the weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(y, weights, row_of_pair)
+        padded = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+        for j in range(weights.shape[1]):
+            out += weights[:, j : j + 1] * padded[row_of_pair[:, j]].float()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        y, weights, row_of_pair = ctx.saved_tensors
+        grad = grad.float()
+        padded = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        d_y = torch.zeros(y.shape[0] + 1, y.shape[1], dtype=torch.float32, device=y.device)
+        d_w = torch.empty_like(weights)
+        for j in range(weights.shape[1]):
+            d_y.index_add_(0, row_of_pair[:, j], weights[:, j : j + 1] * grad)
+            d_w[:, j] = (padded[row_of_pair[:, j]].float() * grad).sum(dim=1)
+        return d_y[: y.shape[0]].to(y.dtype), d_w, None
 
 
 def _local_experts_grouped(
-    rows: torch.Tensor, local_ids: torch.Tensor, experts: LocalExperts, down_scaling: float
-) -> torch.Tensor:
-    """The grouped-kernel path: sort by local id (a stable sort, sentinels last, their bucket
-    dropped from ``ends``), run both projections on the real experts' rows only, zero the
-    unwritten sentinel rows, and put the rows back in received order. In the backward the
-    kernels leave the sentinel rows' input gradient unwritten too: it goes back to the sender's
-    sentinel slots, which read the padding row of :func:`dispatch`, and is dropped there. The
-    bias gradient puts them in a bucket past the last expert, also dropped."""
-    n_rows, layout = rows.shape[0], experts.layout
-    perm, ends_with_sentinels = route(local_ids.unsqueeze(1), experts.count + 1)
-    ends = ends_with_sentinels[: experts.count]
+    rows: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: LocalExperts,
+    down_scaling: float,
+    capacity: int | None,
+) -> Partials:
+    """The grouped-kernel path: the received pairs sorted by local id (a stable sort, non-local
+    choices last, their bucket dropped from ``ends``), the first ``capacity`` of them through
+    both projections; each received row's pairs then weighted and summed. Sorted rows past the
+    real pairs read a padding row appended to ``rows``: the kernels leave their input gradient
+    unwritten, and it lands on that row, dropped, never on a real token's row."""
+    n_rows, k = local_ids.shape
+    count, layout = experts.count, experts.layout
+    perm, ends_all = route(local_ids, count + 1)
+    n_pairs = n_rows * k if capacity is None else min(capacity, n_rows * k)
+    perm = perm[:n_pairs]
+    ends = ends_all[:count].clamp(max=n_pairs)
+    position = torch.arange(n_pairs, device=rows.device)
+    real = position < ends[-1]
+    token = torch.where(real, torch.div(perm, k, rounding_mode="floor"), n_rows)
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     gate_up = moe_lora_linear(
-        rows, perm, ends, experts.gate_up, layout.transposed, experts.gate_up_bias, experts.gate_up_lora, experts.scaling
+        padded, token, ends, experts.gate_up, layout.transposed, experts.gate_up_bias, experts.gate_up_lora, experts.scaling
     )
     h = gated_activation(gate_up, layout)
     y = moe_lora_linear(h, None, ends, experts.down, layout.transposed, experts.down_bias, experts.down_lora, down_scaling)
-    written = torch.arange(n_rows, device=rows.device) < ends[-1]
-    y = y.masked_fill(~written.unsqueeze(1), 0)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(n_rows, device=perm.device)
-    return y[inverse].to(rows.dtype)
+    y = y.masked_fill(~real.unsqueeze(1), 0)
+    row_of_pair = torch.full((n_rows * k,), n_pairs, dtype=torch.int64, device=rows.device)
+    row_of_pair[perm] = torch.where(real, position, n_pairs)
+    out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k))
+    overflow = (ends_all[count - 1].long() - n_pairs).clamp(min=0)
+    return Partials(out.to(rows.dtype), overflow)
 
 
-def combine(y_recv: torch.Tensor, plan: SendPlan, top_k_weights: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
-    """``[T, H]`` float32: the results ``y_recv [N * C, H]`` (in received order) sent back to the
-    ranks they came from, then each token's ``k`` rows weighted by ``top_k_weights [T, k]`` and
-    summed in float32. A pair over capacity contributes nothing (``plan.overflow`` counts it)."""
-    n_tokens, k = top_k_weights.shape
-    back = exchange(y_recv, shard.size, shard.group)  # [N * C, H]: block d holds destination d's results for our slots
-    per_choice = back[plan.slot].view(n_tokens, k, back.shape[1]).float()
-    weights = torch.where(plan.kept.view(n_tokens, k), top_k_weights.float(), 0.0)
-    return (per_choice * weights.unsqueeze(-1)).sum(dim=1)
+def combine(partials: torch.Tensor, plan: SendPlan, shard: ExpertShard) -> torch.Tensor:
+    """``[T, H]`` float32: the partial rows ``[N * S, H]`` (in received order) sent back to the
+    ranks they came from, then each token's partials (one per rank holding any of its experts)
+    summed in float32, in rank order."""
+    back = exchange(partials, shard.size, shard.group)  # block d holds rank d's partials for our slots
+    padded = torch.cat([back, back.new_zeros(1, back.shape[1])])
+    out = padded[plan.slot[:, 0]].float()
+    for d in range(1, shard.size):
+        out = out + padded[plan.slot[:, d]].float()
+    return out
 
 
 def expert_parallel_experts(
@@ -337,14 +416,17 @@ def expert_parallel_experts(
     down_scaling: float | None = None,
     capacity: int | None = None,
     use_kernels: bool | None = None,
+    max_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], overflow [])``: the routed experts of ``hidden [T, H]`` (``top_k_index`` in
     global expert ids, ``top_k_weights [T, k]``) computed by the ranks holding them; ``out`` in
     ``hidden``'s dtype equals :func:`~hone.kernels.moe_lora_reference.moe_experts_reference` on
     all ``E`` experts. ``gate_up_local`` / ``down_local`` (and ``biases``, the LoRA factors in
-    ``lora``) are this rank's ``[E / N, ...]`` blocks (:meth:`ExpertShard.local`). ``capacity``
-    None: :func:`expert_capacity`'s default, ``T * k``. ``overflow`` (int64, on the device) counts
-    this rank's pairs that did not fit; the caller must refuse a step where any rank's is > 0."""
+    ``lora``) are this rank's ``[E / N, ...]`` blocks (:meth:`ExpertShard.local`). ``max_tokens``:
+    the token slots per pair of ranks, the same on every rank (None: ``T``, so every rank must
+    route as many tokens). ``capacity``: the pair rows of :func:`expert_capacity` (None: the worst
+    case, nothing can overflow). ``overflow`` (int64, on the device) counts this rank's pairs
+    that did not fit; the caller must refuse a step where any rank's is > 0."""
     n_tokens, k = top_k_index.shape
     if hidden.dim() != 2 or hidden.shape[0] != n_tokens or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
@@ -362,11 +444,9 @@ def expert_parallel_experts(
     experts = LocalExperts(
         gate_up_local, down_local, layout, gate_up_bias, down_bias, gate_up_lora, down_lora, scaling, down_scaling
     )
-    if capacity is None:
-        capacity = expert_capacity(n_tokens, k, shard.size)
-    sent = dispatch(hidden, top_k_index, shard, capacity)
-    y_recv = local_experts(sent.rows, sent.local_ids, experts, use_kernels)
-    return combine(y_recv, sent.plan, top_k_weights, shard).to(hidden.dtype), sent.plan.overflow
+    sent = dispatch(hidden, top_k_index, top_k_weights, shard, max_tokens or n_tokens)
+    partials = local_experts(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
+    return combine(partials.rows, sent.plan, shard).to(hidden.dtype), partials.overflow
 
 
 class ExpertCapacityError(HoneError):
@@ -385,6 +465,6 @@ def check_overflow(overflow: torch.Tensor, capacity: int, shard: ExpertShard | N
     dropped = int(total)
     if dropped:
         raise ExpertCapacityError(
-            f"expert parallel: {dropped} token-expert pair(s) exceeded the capacity of {capacity} slots per pair of ranks "
-            "and were not computed; raise the capacity factor, or leave it unset (capacity T * k never overflows)"
+            f"expert parallel: {dropped} token-expert pair(s) exceeded the capacity of {capacity} rows of a rank's experts "
+            "and were not computed; raise the capacity factor, or leave it unset (the worst case never overflows)"
         )

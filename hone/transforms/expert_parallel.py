@@ -6,10 +6,12 @@ the routed experts of every experts module into N contiguous blocks, one per ran
 PEFT's expert LoRA creates factors for the local experts only. hone's experts forward then
 sends each token to the ranks holding its experts and back
 (:mod:`hone.parallel.expert_parallel`), with buffers sized for the largest micro-batch
-(``micro_batch_size x sequence_len`` tokens, ``k`` slots each): by default no pair can overflow
-and no rank waits on the host; with ``distributed.expert_capacity_factor`` the buffers shrink to
-about that multiple of the balanced share, and the pairs over capacity, counted on the device,
-are checked once per micro-batch (an overflow stops the run on every rank). The split experts
+(``micro_batch_size x sequence_len`` token slots per pair of ranks: a token travels at most once
+to each rank, so the exchanges never overflow and no rank waits on the host); the local experts'
+pair rows are the worst case by default (nothing can overflow), or, with
+``distributed.expert_capacity_factor``, about that multiple of the balanced share, and the pairs
+over capacity, counted on the device, are checked once per micro-batch (an overflow stops the
+run on every rank). The split experts
 stay out of DDP (their gradients already sum every rank's tokens) and the gradient norm adds
 their squares over the ranks (:func:`hone.train.grad_norm.global_grad_norm`); every other
 weight stays under DDP's SUM.
@@ -83,7 +85,7 @@ def _max_tokens(ctx: PlanContext) -> int:
 
 @contextmanager
 def _no_check(batch: object) -> Iterator[None]:
-    yield  # capacity T * k: no pair can overflow
+    yield  # the worst-case capacity: no pair can overflow
 
 
 def _factor(ctx: PlanContext) -> float | None:
@@ -91,17 +93,18 @@ def _factor(ctx: PlanContext) -> float | None:
 
 
 def _capacity(ctx: PlanContext) -> int | None:
-    """Slots per pair of ranks under ``expert_capacity_factor``; None: ``T * k``, no overflow."""
+    """A rank's expert pair rows under ``expert_capacity_factor``; None: the worst case, no overflow."""
     factor = _factor(ctx)
     if factor is None:
         return None
-    return expert_capacity(_max_tokens(ctx), model_facts(ctx.cfg).top_k, _size(ctx), factor)
+    facts = model_facts(ctx.cfg)
+    return expert_capacity(_max_tokens(ctx), facts.top_k, _size(ctx), factor, facts.experts // _size(ctx))
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     world, capacity, max_tokens = ctx.facts.world, _capacity(ctx), _max_tokens(ctx)
     modules = shard_experts(model, world.world_size, world.rank, max_tokens, capacity)
-    rule = "T * k: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
+    rule = "worst case: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
     return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
 
 

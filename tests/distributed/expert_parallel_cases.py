@@ -23,7 +23,7 @@ CASES = {
     "qwen3_moe-skewed": ("qwen3_moe", "lora", "skewed"),
 }
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gu_A", "gu_B", "dn_A", "dn_B")
-SMALL_CAPACITY = 8  # the skewed case's 32 pairs per rank, all to rank 1, do not fit
+SMALL_CAPACITY = 8  # pair rows: the skewed case's 64 pairs, all on rank 1, do not fit
 
 
 def make_case(name: str) -> dict:

@@ -11,7 +11,7 @@ refuses the step together. The cases live in expert_parallel_cases.py (the 2-GPU
 
 import pytest
 import torch
-from expert_parallel_cases import CASES, SMALL_CAPACITY, TOKENS, WORLD, compare, make_case, rank_results, reference
+from expert_parallel_cases import CASES, SMALL_CAPACITY, TOKENS, TOP_K, WORLD, compare, make_case, rank_results, reference
 from fsdp_harness import save, spawn
 
 from hone.kernels.moe_lora_reference import GPT_OSS
@@ -40,10 +40,13 @@ def test_skewed_routing_leaves_rank_0_idle_and_empty_experts(ranks):
 
 
 def test_a_capacity_too_small_is_reported_on_every_rank_and_refused_together(ranks):
+    every_pair = WORLD * TOKENS * TOP_K  # all of them reach rank 1's experts; 8 fit
+    assert [results["qwen3_moe-skewed"]["small_overflow"] for results in ranks] == [0, every_pair - SMALL_CAPACITY]
     for results in ranks:
-        got = results["qwen3_moe-skewed"]
-        assert got["small_overflow"] == 2 * TOKENS - SMALL_CAPACITY  # every pair goes to rank 1; 8 fit
-        assert f"48 token-expert pair(s) exceeded the capacity of {SMALL_CAPACITY}" in got["refused"]
+        assert (
+            f"{every_pair - SMALL_CAPACITY} token-expert pair(s) exceeded the capacity of {SMALL_CAPACITY}"
+            in (results["qwen3_moe-skewed"]["refused"])
+        )
 
 
 def test_the_gpt_oss_cases_exercise_the_swiglu_clamp():

@@ -79,7 +79,7 @@ def test_a_capacity_overflow_stops_every_rank_with_the_key_named(tmp_path):
         outcome = json.loads((tmp_path / f"outcome-rank{rank}.json").read_text())
         assert outcome["result"] == "ExpertCapacityError", outcome
         assert outcome["message"].startswith("distributed.expert_capacity_factor: 0.1: expert parallel: ")
-        assert "exceeded the capacity of 8 slots" in outcome["message"]
+        assert "exceeded the capacity of 16 rows of a rank's experts" in outcome["message"]  # 0.1 x T x k, rounded up
 
 
 def _assert_same_run(two_ranks, one_rank, expected, case):
@@ -133,5 +133,5 @@ def test_hone_train_runs_expert_parallel_end_to_end(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     applied = {a["name"]: a["details"] for a in json.loads((tmp_path / "run" / "optimizations.json").read_text())["applied"]}
-    assert applied["expert_parallel"]["ranks"] == 2 and applied["expert_parallel"]["capacity"] == 96  # 1.5 x 64 x 2 / 2
+    assert applied["expert_parallel"]["ranks"] == 2 and applied["expert_parallel"]["capacity"] == 192  # 1.5 x 64 x 2 pair rows
     assert applied["experts"]["implementation"] == "hone" and "ddp" in applied and "activation_checkpointing" in applied

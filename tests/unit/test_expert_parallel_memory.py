@@ -1,7 +1,7 @@
 """``hone plan`` under expert parallelism: per rank, the experts' weights, LoRA factors,
-gradients and optimizer state are 1/N of one process's, everything else is whole; the dispatch
-buffers (N x T x k rows of hidden per MoE layer and direction, with the routed rows on them)
-count as activations. qwen3-30b-a3b (128 experts, top-8), 8 of its layers, LoRA r16 on
+gradients and optimizer state are 1/N of one process's, everything else is whole; the received
+token rows (N x T of hidden per MoE layer) and the experts' pair rows past one process's count
+as activations, by default and with a capacity factor. qwen3-30b-a3b (128 experts, top-8), 8 of its layers, LoRA r16 on
 attention and experts, described on the meta device."""
 
 import pytest
@@ -15,7 +15,7 @@ LAYERS, R = 8, 16
 E, HIDDEN, MOE_INTER, TOP_K = 128, 2048, 768, 8
 
 
-def config(expert_parallel: int = 1, seq: int = 1024):
+def config(expert_parallel: int = 1, seq: int = 1024, factor: float | None = None):
     cfg = parse_config(
         {
             "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": LAYERS}},
@@ -29,7 +29,7 @@ def config(expert_parallel: int = 1, seq: int = 1024):
         }
     )
     # the key distributed.expert_parallel may not be in this config schema yet: set it as the run reads it
-    distributed = cfg.distributed.model_copy(update={"expert_parallel": expert_parallel})
+    distributed = cfg.distributed.model_copy(update={"expert_parallel": expert_parallel, "expert_capacity_factor": factor})
     return cfg.model_copy(update={"distributed": distributed})
 
 
@@ -61,10 +61,12 @@ def test_per_rank_expert_bytes_are_1_over_n(n):
     assert not any("expert parallel" in note for note in one.notes)
 
 
-def test_the_dispatch_buffers_count_as_activations():
+@pytest.mark.parametrize("factor", [None, 1.25])
+def test_the_received_rows_and_the_pair_rows_count_as_activations(factor):
     m, tokens, c = model_facts(config()), 1024, 2
-    one, two = estimate(config(1, tokens)), estimate(config(2, tokens))
-    routed = c * TOP_K * (3 * MOE_INTER + HIDDEN)  # per token: gate_up, activation, expert output (frozen experts)
-    per_layer = tokens * (2 * c * 2 * TOP_K * HIDDEN + routed)  # two buffers of N*T*k rows, one more set of routed rows
+    one, two = estimate(config(1, tokens)), estimate(config(2, tokens, factor))
+    per_pair = c * (3 * MOE_INTER + HIDDEN)  # gate_up, activation, expert output (frozen experts)
+    extra_pairs = TOP_K if factor is None else 0.25 * TOP_K  # 2 x min(8, 64) = 16 pair rows per token, or 1.25 x 8
+    per_layer = tokens * int(c * 2 * HIDDEN + extra_pairs * per_pair)  # the 2 x T received rows, the extra pair rows
     assert two.activations_per_layer - one.activations_per_layer == per_layer
     assert all(layer.moe for layer in m.layers)

@@ -20,33 +20,30 @@ from hone.parallel.expert_parallel import (
     plan_send,
 )
 
-# Two ranks, 4 experts (2 each); 3 tokens, top-2. Pairs in order: p0 = (t0, e3), p1 = (t0, e0),
-# p2 = (t1, e1), p3 = (t1, e2), p4 = (t2, e2), p5 = (t2, e3).
+# Two ranks, 4 experts (2 each); 3 tokens, top-2: t0 -> (e3, e0), t1 -> (e1, e2), t2 -> (e2, e3).
 ROUTING = torch.tensor([[3, 0], [1, 2], [2, 3]])
 
 
-def test_send_buffer_groups_pairs_by_destination_in_pair_order_and_pads_with_sentinels():
-    plan = plan_send(ROUTING, ExpertShard(size=2, rank=0, num_experts=4), capacity=4)
-    # rank 0 gets p1, p2 then two sentinels; rank 1 gets p0, p3, p4, p5 (token 3 = the zero row).
-    assert plan.source.tolist() == [0, 1, 3, 3, 0, 1, 2, 2]
-    assert plan.local_ids.tolist() == [0, 1, 2, 2, 1, 0, 0, 1]  # local id 2 = E / N: sentinel
-    assert plan.slot.tolist() == [4, 0, 1, 5, 6, 7]
-    assert plan.kept.all() and plan.overflow.item() == 0
+def test_each_token_goes_once_to_each_rank_holding_one_of_its_experts():
+    plan = plan_send(ROUTING, ExpertShard(size=2, rank=0, num_experts=4), slots=4)
+    # rank 0 (e0, e1) gets t0 and t1, then two sentinels; rank 1 (e2, e3) gets t0, t1, t2 once each.
+    assert plan.source.tolist() == [0, 1, 3, 3, 0, 1, 2, 3]  # token 3 = the zero row
+    # each slot's two choices as local ids at its destination; 2 (= E / N) where held elsewhere
+    assert plan.local_ids.tolist() == [[2, 0], [1, 2], [2, 2], [2, 2], [1, 2], [2, 0], [0, 1], [2, 2]]
+    assert plan.slot.tolist() == [[0, 4], [1, 5], [8, 6]]  # 8 = N * S: t2 has nothing on rank 0
 
 
-def test_pairs_past_capacity_are_counted_not_placed():
-    plan = plan_send(ROUTING, ExpertShard(size=2, rank=1, num_experts=4), capacity=3)
-    assert plan.source.tolist() == [0, 1, 3, 0, 1, 2]
-    assert plan.local_ids.tolist() == [0, 1, 2, 1, 0, 0]
-    assert plan.kept.tolist() == [True, True, True, True, True, False]  # p5: rank 1's 4th pair
-    assert plan.overflow.item() == 1
+def test_token_slots_must_hold_every_token():
+    with pytest.raises(ValueError, match="2 token slots per rank cannot hold the 3 tokens"):
+        plan_send(ROUTING, ExpertShard(size=2, rank=0, num_experts=4), slots=2)
 
 
 def test_capacity_rule():
-    assert expert_capacity(16, 2, 4) == 32  # default: T * k, nothing can overflow
-    assert expert_capacity(16, 2, 4, capacity_factor=1.0) == 8  # ceil(32 / 4) = 8
-    assert expert_capacity(16, 2, 4, capacity_factor=1.25) == 16  # ceil(10) rounded up to 16
-    assert expert_capacity(3, 2, 2, capacity_factor=8.0) == 8  # at most T * k = 6, rounded up to 8
+    assert expert_capacity(16, 2, 4) == 128  # default: N * S * k, nothing can overflow
+    assert expert_capacity(16, 2, 4, local_count=1) == 64  # one local expert: a token brings at most one pair
+    assert expert_capacity(16, 2, 4, capacity_factor=1.0) == 32  # S * k: balanced routing
+    assert expert_capacity(16, 2, 4, capacity_factor=1.25) == 40
+    assert expert_capacity(3, 2, 2, capacity_factor=8.0) == 16  # at most the worst case, 12, rounded up to 16
     with pytest.raises(ValueError, match="capacity_factor 0"):
         expert_capacity(16, 2, 4, capacity_factor=0)
 
@@ -78,18 +75,21 @@ def _experts(layout, num_experts=4, hidden=8, inter=6, rank=2, bias=False, seed=
     )
 
 
-def test_local_experts_leave_sentinel_rows_zero():
+def test_local_experts_sum_each_rows_local_choices_and_leave_sentinel_rows_zero():
     w = _experts(QWEN3_MOE)
     rows = torch.randn(5, 8)
-    ids = torch.tensor([1, 4, 0, 4, 1])  # 4 = sentinel (4 local experts)
+    ids = torch.tensor([[1, 4], [4, 4], [0, 3], [4, 4], [4, 1]])  # 4 = E / N: a choice held elsewhere
+    weights = torch.rand(5, 2) * (ids < 4)  # as dispatched: zero where the choice is not here
     experts = LocalExperts(w["gate_up_proj"], w["down_proj"], QWEN3_MOE, gate_up_lora=w["gate_up_lora"], scaling=0.5)
-    got = local_experts(rows, ids, experts, use_kernels=False)
-    assert got[1].abs().sum() == 0 and got[3].abs().sum() == 0
+    got = local_experts(rows, ids, weights, experts, use_kernels=False)
+    assert got.rows[1].abs().sum() == 0 and got.rows[3].abs().sum() == 0 and got.overflow.item() == 0
+    real = [0, 2, 4]
     want = moe_experts_reference(
-        rows[[0, 2, 4]], ids[[0, 2, 4]].unsqueeze(1), torch.ones(3, 1), w["gate_up_proj"], w["down_proj"], QWEN3_MOE,
+        rows[real], ids[real].clamp(max=3), weights[real], w["gate_up_proj"], w["down_proj"], QWEN3_MOE,
         gate_up_lora=w["gate_up_lora"], scaling=0.5,
     )  # fmt: skip
-    torch.testing.assert_close(got[[0, 2, 4]], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.rows[real], want, rtol=1e-5, atol=1e-5)
+    assert local_experts(rows, ids, weights, experts, capacity=3, use_kernels=False).overflow.item() == 4 - 3
 
 
 @pytest.mark.parametrize("layout", [QWEN3_MOE, GPT_OSS], ids=["qwen3_moe", "gpt_oss"])
@@ -129,16 +129,17 @@ def test_local_weights_must_match_the_shard():
         )  # fmt: skip
 
 
-def test_dispatch_sums_each_tokens_gradient_in_float32_and_drops_the_sentinels():
+def test_dispatch_pads_with_zero_sentinel_slots_whose_gradients_are_dropped():
     torch.manual_seed(0)
     shard = ExpertShard(size=1, rank=0, num_experts=4)
     hidden = torch.randn(6, 8).to(torch.bfloat16).requires_grad_()
-    index = torch.rand(6, 4).argsort(dim=1)  # top-4: four rows per token to sum back
-    sent = dispatch(hidden, index, shard, capacity=32)  # 8 sentinel slots past the 24 pairs
-    assert sent.rows.dtype == torch.bfloat16 and sent.rows.shape == (32, 8)
-    assert sent.plan.source[24:].tolist() == [6] * 8 and sent.rows[24:].abs().sum() == 0
-    grad_rows = torch.randn(32, 8).to(torch.bfloat16)
+    weights = torch.rand(6, 4, requires_grad=True)
+    index = torch.rand(6, 4).argsort(dim=1)
+    sent = dispatch(hidden, index, weights, shard, slots=8)  # 2 sentinel slots past the 6 tokens
+    assert sent.rows.dtype == torch.bfloat16 and sent.rows.shape == (8, 8)
+    assert sent.plan.source[6:].tolist() == [6, 6] and sent.rows[6:].abs().sum() == 0
+    assert sent.local_ids[6:].eq(4).all() and sent.weights[6:].abs().sum() == 0
+    torch.testing.assert_close(sent.weights[:6], weights)
+    grad_rows = torch.randn(8, 8).to(torch.bfloat16)
     sent.rows.backward(grad_rows)
-    # rounded once, not after each of the 4 additions (bf16 additions round each time)
-    want = torch.zeros(7, 8).index_add_(0, sent.plan.source, grad_rows.float())[:6].to(torch.bfloat16)
-    assert torch.equal(hidden.grad, want)
+    assert torch.equal(hidden.grad, grad_rows[:6])

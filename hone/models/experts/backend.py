@@ -29,7 +29,7 @@ from hone.kernels.moe_mxfp4 import moe_mxfp4_experts
 from hone.kernels.moe_mxfp4_reference import moe_mxfp4_experts_reference
 from hone.models.errors import ModelError
 from hone.models.experts.mxfp4 import EXPERT_PROJECTIONS, has_mxfp4_experts, mxfp4_weights
-from hone.parallel.expert_parallel import ExpertShard, expert_capacity, expert_parallel_experts
+from hone.parallel.expert_parallel import ExpertShard, expert_parallel_experts
 
 HONE = "hone"
 #: The attribute an experts module carries under hone's expert parallelism: its
@@ -39,8 +39,8 @@ EXPERT_SHARD_ATTR = "hone_expert_shard"
 #: sequence length): every rank sizes its exchange buffers from it, so they agree whatever each
 #: rank's micro-batch holds.
 EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
-#: The slots per pair of ranks of an expert-parallel module set by ``distributed.expert_capacity_factor``
-#: (an int, computed once: no float reaches a compiled forward); None: ``T * k``, no overflow.
+#: The pair rows a rank's experts hold per layer, set by ``distributed.expert_capacity_factor`` (an
+#: int, computed once: no float reaches a compiled forward); None: the worst case, no overflow.
 EXPERT_CAPACITY_ATTR = "hone_expert_capacity"
 #: With a capacity factor: the module's buffer counting the pairs over capacity on the device,
 #: summed over its forwards until the run reads and clears it (once per micro-batch).
@@ -191,11 +191,11 @@ def expert_parallel_forward(
     """The experts of a module holding one rank's block (:data:`EXPERT_SHARD_ATTR`): tokens go to
     the ranks owning their experts and come back (:func:`~hone.parallel.expert_parallel.expert_parallel_experts`).
     The capacity follows from the largest ``T`` any rank routes (:data:`EXPERT_TOKENS_ATTR`), the
-    same on every rank whatever its micro-batch holds: ``T * k`` by default (no pair can
-    overflow), or :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
+    same on every rank whatever its micro-batch holds; the experts' pair rows are the worst case by
+    default (no pair can overflow), or :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
     :data:`EXPERT_OVERFLOW_BUFFER` on the device for the run to check."""
     shard: ExpertShard = getattr(module, EXPERT_SHARD_ATTR)
-    n_tokens, top_k = top_k_index.shape
+    n_tokens = top_k_index.shape[0]
     max_tokens = getattr(module, EXPERT_TOKENS_ATTR, None) or n_tokens
     if n_tokens > max_tokens:
         raise ModelError(
@@ -216,7 +216,8 @@ def expert_parallel_forward(
         lora=(lora.get("gate_up_proj"), lora.get("down_proj")),
         scaling=lora_scaling.get("gate_up_proj", 1.0),
         down_scaling=lora_scaling.get("down_proj", 1.0),
-        capacity=expert_capacity(max_tokens, top_k, shard.size) if capacity is None else capacity,
+        capacity=capacity,
+        max_tokens=max_tokens,
     )
     if capacity is not None:
         getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)

@@ -46,7 +46,7 @@ def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None
     """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
     ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
     (the default process group: the model stays picklable and compilable), the most tokens a
-    forward routes per rank and the slots per pair of ranks (None: ``T * k``; else a buffer
+    forward routes per rank and the expert pair rows (None: the worst case; else a buffer
     counts the pairs over capacity). False where it was split already (idempotent)."""
     if expert_shard(module) is not None:
         return False
@@ -74,7 +74,7 @@ def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None
 
 def take_overflow(model: nn.Module) -> torch.Tensor | None:
     """The pairs over capacity counted since the last call, summed over the layers (a device
-    tensor: no sync), and the counters cleared; None where no module counts (capacity ``T * k``)."""
+    tensor: no sync), and the counters cleared; None where no module counts (the worst-case capacity)."""
     counters = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == EXPERT_OVERFLOW_BUFFER]
     if not counters:
         return None

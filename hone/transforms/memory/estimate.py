@@ -26,6 +26,7 @@ from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
 from hone.transforms.memory.terms.expert_parallel import (
     dispatch_bytes_per_token,
+    expert_capacity_factor,
     expert_parallel_note,
     expert_parallel_size,
     expert_state_saved,
@@ -121,9 +122,10 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
     # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
-    ep = expert_parallel_size(cfg)
+    ep, factor = expert_parallel_size(cfg), expert_capacity_factor(cfg)
     full = [
-        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) + dispatch_bytes_per_token(layer, m, ep) * step.tokens
+        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
+        + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
         for layer in m.layers
     ]
     kept = kept_by_policy(m, step, full)

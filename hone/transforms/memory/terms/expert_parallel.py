@@ -3,12 +3,13 @@
 * **Training state.** Each rank holds ``E / N`` of every MoE layer's routed experts: the experts'
   weights and biases, the LoRA factors on them, their gradients and their optimizer moments are
   divided by ``N``; everything else (attention, router, embeddings) stays whole on every rank.
-* **Activations.** The dispatch sends a fixed-capacity buffer: ``C`` slots per pair of ranks,
-  ``C = T * k`` by default (nothing can overflow; :func:`hone.parallel.expert_parallel.expert_capacity`),
-  so each rank sends and receives ``N * C`` rows of ``hidden`` per MoE layer and direction (the
-  dispatch and the combine), sentinel rows included. The local experts run on those ``N * C``
-  rows: the routed rows they keep for the backward (gate/up output, activation, expert output)
-  are ``N`` times those of one process, which routes ``T * k``. Sentinel rows are skipped by the
+* **Activations.** The dispatch sends each token once to each rank holding one of its experts,
+  in a buffer of ``S`` token slots per pair of ranks (``S = T``, the micro-batch's tokens), so a
+  rank receives ``N x T`` rows of ``hidden`` per MoE layer, kept for the backward. Its grouped
+  kernels then hold ``R`` pair rows (gate/up output, activation, expert output, kept for the
+  backward) where one process holds ``T x k``: ``R = N x T x min(k, E / N)`` by default (nothing
+  can overflow), ``f x T x k`` with ``distributed.expert_capacity_factor f``
+  (:func:`hone.parallel.expert_parallel.expert_capacity`). Sentinel rows are skipped by the
   kernels' compute, not their storage.
 """
 
@@ -33,16 +34,22 @@ def expert_state_saved(m: ModelFacts, size: int) -> tuple[int, int, int]:
     return m.expert_bytes * off // size, m.expert_trainable_bytes * off // size, m.expert_trainable_params * off // size
 
 
-def dispatch_bytes_per_token(layer: LayerFacts, m: ModelFacts, size: int) -> int:
+def expert_capacity_factor(cfg: Any) -> float | None:
+    """``distributed.expert_capacity_factor`` (None: the worst case), read like the size."""
+    return getattr(cfg.distributed, "expert_capacity_factor", None)
+
+
+def dispatch_bytes_per_token(layer: LayerFacts, m: ModelFacts, size: int, capacity_factor: float | None = None) -> int:
     """Bytes per token of the micro-batch that one MoE layer keeps beyond one process's under
-    expert parallelism over ``size`` ranks (default capacity ``T * k``): the two exchanged
-    buffers (``N * T * k`` rows of ``hidden`` each) and ``N - 1`` more times the routed rows."""
+    expert parallelism over ``size`` ranks: the received token rows (``N`` per token) and the
+    pair rows past one process's ``k`` per token (``N x min(k, E / N)`` by default, ``f x k``
+    with a capacity factor ``f``)."""
     if size <= 1 or not layer.moe:
         return 0
     c, k, h, im = m.compute_bytes, m.top_k, m.hidden, m.expert_intermediate
-    buffers = 2 * c * size * k * h
-    routed = c * k * (3 * im + h) + (c * k * (h + im) if layer.experts_trainable else 0)
-    return buffers + (size - 1) * routed
+    pairs = size * min(k, max(m.experts // size, 1)) if capacity_factor is None else capacity_factor * k
+    per_pair = c * (3 * im + h) + (c * (h + im) if layer.experts_trainable else 0)
+    return int(c * size * h + max(pairs - k, 0.0) * per_pair)
 
 
 def expert_parallel_note(m: ModelFacts, size: int) -> str | None:
@@ -51,6 +58,6 @@ def expert_parallel_note(m: ModelFacts, size: int) -> str | None:
         return None
     return (
         f"expert parallel over {size} ranks: each holds {m.experts // size} of {m.experts} experts per MoE layer "
-        f"(their weights, LoRA factors, gradients and optimizer state / {size}); dispatch buffers of "
-        f"{size} x T x {m.top_k} rows x {m.hidden} per MoE layer and direction count as activations"
+        f"(their weights, LoRA factors, gradients and optimizer state / {size}); the received token rows "
+        f"({size} x T x {m.hidden} per MoE layer) and the experts' pair rows count as activations"
     )
