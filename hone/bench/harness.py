@@ -25,6 +25,10 @@ _TAIL = 1500
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 #: What torch prints after every compile error: it names no cause.
 _TORCH_HINTS = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context")
+#: torchrun's own exception when a rank fails: the rank's exception above it is the cause.
+_LAUNCHER_ERROR = "ChildFailedError"
+#: How much of a failed rank's traceback a multi-process row keeps (torchrun's summary follows it).
+_TRACEBACK = 4000
 
 
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
@@ -34,9 +38,10 @@ def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
     if "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr:
         return "oom", "out of memory"
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip() and not line.strip().startswith(_TORCH_HINTS)]
-    raised = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+    raised = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line) and _LAUNCHER_ERROR not in line]
     if raised:
-        reason = " ".join(lines[raised[-1] :])
+        ends = [i for i, line in enumerate(lines) if i > raised[-1] and line.startswith(("Traceback", "File ", "["))]
+        reason = " ".join(lines[raised[-1] : ends[0] if ends else None])
     else:
         reason = lines[-1] if lines else f"exit code {returncode}"
     return "error", reason[:300]
@@ -128,8 +133,19 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         row.update(json.loads(result_file.read_text()), status="ok", nproc=1, set=chosen.set)
         return row
     status, reason = classify_failure(proc.returncode, proc.stderr)
-    row.update(status=status, error=reason, log_tail=proc.stderr[-_TAIL:])
+    row.update(status=status, error=reason, log_tail=failure_log(proc.stderr))
     return row
+
+
+def failure_log(stderr: str) -> str:
+    """The end of a failed worker's stderr; where torchrun reports a failed rank, the rank's own
+    traceback before it (torchrun's summary alone names no cause)."""
+    launcher = stderr.find(_LAUNCHER_ERROR)
+    if launcher < 0:
+        return stderr[-_TAIL:]
+    first = stderr.find("Traceback (most recent call last)")
+    cause = stderr[first : first + _TRACEBACK] if 0 <= first < launcher else ""
+    return cause + "\n...\n" + stderr[-_TAIL:]
 
 
 def environment() -> dict[str, Any]:

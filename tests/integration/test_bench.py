@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hone.bench.harness import classify_failure, run_bench
+from hone.bench.harness import classify_failure, failure_log, run_bench
 from hone.bench.report import write_reports
 from hone.bench.spec import parse_spec
 from hone.config import ConfigError
@@ -87,3 +87,13 @@ def test_failure_classification():
     )
     status, reason = classify_failure(1, "Traceback\nValueError: boom\n")
     assert status == "error" and reason == "ValueError: boom"
+    # torchrun: a rank's exception, its summary after it; the rank's exception is the cause
+    ranks = (
+        '[rank2]: Traceback (most recent call last):\n[rank2]:   File "loop.py", line 3\n'
+        "RuntimeError: shapes do not match\n"
+        'Traceback (most recent call last):\n  File "run.py", line 9\n'
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\nhone.bench.worker FAILED\n"
+    )
+    assert classify_failure(1, ranks) == ("error", "RuntimeError: shapes do not match")
+    assert failure_log(ranks).startswith('Traceback (most recent call last):\n  File "run.py"') is False
+    assert "shapes do not match" in failure_log(ranks) and "FAILED" in failure_log(ranks)
