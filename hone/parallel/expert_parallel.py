@@ -365,8 +365,9 @@ def _local_experts_grouped(
     """The grouped-kernel path: the received pairs sorted by local id (a stable sort, non-local
     choices last, their bucket dropped from ``ends``), the first ``capacity`` of them through
     both projections; each received row's pairs then weighted and summed. Sorted rows past the
-    real pairs read a padding row appended to ``rows``: the kernels leave their input gradient
-    unwritten, and it lands on that row, dropped, never on a real token's row."""
+    real pairs read a padding row appended to ``rows``: the kernels leave their outputs and input
+    gradients unwritten, the outputs are never read, and the gradients land on that padding row,
+    dropped, never on a real token's row."""
     n_rows, k = local_ids.shape
     count, layout = experts.count, experts.layout
     perm, ends_all = route(local_ids, count + 1)
@@ -382,7 +383,8 @@ def _local_experts_grouped(
     )
     h = gated_activation(gate_up, layout)
     y = moe_lora_linear(h, None, ends, experts.down, layout.transposed, experts.down_bias, experts.down_lora, down_scaling)
-    y = y.masked_fill(~real.unsqueeze(1), 0)
+    # y's rows past the real pairs are left unwritten by the kernels and never read: every pair
+    # that is not a computed row reads the zero row past y (forward), and gets no gradient.
     row_of_pair = torch.full((n_rows * k,), n_pairs, dtype=torch.int64, device=rows.device)
     row_of_pair[perm] = torch.where(real, position, n_pairs)
     out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k))
