@@ -9,6 +9,7 @@ Inductor and gloo work together on the CPU (torch 2.13)."""
 
 import pytest
 import torch
+from ep_training import Case
 from expert_parallel_cases import (
     DOWN_SCALING,
     EXPERTS,
@@ -103,3 +104,29 @@ def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
 
 def test_the_small_capacity_overflows_compiled_too(ranks):
     assert all(results["qwen3_moe-skewed"]["compiled"]["overflow"] > 0 for results in ranks)
+
+
+def _layer_worker(rank: int, out) -> None:
+    """A 2-rank training run through the plan's regional compile (aot_eager on the CPU), with a
+    capacity factor: hone's experts forward, its overflow buffer's ``add_`` included, and the
+    exchanges inside each compiled decoder layer. Dynamo's counters say whether anything broke."""
+    from ep_training import run_ranks
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    run_ranks(rank, out, 3, [LAYER_CASE])
+    save({"breaks": dict(counters["graph_break"]), "frames": dict(counters["frames"])}, out / f"layer-{rank}.pt")
+
+
+#: Padded rows (packed ones overflow a factor of 1), LoRA on attention and experts, compiled.
+LAYER_CASE = Case("lora", False, composed=True, capacity_factor=1.0)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_do_not_break_at_the_exchanges(tmp_path):
+    (tmp_path / LAYER_CASE.name).mkdir()
+    spawn(_layer_worker, WORLD, tmp_path, timeout_s=600)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"layer-{rank}.pt")
+        assert got["breaks"] == {}, (rank, got["breaks"])
+        assert got["frames"]["total"] >= 1 and got["frames"]["ok"] == got["frames"]["total"], (rank, got["frames"])
