@@ -36,6 +36,13 @@ def _exchanges(graph: torch.fx.GraphModule) -> int:
     return sum("all_to_all_single" in str(node.target) for node in graph.graph.nodes if node.op == "call_function")
 
 
+def _copied_exchanges(graph: torch.fx.GraphModule) -> int:
+    """Exchange results copied into a buffer: what Dynamo's rewrite of the in-place
+    ``torch.distributed.all_to_all_single`` leaves (an empty tensor and a copy per exchange)."""
+    waits = [node for node in graph.graph.nodes if "wait_tensor" in str(node.target)]
+    return sum("copy" in str(user.target) for node in waits for user in node.users)
+
+
 def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
     """Eager and compiled results of one case on this rank (fresh leaves for each)."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -65,6 +72,7 @@ def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
         got[mode] = {"out": out.detach(), "overflow": int(overflow), "grads": grads_of(t)}
     got["frames"] = counter.frame_count
     got["exchanges"] = [_exchanges(graph) for graph in counter.graphs]
+    got["copied"] = [_copied_exchanges(graph) for graph in counter.graphs]
     return got
 
 
@@ -100,6 +108,7 @@ def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
         got = results[name]
         assert got["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
         assert len(got["exchanges"]) == 1 and got["exchanges"][0] >= 2  # the dispatch's and the combine's at least
+        assert got["copied"] == [0]  # torch's functional collective, not the rewritten in-place one
 
 
 def test_the_small_capacity_overflows_compiled_too(ranks):
