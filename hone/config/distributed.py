@@ -33,7 +33,7 @@ class DistributedConfig(Section):
     optimizer steps on the CPU): full fine-tunes that do not fit the GPUs, at a large cost in
     speed."""
 
-    expert_parallel: int = 1
+    expert_parallel: int | Literal["auto"] = 1
     """Expert parallelism: the routed experts of every mixture-of-experts layer are split into
     ``N`` contiguous blocks, one per process; each token travels to the processes holding its
     experts and back (two all-to-all exchanges per layer, no host syncs), and every other weight
@@ -41,7 +41,12 @@ class DistributedConfig(Section):
     each GPU holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This
     first version takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's
     experts backend (``model.experts_implementation``: auto or hone), and does not combine with
-    ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md)."""
+    ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md).
+    ``auto``: on one process 1; on several, the number of processes where the model has MoE
+    layers hone's experts forward runs, the processes divide its experts, nothing else refuses
+    expert parallelism, and the replicated training state does not fit one device (where
+    ``strategy: auto`` would pick FSDP2) but does with the experts split; 1 otherwise, DDP
+    alone being faster where replicas fit (``hone plan --nproc-per-node N`` prints the choice)."""
 
     expert_capacity_factor: float | None = None
     """Expert parallelism: the token-expert pairs each rank's grouped kernels reserve rows for,
@@ -55,10 +60,11 @@ class DistributedConfig(Section):
 
     @model_validator(mode="after")
     def _expert_parallel_alone(self) -> "DistributedConfig":
-        if self.expert_parallel < 1:
+        ep = self.expert_parallel
+        if ep != "auto" and ep < 1:
             raise ValueError(
-                f"distributed.expert_parallel: {self.expert_parallel} must be at least 1 (1: off; N > 1: the experts "
-                "split over N processes, N = --nproc-per-node)"
+                f"distributed.expert_parallel: {ep} must be at least 1 (1: off; N > 1: the experts "
+                "split over N processes, N = --nproc-per-node; auto: chosen by the run)"
             )
         factor = self.expert_capacity_factor
         if factor is not None and not factor > 0:
@@ -68,7 +74,7 @@ class DistributedConfig(Section):
                 f"distributed.expert_capacity_factor: {factor} sizes the exchanges of expert parallelism, which is off "
                 "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_capacity_factor"
             )
-        if self.expert_parallel > 1 and self.strategy in ("fsdp", "none"):
+        if ep != "auto" and ep > 1 and self.strategy in ("fsdp", "none"):
             raise ValueError(
                 f"distributed.expert_parallel: {self.expert_parallel} does not work with distributed.strategy: "
                 f"{self.strategy} yet (expert parallelism runs beside DDP): use distributed.strategy: auto or ddp, "

@@ -158,7 +158,7 @@ class HoneConfig(Section):
         """The expert-parallel exchange lives in hone's experts forward; MXFP4 experts do not
         go through it yet (a full-precision base only)."""
         ep = self.distributed.expert_parallel
-        if ep == 1:
+        if ep == 1 or ep == "auto":  # auto resolves to 1 where these refuse it
             return self
         if self.model.experts_implementation in ("eager", "grouped_mm"):
             raise ValueError(

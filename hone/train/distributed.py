@@ -77,12 +77,12 @@ def expert_parallel_problems(cfg: "HoneConfig", world: World) -> list[str]:
     """``distributed.expert_parallel`` against the launch: 1, or every process of the job (all
     ranks form one expert-parallel group; smaller groups beside data parallelism come later)."""
     ep = cfg.distributed.expert_parallel
-    if ep == 1 or ep == world.world_size:
+    if ep in (1, "auto", world.world_size):  # auto chooses 1 or the world size
         return []
     return [
         f"distributed.expert_parallel: {ep} on {world.world_size} process{'es' if world.world_size != 1 else ''}: "
         f"not yet: expert_parallel must equal --nproc-per-node (times the hosts: {world.world_size} here), "
-        "or be 1 (off)"
+        "or be 1 (off) or auto"
     ]
 
 

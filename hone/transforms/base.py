@@ -123,6 +123,9 @@ class Decisions:
     tiled_layers_why: str
     tiled_layers_skipped: str | None
     """Why ``tiled_layers: auto`` left the layers whole on a run that does not fit."""
+    expert_parallel: int = 1
+    """Ranks the experts of every MoE layer are split over (``distributed.expert_parallel``; 1: off)."""
+    expert_parallel_why: str = "distributed.expert_parallel: 1"
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
 
 - only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
   measured setting), every training micro-batch of one shape (a new shape records a new graph),
-  one process, and no checkpointing that re-runs a layer's forward in the backward (``full``,
-  ``offload``, tiled layers) or moves its activations (offload);
+  one process (no expert parallelism either: see below), and no checkpointing that re-runs a
+  layer's forward in the backward (``full``, ``offload``, tiled layers) or moves its activations
+  (offload);
 - only where it pays: MoE experts on hone's kernels, whose step is host-bound (the qwen3-30b-a3b
   slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
   is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
@@ -18,6 +19,13 @@ kernels have no host sync; gpt-oss-20b and qwen3-30b-a3b were measured with grap
 benchmarks/2026-11-27-h100-mxfp4.md). Not measured yet, so not chosen by ``auto``: data-parallel
 steps, an NF4 base and float8;
 ``cuda_graphs: true`` turns them on where the user has measured them.
+
+Expert parallelism is named apart from data parallelism (it runs beside DDP today, so the
+data-parallel rule would leave graphs off anyway, but it must stay off when DDP is measured):
+its all-to-all exchanges sit inside each compiled layer's graph (torch's functional collectives),
+so a recorded graph would replay NCCL all-to-alls. NCCL can be captured, but every rank must
+record and replay the same graphs in step and none of it is measured; ``cuda_graphs: true``
+tries it.
 """
 
 from hone.config.memory import INPUT_ONLY_POLICIES
@@ -38,7 +46,15 @@ def _explicit_why(cfg: HoneConfig, on: bool) -> str:
 
 
 def _blocker(
-    cfg: HoneConfig, facts: RunFacts, *, compiles: bool, experts: str, strategy: str, policy: str, tiled: bool
+    cfg: HoneConfig,
+    facts: RunFacts,
+    *,
+    compiles: bool,
+    experts: str,
+    strategy: str,
+    policy: str,
+    tiled: bool,
+    expert_parallel: int = 1,
 ) -> str | None:
     """The first reason ``auto`` leaves CUDA graphs off on this run (None: it turns them on)."""
     perf = cfg.performance
@@ -52,6 +68,11 @@ def _blocker(
         return "torch_compile_scope: model (measured with regional compile only)"
     if facts.shape_note is not None:
         return f"{facts.shape_note} (every new shape would record another graph)"
+    if expert_parallel > 1:
+        return (
+            f"expert parallelism over {expert_parallel} ranks puts NCCL all-to-all exchanges in every layer's graph, "
+            "not measured inside CUDA graphs yet (cuda_graphs: true tries it)"
+        )
     if strategy != "none":
         return f"data parallelism ({strategy}) is not measured with CUDA graphs yet"
     if policy in INPUT_ONLY_POLICIES or tiled:
@@ -64,16 +85,34 @@ def _blocker(
 
 
 def cuda_graphs_choice(
-    cfg: HoneConfig, facts: RunFacts, *, compiles: bool, experts: str, strategy: str, policy: str, tiled: bool
+    cfg: HoneConfig,
+    facts: RunFacts,
+    *,
+    compiles: bool,
+    experts: str,
+    strategy: str,
+    policy: str,
+    tiled: bool,
+    expert_parallel: int = 1,
 ) -> tuple[bool, str]:
     """(on, why) of CUDA graphs for this run: as the config sets them (``cuda_graphs``,
     ``triton.cudagraphs`` or the compile mode), else by the rule of the module doc from the
     plan's other decisions (``compiles``, the ``experts`` implementation, the data-parallel
-    ``strategy``, the checkpointing ``policy`` and whether anything is ``tiled``)."""
+    ``strategy``, the checkpointing ``policy``, whether anything is ``tiled`` and the
+    ``expert_parallel`` size)."""
     explicit = cfg.performance.cudagraphs_setting
     if explicit is not None:
         return explicit and compiles, _explicit_why(cfg, explicit)
-    blocker = _blocker(cfg, facts, compiles=compiles, experts=experts, strategy=strategy, policy=policy, tiled=tiled)
+    blocker = _blocker(
+        cfg,
+        facts,
+        compiles=compiles,
+        experts=experts,
+        strategy=strategy,
+        policy=policy,
+        tiled=tiled,
+        expert_parallel=expert_parallel,
+    )
     if blocker is not None:
         return False, f"cuda_graphs: auto: off, {blocker}"
     why = f"cuda_graphs: auto: on, MoE experts on hone's kernels are host-bound without them ({_MEASURED})"

@@ -55,19 +55,23 @@ from hone.units import gib
 FIT_FRACTION = 0.8
 
 
-def resolve_strategy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
+def resolve_strategy(cfg: HoneConfig, facts: RunFacts, expert_parallel: int | None = None) -> tuple[str, str]:
     """(strategy, why): ``none`` on one process, else ``ddp`` or ``fsdp`` (``none`` as written on
-    several processes, which the launch check refuses)."""
+    several processes, which the launch check refuses). ``expert_parallel``: the plan's decided
+    size (None: as the config writes it, ``auto`` counting as 1)."""
     world = facts.world
     chosen = cfg.distributed.strategy
+    if expert_parallel is None:
+        written = cfg.distributed.expert_parallel
+        expert_parallel = written if isinstance(written, int) else 1
     if not world.distributed:
         return "none", "one process: no data parallelism"
     if chosen != "auto":
         return chosen, f"distributed.strategy: {chosen} ({world.world_size} processes)"
-    if cfg.distributed.expert_parallel > 1:  # FSDP2 beside expert parallelism comes later
+    if expert_parallel > 1:  # FSDP2 beside expert parallelism comes later
         return "ddp", (
             f"distributed.strategy: auto on {world.world_size} processes: DDP for the weights outside the experts, "
-            f"which distributed.expert_parallel: {cfg.distributed.expert_parallel} splits over the ranks"
+            f"which distributed.expert_parallel: {expert_parallel} splits over the ranks"
         )
     state = training_state_bytes(cfg, facts.device.type)
     if state is None:
@@ -75,7 +79,7 @@ def resolve_strategy(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
             f"distributed.strategy: auto on {world.world_size} processes: DDP (the training state of this "
             "model could not be estimated; set distributed.strategy: fsdp if it does not fit one device)"
         )
-    budget = _device_budget(facts)
+    budget = device_budget(facts)
     if budget is not None and state > FIT_FRACTION * budget:
         return "fsdp", (
             f"distributed.strategy: auto on {world.world_size} processes: FSDP2, the training state "
@@ -99,7 +103,8 @@ def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
     return est.weights + est.trainable_state + est.optimizer
 
 
-def _device_budget(facts: RunFacts) -> int | None:
+def device_budget(facts: RunFacts) -> int | None:
+    """The bytes of one device the training state is compared with (None: CPU processes, which share the host)."""
     if facts.memory_bytes is not None:
         return facts.memory_bytes
     if facts.device.type == "cuda" and torch.cuda.is_available():

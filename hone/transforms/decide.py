@@ -2,9 +2,10 @@
 
 The planner calls :func:`decide` once per plan, before it asks any transform anything; each
 transform then reads its setting from the plan (``ctx.decided``), and so do ``hone plan``'s
-lines and the record. The order below is the order of their dependencies: whether the model
-compiles and which experts implementation it runs (the device and the model), the
-data-parallel strategy, which says how many processes share the weights (the memory each card
+lines and the record. The order below is the order of their dependencies: expert parallelism
+(the model and the processes; the memory estimates below see the experts split as it decides),
+whether the model compiles and which experts implementation it runs (the device and the model),
+the data-parallel strategy, which says how many processes share the weights (the memory each card
 has left), the checkpointing policy and the MLP tiling, decided together on that memory, the
 compiler's memory budget for ``selective``, the offload split over the model's decoder layers
 and the host, the tiled layers under both, and last CUDA graphs, which are safe and worth it
@@ -21,6 +22,7 @@ from hone.transforms.card import host_memory
 from hone.transforms.compile import compile_choice
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
+from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.experts import experts_choice
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
@@ -30,11 +32,25 @@ from hone.transforms.tiled_layers import decide_chunks
 
 
 def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
-    """Resolve every ``auto`` setting of ``cfg`` for the run ``facts`` describe."""
+    """Resolve every ``auto`` setting of ``cfg`` for the run ``facts`` describe. Where
+    ``expert_parallel: auto`` split the experts but the memory then needs a tiled MLP or tiled
+    layers (which expert parallelism refuses), the plan is decided again without it."""
+    expert_parallel, why = expert_parallel_choice(cfg, facts)
+    decided = _decide(cfg, facts, expert_parallel, why)
+    tiled = decided.tiled_mlp_shards > 0 or decided.tiled_layers_chunks >= 2
+    if expert_parallel > 1 and cfg.distributed.expert_parallel == "auto" and tiled:
+        why = f"distributed.expert_parallel: auto: 1, the activations need tiling, which expert parallelism refuses ({why})"
+        decided = _decide(cfg, facts, 1, why)
+    return decided
+
+
+def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_parallel_why: str) -> Decisions:
+    """Every other ``auto`` setting, the experts split over ``expert_parallel`` ranks."""
+    cfg = with_expert_parallel(cfg, expert_parallel)
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
-    experts, experts_why = experts_choice(cfg, facts)
-    strategy, strategy_why = resolve_strategy(cfg, facts)
+    experts, experts_why = experts_choice(cfg, facts, expert_parallel)
+    strategy, strategy_why = resolve_strategy(cfg, facts, expert_parallel)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     memory = plan_memory(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards)
     chunks, chunks_why, chunks_do_not_fit = decide_chunks(cfg, facts, strategy, memory.policy, memory.shards, param_shards)
@@ -54,6 +70,7 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
         strategy=strategy,
         policy=memory.policy,
         tiled=bool(memory.shards or chunks),
+        expert_parallel=expert_parallel,
     )
     return Decisions(
         strategy=strategy,
@@ -80,6 +97,8 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
         tiled_layers_chunks=chunks,
         tiled_layers_why=chunks_why,
         tiled_layers_skipped=chunks_why if cfg.memory.tiled_layers == "auto" and chunks_do_not_fit and not chunks else None,
+        expert_parallel=expert_parallel,
+        expert_parallel_why=expert_parallel_why,
     )
 
 

@@ -19,6 +19,17 @@ weight stays under DDP's SUM.
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
 experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
 run as many pieces of a layer as its own tokens make, and the exchanges need them in step).
+
+``distributed.expert_parallel: auto`` (:func:`expert_parallel_choice`) is 1 on one process. On
+``W`` processes it is ``W`` where expert parallelism can run (MoE layers hone's experts forward
+computes, ``W`` dividing the experts, no MXFP4, no tiling asked for, a strategy of auto or ddp)
+*and* where it is needed: the replicated training state (weights, gradients, AdamW moments) does
+not fit one device by the rule ``distributed.strategy: auto`` uses to leave DDP for FSDP2, while
+the state of one rank with the experts split does. Elsewhere 1: where replicas fit, DDP alone
+measured 1.9x on 2 H100 and expert parallelism would add two all-to-all exchanges per MoE layer
+each way; where even the split state does not fit, FSDP2 (which does not combine with expert
+parallelism yet) shards every weight. If the plan then has to tile the MLP or the layers to fit
+the activations, ``auto`` falls back to 1 as well (:func:`hone.transforms.decide.decide`).
 """
 
 from __future__ import annotations
@@ -29,17 +40,90 @@ from typing import Any
 
 from torch import nn
 
+from hone.config.root import HoneConfig
 from hone.models.experts.backend import is_experts_module
 from hone.models.experts.parallel import shard_experts, shard_module, take_overflow
 from hone.models.materialize import Replace
 from hone.parallel.expert_parallel import ExpertCapacityError, ExpertShard, check_overflow, expert_capacity
 from hone.runtime.step import StepContext
-from hone.transforms.base import PlanContext, Transform
+from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.transforms.data_parallel import FIT_FRACTION, device_budget, training_state_bytes
 from hone.transforms.memory.facts import model_facts, mxfp4_experts
+from hone.units import gib
+
+AUTO = "distributed.expert_parallel: auto"
+
+
+def with_expert_parallel(cfg: HoneConfig, size: int) -> HoneConfig:
+    """``cfg`` as the plan runs it: ``distributed.expert_parallel`` set to the decided ``size``
+    (``cfg`` itself where it already says so). The memory estimates read the size from the
+    config; the user's file and the run's record keep what was written."""
+    if cfg.distributed.expert_parallel == size:
+        return cfg
+    return cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"expert_parallel": size})})
+
+
+def expert_parallel_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[int, str]:
+    """(size, why) of ``distributed.expert_parallel`` on this run: as written, or ``auto``'s rule
+    (the module doc)."""
+    asked = cfg.distributed.expert_parallel
+    if asked != "auto":
+        return asked, f"distributed.expert_parallel: {asked}"
+    world = facts.world.world_size
+    refused = _cannot_split(cfg, world)
+    if refused is not None:
+        return 1, f"{AUTO}: 1, {refused}"
+    replicated, budget = training_state_bytes(cfg, facts.device.type), device_budget(facts)
+    if replicated is None:
+        return 1, f"{AUTO}: 1, the training state of this model could not be estimated"
+    if budget is None or replicated <= FIT_FRACTION * budget:
+        room = f"fits {FIT_FRACTION:.0%} of one device's {gib(budget)}" if budget is not None else "is held by every rank"
+        return 1, (
+            f"{AUTO}: 1, the replicated training state of {gib(replicated)} {room}: DDP alone, without "
+            "two all-to-all exchanges per MoE layer each way"
+        )
+    split = training_state_bytes(with_expert_parallel(cfg, world), facts.device.type)
+    if split is None or split > FIT_FRACTION * budget:
+        per_rank = f"{gib(split)} per rank" if split is not None else "an unknown state per rank"
+        return 1, (
+            f"{AUTO}: 1, the training state of {gib(replicated)} does not fit {FIT_FRACTION:.0%} of one device's "
+            f"{gib(budget)}, nor with the experts split over {world} ranks ({per_rank}): FSDP2 shards every weight"
+        )
+    return world, (
+        f"{AUTO}: {world}, the replicated training state of {gib(replicated)} does not fit {FIT_FRACTION:.0%} of one "
+        f"device's {gib(budget)}; with the experts split over {world} ranks each holds {gib(split)}"
+    )
+
+
+def _cannot_split(cfg: HoneConfig, world: int) -> str | None:
+    """Why ``auto`` cannot split this run's experts over ``world`` processes (None: it can)."""
+    if world == 1:
+        return "one process"
+    if cfg.distributed.strategy in ("fsdp", "none"):
+        return f"distributed.strategy: {cfg.distributed.strategy} (expert parallelism runs beside DDP only)"
+    if cfg.model.experts_implementation in ("eager", "grouped_mm"):
+        return f"model.experts_implementation: {cfg.model.experts_implementation} (the exchange is in hone's experts forward)"
+    mxfp4 = mxfp4_experts(cfg)
+    if mxfp4 is not None:
+        return f"MXFP4 experts are not split yet ({mxfp4})"
+    for key in ("tiled_mlp", "tiled_layers"):
+        if getattr(cfg.memory, key) not in ("auto", "off"):
+            return f"memory.{key}: {getattr(cfg.memory, key)} (every rank must take part in each layer's exchange)"
+    try:
+        facts = model_facts(cfg)
+    except Exception as exc:  # noqa: BLE001 -- auto falls back; the reason goes on record
+        return f"the model could not be read ({type(exc).__name__}: {exc})"
+    if not any(layer.moe for layer in facts.layers) or facts.experts < 1:
+        return f"{facts.architecture} has no mixture-of-experts layers"
+    if facts.experts_layout_problems:
+        return f"hone's experts forward cannot run {facts.experts_layout_problems[0]}"
+    if facts.experts % world:
+        return f"{facts.architecture}'s {facts.experts} experts per layer do not split evenly over {world} processes"
+    return None
 
 
 def _size(ctx: PlanContext) -> int:
-    return ctx.cfg.distributed.expert_parallel
+    return ctx.decided.expert_parallel
 
 
 def _check(ctx: PlanContext) -> list[str]:
@@ -142,15 +226,31 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
     return keep_block
 
 
+def _why(ctx: PlanContext) -> str:
+    d = ctx.decided
+    if d.expert_parallel <= 1:
+        return d.expert_parallel_why
+    joint = "; " if ctx.cfg.distributed.expert_parallel == "auto" else ": "
+    return (
+        f"{d.expert_parallel_why}{joint}each rank holds 1/{d.expert_parallel} of every MoE layer's experts; "
+        "tokens travel to them and back (two all-to-all exchanges per layer)"
+    )
+
+
+def _skipped(ctx: PlanContext) -> str | None:
+    """``auto`` on several processes that chose 1 says why (recorded as skipped)."""
+    if ctx.cfg.distributed.expert_parallel == "auto" and ctx.facts.world.distributed and ctx.decided.expert_parallel == 1:
+        return ctx.decided.expert_parallel_why
+    return None
+
+
 EXPERT_PARALLEL = Transform(
     name="expert_parallel",
     switch="distributed.expert_parallel",
     wanted=lambda ctx: _size(ctx) > 1 and ctx.facts.world.distributed,
-    why=lambda ctx: (
-        f"distributed.expert_parallel: {_size(ctx)}: each rank holds 1/{_size(ctx)} of every MoE layer's experts; "
-        "tokens travel to them and back (two all-to-all exchanges per layer)"
-    ),
+    why=_why,
     check=_check,
+    skipped_because=_skipped,
     stage="base",
     model=_apply,
     as_drawn=_as_drawn,

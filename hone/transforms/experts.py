@@ -37,16 +37,19 @@ def _triton_missing_here() -> bool:
     return triton is None and torch.cuda.is_available()
 
 
-def experts_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[str, str]:
+def experts_choice(cfg: HoneConfig, facts: RunFacts, expert_parallel: int | None = None) -> tuple[str, str]:
     """(implementation, why) of ``model.experts_implementation`` for this run: as written, or
     what ``auto`` decides from the device and the model's experts modules (read on the meta
-    device). ``auto`` never fails a run: where the model cannot be read it keeps transformers'."""
+    device). ``auto`` never fails a run: where the model cannot be read it keeps transformers'.
+    ``expert_parallel``: the plan's decided size (over 1: hone, which holds the exchange; None: as
+    written, ``auto`` counting as 1)."""
     asked = cfg.model.experts_implementation
     mxfp4 = mxfp4_experts(cfg)
     if mxfp4 is not None:
         return _mxfp4_choice(asked, mxfp4, facts)
-    ep = cfg.distributed.expert_parallel
-    if ep > 1:  # the config's validator refused eager and grouped_mm
+    written = cfg.distributed.expert_parallel
+    ep = expert_parallel if expert_parallel is not None else written if isinstance(written, int) else 1
+    if ep > 1:  # the config's validator (or auto's rule) refused eager and grouped_mm
         return "hone", (
             f"experts_implementation: {asked}: hone, whose experts forward holds the exchange of "
             f"distributed.expert_parallel: {ep} (its kernels on CUDA, their float32 reference elsewhere)"
@@ -91,7 +94,7 @@ def _check(ctx: PlanContext) -> list[str]:
     facts = ctx.facts
     if ctx.decided.experts_implementation != "hone" or ctx.cfg.model.experts_implementation == "auto":
         return []  # auto chose hone only where it runs
-    if ctx.cfg.distributed.expert_parallel > 1:
+    if ctx.decided.expert_parallel > 1:
         return []  # the expert-parallel path computes with the kernels' reference where they cannot run
     from hone.kernels.moe_lora import moe_triton_available
 
@@ -115,7 +118,7 @@ def _check(ctx: PlanContext) -> list[str]:
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     implementation = ctx.decided.experts_implementation
     if implementation == "hone":
-        problems = experts_problems(model, ctx.facts.device, reference_ok=ctx.cfg.distributed.expert_parallel > 1)
+        problems = experts_problems(model, ctx.facts.device, reference_ok=ctx.decided.expert_parallel > 1)
         if problems:
             raise ModelError("; ".join(problems))
     details = set_experts_implementation(model, implementation)

@@ -17,6 +17,7 @@ from hone.config.root import HoneConfig
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.decide import decide
+from hone.transforms.expert_parallel import with_expert_parallel
 from hone.transforms.long_context import LongestRow, best_row, longest_table, render_longest
 from hone.transforms.loss import loss_decision
 from hone.transforms.memory.decide import AUTO_MARGIN, checkpointing_of, fits_within, loss_of, usable_bytes
@@ -104,6 +105,8 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
         rows.insert(
             1, ("experts", _auto(decided.experts_implementation, model.experts_implementation), "model.experts_implementation")
         )
+        split = f"over {decided.expert_parallel} ranks" if decided.expert_parallel > 1 else "off"
+        rows.insert(2, ("expert parallel", _auto(split, cfg.distributed.expert_parallel), "distributed.expert_parallel"))
     return rows
 
 
@@ -140,6 +143,7 @@ def plan_view(
         host_budget, host_source = host_memory(None)
     if decided is None:
         decided = decide(cfg, RunFacts(torch.device(device), memory_bytes=budget, host_memory_bytes=host_budget))
+    written, cfg = cfg, with_expert_parallel(cfg, decided.expert_parallel)  # estimates: per rank, experts split as decided
     param_shards = decided.param_shards
     loss = loss_of(cfg)
     knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
@@ -174,7 +178,7 @@ def plan_view(
         device=device,
         budget=budget,
         budget_source=budget_source,
-        optimizations=resolved_optimizations(cfg, device, decided),
+        optimizations=resolved_optimizations(written, device, decided),
         chosen=checkpointing_of(cfg),
         loss=loss,
         estimates=estimates,

@@ -231,6 +231,8 @@ class Plan:
             lines.append(d.checkpointing_why)
         if memory.selective_memory_budget == "auto" and d.compiler_memory_budget_why is not None:
             lines.append(d.compiler_memory_budget_why)
+        if cfg.distributed.expert_parallel == "auto":
+            lines.append(d.expert_parallel_why)
         return lines
 
     def describe(self) -> str:

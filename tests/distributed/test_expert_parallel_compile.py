@@ -1,0 +1,141 @@
+"""Expert parallelism under ``torch.compile``: 2 gloo processes compile a function that runs
+:func:`~hone.parallel.expert_parallel.expert_parallel_experts` with ``fullgraph=True`` (any graph
+break raises), run its forward and backward, and compare with the same call run eagerly on the
+same rank: ``aot_eager`` bit for bit (the exchanges move the same bytes), Inductor within 1e-5
+(it may reorder float32 sums). Dynamo's one graph holds the all-to-all exchanges themselves
+(torch's functional collective, :mod:`hone.parallel.exchange`): a compiled decoder layer keeps
+them inside its graph. A capacity below ``T * k`` returns the same overflow count compiled.
+Inductor and gloo work together on the CPU (torch 2.13)."""
+
+import pytest
+import torch
+from ep_training import Case
+from expert_parallel_cases import (
+    DOWN_SCALING,
+    EXPERTS,
+    SCALING,
+    SMALL_CAPACITY,
+    TOKENS,
+    WORLD,
+    grads_of,
+    leaves,
+    lora_of,
+    make_case,
+)
+from fsdp_harness import save, spawn
+
+#: (case, backend, capacity): Inductor on the LoRA case, aot_eager on the others (faster to compile).
+RUNS = [
+    ("qwen3_moe-lora", "inductor", None),
+    ("gpt_oss-full", "aot_eager", None),
+    ("qwen3_moe-skewed", "aot_eager", SMALL_CAPACITY),
+]
+
+
+def _exchanges(graph: torch.fx.GraphModule) -> int:
+    return sum("all_to_all_single" in str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+
+
+def _copied_exchanges(graph: torch.fx.GraphModule) -> int:
+    """Exchange results copied into a buffer: what Dynamo's rewrite of the in-place
+    ``torch.distributed.all_to_all_single`` leaves (an empty tensor and a copy per exchange)."""
+    waits = [node for node in graph.graph.nodes if "wait_tensor" in str(node.target)]
+    return sum("copy" in str(user.target) for node in waits for user in node.users)
+
+
+def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
+    """Eager and compiled results of one case on this rank (fresh leaves for each)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from hone.parallel.expert_parallel import ExpertShard, expert_parallel_experts
+
+    torch._dynamo.reset()
+    shard = ExpertShard.of_group(EXPERTS)
+    case = make_case(name)
+    tokens = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    index = case["index"][tokens]
+    counter = CompileCounterWithBackend(backend)
+    got = {}
+    for mode in ("eager", "compiled"):
+        t = leaves(case, lambda key, v: v[tokens] if key in ("hidden", "weights") else shard.local(v))
+
+        def experts(hidden, weights, t=t):
+            return expert_parallel_experts(
+                hidden, index, weights, t["gate_up_proj"], t["down_proj"], case["layout"], shard,
+                biases=(t["gate_up_bias"], t["down_bias"]), lora=lora_of(t), scaling=SCALING, down_scaling=DOWN_SCALING,
+                capacity=capacity,
+            )  # fmt: skip
+
+        run = experts if mode == "eager" else torch.compile(experts, backend=counter, fullgraph=True)
+        out, overflow = run(t["hidden"], t["weights"])
+        (out * case["cotangent"][tokens]).sum().backward()
+        got[mode] = {"out": out.detach(), "overflow": int(overflow), "grads": grads_of(t)}
+    got["frames"] = counter.frame_count
+    got["exchanges"] = [_exchanges(graph) for graph in counter.graphs]
+    got["copied"] = [_copied_exchanges(graph) for graph in counter.graphs]
+    return got
+
+
+def _worker(rank: int, out) -> None:
+    save({name: _one_run(rank, name, backend, capacity) for name, backend, capacity in RUNS}, out / f"{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("expert_parallel_compile")
+    spawn(_worker, WORLD, out, timeout_s=600)
+    return [torch.load(out / f"{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("name,backend,capacity", RUNS)
+def test_compiled_expert_parallel_matches_eager(ranks, name, backend, capacity):
+    for rank, results in enumerate(ranks):
+        got = results[name]
+        eager, compiled = got["eager"], got["compiled"]
+        assert compiled["overflow"] == eager["overflow"], rank
+        assert set(compiled["grads"]) == set(eager["grads"]) and eager["grads"], rank
+        pairs = [("out", eager["out"], compiled["out"])] + [(k, v, compiled["grads"][k]) for k, v in eager["grads"].items()]
+        for what, want, have in pairs:
+            if backend == "aot_eager":
+                assert torch.equal(have, want), (rank, what)
+            else:
+                torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {what}: {m}")
+
+
+@pytest.mark.parametrize("name,backend,capacity", RUNS)
+def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
+    for results in ranks:
+        got = results[name]
+        assert got["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
+        assert len(got["exchanges"]) == 1 and got["exchanges"][0] >= 2  # the dispatch's and the combine's at least
+        assert got["copied"] == [0]  # torch's functional collective, not the rewritten in-place one
+
+
+def test_the_small_capacity_overflows_compiled_too(ranks):
+    assert all(results["qwen3_moe-skewed"]["compiled"]["overflow"] > 0 for results in ranks)
+
+
+def _layer_worker(rank: int, out) -> None:
+    """A 2-rank training run through the plan's regional compile (aot_eager on the CPU), with a
+    capacity factor: hone's experts forward, its overflow buffer's ``add_`` included, and the
+    exchanges inside each compiled decoder layer. Dynamo's counters say whether anything broke."""
+    from ep_training import run_ranks
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    run_ranks(rank, out, 3, [LAYER_CASE])
+    save({"breaks": dict(counters["graph_break"]), "frames": dict(counters["frames"])}, out / f"layer-{rank}.pt")
+
+
+#: Padded rows (packed ones overflow a factor of 1), LoRA on attention and experts, compiled.
+LAYER_CASE = Case("lora", False, composed=True, capacity_factor=1.0)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_do_not_break_at_the_exchanges(tmp_path):
+    (tmp_path / LAYER_CASE.name).mkdir()
+    spawn(_layer_worker, WORLD, tmp_path, timeout_s=600)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"layer-{rank}.pt")
+        assert got["breaks"] == {}, (rank, got["breaks"])
+        assert got["frames"]["total"] >= 1 and got["frames"]["ok"] == got["frames"]["total"], (rank, got["frames"])

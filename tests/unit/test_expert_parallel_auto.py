@@ -1,0 +1,156 @@
+"""``distributed.expert_parallel: auto``: 1 on one process; on several, the number of processes
+only where expert parallelism can run (MoE layers hone's experts forward computes, experts the
+processes divide, nothing that refuses it) and is needed (the replicated training state does not
+fit one device by the rule that makes ``strategy: auto`` leave DDP, and the split state does).
+The plan's estimates, strategy, experts implementation and CUDA graphs follow the decided size,
+and ``hone plan`` prints it with its reason. Estimates on the meta device; nothing loads."""
+
+import pytest
+import torch
+
+from hone.config import parse_config
+from hone.config.errors import ConfigError
+from hone.runtime.world import World
+from hone.train.distributed import expert_parallel_problems
+from hone.transforms.base import RunFacts
+from hone.transforms.data_parallel import FIT_FRACTION, training_state_bytes
+from hone.transforms.decide import decide
+from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
+from hone.transforms.plan_report import plan_view, resolved_optimizations
+from hone.transforms.planner import decisions, plan_optimizations
+from hone.units import GIB
+
+HOST = 512 * GIB
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def config(preset="qwen3-30b-a3b", targets=(*ATTENTION, "experts"), adapter="lora", **sections):
+    raw = {
+        "model": {"preset": preset, "dtype": "bfloat16", **sections.pop("model", {})},
+        "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 4096},
+        "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": list(targets)}
+        if adapter == "lora"
+        else {"type": "none"},
+        "distributed": {"expert_parallel": "auto", **sections.pop("distributed", {})},
+    }
+    for key, section in sections.items():
+        raw[key] = {**raw.get(key, {}), **section}
+    return parse_config(raw)
+
+
+def facts(processes: int, gib: float | None = 80, device: str = "cuda") -> RunFacts:
+    memory = None if gib is None else int(gib * GIB)
+    return RunFacts(torch.device(device), memory_bytes=memory, host_memory_bytes=HOST, world=World(0, processes, 0))
+
+
+def test_qwen3_30b_lora_splits_its_experts_where_replicas_do_not_fit_an_80gb_card():
+    cfg = config()
+    replicated = training_state_bytes(cfg, "cuda")
+    assert replicated > FIT_FRACTION * 80 * GIB  # the premise: DDP replicas do not fit
+    for n in (2, 4):
+        size, why = expert_parallel_choice(cfg, facts(n))
+        assert size == n, why
+        assert why.startswith(f"distributed.expert_parallel: auto: {n}, the replicated training state")
+        assert training_state_bytes(with_expert_parallel(cfg, n), "cuda") <= FIT_FRACTION * 80 * GIB
+
+
+@pytest.mark.parametrize(
+    "case, cfg, run, reason",
+    [
+        ("one process", {}, (1, 80), "one process"),
+        ("replicas fit a 141 GiB card", {}, (2, 141), "fits 80% of one device's 141.0 GiB: DDP alone"),
+        ("CPU processes share the host", {}, (2, None, "cpu"), "is held by every rank"),
+        ("a dense model", {"preset": "qwen3-8b", "targets": ATTENTION, "adapter": "none"}, (2, 40), "no mixture-of-experts"),
+        ("3 processes, 128 experts", {}, (3, 80), "128 experts per layer do not split evenly over 3"),
+        ("strategy fsdp", {"distributed": {"strategy": "fsdp"}}, (2, 80), "distributed.strategy: fsdp"),
+        (
+            "grouped_mm experts",
+            {"model": {"experts_implementation": "grouped_mm"}},
+            (2, 80),
+            "experts_implementation: grouped_mm",
+        ),
+        ("MXFP4 experts", {"model": {"quantize": "mxfp4"}}, (2, 40), "MXFP4 experts are not split"),
+        ("tiled MLP asked for", {"memory": {"tiled_mlp": 4}}, (2, 80), "memory.tiled_mlp: 4"),
+        ("even split does not fit", {"adapter": "none"}, (2, 80), "nor with the experts split over 2 ranks"),
+    ],
+)
+def test_auto_keeps_one_where_expert_parallelism_cannot_run_or_is_not_needed(case, cfg, run, reason):
+    size, why = expert_parallel_choice(config(**cfg), facts(*run))
+    assert size == 1, case
+    assert why.startswith("distributed.expert_parallel: auto: 1, ") and reason in why, (case, why)
+
+
+def test_a_full_fine_tune_splits_where_the_split_state_fits():
+    size, why = expert_parallel_choice(config(adapter="none"), facts(8))
+    assert size == 8, why
+
+
+def test_a_written_size_is_kept_as_written():
+    cfg = config(distributed={"expert_parallel": 2})
+    assert expert_parallel_choice(cfg, facts(2, 141)) == (2, "distributed.expert_parallel: 2")
+
+
+def test_the_plan_follows_the_decided_size():
+    cfg, run = config(), facts(2)
+    decided = decide(cfg, run)
+    assert (decided.expert_parallel, decided.strategy, decided.experts_implementation) == (2, "ddp", "hone")
+    assert decided.expert_parallel_why.startswith("distributed.expert_parallel: auto: 2")
+    # the memory estimates see each rank's half of the experts, as if 2 had been written
+    written = config(distributed={"expert_parallel": 2})
+    assert decide(written, run).checkpointing == decided.checkpointing
+    split = plan_view(cfg, "t", "cuda", 80 * GIB, "test", HOST, decided=decided).estimates["none"]
+    whole = plan_view(cfg, "t", "cuda", 80 * GIB, "test", HOST, decided=decide(cfg, facts(2, 141))).estimates["none"]
+    assert split.weights < 0.6 * whole.weights
+    # and a plan that keeps 1 neither splits nor uses the exchange's strategy
+    kept = decide(cfg, facts(2, 141))
+    assert (kept.expert_parallel, kept.strategy) == (1, "ddp")
+
+
+def test_hone_plan_shows_the_choice_and_its_reason():
+    cfg, run = config(), facts(4)
+    decided = decide(cfg, run)
+    rows = {name: value for name, value, _ in resolved_optimizations(cfg, "cuda", decided)}
+    assert rows["expert parallel"] == "over 4 ranks (auto)"
+    lines = {name: (on, why) for name, _, on, why in decisions(cfg, run, decided=decided)}
+    assert lines["expert_parallel"][0] is True and "auto: 4, the replicated training state" in lines["expert_parallel"][1]
+    kept = decide(cfg, facts(4, 141))
+    assert {n: v for n, v, _ in resolved_optimizations(cfg, "cuda", kept)}["expert parallel"] == "off (auto)"
+    lines = {name: (on, why) for name, _, on, why in decisions(cfg, facts(4, 141), decided=kept)}
+    assert lines["expert_parallel"] == (False, kept.expert_parallel_why)
+    assert kept.expert_parallel_why in plan_optimizations(cfg, facts(4, 141)).auto_choices(cfg)
+
+
+def test_auto_falls_back_to_one_where_the_activations_need_tiling():
+    cfg = config(data={"sequence_len": 131072})  # 128K tokens: split 2 ways, the layers would be tiled
+    assert expert_parallel_choice(cfg, facts(2))[0] == 2  # the training state alone would split
+    decided = decide(cfg, facts(2))
+    assert decided.expert_parallel == 1, decided.expert_parallel_why
+    assert decided.expert_parallel_why.startswith("distributed.expert_parallel: auto: 1, the activations need tiling")
+    assert decided.strategy == "fsdp"  # the replicas do not fit: FSDP2, which may tile
+
+
+def test_cuda_graphs_auto_stay_off_under_expert_parallelism():
+    cfg = config(distributed={"expert_parallel": 2}, model={"preset_overrides": {"num_hidden_layers": 8}})
+    one = decide(config(distributed={"expert_parallel": 1}, model={"preset_overrides": {"num_hidden_layers": 8}}), facts(1))
+    assert one.cuda_graphs is True  # the premise: this run alone records graphs
+    decided = decide(cfg, facts(2))
+    assert decided.cuda_graphs is False
+    assert decided.cuda_graphs_why.startswith("cuda_graphs: auto: off, expert parallelism over 2 ranks")
+    forced = decide(config(distributed={"expert_parallel": 2}, performance={"cuda_graphs": True}), facts(2))
+    assert forced.cuda_graphs is True  # written in the config: tried as asked
+
+
+def test_the_config_takes_auto_and_the_launch_accepts_it_on_any_world():
+    cfg = config(distributed={"expert_capacity_factor": 1.25, "strategy": "fsdp"})  # auto resolves to 1 under FSDP2
+    assert cfg.distributed.expert_parallel == "auto"
+    for n in (1, 2, 3):
+        assert expert_parallel_problems(cfg, World(0, n, 0)) == []
+    with pytest.raises(ConfigError, match="expert_parallel"):
+        config(distributed={"expert_parallel": "many"})
+    with pytest.raises(ConfigError, match="must be at least 1"):
+        config(distributed={"expert_parallel": 0})
+
+
+def test_the_default_stays_one():
+    raw = {"model": {"preset": "tiny-qwen3-moe"}, "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}]}}
+    assert parse_config(raw).distributed.expert_parallel == 1
