@@ -1,10 +1,10 @@
 """Expert parallelism under ``torch.compile``: 2 gloo processes compile a function that runs
-:func:`~hone.parallel.expert_parallel.expert_parallel_experts` with ``fullgraph=True`` (any graph
-break raises), run its forward and backward, and compare with the same call run eagerly on the
+:func:`~hone.parallel.expert_parallel.expert_parallel_experts` (whose send plan is deliberately
+left out of the graph: one break, before the exchanges), run its forward and backward, and compare with the same call run eagerly on the
 same rank: ``aot_eager`` bit for bit (the exchanges move the same bytes), Inductor within 1e-5
 (it may reorder float32 sums). Dynamo's one graph holds the all-to-all exchanges themselves
 (torch's functional collective, :mod:`hone.parallel.exchange`): a compiled decoder layer keeps
-them inside its graph. A capacity below ``T * k`` returns the same overflow count compiled.
+them inside its graphs. A capacity below ``T * k`` returns the same overflow count compiled.
 Inductor and gloo work together on the CPU (torch 2.13)."""
 
 import pytest
@@ -66,7 +66,7 @@ def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
                 capacity=capacity,
             )  # fmt: skip
 
-        run = experts if mode == "eager" else torch.compile(experts, backend=counter, fullgraph=True)
+        run = experts if mode == "eager" else torch.compile(experts, backend=counter)
         out, overflow = run(t["hidden"], t["weights"])
         (out * case["cotangent"][tokens]).sum().backward()
         got[mode] = {"out": out.detach(), "overflow": int(overflow), "grads": grads_of(t)}
@@ -106,13 +106,17 @@ def test_compiled_expert_parallel_matches_eager(ranks, name, backend, capacity):
 def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
     for results in ranks:
         got = results[name]
-        assert got["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
-        assert len(got["exchanges"]) == 1 and got["exchanges"][0] >= 2  # the dispatch's and the combine's at least
-        assert got["copied"] == [0]  # torch's functional collective, not the rewritten in-place one
+        # the send plan runs eagerly (torch.compiler.disable): Dynamo resumes the dispatch after
+        # it (rows, ids and weights out: 3 exchanges) and then the caller (the partials back: 1)
+        assert got["frames"] == 2
+        assert sorted(got["exchanges"]) == [1, 3]
+        assert got["copied"] == [0, 0]  # torch's functional collective, not the rewritten in-place one
 
 
 def test_the_small_capacity_overflows_compiled_too(ranks):
-    assert all(results["qwen3_moe-skewed"]["compiled"]["overflow"] > 0 for results in ranks)
+    # every pair of the skewed routing lands on rank 1's experts: only rank 1 is over capacity
+    overflow = [results["qwen3_moe-skewed"]["compiled"]["overflow"] for results in ranks]
+    assert overflow[0] == 0 and overflow[1] > 0
 
 
 def _layer_worker(rank: int, out) -> None:
@@ -132,10 +136,10 @@ LAYER_CASE = Case("lora", False, composed=True, capacity_factor=1.0)
 
 
 @pytest.mark.slow
-def test_compiled_decoder_layers_do_not_break_at_the_exchanges(tmp_path):
+def test_compiled_decoder_layers_break_only_at_the_send_plan(tmp_path):
     (tmp_path / LAYER_CASE.name).mkdir()
     spawn(_layer_worker, WORLD, tmp_path, timeout_s=600)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"layer-{rank}.pt")
-        assert got["breaks"] == {}, (rank, got["breaks"])
+        assert len(got["breaks"]) == 1 and "plan_send" in next(iter(got["breaks"])), (rank, got["breaks"])
         assert got["frames"]["total"] >= 1 and got["frames"]["ok"] == got["frames"]["total"], (rank, got["frames"])
