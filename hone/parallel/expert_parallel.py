@@ -153,7 +153,6 @@ class SendPlan:
     slot: torch.Tensor  # [T, N] int64: the token's slot for each destination; N * S where it has no expert there
 
 
-@torch.compiler.disable
 def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> SendPlan:
     """The send buffer's layout for ``top_k_index [T, k]`` (global expert ids), ``slots`` (``S``
     >= ``T``) per destination: each token once per rank holding any of its experts, in token
@@ -169,15 +168,14 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> Send
     n_slots = size * slots
     base = torch.arange(size, device=device) * slots
     slot = torch.where(present, base + position, n_slots)  # [T, N]
-    # scatters into a trash slot past the buffer (several tokens may land there; it is cut off)
-    target = slot.reshape(-1)
+    # writes into a trash slot past the buffer (several tokens may land there; it is cut off)
     tokens = torch.arange(n_tokens, device=device).repeat_interleave(size)
-    source = torch.full((n_slots + 1,), n_tokens, dtype=torch.int64, device=device).scatter_(0, target, tokens)
+    source = torch.full((n_slots + 1,), n_tokens, dtype=torch.int64, device=device).index_put_((slot.reshape(-1),), tokens)
     ranks = torch.arange(size, device=device).view(1, size, 1)
     here = dest.unsqueeze(1) == ranks  # [T, N, k]: choice j of token t is on rank d
-    local = torch.where(here, (ids - dest * count).unsqueeze(1), count).reshape(-1, k)  # [T * N, k]
+    local = torch.where(here, (ids - dest * count).unsqueeze(1), count)  # [T, N, k]
     local_ids = torch.full((n_slots + 1, k), count, dtype=torch.int64, device=device)
-    local_ids.scatter_(0, target.unsqueeze(1).expand(-1, k), local)
+    local_ids.index_put_((slot.reshape(-1),), local.reshape(-1, k))
     return SendPlan(source=source[:n_slots], local_ids=local_ids[:n_slots], slot=slot)
 
 
