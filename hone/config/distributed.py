@@ -37,11 +37,13 @@ class DistributedConfig(Section):
     """Expert parallelism: the routed experts of every mixture-of-experts layer are split into
     ``N`` contiguous blocks, one per process; each token travels to the processes holding its
     experts and back (two all-to-all exchanges per layer, no host syncs), and every other weight
-    stays under DDP. Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b):
-    each GPU holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This
-    first version takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's
-    experts backend (``model.experts_implementation``: auto or hone), and does not combine with
-    ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md)."""
+    stays under the data-parallel strategy: DDP, or FSDP2 (``distributed.strategy: fsdp``, which
+    then shards every weight outside the experts over all ranks: full fine-tunes of large MoE
+    models). Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b): each GPU
+    holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This first version
+    takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's experts backend
+    (``model.experts_implementation``: auto or hone), and does not split MXFP4 experts yet
+    (docs/moe.md, docs/distributed.md)."""
 
     expert_capacity_factor: float | None = None
     """Expert parallelism: the rows each rank reserves, per layer, for the token-expert pairs of
@@ -67,10 +69,10 @@ class DistributedConfig(Section):
                 f"distributed.expert_capacity_factor: {factor} sizes the exchanges of expert parallelism, which is off "
                 "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_capacity_factor"
             )
-        if self.expert_parallel > 1 and self.strategy in ("fsdp", "none"):
+        if self.expert_parallel > 1 and self.strategy == "none":
             raise ValueError(
-                f"distributed.expert_parallel: {self.expert_parallel} does not work with distributed.strategy: "
-                f"{self.strategy} yet (expert parallelism runs beside DDP): use distributed.strategy: auto or ddp, "
+                f"distributed.expert_parallel: {self.expert_parallel} runs on several processes, which "
+                "distributed.strategy: none refuses: use distributed.strategy: auto, ddp or fsdp, "
                 "or distributed.expert_parallel: 1"
             )
         return self

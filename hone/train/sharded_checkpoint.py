@@ -25,6 +25,13 @@ position is global (the loop's stream), so the same rows follow.
 
 Works on one process too (no process group: DCP writes a single shard), which is how a
 1-process run's checkpoint resumes on 2.
+
+Beside expert parallelism, each rank's block of the experts (a plain tensor FSDP2 leaves alone)
+and its optimizer moments go into DCP as shards of the whole experts
+(:func:`hone.train.expert_checkpoint.experts_as_dtensors`): every expert is written once, by the
+rank that holds it, and resumes on the same or another expert-parallel size. (An expert-minor
+``lora_B`` is stored as ``[out, r, E]``, so a LoRA checkpoint with experts is for expert-parallel
+runs only; a full fine-tune's resumes on one process too.)
 """
 
 import json
@@ -52,6 +59,7 @@ from hone.train.checkpoint_layout import (
     remove_temp_dirs,
     restore_rng,
 )
+from hone.train.expert_checkpoint import experts_as_blocks, experts_as_dtensors
 
 DCP_DIR = "dcp"
 
@@ -112,7 +120,7 @@ def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return {"model": model_sd, "optim": optim_sd}
+    return experts_as_dtensors(model, {"model": model_sd, "optim": optim_sd})
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -200,6 +208,7 @@ def load_sharded_checkpoint(
         dcp.load(wanted, checkpoint_id=str(path / DCP_DIR))
     except Exception as exc:  # DCP reports missing keys and bad shapes as CheckpointException
         raise CheckpointError(f"cannot resume from {path}: it does not fit this run's model or optimizer ({exc})") from None
+    wanted = experts_as_blocks(model, wanted)  # loaded into the views: each rank's block again
     _set_trainable_state(model, optimizer, path, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"])
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
     rng = path / f"rng-rank{_rank()}.pt"

@@ -46,11 +46,13 @@ class Case:
     preset: str = "tiny-qwen3-moe"
     composed: bool = False  # through the plan's compile and checkpointing
     capacity_factor: float | None = None  # distributed.expert_capacity_factor (None: T * k)
+    fsdp: bool = False  # FSDP2 beside expert parallelism (distributed.strategy: fsdp), else DDP
 
     @property
     def name(self) -> str:
         extra = ("-gpt-oss" if "gpt-oss" in self.preset else "") + ("-composed" if self.composed else "")
         extra += f"-capacity-{self.capacity_factor}" if self.capacity_factor is not None else ""
+        extra += "-fsdp" if self.fsdp else ""
         return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
@@ -61,6 +63,8 @@ GPT_OSS = Case("full", False, "tiny-gpt-oss")
 #: at most 24 tokens (48 pairs), so none overflows however skewed the tiny router is (it is).
 CAPPED = Case("lora", False, capacity_factor=1.0)
 SLOW_CASES = [Case("lora", True, composed=True)]
+#: FSDP2 shards everything outside the experts (attention, router, norms, embeddings, head).
+FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
 
 def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
@@ -79,10 +83,21 @@ def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
         },
         # adam_epsilon 1e-5, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
         # of near-zero gradients (a token seen once, summed in another order) into whole updates
-        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-5},
+        # fused beside FSDP2: one multi-tensor update per group, which refuses DTensors and plain tensors together
+        optimizer={
+            "learning_rate": 5e-3,
+            "lr_scheduler": "constant",
+            "weight_decay": 0.01,
+            "fused": case.fsdp,
+            "adam_epsilon": 1e-5,
+        },
         distributed={"expert_parallel": expert_parallel}
         if expert_parallel == 1
-        else {"expert_parallel": expert_parallel, "expert_capacity_factor": case.capacity_factor},
+        else {
+            "expert_parallel": expert_parallel,
+            "expert_capacity_factor": case.capacity_factor,
+            **({"strategy": "fsdp"} if case.fsdp else {}),
+        },
         **(COMPOSED if case.composed else {}),
     )
 
@@ -166,7 +181,11 @@ def run(model, cfg, world: World, facts: RunFacts, seed: int) -> None:
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The trained weights, FSDP2's shards gathered whole (every rank must call it then)."""
+    from torch.distributed.tensor import DTensor
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
 def run_reference(case: Case, out: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -191,7 +210,9 @@ def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
         model = expert_parallel_model(case, seed, cfg, facts)
         run(model, cfg, world, facts, seed)
         sharded = {n: s.local_count for n, s in shards(model).items()}
-        torch.save({"weights": trainable(model), "sharded": sharded}, out / case.name / f"weights-rank{rank}.pt")
+        kinds = {n: type(p).__name__ for n, p in model.named_parameters() if p.requires_grad}
+        saved = {"weights": trainable(model), "sharded": sharded, "kinds": kinds}
+        torch.save(saved, out / case.name / f"weights-rank{rank}.pt")
 
 
 def overflow_ranks(rank: int, out: Path, seed: int) -> None:

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from ep_training import CAPPED, CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
+from ep_training import CAPPED, CASES, FSDP_CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
 from fsdp_harness import spawn
 
 from hone.models.experts.parallel import join_blocks
@@ -32,6 +32,11 @@ def _spawn(out, cases):
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp("ep-parity"), [*CASES, GPT_OSS, CAPPED])
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-fsdp"), FSDP_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,17 @@ def _joined(two_ranks):
 @pytest.mark.parametrize("case", [*CASES, GPT_OSS, CAPPED], ids=lambda c: c.name)
 def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, case):
     _assert_same_run(two_rank_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+
+
+@pytest.mark.parametrize("case", FSDP_CASES, ids=lambda c: c.name)
+def test_expert_parallel_beside_fsdp2_equals_one_process(fsdp_runs, tmp_path, case):
+    """FSDP2 shards every weight outside the experts; the blocks stay plain tensors, their
+    gradients unreduced; the norm and AdamW (foreach, one kind of tensor per group) see both."""
+    _assert_same_run(fsdp_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+    kinds = torch.load(fsdp_runs / case.name / "weights-rank0.pt")["kinds"]
+    sharded = torch.load(fsdp_runs / case.name / "weights-rank0.pt")["sharded"]
+    assert {kinds[n] for n in sharded if n in kinds} == {"Parameter"}  # the trained expert blocks: plain tensors
+    assert {k for n, k in kinds.items() if n not in sharded} == {"DTensor"}  # the rest: FSDP2's shards
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ count as activations. qwen3-30b-a3b (128 experts, top-8), 8 of its layers, LoRA 
 attention and experts, described on the meta device."""
 
 import pytest
+import torch
 
 from hone.config import parse_config
 from hone.transforms.memory.estimate import estimate_memory, training_state
@@ -15,17 +16,19 @@ LAYERS, R = 8, 16
 E, HIDDEN, MOE_INTER, TOP_K = 128, 2048, 768, 8
 
 
-def config(expert_parallel: int = 1, seq: int = 1024):
+def config(expert_parallel: int = 1, seq: int = 1024, layers: int = LAYERS, lora: bool = True):
     cfg = parse_config(
         {
-            "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": LAYERS}},
+            "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": layers}},
             "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": seq},
             "adapter": {
                 "type": "lora",
                 "lora_r": R,
                 "lora_alpha": 32,
                 "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"],
-            },
+            }
+            if lora
+            else {"type": "none"},
         }
     )
     # the key distributed.expert_parallel may not be in this config schema yet: set it as the run reads it
@@ -68,3 +71,34 @@ def test_the_dispatch_buffers_count_as_activations():
     per_layer = tokens * (2 * c * 2 * TOP_K * HIDDEN + routed)  # two buffers of N*T*k rows, one more set of routed rows
     assert two.activations_per_layer - one.activations_per_layer == per_layer
     assert all(layer.moe for layer in m.layers)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp2_beside_expert_parallel_shards_only_what_lies_outside_the_experts(n):
+    """Each rank's block of the experts stays whole (fully_shard leaves it out): FSDP2 divides
+    the rest by N and gathers a layer's non-expert weights at a time, never the experts."""
+    cfg = config(n)
+    m = model_facts(cfg)
+    whole, sharded = training_state(cfg, m, 1), training_state(cfg, m, n)
+    block_weights = m.expert_bytes - m.expert_bytes * (n - 1) // n
+    block_grads = m.expert_trainable_bytes - m.expert_trainable_bytes * (n - 1) // n
+    block_moments = cfg.optimizer.state_bytes(m.expert_trainable_params - m.expert_trainable_params * (n - 1) // n, 4)
+    gathered = (m.frozen_bytes + m.trainable_bytes - m.expert_bytes) // LAYERS
+    assert sharded[0] == block_weights + -(-(whole[0] - block_weights) // n) + 2 * gathered
+    assert sharded[1] == block_grads + -(-(whole[1] - block_grads) // n)
+    assert sharded[2] == block_moments + -(-(whole[2] - block_moments) // n)
+    assert block_weights < sharded[0] < whole[0]
+
+
+def test_strategy_auto_with_expert_parallel_shards_a_full_fine_tune_that_does_not_fit_and_keeps_ddp_for_lora():
+    """The fit rule of ``auto`` with the experts counted at E / N: a full fine-tune of the whole
+    qwen3-30b-a3b on 4 x 80 GB does not fit replicated (FSDP2); its LoRA does (DDP)."""
+    from hone.runtime.world import World
+    from hone.transforms.base import RunFacts
+    from hone.transforms.data_parallel import resolve_strategy
+    from hone.units import GIB
+
+    facts = RunFacts(torch.device("cuda"), world=World(0, 4, 0), memory_bytes=80 * GIB)
+    assert resolve_strategy(config(4, layers=48), facts)[0] == "ddp"
+    strategy, why = resolve_strategy(config(4, layers=48, lora=False), facts)
+    assert strategy == "fsdp" and "experts split over 4 ranks" in why, why
