@@ -193,7 +193,10 @@ def experts_as_dtensors(model: nn.Module, state: dict[str, Any]) -> dict[str, An
     for name, spec in specs.items():
         weights[name] = _as_dtensor(spec, weights[name], mesh)
         shape = params[name].shape
-        for key, value in optim.get("state", {}).get(name, {}).items():
+        if name not in optim.get("state", {}):
+            continue
+        optim["state"][name] = dict(optim["state"][name])  # the optimizer's own dict: replace in a copy
+        for key, value in list(optim["state"][name].items()):
             if isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0:
                 optim["state"][name][key] = _as_dtensor(spec, value, mesh)
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -222,6 +225,6 @@ def experts_as_blocks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]
     for name, spec in specs.items():
         if name in weights:
             weights[name] = block(spec, weights[name])
-        for key, value in optim.get("state", {}).get(name, {}).items():
-            optim["state"][name][key] = block(spec, value)
+        if name in optim.get("state", {}):
+            optim["state"][name] = {key: block(spec, value) for key, value in optim["state"][name].items()}
     return state

@@ -67,7 +67,7 @@ SLOW_CASES = [Case("lora", True, composed=True)]
 FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
 
-def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
+def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int, save_steps: int | None = None):
     return tiny_config(
         out,
         model={"preset": case.preset, "dtype": "float32"},
@@ -78,7 +78,7 @@ def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
             "micro_batch_size": 1,
             "gradient_accumulation_steps": accumulation,
             "eval_steps": STEPS,
-            "save_steps": None,
+            "save_steps": save_steps,
             "max_grad_norm": 0.5,  # clips: the norm must be the global one on every rank
         },
         # adam_epsilon 1e-5, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
@@ -170,14 +170,18 @@ def make_data(seed: int):
     return random_rows(40, seed=seed, min_len=5, max_len=24), random_rows(7, seed=seed + 1, min_len=5, max_len=24)
 
 
-def run(model, cfg, world: World, facts: RunFacts, seed: int) -> None:
-    """The plan's adapted stage (compile, checkpointing where the case asks), then the loop."""
+def run(model, cfg, world: World, facts: RunFacts, seed: int, resume_from: Path | None = None):
+    """The plan's adapted stage (compile, checkpointing, FSDP2 where the case asks), then the
+    loop (from a checkpoint where given); returns the plan's hooks."""
     torch._dynamo.reset()
     train, evaluation = make_data(seed)
     plan = plan_optimizations(cfg, facts)
     plan.apply(model, "adapted", cfg, facts)
     hooks = plan.hooks(model, cfg, facts)
-    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks)
+    console = Console(quiet=True)
+    loop_args = {"console": console, "world": world, "hooks": hooks, "resume_from": resume_from}
+    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, **loop_args)
+    return hooks
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -188,14 +192,43 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
-def run_reference(case: Case, out: Path, seed: int) -> dict[str, torch.Tensor]:
-    """One process, accumulation 2: the trained weights."""
+def run_reference(case: Case, out: Path, seed: int, final: Path | None = None) -> dict[str, torch.Tensor]:
+    """One process, accumulation 2: the trained weights (and the final adapter or model written
+    to ``final`` where given)."""
+    from hone.models.save import save_final
     from hone.runtime.world import SINGLE
 
     cfg = make_config(out, case, accumulation=2, expert_parallel=1)
     model = reference_model(case, seed)
     run(model, cfg, SINGLE, RunFacts(CPU, world=SINGLE), seed)
+    if final is not None:
+        save_final(model, None, final, cfg.adapter)
     return trainable(model)
+
+
+def resume_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
+    """Each case twice on this rank: uninterrupted with a checkpoint after step 2 (and its final
+    output), then from that checkpoint in a model whose trained weights were scrambled first, to
+    the end (and its final output); the trained weights of both, gathered."""
+    from hone.runtime.world import current_world
+    from hone.train.checkpoint_io import checkpoint_io_for
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    for case in cases:
+        for part in ("whole", "resumed"):
+            cfg = make_config(out / case.name / part, case, accumulation=1, expert_parallel=world.world_size, save_steps=2)
+            model = expert_parallel_model(case, seed, cfg, facts)
+            resume_from = None
+            if part == "resumed":
+                with torch.no_grad():  # whatever the run restores must come from the checkpoint
+                    for param in model.parameters():
+                        if param.requires_grad:
+                            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+                resume_from = out / case.name / "whole" / "checkpoints" / "step-2"
+            hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
+            checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / part / "final", cfg.adapter)
+            torch.save(trainable(model), out / case.name / part / f"weights-rank{rank}.pt")
 
 
 def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
