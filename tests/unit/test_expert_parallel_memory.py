@@ -102,3 +102,31 @@ def test_strategy_auto_with_expert_parallel_shards_a_full_fine_tune_that_does_no
     assert resolve_strategy(config(4, layers=48), facts)[0] == "ddp"
     strategy, why = resolve_strategy(config(4, layers=48, lora=False), facts)
     assert strategy == "fsdp" and "experts split over 4 ranks" in why, why
+
+
+def test_strategy_fsdp_with_expert_parallel_validates_and_hone_plan_shows_the_rank_s_memory(tmp_path, capsys):
+    """``hone plan --nproc-per-node 2`` of a full fine-tune under FSDP2 + expert parallelism:
+    both transforms in the plan, and the weights row is one rank's (experts / 2 kept whole, the
+    rest sharded over 2), as :func:`training_state` computes it."""
+    import yaml
+
+    from hone.cli import main
+    from hone.units import GIB
+
+    raw = {
+        "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": LAYERS}},
+        "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 1024},
+        "adapter": {"type": "none"},
+        "distributed": {"strategy": "fsdp", "expert_parallel": 2},
+    }
+    cfg = parse_config(raw)  # validates
+    assert (cfg.distributed.strategy, cfg.distributed.expert_parallel) == ("fsdp", 2)
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(path), "--nproc-per-node", "2", "--gpu-memory", "80GiB", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+    assert rows["expert_parallel"][0] == "on" and rows["fsdp"][0] == "on" and rows["ddp"][0] == "off", out
+    weights = training_state(cfg, model_facts(cfg), 2)[0]
+    assert float(rows["weights"][0]) == pytest.approx(weights / GIB, abs=0.006)
+    assert "expert parallel over 2 ranks" in out
