@@ -70,3 +70,19 @@ def test_the_final_output_is_the_one_process_one(resumed_runs, tmp_path, case):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
     if case.adapter == "full":  # a save_pretrained directory
         assert (resumed_runs / case.name / "whole" / "final" / "config.json").is_file()
+
+
+def test_resuming_it_on_another_layout_is_refused_with_the_reason(resumed_runs, tmp_path):
+    """One process groups the optimizer's weights otherwise (no DTensors to keep apart): a clear
+    refusal, not a half-restored optimizer."""
+    from ep_training import CPU, make_config, reference_model, run
+
+    from hone.errors import HoneError
+    from hone.runtime.world import SINGLE
+    from hone.transforms.base import RunFacts
+
+    case = next(c for c in FSDP_CASES if c.adapter == "full")
+    cfg = make_config(tmp_path, case, accumulation=2, expert_parallel=1)
+    checkpoint = resumed_runs / case.name / "whole" / "checkpoints" / "step-2"
+    with pytest.raises(HoneError, match="its optimizer had 3 parameter groups and this run's has 2"):
+        run(reference_model(case, SEED), cfg, SINGLE, RunFacts(CPU, world=SINGLE), SEED, resume_from=checkpoint)
