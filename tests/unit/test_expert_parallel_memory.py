@@ -130,3 +130,18 @@ def test_strategy_fsdp_with_expert_parallel_validates_and_hone_plan_shows_the_ra
     weights = training_state(cfg, model_facts(cfg), 2)[0]
     assert float(rows["weights"][0]) == pytest.approx(weights / GIB, abs=0.006)
     assert "expert parallel over 2 ranks" in out
+
+
+def test_hone_plan_of_a_bench_spec_plans_each_condition_on_its_processes(capsys):
+    """A spec condition's ``nproc`` is the world it is planned on: the 4-GPU full fine-tune of
+    qwen3-30b-a3b runs expert parallel beside FSDP2, not as one process holding every expert."""
+    from pathlib import Path
+
+    from hone.cli import main
+
+    spec = Path(__file__).resolve().parents[2] / "benchmarks" / "specs" / "qwen3-30b-a3b-48l-full-ep4-fsdp.yml"
+    assert main(["plan", str(spec), "--gpu-memory", "80GiB", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    states = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["fsdp"], ["expert_parallel"])]
+    assert states and all(state == "on" for _, state in states), states
+    assert "distributed.strategy: fsdp (4 processes)" in out
