@@ -62,7 +62,7 @@ GPT_OSS = Case("full", False, "tiny-gpt-oss")
 #: Buffers sized for 48 tokens, top-2: 48 slots per pair of ranks instead of 96; padded rows hold
 #: at most 24 tokens (48 pairs), so none overflows however skewed the tiny router is (it is).
 CAPPED = Case("lora", False, capacity_factor=1.0)
-SLOW_CASES = [Case("lora", True, composed=True)]
+SLOW_CASES = [Case("lora", True, composed=True), Case("full", True, composed=True, fsdp=True)]
 #: FSDP2 shards everything outside the experts (attention, router, norms, embeddings, head).
 FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
