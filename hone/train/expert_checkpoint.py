@@ -13,7 +13,8 @@ checkpoint resumes under expert parallelism, with the rank-0 writer's atomic sav
 The expert-sharded parameters are plain tensors (not DTensors), which DCP would take for
 replicated copies. The price is that rank 0 holds the whole trainable state on its CPU while it
 writes, as one process would: nothing for LoRA, but a full fine-tune of a large MoE wants the
-FSDP2 combination and its DCP checkpoints (not yet supported with expert parallelism).
+FSDP2 combination (``distributed.strategy: fsdp``), whose DCP checkpoints each rank writes: the
+blocks go in as shards of the whole experts (:func:`experts_as_dtensors`, at the end).
 """
 
 from __future__ import annotations

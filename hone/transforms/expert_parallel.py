@@ -12,7 +12,8 @@ about that multiple of the balanced share, and the pairs over capacity, counted 
 are checked once per micro-batch (an overflow stops the run on every rank). The split experts
 stay out of DDP (their gradients already sum every rank's tokens) and the gradient norm adds
 their squares over the ranks (:func:`hone.train.grad_norm.global_grad_norm`); every other
-weight stays under DDP's SUM.
+weight stays under DDP's SUM, or is sharded by FSDP2 (``distributed.strategy: fsdp``, which
+leaves the blocks out: :mod:`hone.transforms.fsdp`).
 
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
 experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
