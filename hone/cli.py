@@ -359,9 +359,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
-def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
-    """(title, config) pairs to plan: the config file, or each hone condition of a bench spec
-    (a YAML file with a ``workload``), whose data is random tokens and need not exist."""
+def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int]]:
+    """(title, config, processes) to plan: the config file (``--nproc-per-node``), or each hone
+    condition of a bench spec (a YAML file with a ``workload``; its ``nproc`` unless the flag is
+    given), whose data is random tokens and need not exist."""
     import yaml
 
     try:
@@ -378,8 +379,9 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
         spec_overrides = list(args.overrides or []) + ([f"workload.sequence_len={seq_len}"] if seq_len else [])
         spec = load_spec(args.config, spec_overrides)
         scratch = Path("bench-scratch")
+        random_rows = scratch / "random.jsonl"
         return [
-            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, scratch / "random.jsonl"))
+            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, random_rows), args.nproc_per_node or c.nproc)
             for c in spec.conditions
             if c.reference is None
         ]
@@ -393,7 +395,7 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object]]:
         raise ConfigError(needed, str(args.config))
     for issue in missing:
         print(f"note: {issue.path}: {issue.message} (not needed for the plan)", file=sys.stderr)
-    return [(str(args.config), cfg)]
+    return [(str(args.config), cfg, args.nproc_per_node or 1)]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -412,8 +414,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
 
-    processes = args.nproc_per_node or 1
-    for title, cfg in configs:
+    for title, cfg, processes in configs:
         facts = RunFacts(
             torch.device(args.device),
             shape_note=PACKED_SHAPES if cfg.data.sample_packing else None,

@@ -37,16 +37,19 @@ class DistributedConfig(Section):
     """Expert parallelism: the routed experts of every mixture-of-experts layer are split into
     ``N`` contiguous blocks, one per process; each token travels to the processes holding its
     experts and back (two all-to-all exchanges per layer, no host syncs), and every other weight
-    stays under DDP. Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b):
-    each GPU holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This
-    first version takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's
-    experts backend (``model.experts_implementation``: auto or hone), and does not combine with
-    ``distributed.strategy: fsdp`` or MXFP4 experts yet (docs/moe.md, docs/distributed.md).
-    ``auto``: on one process 1; on several, the number of processes where the model has MoE
-    layers hone's experts forward runs, the processes divide its experts, nothing else refuses
-    expert parallelism, and the replicated training state does not fit one device (where
-    ``strategy: auto`` would pick FSDP2) but does with the experts split; 1 otherwise, DDP
-    alone being faster where replicas fit (``hone plan --nproc-per-node N`` prints the choice)."""
+    stays under the data-parallel strategy: DDP, or FSDP2 (``distributed.strategy: fsdp``, which
+    then shards every weight outside the experts over all ranks: full fine-tunes of large MoE
+    models). Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b): each GPU
+    holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This first version
+    takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's experts backend
+    (``model.experts_implementation``: auto or hone), and does not split MXFP4 experts yet
+    (docs/moe.md, docs/distributed.md). ``auto``: on one process 1; on several, the number of
+    processes where the model has MoE layers hone's experts forward runs, the processes divide its
+    experts, nothing else refuses expert parallelism, ``strategy`` is auto or ddp, and the
+    replicated training state does not fit one device (where ``strategy: auto`` would pick FSDP2)
+    but does with the experts split; 1 otherwise, DDP alone being faster where replicas fit
+    (``hone plan --nproc-per-node N`` prints the choice). ``auto`` never picks expert parallelism
+    beside FSDP2: set ``N`` and ``strategy: fsdp`` for that."""
 
     expert_capacity_factor: float | None = None
     """Expert parallelism: the token-expert pairs each rank's grouped kernels reserve rows for,
@@ -74,10 +77,10 @@ class DistributedConfig(Section):
                 f"distributed.expert_capacity_factor: {factor} sizes the exchanges of expert parallelism, which is off "
                 "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_capacity_factor"
             )
-        if ep != "auto" and ep > 1 and self.strategy in ("fsdp", "none"):
+        if ep != "auto" and ep > 1 and self.strategy == "none":
             raise ValueError(
-                f"distributed.expert_parallel: {self.expert_parallel} does not work with distributed.strategy: "
-                f"{self.strategy} yet (expert parallelism runs beside DDP): use distributed.strategy: auto or ddp, "
+                f"distributed.expert_parallel: {self.expert_parallel} runs on several processes, which "
+                "distributed.strategy: none refuses: use distributed.strategy: auto, ddp or fsdp, "
                 "or distributed.expert_parallel: 1"
             )
         return self

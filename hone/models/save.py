@@ -125,23 +125,33 @@ def save_final_sharded(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: 
     call this), and rank 0 writes the same formats as one process does (a PEFT adapter
     directory, or a save_pretrained model directory), atomically."""
     state = gathered_state_dict(model, trainable_only=adapter_cfg.is_lora)
+    if is_expert_sharded(unwrap_compiled(model)):  # beside FSDP2 the expert blocks are plain: each rank's own
+        state.update(expert_parallel_state_dict(model, trainable_only=adapter_cfg.is_lora, keep=is_main, experts_only=True))
     out_dir = Path(out_dir)
     if not is_main:
         return out_dir
     return write_whole(unwrap_compiled(model), tokenizer, out_dir, state)
 
 
-def expert_parallel_state_dict(model: nn.Module, trainable_only: bool, keep: bool) -> dict[str, torch.Tensor]:
+def expert_parallel_state_dict(
+    model: nn.Module, trainable_only: bool, keep: bool, experts_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole state dict of an expert-parallel model (every expert of every layer, the expert
     LoRA factors in PEFT's layout for all ``E`` experts), on the CPU of the rank that ``keep``s it
     (the others get an empty dict). Every rank must call it: each sharded tensor is all-gathered,
-    one at a time. ``trainable_only`` (LoRA): just the weights the run trains."""
+    one at a time. ``trainable_only`` (LoRA): just the weights the run trains. ``experts_only``:
+    just the expert blocks, gathered (beside FSDP2, which gathers the rest)."""
     model = unwrap_compiled(model)
+    specs = sharded_tensors(model)
     if trainable_only:
         tensors = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    elif experts_only:
+        tensors = dict(model.named_parameters())
     else:
         tensors = model.state_dict()
-    return gather_whole(tensors, sharded_tensors(model), keep)
+    if experts_only:
+        tensors = {name: value for name, value in tensors.items() if name in specs}
+    return gather_whole(tensors, specs, keep)
 
 
 def save_final_expert_parallel(model: nn.Module, tokenizer, out_dir: Path, adapter_cfg: AdapterConfig, is_main: bool) -> Path:

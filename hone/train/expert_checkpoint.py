@@ -13,7 +13,8 @@ checkpoint resumes under expert parallelism, with the rank-0 writer's atomic sav
 The expert-sharded parameters are plain tensors (not DTensors), which DCP would take for
 replicated copies. The price is that rank 0 holds the whole trainable state on its CPU while it
 writes, as one process would: nothing for LoRA, but a full fine-tune of a large MoE wants the
-FSDP2 combination and its DCP checkpoints (not yet supported with expert parallelism).
+FSDP2 combination (``distributed.strategy: fsdp``), whose DCP checkpoints each rank writes: the
+blocks go in as shards of the whole experts (:func:`experts_as_dtensors`, at the end).
 """
 
 from __future__ import annotations
@@ -137,3 +138,94 @@ def whole_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> WholeEx
     """The stand-in for a model whose experts are split over the ranks, else None."""
     view = WholeExperts(model, optimizer)
     return view if view.specs else None
+
+
+# ---------------------------------------------------------------- beside FSDP2: DCP shards
+
+
+def _expert_placement(spec: ShardedTensor, local: torch.Tensor):
+    """(the view DCP sees of a rank's block, its placement): the whole tensor sharded on the
+    experts' dimension, this rank's chunk being its block (blocks are contiguous, in rank order).
+    ``lora_B`` is expert-minor (``[out, r * E/N]``, the global ``[out, r, E]`` sliced on its last
+    dim): it is seen as ``[out, r, E/N]``, a chunk of ``[out, r, E]`` on dim 2."""
+    from torch.distributed.tensor import Shard
+
+    if spec.is_lora_b:
+        out, width = local.shape
+        return local.view(out, width // spec.shard.local_count, spec.shard.local_count), Shard(2)
+    return local, Shard(0)
+
+
+def _as_dtensor(spec: ShardedTensor, local: torch.Tensor, mesh) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    view, placement = _expert_placement(spec, local)
+    return DTensor.from_local(view, mesh, [placement], run_check=False)
+
+
+def _mesh_of(state: dict[str, Any], device: torch.device):
+    """The mesh of FSDP2's shards in ``state`` (any DTensor), else one over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    for value in state.values():
+        if isinstance(value, DTensor):
+            return value.device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def experts_as_dtensors(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` (DCP's state dicts of a model sharded by FSDP2 beside
+    expert parallelism) with every expert block, and each optimizer tensor of a block's shape
+    (Adam's moments), as a DTensor sharded over the ranks on the experts' dimension, viewing the
+    same storage. Why: DCP takes a plain tensor for a copy every rank holds and writes one rank's;
+    as shards of the whole experts, each rank writes its own block, the checkpoint holds every
+    expert once, and DCP reshards them on load like FSDP2's (resume on another ``N``). In place
+    of the plain entries; :func:`experts_as_blocks` turns them back after a load."""
+    params = dict(unwrap_compiled(model).named_parameters())
+    specs = {name: spec for name, spec in sharded_tensors(unwrap_compiled(model)).items() if params[name].requires_grad}
+    if not specs:
+        return state
+    weights, optim = state["model"], state["optim"]
+    absent = sorted(set(specs) - set(weights))
+    if absent:  # DCP names the weights as named_parameters does; a wrapper renaming them would lose experts
+        raise ExpertCheckpointError(f"expert-parallel blocks not found in the model's state dict by name: {absent[:3]}")
+    mesh = _mesh_of(weights, params[next(iter(specs))].device)
+    for name, spec in specs.items():
+        weights[name] = _as_dtensor(spec, weights[name], mesh)
+        shape = params[name].shape
+        if name not in optim.get("state", {}):
+            continue
+        optim["state"][name] = dict(optim["state"][name])  # the optimizer's own dict: replace in a copy
+        for key, value in list(optim["state"][name].items()):
+            if isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0:
+                optim["state"][name][key] = _as_dtensor(spec, value, mesh)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                raise ExpertCheckpointError(
+                    f"cannot checkpoint the optimizer state '{key}' of '{name}' under expert parallelism: its shape "
+                    f"{tuple(value.shape)} is not the weight's {tuple(shape)} (a low-bit optimizer state); use "
+                    "optimizer.name: adamw"
+                )
+    return state
+
+
+def experts_as_blocks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`experts_as_dtensors`: each wrapped entry back to the rank's plain
+    block (the same storage, so what DCP loaded into the view is in it), in place."""
+    from torch.distributed.tensor import DTensor
+
+    specs = sharded_tensors(unwrap_compiled(model))
+    weights, optim = state["model"], state["optim"]
+
+    def block(spec: ShardedTensor, value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        local = value.to_local()
+        return local.reshape(local.shape[0], -1) if spec.is_lora_b else local
+
+    for name, spec in specs.items():
+        if name in weights:
+            weights[name] = block(spec, weights[name])
+        if name in optim.get("state", {}):
+            optim["state"][name] = {key: block(spec, value) for key, value in optim["state"][name].items()}
+    return state

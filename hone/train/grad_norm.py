@@ -9,7 +9,10 @@ gradients, already all-reduced) take the same path without communication.
 Under expert parallelism each rank holds the gradients of its own block of experts (and of
 their LoRA factors), complete but different on every rank: the squares of those are summed over
 the ranks (one all-reduce on the device, no host sync) and added to the replicated part's,
-counted once, so every rank clips by the same global norm.
+counted once, so every rank clips by the same global norm. Beside FSDP2 the replicated part is
+FSDP2's DTensor shards (its norm is already global) and the experts' blocks stay plain tensors;
+torch's multi-tensor scaling refuses the two kinds in one call, so each is clipped on its own, by
+the same factor.
 """
 
 import torch
@@ -39,5 +42,8 @@ def global_grad_norm(params: list[nn.Parameter], max_norm: float | None, sharded
             dist.all_reduce(squares)
         total = (total.float().square() + squares).sqrt().to(total.dtype)
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        rest, blocks = [p for p in params if id(p) not in apart], [p for p in params if id(p) in apart]
+        for part in (rest, blocks):
+            if part:
+                torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
     return total

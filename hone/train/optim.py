@@ -38,15 +38,29 @@ def decays(name: str, param: torch.Tensor) -> bool:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The decayed and the undecayed weights, each split by kind where a run mixes FSDP2's
+    DTensors with plain tensors (expert parallelism beside FSDP2: the experts' blocks stay
+    plain). torch's foreach and fused AdamW update a group in one multi-tensor call, which
+    refuses DTensors and plain tensors together; each group holds one kind, so the update of
+    every weight is the one it gets alone (the math is per element)."""
     named = trainable_named_parameters(model)
     decay = [p for n, p in named if decays(n, p)]
     no_decay = [p for n, p in named if not decays(n, p)]
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for params, decayed in ((decay, weight_decay), (no_decay, 0.0)):
+        groups.extend({"params": part, "weight_decay": decayed} for part in _one_kind_each(params))
     return groups
+
+
+def _one_kind_each(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` as the DTensors, then the plain tensors (the non-empty ones; order kept)."""
+    if not torch.distributed.is_available():
+        return [params] if params else []
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [part for part in (sharded, plain) if part]
 
 
 def use_fused(cfg: OptimizerConfig, device: torch.device) -> bool:

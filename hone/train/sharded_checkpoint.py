@@ -25,6 +25,14 @@ position is global (the loop's stream), so the same rows follow.
 
 Works on one process too (no process group: DCP writes a single shard), which is how a
 1-process run's checkpoint resumes on 2.
+
+Beside expert parallelism, each rank's block of the experts (a plain tensor FSDP2 leaves alone)
+and its optimizer moments go into DCP as shards of the whole experts
+(:func:`hone.train.expert_checkpoint.experts_as_dtensors`): every expert is written once, by the
+rank that holds it, and the run resumes exactly on the same ``N`` (tested). Not on another
+layout: the optimizer keeps FSDP2's DTensors and the plain blocks in separate parameter groups
+(:func:`hone.train.optim.param_groups`), which one process or DDP does not, and an expert-minor
+``lora_B`` is stored as ``[out, r, E]``; a one-process checkpoint is refused under it likewise.
 """
 
 import json
@@ -52,6 +60,7 @@ from hone.train.checkpoint_layout import (
     remove_temp_dirs,
     restore_rng,
 )
+from hone.train.expert_checkpoint import experts_as_blocks, experts_as_dtensors
 
 DCP_DIR = "dcp"
 
@@ -112,7 +121,7 @@ def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return {"model": model_sd, "optim": optim_sd}
+    return experts_as_dtensors(model, {"model": model_sd, "optim": optim_sd})
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -195,13 +204,22 @@ def load_sharded_checkpoint(
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"'{path}' is not a sharded checkpoint (no {DCP_DIR}/ directory)")
     state = read_trainer_state(path)
+    schedule = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    groups = len(schedule.get("base_lrs", optimizer.param_groups))  # the scheduler keeps one entry per group
+    if groups != len(optimizer.param_groups):  # expert parallelism beside FSDP2 splits them by kind (optim.param_groups)
+        raise CheckpointError(
+            f"cannot resume from {path}: its optimizer had {groups} parameter groups and this run's has "
+            f"{len(optimizer.param_groups)} (a checkpoint of expert parallelism beside FSDP2 resumes under the "
+            "same distributed.strategy and expert_parallel, and only there)"
+        )
     wanted = training_state_dict(model, optimizer)
     try:
         dcp.load(wanted, checkpoint_id=str(path / DCP_DIR))
     except Exception as exc:  # DCP reports missing keys and bad shapes as CheckpointException
         raise CheckpointError(f"cannot resume from {path}: it does not fit this run's model or optimizer ({exc})") from None
+    wanted = experts_as_blocks(model, wanted)  # loaded into the views: each rank's block again
     _set_trainable_state(model, optimizer, path, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"])
-    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(schedule)
     rng = path / f"rng-rank{_rank()}.pt"
     if not rng.is_file():  # more ranks than the run that saved it: no stream of its own
         rng = path / "rng-rank0.pt"
@@ -229,8 +247,14 @@ def load_full_checkpoint_sharded(
     names, which is how torch's full optimizer state dict is keyed."""
     from safetensors.torch import load_file
 
+    from hone.models.experts.sharded_state import is_expert_sharded
     from hone.train.checkpoint_layout import OPTIMIZER_FILE, RNG_FILE, WEIGHTS_FILE
 
+    if is_expert_sharded(model):
+        raise CheckpointError(
+            f"cannot resume from {path} under expert parallelism with FSDP2: it is a one-process checkpoint (one "
+            "process, or DDP), whose optimizer groups the weights otherwise; resume it with distributed.strategy: ddp"
+        )
     state = read_trainer_state(path)
     weights = load_file(str(path / WEIGHTS_FILE))
     saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)

@@ -5,11 +5,16 @@ Which strategy a run uses (:func:`resolve_strategy`) is decided once, before the
 - a world of one process: none (nothing to share);
 - ``distributed.strategy: ddp`` / ``fsdp``: as written; ``none`` on several processes is refused
   (:func:`hone.train.distributed.check_launch`);
-- ``auto`` on several processes with ``distributed.expert_parallel`` > 1: DDP (the experts are
-  split by expert parallelism; FSDP2 beside it comes later);
-- ``auto`` on several processes otherwise: FSDP2 when the training state (weights, gradients, AdamW moments,
+- ``auto`` on several processes: FSDP2 when the training state (weights, gradients, AdamW moments,
   from :mod:`hone.transforms.memory` on the meta device) does not fit one device, DDP otherwise.
   Where the estimate cannot be made (an unusual model), DDP, and the plan says so.
+- ``auto`` with ``distributed.expert_parallel: N``: the same rule, with the experts counted at
+  ``E / N`` (what a rank holds whichever strategy runs beside expert parallelism): what DDP would
+  replicate is everything outside the experts plus the rank's own block. A LoRA run, or a full
+  fine-tune of a MoE whose shared part is small, keeps DDP (no all-gather per layer, replicas of
+  a small state); a full fine-tune whose replicated state does not fit (qwen3-30b-a3b: ~1.5B
+  weights outside the experts, with gradients and moments, beside 7B of experts per rank on 4
+  GPUs) shards that part with FSDP2 instead, the experts staying plain tensors.
 
 DDP here is PyTorch's ``DistributedDataParallel`` around the loop's per-micro-batch module
 (:class:`hone.runtime.step.StepModule`). Why DDP rather than FSDP2's ``replicate``: DDP is the
@@ -64,15 +69,12 @@ def resolve_strategy(cfg: HoneConfig, facts: RunFacts, expert_parallel: int | No
     if expert_parallel is None:
         written = cfg.distributed.expert_parallel
         expert_parallel = written if isinstance(written, int) else 1
+    elif cfg.distributed.expert_parallel != expert_parallel:  # the estimate below reads the size from the config
+        cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"expert_parallel": expert_parallel})})
     if not world.distributed:
         return "none", "one process: no data parallelism"
     if chosen != "auto":
         return chosen, f"distributed.strategy: {chosen} ({world.world_size} processes)"
-    if expert_parallel > 1:  # FSDP2 beside expert parallelism comes later
-        return "ddp", (
-            f"distributed.strategy: auto on {world.world_size} processes: DDP for the weights outside the experts, "
-            f"which distributed.expert_parallel: {expert_parallel} splits over the ranks"
-        )
     state = training_state_bytes(cfg, facts.device.type)
     if state is None:
         return "ddp", (
@@ -80,21 +82,23 @@ def resolve_strategy(cfg: HoneConfig, facts: RunFacts, expert_parallel: int | No
             "model could not be estimated; set distributed.strategy: fsdp if it does not fit one device)"
         )
     budget = device_budget(facts)
+    held = f", experts split over {expert_parallel} ranks by distributed.expert_parallel" if expert_parallel > 1 else ""
     if budget is not None and state > FIT_FRACTION * budget:
         return "fsdp", (
             f"distributed.strategy: auto on {world.world_size} processes: FSDP2, the training state "
-            f"(weights, gradients, optimizer) of {gib(state)} does not fit {FIT_FRACTION:.0%} of one "
+            f"(weights, gradients, optimizer{held}) of {gib(state)} does not fit {FIT_FRACTION:.0%} of one "
             f"device's {gib(budget)}"
         )
     room = f" fits {FIT_FRACTION:.0%} of one device's {gib(budget)}" if budget is not None else " is held by every rank"
     return "ddp", (
         f"distributed.strategy: auto on {world.world_size} processes: DDP, the training state "
-        f"(weights, gradients, optimizer) of {gib(state)}{room}"
+        f"(weights, gradients, optimizer{held}) of {gib(state)}{room}"
     )
 
 
 def training_state_bytes(cfg: HoneConfig, device_type: str) -> int | None:
-    """Weights + gradients + AdamW moments of ``cfg``'s run on one device (meta-device estimate);
+    """Weights + gradients + AdamW moments of ``cfg``'s run on one device, unsharded (under
+    expert parallelism: the rank's block of the experts and all the rest; meta-device estimate);
     None when the model cannot be built on the meta device."""
     try:
         est = estimate_memory(cfg, Knobs("full", loss_of(cfg), device=device_type))

@@ -14,7 +14,8 @@ over capacity, counted on the device, are checked once per micro-batch (an overf
 run on every rank). The split experts
 stay out of DDP (their gradients already sum every rank's tokens) and the gradient norm adds
 their squares over the ranks (:func:`hone.train.grad_norm.global_grad_norm`); every other
-weight stays under DDP's SUM.
+weight stays under DDP's SUM, or is sharded by FSDP2 (``distributed.strategy: fsdp``, which
+leaves the blocks out: :mod:`hone.transforms.fsdp`).
 
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
 experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
@@ -27,8 +28,9 @@ computes, ``W`` dividing the experts, no MXFP4, no tiling asked for, a strategy 
 not fit one device by the rule ``distributed.strategy: auto`` uses to leave DDP for FSDP2, while
 the state of one rank with the experts split does. Elsewhere 1: where replicas fit, DDP alone
 measured 1.9x on 2 H100 and expert parallelism would add two all-to-all exchanges per MoE layer
-each way; where even the split state does not fit, FSDP2 (which does not combine with expert
-parallelism yet) shards every weight. If the plan then has to tile the MLP or the layers to fit
+each way; where even the split state does not fit, FSDP2 alone shards every weight (``auto`` does
+not weigh expert parallelism beside FSDP2, which runs where the config asks for both:
+``expert_parallel: N`` with ``strategy: fsdp``). If the plan then has to tile the MLP or the layers to fit
 the activations, ``auto`` falls back to 1 as well (:func:`hone.transforms.decide.decide`).
 """
 
@@ -100,7 +102,10 @@ def _cannot_split(cfg: HoneConfig, world: int) -> str | None:
     if world == 1:
         return "one process"
     if cfg.distributed.strategy in ("fsdp", "none"):
-        return f"distributed.strategy: {cfg.distributed.strategy} (expert parallelism runs beside DDP only)"
+        return (
+            f"distributed.strategy: {cfg.distributed.strategy} (auto splits the experts beside DDP only; "
+            "beside FSDP2 write distributed.expert_parallel: N)"
+        )
     if cfg.model.experts_implementation in ("eager", "grouped_mm"):
         return f"model.experts_implementation: {cfg.model.experts_implementation} (the exchange is in hone's experts forward)"
     mxfp4 = mxfp4_experts(cfg)

@@ -34,6 +34,17 @@ Skipping the sync for all but the last micro-batch (``set_requires_gradient_sync
 would keep every layer's *unsharded* gradient alive across the window, which for a full
 fine-tune is the memory FSDP exists to save; the extra reduce-scatters overlap with compute.
 
+Expert parallelism beside it (``distributed.expert_parallel: N``): each rank's block of the
+experts (and the LoRA factors on it) is passed to every ``fully_shard`` as ``ignored_params``, so
+those stay plain local tensors: not sharded, not gathered, their gradients not reduce-scattered
+(they already sum every rank's tokens, brought back by the exchange's backward). Everything else
+(attention, router, norms, embeddings, head, the other LoRA factors) is sharded over all ranks as
+without expert parallelism. What reads the mix: :func:`hone.train.grad_norm.global_grad_norm`
+(the experts' squares summed over the ranks), :func:`hone.train.optim.param_groups` (DTensor and
+plain weights in separate groups: torch's foreach and fused AdamW refuse a mix),
+:mod:`hone.train.sharded_checkpoint` (the blocks saved as shards of the whole experts) and
+:func:`hone.models.save.save_final_sharded` (the blocks gathered).
+
 Composes with every activation checkpointing policy (transformers' checkpointing layer calls the
 layer, FSDP2's hooks included, inside the checkpoint; FSDP2 recognises the recompute in the
 backward and keeps the parameters gathered) and with regional compile (Dynamo leaves FSDP2's
@@ -50,6 +61,7 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.errors import HoneError
+from hone.models.experts.parallel import expert_parallel_params
 from hone.models.precision import precision_for
 from hone.models.structure import decoder_layers
 from hone.runtime.step import LossFn, StepModule
@@ -66,8 +78,9 @@ class FsdpError(HoneError):
 # ---------------------------------------------------------------- whether it can run
 
 
-def fsdp_problems(cfg: HoneConfig, device_type: str) -> list[str]:
-    """What FSDP2 cannot do on this run (on ``device_type``), each naming the key and the fix."""
+def fsdp_problems(cfg: HoneConfig, device_type: str, expert_parallel: int = 1) -> list[str]:
+    """What FSDP2 cannot do on this run (on ``device_type``, the experts split over the plan's
+    decided ``expert_parallel`` ranks: the config may say ``auto``), each naming the key and the fix."""
     problems = []
     if cfg.model.dtype == "float16":
         problems.append(
@@ -76,6 +89,11 @@ def fsdp_problems(cfg: HoneConfig, device_type: str) -> list[str]:
         )
     if cfg.distributed.cpu_offload and device_type != "cuda":
         problems.append(f"distributed.cpu_offload: true offloads from a GPU; this run trains on {device_type}")
+    if cfg.distributed.cpu_offload and expert_parallel > 1:
+        problems.append(
+            f"distributed.cpu_offload: true with distributed.expert_parallel: {expert_parallel} is not "
+            "supported (the experts' blocks stay on the GPU, apart from FSDP2): set distributed.cpu_offload: false"
+        )
     return problems
 
 
@@ -142,7 +160,8 @@ def shard_model(
     """``fully_shard`` each decoder layer, then the root (:class:`ShardedLM`); gradients summed.
 
     Works on a model whose parameters are on the meta device (the sharded loader materialises
-    them afterwards with ``to_empty``)."""
+    them afterwards with ``to_empty``). Expert-parallel blocks are left to their rank (module
+    docstring)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from hone.models.structure import causal_lm_parts
@@ -158,6 +177,9 @@ def shard_model(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
+    own_experts = set(expert_parallel_params(model))
+    if own_experts:  # expert parallel: each rank's block stays a plain local tensor
+        kwargs["ignored_params"] = own_experts
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     decoder, head = causal_lm_parts(model)
@@ -192,6 +214,7 @@ def apply_fsdp(model: nn.Module, cfg: HoneConfig, facts: RunFacts, why: str) -> 
     return {
         "world_size": facts.world.world_size,
         "units": _units(model),
+        "expert_blocks_apart": len(expert_parallel_params(model)),
         "reshard_after_forward": dist_cfg.reshard_after_forward,
         "cpu_offload": dist_cfg.cpu_offload,
         "param_dtype": str(policy.param_dtype).removeprefix("torch.") if policy.param_dtype else "as stored",
@@ -251,7 +274,7 @@ FSDP = Transform(
     name="fsdp",
     switch="distributed.strategy",
     wanted=lambda ctx: ctx.decided.strategy == "fsdp",
-    check=lambda ctx: fsdp_problems(ctx.cfg, ctx.facts.device.type),
+    check=lambda ctx: fsdp_problems(ctx.cfg, ctx.facts.device.type, ctx.decided.expert_parallel),
     skipped_because=_skipped,
     why=lambda ctx: ctx.decided.strategy_why,
     model=lambda model, ctx: apply_fsdp(model, ctx.cfg, ctx.facts, ctx.decided.strategy_why),

@@ -46,11 +46,13 @@ class Case:
     preset: str = "tiny-qwen3-moe"
     composed: bool = False  # through the plan's compile and checkpointing
     capacity_factor: float | None = None  # distributed.expert_capacity_factor (None: T * k)
+    fsdp: bool = False  # FSDP2 beside expert parallelism (distributed.strategy: fsdp), else DDP
 
     @property
     def name(self) -> str:
         extra = ("-gpt-oss" if "gpt-oss" in self.preset else "") + ("-composed" if self.composed else "")
         extra += f"-capacity-{self.capacity_factor}" if self.capacity_factor is not None else ""
+        extra += "-fsdp" if self.fsdp else ""
         return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
@@ -60,10 +62,12 @@ GPT_OSS = Case("full", False, "tiny-gpt-oss")
 #: Buffers sized for 48 tokens, top-2: 48 slots per pair of ranks instead of 96; padded rows hold
 #: at most 24 tokens (48 pairs), so none overflows however skewed the tiny router is (it is).
 CAPPED = Case("lora", False, capacity_factor=1.0)
-SLOW_CASES = [Case("lora", True, composed=True)]
+SLOW_CASES = [Case("lora", True, composed=True), Case("full", True, composed=True, fsdp=True)]
+#: FSDP2 shards everything outside the experts (attention, router, norms, embeddings, head).
+FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
 
-def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
+def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int, save_steps: int | None = None):
     return tiny_config(
         out,
         model={"preset": case.preset, "dtype": "float32"},
@@ -74,15 +78,26 @@ def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int):
             "micro_batch_size": 1,
             "gradient_accumulation_steps": accumulation,
             "eval_steps": STEPS,
-            "save_steps": None,
+            "save_steps": save_steps,
             "max_grad_norm": 0.5,  # clips: the norm must be the global one on every rank
         },
         # adam_epsilon 1e-5, not 1e-8: AdamW divides by sqrt(v), which turns the float32 rounding
         # of near-zero gradients (a token seen once, summed in another order) into whole updates
-        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False, "adam_epsilon": 1e-5},
+        # fused beside FSDP2: one multi-tensor update per group, which refuses DTensors and plain tensors together
+        optimizer={
+            "learning_rate": 5e-3,
+            "lr_scheduler": "constant",
+            "weight_decay": 0.01,
+            "fused": case.fsdp,
+            "adam_epsilon": 1e-5,
+        },
         distributed={"expert_parallel": expert_parallel}
         if expert_parallel == 1
-        else {"expert_parallel": expert_parallel, "expert_capacity_factor": case.capacity_factor},
+        else {
+            "expert_parallel": expert_parallel,
+            "expert_capacity_factor": case.capacity_factor,
+            **({"strategy": "fsdp"} if case.fsdp else {}),
+        },
         **(COMPOSED if case.composed else {}),
     )
 
@@ -155,28 +170,65 @@ def make_data(seed: int):
     return random_rows(40, seed=seed, min_len=5, max_len=24), random_rows(7, seed=seed + 1, min_len=5, max_len=24)
 
 
-def run(model, cfg, world: World, facts: RunFacts, seed: int) -> None:
-    """The plan's adapted stage (compile, checkpointing where the case asks), then the loop."""
+def run(model, cfg, world: World, facts: RunFacts, seed: int, resume_from: Path | None = None):
+    """The plan's adapted stage (compile, checkpointing, FSDP2 where the case asks), then the
+    loop (from a checkpoint where given); returns the plan's hooks."""
     torch._dynamo.reset()
     train, evaluation = make_data(seed)
     plan = plan_optimizations(cfg, facts)
     plan.apply(model, "adapted", cfg, facts)
     hooks = plan.hooks(model, cfg, facts)
-    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, console=Console(quiet=True), world=world, hooks=hooks)
+    console = Console(quiet=True)
+    loop_args = {"console": console, "world": world, "hooks": hooks, "resume_from": resume_from}
+    train_loop(model, train, evaluation, cfg, device=CPU, pad_id=0, **loop_args)
+    return hooks
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The trained weights, FSDP2's shards gathered whole (every rank must call it then)."""
+    from torch.distributed.tensor import DTensor
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
-def run_reference(case: Case, out: Path, seed: int) -> dict[str, torch.Tensor]:
-    """One process, accumulation 2: the trained weights."""
+def run_reference(case: Case, out: Path, seed: int, final: Path | None = None) -> dict[str, torch.Tensor]:
+    """One process, accumulation 2: the trained weights (and the final adapter or model written
+    to ``final`` where given)."""
+    from hone.models.save import save_final
     from hone.runtime.world import SINGLE
 
     cfg = make_config(out, case, accumulation=2, expert_parallel=1)
     model = reference_model(case, seed)
     run(model, cfg, SINGLE, RunFacts(CPU, world=SINGLE), seed)
+    if final is not None:
+        save_final(model, None, final, cfg.adapter)
     return trainable(model)
+
+
+def resume_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
+    """Each case twice on this rank: uninterrupted with a checkpoint after step 2 (and its final
+    output), then from that checkpoint in a model whose trained weights were scrambled first, to
+    the end (and its final output); the trained weights of both, gathered."""
+    from hone.runtime.world import current_world
+    from hone.train.checkpoint_io import checkpoint_io_for
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    for case in cases:
+        for part in ("whole", "resumed"):
+            cfg = make_config(out / case.name / part, case, accumulation=1, expert_parallel=world.world_size, save_steps=2)
+            model = expert_parallel_model(case, seed, cfg, facts)
+            resume_from = None
+            if part == "resumed":
+                with torch.no_grad():  # whatever the run restores must come from the checkpoint
+                    for param in model.parameters():
+                        if param.requires_grad:
+                            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+                resume_from = out / case.name / "whole" / "checkpoints" / "step-2"
+            hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
+            checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / part / "final", cfg.adapter)
+            torch.save(trainable(model), out / case.name / part / f"weights-rank{rank}.pt")
 
 
 def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
@@ -191,7 +243,9 @@ def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
         model = expert_parallel_model(case, seed, cfg, facts)
         run(model, cfg, world, facts, seed)
         sharded = {n: s.local_count for n, s in shards(model).items()}
-        torch.save({"weights": trainable(model), "sharded": sharded}, out / case.name / f"weights-rank{rank}.pt")
+        kinds = {n: type(p).__name__ for n, p in model.named_parameters() if p.requires_grad}
+        saved = {"weights": trainable(model), "sharded": sharded, "kinds": kinds}
+        torch.save(saved, out / case.name / f"weights-rank{rank}.pt")
 
 
 def overflow_ranks(rank: int, out: Path, seed: int) -> None:

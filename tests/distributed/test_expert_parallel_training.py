@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from ep_training import CAPPED, CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
+from ep_training import CAPPED, CASES, FSDP_CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
 from fsdp_harness import spawn
 
 from hone.models.experts.parallel import join_blocks
@@ -32,6 +32,11 @@ def _spawn(out, cases):
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp("ep-parity"), [*CASES, GPT_OSS, CAPPED])
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-fsdp"), FSDP_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,17 @@ def _joined(two_ranks):
 @pytest.mark.parametrize("case", [*CASES, GPT_OSS, CAPPED], ids=lambda c: c.name)
 def test_expert_parallel_equals_one_process(two_rank_runs, tmp_path, case):
     _assert_same_run(two_rank_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+
+
+@pytest.mark.parametrize("case", FSDP_CASES, ids=lambda c: c.name)
+def test_expert_parallel_beside_fsdp2_equals_one_process(fsdp_runs, tmp_path, case):
+    """FSDP2 shards every weight outside the experts; the blocks stay plain tensors, their
+    gradients unreduced; the norm and AdamW (foreach, one kind of tensor per group) see both."""
+    _assert_same_run(fsdp_runs / case.name, tmp_path / case.name, run_reference(case, tmp_path / case.name, SEED), case)
+    kinds = torch.load(fsdp_runs / case.name / "weights-rank0.pt")["kinds"]
+    sharded = torch.load(fsdp_runs / case.name / "weights-rank0.pt")["sharded"]
+    assert {kinds[n] for n in sharded if n in kinds} == {"Parameter"}  # the trained expert blocks: plain tensors
+    assert {k for n, k in kinds.items() if n not in sharded} == {"DTensor"}  # the rest: FSDP2's shards
 
 
 @pytest.mark.slow
@@ -102,9 +118,11 @@ def _assert_same_run(two_ranks, one_rank, expected, case):
         torch.testing.assert_close(joined[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
 
 
-def test_hone_train_runs_expert_parallel_end_to_end(tmp_path):
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_hone_train_runs_expert_parallel_end_to_end(tmp_path, strategy):
     """``hone train`` on 2 ranks as torchrun starts it: the loader splits the experts through the
-    plan, with a capacity factor and full checkpointing; the plan records it."""
+    plan, with a capacity factor and full checkpointing; the plan records it. ``fsdp``: a full
+    fine-tune beside FSDP2, with a step checkpoint (DCP) and the final model written."""
     import json
 
     import yaml
@@ -127,6 +145,10 @@ def test_hone_train_runs_expert_parallel_end_to_end(tmp_path):
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
         "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.5},
     }
+    if strategy == "fsdp":
+        cfg["adapter"] = {"type": "none"}
+        cfg["training"]["save_steps"] = 1
+        cfg["distributed"]["strategy"] = "fsdp"
     path = tmp_path / "cfg.yml"
     path.write_text(yaml.safe_dump(cfg))
     hone_train_forked(path)
@@ -134,4 +156,15 @@ def test_hone_train_runs_expert_parallel_end_to_end(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     applied = {a["name"]: a["details"] for a in json.loads((tmp_path / "run" / "optimizations.json").read_text())["applied"]}
     assert applied["expert_parallel"]["ranks"] == 2 and applied["expert_parallel"]["capacity"] == 192  # 1.5 x 64 x 2 pair rows
-    assert applied["experts"]["implementation"] == "hone" and "ddp" in applied and "activation_checkpointing" in applied
+    assert applied["experts"]["implementation"] == "hone" and "activation_checkpointing" in applied
+    if strategy == "auto":  # LoRA on the CPU: replicas
+        assert "ddp" in applied and "fsdp" not in applied
+        return
+    assert "fsdp" in applied and "ddp" not in applied and applied["fsdp"]["expert_blocks_apart"] > 0
+    assert (tmp_path / "run" / "checkpoints" / "step-1" / "dcp").is_dir()
+    from safetensors.torch import load_file
+
+    final = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    # every expert, gathered (save_pretrained writes the checkpoint format: one tensor per expert)
+    layer0 = {key.split(".")[5] for key in final if key.startswith("model.layers.0.mlp.experts.")}
+    assert layer0 == {str(e) for e in range(8)}, sorted(final)

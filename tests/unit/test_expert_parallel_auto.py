@@ -121,7 +121,7 @@ def test_hone_plan_shows_the_choice_and_its_reason():
 
 
 def test_auto_falls_back_to_one_where_the_activations_need_tiling():
-    cfg = config(data={"sequence_len": 131072})  # 128K tokens: split 2 ways, the layers would be tiled
+    cfg = config(data={"sequence_len": 196608})  # 192K tokens: split 2 ways, the MLP would be tiled
     assert expert_parallel_choice(cfg, facts(2))[0] == 2  # the training state alone would split
     decided = decide(cfg, facts(2))
     assert decided.expert_parallel == 1, decided.expert_parallel_why
@@ -154,3 +154,14 @@ def test_the_config_takes_auto_and_the_launch_accepts_it_on_any_world():
 def test_the_default_stays_one():
     raw = {"model": {"preset": "tiny-qwen3-moe"}, "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}]}}
     assert parse_config(raw).distributed.expert_parallel == 1
+
+
+def test_fsdp_checks_read_the_decided_size_not_the_written_auto():
+    """``strategy: fsdp`` with ``cpu_offload`` refuses expert parallelism beside it: the check reads
+    the plan's decided size (``auto`` is 1 beside FSDP2, so it passes), not the config's ``auto``."""
+    cfg = config(distributed={"strategy": "fsdp", "cpu_offload": True})
+    lines = {name: (on, why) for name, _, on, why in decisions(cfg, facts(2))}
+    assert lines["fsdp"][0] is True and "REFUSED" not in lines["fsdp"][1], lines["fsdp"]
+    split = config(distributed={"strategy": "fsdp", "cpu_offload": True, "expert_parallel": 2})
+    lines = {name: (on, why) for name, _, on, why in decisions(split, facts(2))}
+    assert "REFUSED" in lines["fsdp"][1] and "distributed.expert_parallel: 2" in lines["fsdp"][1], lines["fsdp"]

@@ -5,6 +5,7 @@ as activations, by default and with a capacity factor. qwen3-30b-a3b (128 expert
 attention and experts, described on the meta device."""
 
 import pytest
+import torch
 
 from hone.config import parse_config
 from hone.transforms.memory.estimate import estimate_memory, training_state
@@ -15,17 +16,19 @@ LAYERS, R = 8, 16
 E, HIDDEN, MOE_INTER, TOP_K = 128, 2048, 768, 8
 
 
-def config(expert_parallel: int = 1, seq: int = 1024, factor: float | None = None):
+def config(expert_parallel: int = 1, seq: int = 1024, factor: float | None = None, layers: int = LAYERS, lora: bool = True):
     cfg = parse_config(
         {
-            "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": LAYERS}},
+            "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": layers}},
             "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": seq},
             "adapter": {
                 "type": "lora",
                 "lora_r": R,
                 "lora_alpha": 32,
                 "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "experts"],
-            },
+            }
+            if lora
+            else {"type": "none"},
         }
     )
     # the key distributed.expert_parallel may not be in this config schema yet: set it as the run reads it
@@ -70,3 +73,77 @@ def test_the_received_rows_and_the_pair_rows_count_as_activations(factor):
     per_layer = tokens * int(c * 2 * HIDDEN + extra_pairs * per_pair)  # the 2 x T received rows, the extra pair rows
     assert two.activations_per_layer - one.activations_per_layer == per_layer
     assert all(layer.moe for layer in m.layers)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fsdp2_beside_expert_parallel_shards_only_what_lies_outside_the_experts(n):
+    """Each rank's block of the experts stays whole (fully_shard leaves it out): FSDP2 divides
+    the rest by N and gathers a layer's non-expert weights at a time, never the experts."""
+    cfg = config(n)
+    m = model_facts(cfg)
+    whole, sharded = training_state(cfg, m, 1), training_state(cfg, m, n)
+    block_weights = m.expert_bytes - m.expert_bytes * (n - 1) // n
+    block_grads = m.expert_trainable_bytes - m.expert_trainable_bytes * (n - 1) // n
+    block_moments = cfg.optimizer.state_bytes(m.expert_trainable_params - m.expert_trainable_params * (n - 1) // n, 4)
+    gathered = (m.frozen_bytes + m.trainable_bytes - m.expert_bytes) // LAYERS
+    assert sharded[0] == block_weights + -(-(whole[0] - block_weights) // n) + 2 * gathered
+    assert sharded[1] == block_grads + -(-(whole[1] - block_grads) // n)
+    assert sharded[2] == block_moments + -(-(whole[2] - block_moments) // n)
+    assert block_weights < sharded[0] < whole[0]
+
+
+def test_strategy_auto_with_expert_parallel_shards_a_full_fine_tune_that_does_not_fit_and_keeps_ddp_for_lora():
+    """The fit rule of ``auto`` with the experts counted at E / N: a full fine-tune of the whole
+    qwen3-30b-a3b on 4 x 80 GB does not fit replicated (FSDP2); its LoRA does (DDP)."""
+    from hone.runtime.world import World
+    from hone.transforms.base import RunFacts
+    from hone.transforms.data_parallel import resolve_strategy
+    from hone.units import GIB
+
+    facts = RunFacts(torch.device("cuda"), world=World(0, 4, 0), memory_bytes=80 * GIB)
+    assert resolve_strategy(config(4, layers=48), facts)[0] == "ddp"
+    strategy, why = resolve_strategy(config(4, layers=48, lora=False), facts)
+    assert strategy == "fsdp" and "experts split over 4 ranks" in why, why
+
+
+def test_strategy_fsdp_with_expert_parallel_validates_and_hone_plan_shows_the_rank_s_memory(tmp_path, capsys):
+    """``hone plan --nproc-per-node 2`` of a full fine-tune under FSDP2 + expert parallelism:
+    both transforms in the plan, and the weights row is one rank's (experts / 2 kept whole, the
+    rest sharded over 2), as :func:`training_state` computes it."""
+    import yaml
+
+    from hone.cli import main
+    from hone.units import GIB
+
+    raw = {
+        "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": LAYERS}},
+        "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 1024},
+        "adapter": {"type": "none"},
+        "distributed": {"strategy": "fsdp", "expert_parallel": 2},
+    }
+    cfg = parse_config(raw)  # validates
+    assert (cfg.distributed.strategy, cfg.distributed.expert_parallel) == ("fsdp", 2)
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(path), "--nproc-per-node", "2", "--gpu-memory", "80GiB", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.split()}
+    assert rows["expert_parallel"][0] == "on" and rows["fsdp"][0] == "on" and rows["ddp"][0] == "off", out
+    weights = training_state(cfg, model_facts(cfg), 2)[0]
+    assert float(rows["weights"][0]) == pytest.approx(weights / GIB, abs=0.006)
+    assert "expert parallel over 2 ranks" in out
+
+
+def test_hone_plan_of_a_bench_spec_plans_each_condition_on_its_processes(capsys):
+    """A spec condition's ``nproc`` is the world it is planned on: the 4-GPU full fine-tune of
+    qwen3-30b-a3b runs expert parallel beside FSDP2, not as one process holding every expert."""
+    from pathlib import Path
+
+    from hone.cli import main
+
+    spec = Path(__file__).resolve().parents[2] / "benchmarks" / "specs" / "qwen3-30b-a3b-48l-full-ep4-fsdp.yml"
+    assert main(["plan", str(spec), "--gpu-memory", "80GiB", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    states = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["fsdp"], ["expert_parallel"])]
+    assert states and all(state == "on" for _, state in states), states
+    assert "distributed.strategy: fsdp (4 processes)" in out

@@ -36,7 +36,7 @@ def config(model=None, adapter="none", **distributed):
     ("model", "distributed", "message"),
     [
         (MOE, {"expert_parallel": 0}, "distributed.expert_parallel: 0 must be at least 1"),
-        (MOE, {"expert_parallel": 2, "strategy": "fsdp"}, "does not work with distributed.strategy: fsdp yet"),
+        (MOE, {"expert_parallel": 2, "strategy": "none"}, "runs on several processes, which distributed.strategy: none refuses"),
         (MOE, {"expert_parallel": 2, "expert_capacity_factor": 0}, "expert_capacity_factor: 0.0 must be a positive"),
         (MOE, {"expert_capacity_factor": 1.25}, "sizes the exchanges of expert parallelism, which is off"),
         ({**MOE, "experts_implementation": "grouped_mm"}, {"expert_parallel": 2}, "model.experts_implementation is 'grouped_mm'"),
@@ -65,7 +65,7 @@ def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_t
     names = plan.names
     assert names.index("experts") < names.index("expert_parallel") < names.index("ddp")
     assert plan.decided.experts_implementation == "hone"
-    assert plan.decided.strategy == "ddp" and "expert_parallel: 2 splits" in plan.decided.strategy_why
+    assert plan.decided.strategy == "ddp" and "experts split over 2 ranks" in plan.decided.strategy_why
     assert "expert_parallel" not in plan_optimizations(config(), RunFacts(CPU, world=World(0, 2, 0))).names
 
 

@@ -26,6 +26,7 @@ from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
 from hone.transforms.memory.terms.expert_parallel import (
     dispatch_bytes_per_token,
+    expert_blocks_beside_fsdp,
     expert_capacity_factor,
     expert_parallel_note,
     expert_parallel_size,
@@ -218,9 +219,12 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
 def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[int, int, int]:
     """(weights, gradients, AdamW moments) on one device: the weights with their float8 copies,
     the experts split over the expert-parallel ranks, sharded over ``param_shards`` processes by FSDP."""
-    weights_off, grads_off, params_off = expert_state_saved(m, expert_parallel_size(cfg))
+    ep = expert_parallel_size(cfg)
+    weights_off, grads_off, params_off = expert_state_saved(m, ep)
     weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m) - weights_off
     optimizer = cfg.optimizer.state_bytes(m.trainable_params - params_off, m.trainable_elem_bytes)
+    if ep > 1 and param_shards > 1:  # FSDP2 shards what lies outside the experts; each rank's block stays whole
+        return expert_blocks_beside_fsdp(cfg, m, ep, (weights, m.trainable_bytes - grads_off, optimizer), param_shards)
     return sharded_state(m, weights, m.trainable_bytes - grads_off, optimizer, param_shards)
 
 

@@ -3,6 +3,9 @@
 * **Training state.** Each rank holds ``E / N`` of every MoE layer's routed experts: the experts'
   weights and biases, the LoRA factors on them, their gradients and their optimizer moments are
   divided by ``N``; everything else (attention, router, embeddings) stays whole on every rank.
+* **Beside FSDP2** (``distributed.strategy: fsdp``): FSDP2 shards everything outside the
+  experts over the ranks (and gathers a layer's non-expert weights at a time); each rank's block
+  of the experts, with its gradients and moments, stays whole on it (``fully_shard`` leaves it out).
 * **Activations.** The dispatch sends each token once to each rank holding one of its experts,
   in a buffer of ``S`` token slots per pair of ranks (``S = T``, the micro-batch's tokens), so a
   rank receives ``N x T`` rows of ``hidden`` per MoE layer, kept for the backward. Its grouped
@@ -16,6 +19,7 @@
 from typing import Any
 
 from hone.transforms.memory.facts import LayerFacts, ModelFacts
+from hone.transforms.memory.terms.fsdp import sharded_state
 
 
 def expert_parallel_size(cfg: Any) -> int:
@@ -32,6 +36,21 @@ def expert_state_saved(m: ModelFacts, size: int) -> tuple[int, int, int]:
         return 0, 0, 0
     off = size - 1
     return m.expert_bytes * off // size, m.expert_trainable_bytes * off // size, m.expert_trainable_params * off // size
+
+
+def expert_blocks_beside_fsdp(
+    cfg: Any, m: ModelFacts, size: int, state: tuple[int, int, int], param_shards: int
+) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) one rank holds when FSDP2 shards ``state`` (a rank's
+    unsharded state, its block of the experts included) over ``param_shards`` processes beside
+    expert parallelism over ``size``: the block is kept whole, the rest divided."""
+    weights, grads, optimizer = state
+    off_weights, off_grads, off_params = expert_state_saved(m, size)
+    block_weights, block_grads = m.expert_bytes - off_weights, m.expert_trainable_bytes - off_grads
+    block_optimizer = cfg.optimizer.state_bytes(m.expert_trainable_params - off_params, m.trainable_elem_bytes)
+    gathered = (m.frozen_bytes + m.trainable_bytes - m.expert_bytes) // max(len(m.layers), 1)
+    rest = sharded_state(m, weights - block_weights, grads - block_grads, optimizer - block_optimizer, param_shards, gathered)
+    return rest[0] + block_weights, rest[1] + block_grads, rest[2] + block_optimizer
 
 
 def expert_capacity_factor(cfg: Any) -> float | None:
