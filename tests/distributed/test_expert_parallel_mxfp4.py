@@ -19,7 +19,11 @@ from hone.models.experts.parallel import join_blocks
 from hone.track.metrics import read_metrics
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
-CASES = [Case("lora", False, quantize="mxfp4"), Case("lora", True, quantize="mxfp4")]
+CASES = [
+    Case("lora", False, quantize="mxfp4"),
+    Case("lora", True, quantize="mxfp4"),
+    Case("lora", False, "tiny-gpt-oss", quantize="mxfp4"),
+]
 
 
 def _mxfp4_ranks(rank: int, out, seed: int, cases: list[Case]) -> None:
