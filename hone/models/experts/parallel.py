@@ -70,7 +70,10 @@ def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None
     setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
     setattr(module, EXPERT_CAPACITY_ATTR, capacity)
     if capacity is not None:
-        counter = torch.zeros((), dtype=torch.int64, device=getattr(module, names[0]).device)
+        device = getattr(module, names[0]).device
+        # split on the meta device (an MXFP4 checkpoint's loader): a real counter, moved to the device with the buffers
+        device = torch.device("cpu") if device.type == "meta" else device
+        counter = torch.zeros((), dtype=torch.int64, device=device)
         module.register_buffer(EXPERT_OVERFLOW_BUFFER, counter, persistent=False)
     return True
 
