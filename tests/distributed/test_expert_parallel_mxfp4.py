@@ -4,14 +4,16 @@ through the plan and keeps its block of the blocks, scales and placeholders (``E
 its local experts run the float32 reference on the dequantized block; the reference is one
 process holding every expert in MXFP4 (hone's experts forward, accumulation 2). The losses, the
 gradient norms, the eval losses and the trained weights agree within 1e-5, and the final adapter
-the two ranks write (the expert LoRA blocks gathered) is the one process's, tensor for tensor."""
+the two ranks write (the expert LoRA blocks gathered) is the one process's, tensor for tensor. A
+run checkpointed after step 2 and resumed on 2 fresh ranks (trained weights scrambled first) ends
+as the uninterrupted one: the checkpoint holds the expert LoRA of every expert, nothing of the base."""
 
 import os
 import random
 
 import pytest
 import torch
-from ep_training import Case, expert_parallel_model, make_config, run, run_reference, shards, trainable
+from ep_training import Case, expert_parallel_model, make_config, resume_ranks, run, run_reference, shards, trainable
 from fsdp_harness import spawn
 from safetensors.torch import load_file
 
@@ -105,3 +107,28 @@ def test_expert_parallel_over_mxfp4_experts_equals_one_process(two_rank_runs, tm
     assert got_adapter.keys() == want_adapter.keys() and any("experts" in k for k in want_adapter)
     for key, value in want_adapter.items():
         torch.testing.assert_close(got_adapter[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+RESUMED = Case("lora", True, quantize="mxfp4")
+
+
+def test_a_resumed_mxfp4_expert_parallel_run_ends_as_the_uninterrupted_one(tmp_path):
+    (tmp_path / RESUMED.name).mkdir()
+    spawn(resume_ranks, 2, tmp_path, SEED, [RESUMED], timeout_s=300)
+    whole, resumed = tmp_path / RESUMED.name / "whole", tmp_path / RESUMED.name / "resumed"
+    saved = load_file(str(whole / "checkpoints" / "step-2" / "trainable.safetensors"))
+    assert any(".experts." in k and "lora_A" in k for k in saved)
+    assert not any(k.endswith(("gate_up_proj", "down_proj", "_blocks", "_scales")) for k in saved)  # the frozen base stays out
+    rows = {r["step"]: r["loss"] for r in read_metrics(whole / "metrics.jsonl") if "loss" in r}
+    again = {r["step"]: r["loss"] for r in read_metrics(resumed / "metrics.jsonl") if "loss" in r}
+    assert again[3] == pytest.approx(rows[3], rel=1e-6), f"seed {SEED}"
+    for rank in (0, 1):
+        want, got = torch.load(whole / f"weights-rank{rank}.pt"), torch.load(resumed / f"weights-rank{rank}.pt")
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
+    final = load_file(str(whole / "final" / "adapter_model.safetensors"))
+    final_again = load_file(str(resumed / "final" / "adapter_model.safetensors"))
+    assert final.keys() == final_again.keys()
+    for key in final:
+        torch.testing.assert_close(final_again[key], final[key], rtol=1e-6, atol=1e-7, msg=key)
