@@ -42,7 +42,7 @@ class DistributedConfig(Section):
     models). Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b): each GPU
     holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This first version
     takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's experts backend
-    (``model.experts_implementation``: auto or hone), and does not split MXFP4 experts yet
+    (``model.experts_implementation``: auto or hone); MXFP4 experts split like bf16 ones
     (docs/moe.md, docs/distributed.md). ``auto``: on one process 1; on several, the number of
     processes where the model has MoE layers hone's experts forward runs, the processes divide its
     experts, nothing else refuses expert parallelism, ``strategy`` is auto or ddp, and the

@@ -155,8 +155,7 @@ class HoneConfig(Section):
 
     @model_validator(mode="after")
     def _expert_parallel_needs_hone_experts(self) -> "HoneConfig":
-        """The expert-parallel exchange lives in hone's experts forward; MXFP4 experts do not
-        go through it yet (a full-precision base only)."""
+        """The expert-parallel exchange lives in hone's experts forward (bf16 or MXFP4 experts)."""
         ep = self.distributed.expert_parallel
         if ep == 1 or ep == "auto":  # auto resolves to 1 where these refuse it
             return self
@@ -164,11 +163,6 @@ class HoneConfig(Section):
             raise ValueError(
                 f"distributed.expert_parallel: {ep} runs in hone's experts forward, but model.experts_implementation "
                 f"is '{self.model.experts_implementation}': allowed with expert_parallel: auto, hone"
-            )
-        if self.model.quantize == "mxfp4":
-            raise ValueError(
-                f"distributed.expert_parallel: {ep} does not work with model.quantize: mxfp4 yet (MXFP4 experts are "
-                "not split across processes): use model.quantize: none, or distributed.expert_parallel: 1"
             )
         return self
 

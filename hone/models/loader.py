@@ -99,12 +99,14 @@ def build_base_model(
     Also used by generation and merging: a preset rebuilt with the run's seed gives exactly the
     random weights the run trained on. ``as_drawn`` (a big preset only): given the meta skeleton,
     the replacement of each module as soon as it is drawn (the plan's: e.g. a linear layer made
-    4-bit), from the same draws as without it; other sources come as they are.
+    4-bit), from the same draws as without it; an MXFP4 checkpoint applies it to its experts
+    modules before reading them (expert parallelism: each rank reads its block); other sources
+    come as they are.
     """
     if model_cfg.preset is not None:
         model = build_preset_model(model_cfg, tokenizer, device, dtype, seed, as_drawn=as_drawn)
     else:
-        model = load_pretrained(local_model_dir(model_cfg.path), model_cfg, device, dtype)
+        model = load_pretrained(local_model_dir(model_cfg.path), model_cfg, device, dtype, as_drawn=as_drawn)
     check_vocab_fits(model, tokenizer, model_cfg)
     return model
 
@@ -153,18 +155,25 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def load_pretrained(
-    path: Path, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path"
+    path: Path,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    key: str = "model.path",
+    as_drawn: AsDrawn | None = None,
 ) -> PreTrainedModel:
     """A causal LM from a local save_pretrained directory (safetensors only, no network).
 
     A checkpoint that ships its experts in MXFP4 (gpt-oss) keeps them so
-    (:mod:`hone.models.mxfp4_checkpoint`); one quantized otherwise is refused with what hone loads."""
+    (:mod:`hone.models.mxfp4_checkpoint`; ``as_drawn``: the plan's hook for its experts modules,
+    applied before they are read: under expert parallelism each rank reads its block only); one
+    quantized otherwise is refused with what hone loads."""
     check_model_dir(path, key)
     config = with_rope_scaling(read_causal_lm_config(path, model_cfg.trust_remote_code, key), model_cfg.rope_scaling)
     if quant_method(config) is not None:  # mxfp4: reading the config refused every other method
         from hone.models.mxfp4_checkpoint import load_mxfp4_pretrained
 
-        return load_mxfp4_pretrained(path, config, model_cfg, device, dtype, key)
+        return load_mxfp4_pretrained(path, config, model_cfg, device, dtype, key, as_drawn=as_drawn)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path),

@@ -15,6 +15,9 @@ every expert to bf16 (gpt-oss-120b: ~230 GB, more than any one card). Here, in o
    into its dtype; tied parameters get the one tensor; the buffers move to the device.
 
 Neither the whole checkpoint nor any expert weight in bf16 ever exists, on the CPU or the device.
+Under expert parallelism (the plan's ``as_drawn`` hook, given by the loader) each experts module
+is split on the meta device between steps 2 and 3 (:func:`_split_on_meta`), so each rank reads
+only its block of the experts' blocks, scales and biases from the files.
 Other quantized checkpoints (fp8, NVFP4, bitsandbytes, GPTQ, AWQ, ...) never get here: reading
 their config refuses them, with what hone loads instead
 (:func:`hone.models.model_dir.quant_method_problem`, which ``hone validate`` runs too).
@@ -35,6 +38,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from hone.config.model import ModelConfig
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
+from hone.models.experts.backend import is_experts_module
 from hone.models.experts.mxfp4 import (
     BLOCKS_SUFFIX,
     EXPERT_PROJECTIONS,
@@ -43,6 +47,8 @@ from hone.models.experts.mxfp4 import (
     check_mxfp4_shapes,
     out_in_shape,
 )
+from hone.models.experts.parallel import SHARDED_TENSORS, expert_shard
+from hone.models.materialize import AsDrawn
 from hone.models.weight_files import checkpoint_key, parameters_on_meta, weight_files
 
 #: safetensors dtype names -> torch dtypes, for the header-only shape checks.
@@ -84,10 +90,18 @@ class _Source:
 
 
 def load_mxfp4_pretrained(
-    path: Path, config: Any, model_cfg: ModelConfig, device: torch.device, dtype: torch.dtype, key: str = "model.path"
+    path: Path,
+    config: Any,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    key: str = "model.path",
+    as_drawn: AsDrawn | None = None,
 ) -> PreTrainedModel:
     """The causal LM in ``path`` (``config`` read from it, MXFP4 declared) on ``device``: the experts
-    as MXFP4 blocks and scales, every other weight in ``dtype``."""
+    as MXFP4 blocks and scales, every other weight in ``dtype``. ``as_drawn``: the plan's hook,
+    applied to each experts module on the meta device before any weight is read (expert
+    parallelism: the module then holds, and the files give, its rank's block only)."""
     plain = copy.deepcopy(config)
     if hasattr(plain, "quantization_config"):
         delattr(plain, "quantization_config")
@@ -100,21 +114,55 @@ def load_mxfp4_pretrained(
         )
     files = weight_files(path)
     quantized = _mxfp4_sources(model, files, path, key)
+    if as_drawn is not None:
+        _split_on_meta(model, quantized, files, as_drawn, key)
     with ExitStack() as stack, torch.no_grad():
         opened: dict[Path, Any] = {}
 
-        def read(source: _Source) -> torch.Tensor:
+        def read(source: _Source, rows: slice | None = None) -> torch.Tensor:
             if source.file not in opened:
                 opened[source.file] = stack.enter_context(_safe_open(source.file, device))
-            return opened[source.file].get_tensor(source.key)
+            if rows is None:
+                return opened[source.file].get_tensor(source.key)
+            return opened[source.file].get_slice(source.key)[rows]
 
-        _place_buffers(model, files, read, device)  # before the MXFP4 buffers exist: those are read once, here
+        _place_buffers(model, files, read, device)  # the MXFP4 buffers (not yet there, or on meta) are read once, here
         for (module, name, where), (blocks, scales) in quantized.items():
-            attach_mxfp4(module, name, read(blocks).to(device), read(scales).to(device), where=where)
+            rows = _block_rows(module)
+            attach_mxfp4(module, name, read(blocks, rows).to(device), read(scales, rows).to(device), where=where)
         _fill_parameters(model, files, path, key, read, device)
     _read_generation_config(model, path)
     model.eval()
     return model
+
+
+def _block_rows(module: nn.Module) -> slice | None:
+    """The rows of the experts a module split by expert parallelism holds (None: all of them)."""
+    shard = expert_shard(module)
+    return None if shard is None else slice(shard.first, shard.first + shard.local_count)
+
+
+def _split_on_meta(
+    model: nn.Module,
+    quantized: dict[tuple[nn.Module, str, str], tuple[_Source, _Source]],
+    files: dict[str, Path],
+    as_drawn: AsDrawn,
+    key: str,
+) -> None:
+    """Give each MXFP4 projection meta blocks and scales of the files' shapes, then apply the plan's
+    hook to every experts module (on the meta device: nothing is read). Expert parallelism's hook
+    keeps the rank's block of every expert tensor (placeholders, biases, blocks, scales), which the
+    reads then fetch alone; the quantize hook finds the experts in MXFP4 already. A hook that
+    would replace an experts module is refused (none of hone's does)."""
+    for (module, name, where), (blocks, scales) in quantized.items():
+        meta = [torch.empty(_header(s.file, s.key)[0], dtype=torch.uint8, device="meta") for s in (blocks, scales)]
+        attach_mxfp4(module, name, *meta, where=where)
+    replace = as_drawn(model)
+    if replace is None:
+        return
+    for name, module in model.named_modules():
+        if is_experts_module(module) and replace(module) is not None:
+            raise ModelError(f"{key}: the plan would replace the experts module '{name}' of an MXFP4 checkpoint as it loads")
 
 
 def _safe_open(file: Path, device: torch.device):
@@ -190,13 +238,16 @@ def _fill_parameters(model: nn.Module, files: dict[str, Path], path: Path, key: 
             missing.append(checkpoint_key(where[0][2]))
             continue
         shape, _ = _header(files[tensor_key], tensor_key)
-        if shape != tuple(param.shape):
+        owner, name, _ = where[0]
+        shard = expert_shard(owner) if name in SHARDED_TENSORS else None  # expert parallelism: the rank's block
+        expected = tuple(param.shape) if shard is None else (shard.num_experts, *param.shape[1:])
+        if shape != expected:
             raise ModelError(
-                f"{key}: tensor '{tensor_key}' in {files[tensor_key].name} has shape {shape} "
-                f"where the model expects {tuple(param.shape)}"
+                f"{key}: tensor '{tensor_key}' in {files[tensor_key].name} has shape {shape} where the model expects {expected}"
             )
+        rows = None if shard is None else slice(shard.first, shard.first + shard.local_count)
         value = nn.Parameter(
-            read(_Source(tensor_key, files[tensor_key])).to(device, param.dtype), requires_grad=param.requires_grad
+            read(_Source(tensor_key, files[tensor_key]), rows).to(device, param.dtype), requires_grad=param.requires_grad
         )
         for module, name, _ in where:
             setattr(module, name, value)
@@ -210,9 +261,12 @@ def _fill_parameters(model: nn.Module, files: dict[str, Path], path: Path, key: 
 
 def _place_buffers(model: nn.Module, files: dict[str, Path], read, device: torch.device) -> None:
     """Buffers the constructor computed (RoPE's ``inv_freq``, in float32) move to ``device``; one
-    the files hold is read from them, as transformers does."""
+    the files hold is read from them, as transformers does. Buffers on the meta device are MXFP4
+    blocks and scales (:func:`_split_on_meta`), read afterwards."""
     for module_name, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.device.type == "meta":
+                continue
             tensor_key = checkpoint_key(f"{module_name}.{name}" if module_name else name)
             if tensor_key in files:
                 setattr(module, name, read(_Source(tensor_key, files[tensor_key])).to(device, buf.dtype))

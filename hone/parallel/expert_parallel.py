@@ -50,6 +50,7 @@ no gradient reduction over the expert-parallel group is needed for them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ import torch.distributed as dist
 from hone.errors import HoneError
 from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, gated_activation
+from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
+from hone.kernels.moe_mxfp4_reference import dequantized
 from hone.parallel.exchange import exchange
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "SendPlan",
     "check_overflow",
     "combine",
+    "dequantized_experts",
     "dispatch",
     "expert_capacity",
     "expert_parallel_experts",
@@ -232,10 +236,12 @@ def dispatch(
 @dataclass(frozen=True)
 class LocalExperts:
     """This rank's experts as stored (``[E / N, ...]`` slices of the model's 3-D parameters, in
-    ``layout``), their biases and LoRA factors (``A [E / N, r, in]``, ``B [E / N, out, r]``)."""
+    ``layout``), their biases and LoRA factors (``A [E / N, r, in]``, ``B [E / N, out, r]``).
+    A projection may instead be MXFP4 (``(blocks [E / N, out, in / 32, 16], scales [E / N, out,
+    in / 32])``, always ``[E / N, out, in]`` whatever ``layout.transposed`` says; both or neither)."""
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | MxExperts
+    down: torch.Tensor | MxExperts
     layout: ExpertsLayout
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
@@ -246,7 +252,25 @@ class LocalExperts:
 
     @property
     def count(self) -> int:
-        return self.gate_up.shape[0]
+        return _expert_count(self.gate_up)
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether both projections are MXFP4 blocks and scales (the grouped MXFP4 kernels run them)."""
+        return isinstance(self.gate_up, tuple)
+
+
+def _expert_count(weight: torch.Tensor | MxExperts) -> int:
+    return (weight[0] if isinstance(weight, tuple) else weight).shape[0]
+
+
+def dequantized_experts(experts: LocalExperts) -> LocalExperts:
+    """``experts`` with MXFP4 projections dequantized to float32 ``[E / N, out, in]`` (exact): what
+    the plain-PyTorch path computes with (frozen: the base holds no gradient)."""
+    if not experts.mxfp4:
+        return experts
+    layout = dataclasses.replace(experts.layout, transposed=False)
+    return dataclasses.replace(experts, gate_up=dequantized(experts.gate_up), down=dequantized(experts.down), layout=layout)
 
 
 @dataclass(frozen=True)
@@ -270,12 +294,16 @@ def local_experts(
     """The local experts on the received ``rows [S', H]`` with their choices ``local_ids [S', k]``
     (``E / N`` marking a choice held elsewhere) and routing ``weights [S', k]``. ``capacity``: the
     most pairs the grouped kernels hold (None: every pair, ``S' x k``). ``use_kernels`` None:
-    hone's grouped kernels where they can run on ``rows``' device, else the reference."""
+    hone's grouped kernels where they can run on ``rows``' device, else the reference. MXFP4
+    experts run through the grouped MXFP4 kernels (the same rows and ``ends``), or the reference
+    on their float32-dequantized block."""
     if use_kernels is None:
         use_kernels = moe_triton_available(rows.device)
     down_scaling = experts.scaling if experts.down_scaling is None else experts.down_scaling
+    if isinstance(experts.gate_up, tuple) != isinstance(experts.down, tuple):
+        raise ValueError("local experts: gate_up and down must both be MXFP4 (blocks, scales) or both tensors")
     if not use_kernels:
-        return _local_experts_dense(rows, local_ids, weights, experts, down_scaling, capacity)
+        return _local_experts_dense(rows, local_ids, weights, dequantized_experts(experts), down_scaling, capacity)
     return _local_experts_grouped(rows, local_ids, weights, experts, down_scaling, capacity)
 
 
@@ -379,11 +407,11 @@ def _local_experts_grouped(
     real = position < ends[-1]
     token = torch.where(real, torch.div(perm, k, rounding_mode="floor"), n_rows)
     padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    gate_up = moe_lora_linear(
-        padded, token, ends, experts.gate_up, layout.transposed, experts.gate_up_bias, experts.gate_up_lora, experts.scaling
+    gate_up = _grouped_linear(
+        padded, token, ends, experts.gate_up, layout, experts.gate_up_bias, experts.gate_up_lora, experts.scaling
     )
     h = gated_activation(gate_up, layout)
-    y = moe_lora_linear(h, None, ends, experts.down, layout.transposed, experts.down_bias, experts.down_lora, down_scaling)
+    y = _grouped_linear(h, None, ends, experts.down, layout, experts.down_bias, experts.down_lora, down_scaling)
     # y's rows past the real pairs are left unwritten by the kernels and never read: every pair
     # that is not a computed row reads the zero row past y (forward), and gets no gradient.
     row_of_pair = torch.full((n_rows * k,), n_pairs, dtype=torch.int64, device=rows.device)
@@ -391,6 +419,23 @@ def _local_experts_grouped(
     out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k))
     overflow = (ends_all[count - 1].long() - n_pairs).clamp(min=0)
     return Partials(out.to(rows.dtype), overflow)
+
+
+def _grouped_linear(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    ends: torch.Tensor,
+    weight: torch.Tensor | MxExperts,
+    layout: ExpertsLayout,
+    bias: torch.Tensor | None,
+    lora: LoraFactors | None,
+    scaling: float,
+) -> torch.Tensor:
+    """One projection of the sorted pairs: the bf16 grouped kernels, or the MXFP4 ones (which
+    decode the weight tiles in registers; ``[E, out, in]`` whatever ``layout.transposed`` says)."""
+    if isinstance(weight, tuple):
+        return moe_mxfp4_linear(x, rows, ends, weight, bias, lora, scaling)
+    return moe_lora_linear(x, rows, ends, weight, layout.transposed, bias, lora, scaling)
 
 
 def combine(partials: torch.Tensor, plan: SendPlan, shard: ExpertShard) -> torch.Tensor:
@@ -409,8 +454,8 @@ def expert_parallel_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
-    gate_up_local: torch.Tensor,
-    down_local: torch.Tensor,
+    gate_up_local: torch.Tensor | MxExperts,
+    down_local: torch.Tensor | MxExperts,
     layout: ExpertsLayout,
     shard: ExpertShard,
     biases: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
@@ -427,7 +472,8 @@ def expert_parallel_experts(
     all ``E`` experts. ``gate_up_local`` / ``down_local`` (and ``biases``, the LoRA factors in
     ``lora``) are this rank's ``[E / N, ...]`` blocks (:meth:`ExpertShard.local`). ``max_tokens``:
     the token slots per pair of ranks, the same on every rank (None: ``T``, so every rank must
-    route as many tokens). ``capacity``: the pair rows of :func:`expert_capacity` (None: the worst
+    route as many tokens). MXFP4 experts: ``gate_up_local`` / ``down_local`` are ``(blocks,
+    scales)`` blocks (:class:`LocalExperts`). ``capacity``: the pair rows of :func:`expert_capacity` (None: the worst
     case, nothing can overflow). ``overflow`` (int64, on the device) counts this rank's pairs
     that did not fit; the caller must refuse a step where any rank's is > 0."""
     n_tokens, k = top_k_index.shape
@@ -437,9 +483,9 @@ def expert_parallel_experts(
             f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
     for name, weight in (("gate_up_local", gate_up_local), ("down_local", down_local)):
-        if weight.shape[0] != shard.local_count:
+        if _expert_count(weight) != shard.local_count:
             raise ValueError(
-                f"{name} holds {weight.shape[0]} experts; rank {shard.rank} of {shard.size} holds "
+                f"{name} holds {_expert_count(weight)} experts; rank {shard.rank} of {shard.size} holds "
                 f"{shard.local_count} of {shard.num_experts}"
             )
     gate_up_bias, down_bias = biases if biases is not None else (None, None)

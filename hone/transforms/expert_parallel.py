@@ -18,12 +18,15 @@ weight stays under DDP's SUM, or is sharded by FSDP2 (``distributed.strategy: fs
 leaves the blocks out: :mod:`hone.transforms.fsdp`).
 
 Refused here (the config's validators refuse the rest): a model without MoE layers, a number of
-experts that N does not divide, an MXFP4 checkpoint, tiled MLP or tiled layers (each rank would
-run as many pieces of a layer as its own tokens make, and the exchanges need them in step).
+experts that N does not divide, tiled MLP or tiled layers (each rank would run as many pieces of
+a layer as its own tokens make, and the exchanges need them in step). MXFP4 experts (an MXFP4
+checkpoint, ``model.quantize: mxfp4``) split like bf16 ones: each rank keeps its block of the
+blocks and scales (a big preset's as each module is drawn and quantized), and its local experts
+run through the grouped MXFP4 kernels.
 
 ``distributed.expert_parallel: auto`` (:func:`expert_parallel_choice`) is 1 on one process. On
 ``W`` processes it is ``W`` where expert parallelism can run (MoE layers hone's experts forward
-computes, ``W`` dividing the experts, no MXFP4, no tiling asked for, a strategy of auto or ddp)
+computes, ``W`` dividing the experts, no tiling asked for, a strategy of auto or ddp)
 *and* where it is needed: the replicated training state (weights, gradients, AdamW moments) does
 not fit one device by the rule ``distributed.strategy: auto`` uses to leave DDP for FSDP2, while
 the state of one rank with the experts split does. Elsewhere 1: where replicas fit, DDP alone
@@ -50,7 +53,7 @@ from hone.parallel.expert_parallel import ExpertCapacityError, ExpertShard, chec
 from hone.runtime.step import StepContext
 from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.data_parallel import FIT_FRACTION, device_budget, training_state_bytes
-from hone.transforms.memory.facts import model_facts, mxfp4_experts
+from hone.transforms.memory.facts import model_facts
 from hone.units import gib
 
 AUTO = "distributed.expert_parallel: auto"
@@ -108,9 +111,6 @@ def _cannot_split(cfg: HoneConfig, world: int) -> str | None:
         )
     if cfg.model.experts_implementation in ("eager", "grouped_mm"):
         return f"model.experts_implementation: {cfg.model.experts_implementation} (the exchange is in hone's experts forward)"
-    mxfp4 = mxfp4_experts(cfg)
-    if mxfp4 is not None:
-        return f"MXFP4 experts are not split yet ({mxfp4})"
     for key in ("tiled_mlp", "tiled_layers"):
         if getattr(cfg.memory, key) not in ("auto", "off"):
             return f"memory.{key}: {getattr(cfg.memory, key)} (every rank must take part in each layer's exchange)"
@@ -135,9 +135,6 @@ def _check(ctx: PlanContext) -> list[str]:
     """What the model must be: read on the meta device (:func:`model_facts`), before it loads."""
     n = _size(ctx)
     key = f"distributed.expert_parallel: {n}"
-    mxfp4 = mxfp4_experts(ctx.cfg)
-    if mxfp4 is not None:
-        return [f"{key} does not split MXFP4 experts yet ({mxfp4}): use distributed.expert_parallel: 1"]
     problems = _tiling_problems(ctx, key)
     facts = model_facts(ctx.cfg)
     if not any(layer.moe for layer in facts.layers) or facts.experts < 1:
@@ -220,7 +217,9 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
 
 def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
     """A big preset drawn on the device: each experts module keeps its block as soon as it is
-    drawn, so no rank holds every expert of the model at once (``_apply`` then finds them split)."""
+    drawn (with ``model.quantize: mxfp4``, after the quantize transform's hook made it MXFP4: the
+    block of its blocks and scales), so no rank holds every expert of the model at once
+    (``_apply`` then finds them split)."""
     world, capacity = ctx.facts.world, _capacity(ctx)
 
     def keep_block(module: nn.Module) -> None:

@@ -9,7 +9,9 @@ factors of the local experts only) and copies the reference's initial adapter in
 rank its block (the reference's B matrices are random instead of PEFT's zeros; that the A
 matrices PEFT draws already match is tested in tests/unit/test_expert_parallel_setup.py).
 Cases: LoRA and full fine-tune, padded and packed; gpt-oss' experts (biases, transposed
-layout); a capacity below ``T * k``; and, slow, regional compile with full checkpointing.
+layout); a capacity below ``T * k``; MXFP4 experts (``model.quantize: mxfp4``: the reference
+quantizes its experts and runs hone's experts forward, the ranks quantize through the plan and
+keep their block of the blocks and scales); and, slow, regional compile with full checkpointing.
 """
 
 from dataclasses import dataclass
@@ -47,12 +49,14 @@ class Case:
     composed: bool = False  # through the plan's compile and checkpointing
     capacity_factor: float | None = None  # distributed.expert_capacity_factor (None: T * k)
     fsdp: bool = False  # FSDP2 beside expert parallelism (distributed.strategy: fsdp), else DDP
+    quantize: str = "none"  # model.quantize (mxfp4: the experts in MXFP4, LoRA only)
 
     @property
     def name(self) -> str:
         extra = ("-gpt-oss" if "gpt-oss" in self.preset else "") + ("-composed" if self.composed else "")
         extra += f"-capacity-{self.capacity_factor}" if self.capacity_factor is not None else ""
         extra += "-fsdp" if self.fsdp else ""
+        extra += f"-{self.quantize}" if self.quantize != "none" else ""
         return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
@@ -70,7 +74,7 @@ FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int, save_steps: int | None = None):
     return tiny_config(
         out,
-        model={"preset": case.preset, "dtype": "float32"},
+        model={"preset": case.preset, "dtype": "float32", **({"quantize": case.quantize} if case.quantize != "none" else {})},
         data={"val_set_size": 0.1, "sequence_len": 48, **({"sample_packing": True} if case.packed else {})},
         adapter={"type": "none"} if case.adapter == "full" else LORA.model_dump(),
         training={
@@ -110,8 +114,15 @@ def base_model(preset: str, seed: int) -> torch.nn.Module:
 
 
 def reference_model(case: Case, seed: int) -> torch.nn.Module:
-    """The whole model with its adapter (random B: a zero B makes every A gradient zero)."""
+    """The whole model with its adapter (random B: a zero B makes every A gradient zero). MXFP4:
+    every expert quantized, computed by hone's experts forward (its float32 reference on the CPU)."""
     model = base_model(case.preset, seed)
+    if case.quantize == "mxfp4":
+        from hone.models.experts import set_experts_implementation
+        from hone.models.experts.mxfp4_quantize import quantize_model_experts
+
+        quantize_model_experts(model, CPU)
+        set_experts_implementation(model, "hone")
     if case.adapter == "full":
         return apply_adapter(model, AdapterConfig(type="none"))
     torch.manual_seed(seed)
@@ -124,14 +135,14 @@ def reference_model(case: Case, seed: int) -> torch.nn.Module:
 
 
 def expert_parallel_model(case: Case, seed: int, cfg, facts: RunFacts) -> torch.nn.Module:
-    """This rank's model: the plan's experts and expert-parallel transforms on the base, the
-    adapter, then the reference's initial trainable weights (each rank its block)."""
+    """This rank's model: the plan's quantize (MXFP4), experts and expert-parallel transforms on
+    the base, the adapter, then the reference's initial trainable weights (each rank its block)."""
     plan = plan_optimizations(cfg, facts)
     assert "expert_parallel" in plan.names, plan.names
     model = base_model(case.preset, seed)
     ctx = PlanContext(cfg, facts, plan.decided)
     for transform in plan.transforms:
-        if transform.name in ("experts", "expert_parallel"):
+        if transform.name in ("quantize", "experts", "expert_parallel"):
             transform.model(model, ctx)
     model = apply_adapter(model, AdapterConfig(type="none") if case.adapter == "full" else LORA)
     copy_global(model, reference_model(case, seed))
@@ -157,8 +168,12 @@ def copy_global(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     """Set every trainable weight of ``model`` from ``reference``'s (the rank's block where sharded)."""
     sharded = set(expert_parallel_names(model))
     full = dict(reference.named_parameters())
+    from hone.models.experts.mxfp4 import is_placeholder
+
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if is_placeholder(param):  # an MXFP4 weight's stand-in: the blocks are the same quantized draw
+                continue
             value = full[name].detach()
             if name in sharded:
                 value = local_block(name, value, _owner_shard(model, name))

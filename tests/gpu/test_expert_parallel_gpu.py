@@ -5,7 +5,8 @@ choices are partly held elsewhere (local id ``E / N``), equal the plain-PyTorch 
 sizes (tests/kernels/expert_local_checks.py): output and the gradients of the rows (real rows;
 a sentinel slot's gradient is discarded by the sender), the routing weights, the LoRA factors,
 and (full fine-tune) the expert weights and biases; with no sentinel, some, and only sentinels
-(an idle rank). Two GPUs (NCCL): the cases of the gloo test
+(an idle rank); the same for MXFP4 experts through the grouped MXFP4 kernels
+(tests/kernels/expert_local_mxfp4_checks.py). Two GPUs (NCCL): the cases of the gloo test
 (tests/distributed/expert_parallel_cases.py) through the kernels equal the single-process
 reference. Skipped without a GPU (or without two).
 
@@ -26,6 +27,7 @@ from expert_parallel_cases import CASES, SMALL_CAPACITY, TOKENS, TOP_K, WORLD, c
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from expert_local_checks import local_case, relative_errors  # noqa: E402
+from expert_local_mxfp4_checks import mxfp4_relative_errors  # noqa: E402
 
 from hone.kernels.moe_lora_reference import QWEN3_MOE  # noqa: E402
 
@@ -42,6 +44,17 @@ DEVICE = "cuda"
 @pytest.mark.parametrize("layout_name", ["qwen3_moe", "gpt_oss"])
 def test_grouped_local_experts_skip_sentinels_like_the_plain_path(layout_name, trained, sentinel_share):
     errors = relative_errors(layout_name, trained, sentinel_share, DEVICE)
+    assert errors.pop("sentinel_out") == 0.0 and errors.pop("overflow") == 0
+    bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-4}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("sentinel_share", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("layout_name", ["qwen3_moe", "gpt_oss"])
+def test_grouped_mxfp4_local_experts_skip_sentinels_like_the_dequantized_reference(layout_name, sentinel_share):
+    """MXFP4 experts: the grouped MXFP4 kernels on the rank's block against the float32 path on the
+    dequantized block (LoRA, and gpt-oss' biases, trained; the base frozen), at real sizes."""
+    errors = mxfp4_relative_errors(layout_name, sentinel_share, DEVICE)
     assert errors.pop("sentinel_out") == 0.0 and errors.pop("overflow") == 0
     bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-4}
     assert not bad, bad

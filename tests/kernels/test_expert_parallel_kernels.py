@@ -30,3 +30,21 @@ def test_grouped_local_experts_equal_the_plain_path(results, layout, trained, sh
     assert {"out", "rows", "weights"} <= set(errors)
     bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-5}
     assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def mxfp4_results() -> dict:
+    return run_interpreted([str(Path(__file__).with_name("expert_local_mxfp4_checks.py"))])
+
+
+@pytest.mark.parametrize("layout", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("share", [0.0, 0.6, 1.0])
+def test_grouped_mxfp4_local_experts_equal_the_dequantized_reference(mxfp4_results, layout, share):
+    """MXFP4 experts under expert parallelism: the grouped MXFP4 kernels on the rank's block (the
+    same rows / ends / padding-row contract as bf16) equal the float32 reference on the dequantized
+    block, forward and the gradients of the rows, routing weights, LoRA factors (and biases)."""
+    errors = mxfp4_results[f"{layout}-{share}"]
+    assert errors.pop("sentinel_out") == 0.0 and errors.pop("overflow") == 0
+    assert {"out", "rows", "weights", "gu_A", "gu_B", "dn_A", "dn_B"} <= set(errors)
+    bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-5}
+    assert not bad, bad

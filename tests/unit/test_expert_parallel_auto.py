@@ -69,7 +69,7 @@ def test_qwen3_30b_lora_splits_its_experts_where_replicas_do_not_fit_an_80gb_car
             (2, 80),
             "experts_implementation: grouped_mm",
         ),
-        ("MXFP4 experts", {"model": {"quantize": "mxfp4"}}, (2, 40), "MXFP4 experts are not split"),
+        ("MXFP4 experts' replicas fit", {"model": {"quantize": "mxfp4"}}, (2, 40), "26.8 GiB fits 80% of one device's 40.0"),
         ("tiled MLP asked for", {"memory": {"tiled_mlp": 4}}, (2, 80), "memory.tiled_mlp: 4"),
         ("even split does not fit", {"adapter": "none"}, (2, 80), "nor with the experts split over 2 ranks"),
     ],
@@ -78,6 +78,23 @@ def test_auto_keeps_one_where_expert_parallelism_cannot_run_or_is_not_needed(cas
     size, why = expert_parallel_choice(config(**cfg), facts(*run))
     assert size == 1, case
     assert why.startswith("distributed.expert_parallel: auto: 1, ") and reason in why, (case, why)
+
+
+def test_mxfp4_experts_split_where_their_replicas_do_not_fit_and_count_at_mxfp4_bytes_per_rank():
+    """MXFP4 experts split like bf16 ones: the split saves half of their MXFP4 bytes (0.53125 a
+    weight, with their LoRA state), not half of what they would take in bf16."""
+    from hone.models.experts.mxfp4 import MXFP4_BYTES_PER_WEIGHT
+    from hone.transforms.memory.facts import model_facts
+
+    cfg = config(model={"quantize": "mxfp4"})
+    m = model_facts(cfg)
+    lora_bytes = m.expert_trainable_bytes
+    assert m.expert_bytes == round(m.mxfp4_weights * MXFP4_BYTES_PER_WEIGHT) + lora_bytes
+    replicated, split = training_state_bytes(cfg, "cuda"), training_state_bytes(with_expert_parallel(cfg, 2), "cuda")
+    frozen_half = round(m.mxfp4_weights * MXFP4_BYTES_PER_WEIGHT) // 2
+    assert frozen_half < replicated - split < frozen_half + 4 * lora_bytes  # + the LoRA blocks' grads and moments
+    size, why = expert_parallel_choice(cfg, facts(2, 24))  # 26.8 GiB replicated, 14.9 GiB split
+    assert size == 2, why
 
 
 def test_a_full_fine_tune_splits_where_the_split_state_fits():

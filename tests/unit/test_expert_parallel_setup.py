@@ -47,9 +47,49 @@ def test_the_config_refuses_what_expert_parallelism_cannot_run(model, distribute
         config(model, **distributed)
 
 
-def test_mxfp4_experts_are_not_split_yet():
-    with pytest.raises(HoneError, match="expert_parallel: 2 does not work with model.quantize: mxfp4 yet"):
-        config({"preset": "tiny-gpt-oss", "quantize": "mxfp4"}, "lora", expert_parallel=2)
+def test_mxfp4_experts_validate_and_plan_per_rank():
+    """``model.quantize: mxfp4`` with expert parallelism: the config validates, the plan quantizes,
+    picks hone's experts forward and then splits; each rank's estimate holds half the experts."""
+    from hone.transforms.plan_report import plan_view
+
+    cfg = config({"preset": "tiny-gpt-oss", "quantize": "mxfp4", "dtype": "float32"}, "lora", expert_parallel=2)
+    plan = plan_optimizations(cfg, RunFacts(CPU, world=World(0, 2, 0)))
+    names = plan.names
+    assert names.index("quantize") < names.index("experts") < names.index("expert_parallel") < names.index("ddp")
+    assert plan.decided.experts_implementation == "hone"
+    one = config({"preset": "tiny-gpt-oss", "quantize": "mxfp4", "dtype": "float32"}, "lora")
+    split = plan_view(cfg, "t", "cuda", 80 * 2**30, "test", 2**40).estimates["none"]
+    whole = plan_view(one, "t", "cuda", 80 * 2**30, "test", 2**40).estimates["none"]
+    assert split.weights < whole.weights
+
+
+def test_a_big_preset_drawn_on_the_device_quantizes_then_keeps_each_rank_s_mxfp4_block():
+    """``model.quantize: mxfp4`` beside expert parallelism on a big preset: each experts module is
+    quantized as drawn, then keeps its rank's block of the blocks and scales, its placeholders cut
+    to the block's shape (never materialized)."""
+    from hone.models.experts.mxfp4 import is_placeholder, mxfp4_weights, quantize_experts
+    from hone.models.materialize import build_skeleton, materialize
+
+    cfg = config({**MOE, "quantize": "mxfp4"}, "lora", expert_parallel=2)
+    facts = RunFacts(CPU, world=World(1, 2, 1))
+    plan = plan_optimizations(cfg, facts)
+    moe = build_preset_config("tiny-qwen3-moe", {}, 64)
+    torch.manual_seed(5)
+    whole = materialize(build_skeleton(moe, torch.float32), CPU)
+    skeleton = build_skeleton(moe, torch.float32)
+    torch.manual_seed(5)
+    drawn = materialize(skeleton, CPU, plan.as_drawn(cfg, facts)(skeleton))
+    for (name, module), (_, full) in zip(experts_modules(drawn), experts_modules(whole), strict=True):
+        quantize_experts(full, CPU)
+        assert getattr(module, EXPERT_SHARD_ATTR).rank == 1 and module.down_proj.shape[0] == 4, name
+        assert is_placeholder(module.gate_up_proj) and is_placeholder(module.down_proj)
+        for projection, (blocks, scales) in mxfp4_weights(module).items():
+            want_blocks, want_scales = mxfp4_weights(full)[projection]
+            assert torch.equal(blocks, want_blocks[4:]) and torch.equal(scales, want_scales[4:]), (name, projection)
+            assert blocks.is_contiguous() and blocks.untyped_storage().nbytes() == blocks.numel()  # the block alone
+    lora = apply_adapter(drawn, LORA)
+    expert_a = [p for n, p in lora.named_parameters() if "experts" in n and "lora_A" in n]
+    assert expert_a and all(p.shape[0] == LORA.lora_r * 4 for p in expert_a)  # PEFT sizes the factors for 4 experts
 
 
 def test_expert_parallel_must_span_every_process():

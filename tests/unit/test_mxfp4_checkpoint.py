@@ -203,3 +203,53 @@ def test_the_lora_run_loads_with_hone_experts(checkpoint):
     loaded = load_model(cfg, tiny_tokenizer(), CPU, before_adapter=lambda base: set_experts_implementation(base, "hone"))
     assert sum("experts" in n and p.requires_grad for n, p in loaded.model.named_parameters()) == 8
     assert not any(is_placeholder(p) for p in loaded.model.parameters() if p.requires_grad)
+
+
+def test_under_expert_parallelism_a_rank_keeps_its_block_of_the_shipped_mxfp4_experts(checkpoint):
+    """``distributed.expert_parallel: 2``, rank 1, an MXFP4 checkpoint: the plan's base transforms
+    (record the shipped MXFP4, hone's experts, the split) leave each experts module the file's
+    blocks, scales and biases of experts 4..7 and placeholders of the block's shape, split before
+    anything is read (the loader applies the plan's as-drawn hook on the meta device, then reads the
+    block's rows); PEFT then makes expert LoRA factors for those 4 experts."""
+    from hone.config import parse_config
+    from hone.models.experts.backend import EXPERT_OVERFLOW_BUFFER, EXPERT_SHARD_ATTR, experts_modules
+    from hone.models.loader import load_model
+    from hone.runtime.world import World
+    from hone.testing import tiny_tokenizer
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    cfg = parse_config(
+        {
+            "model": {"path": str(checkpoint.path), "dtype": "float32", "attn_implementation": "eager"},
+            "data": {"datasets": [{"path": "unused.jsonl", "type": "completion"}]},
+            "adapter": {"type": "lora", "lora_r": 2, "lora_target_modules": ["q_proj", "experts"]},
+            "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.0},
+        }
+    )
+    facts = RunFacts(CPU, world=World(1, 2, 1))
+    plan = plan_optimizations(cfg, facts)
+    assert {"quantize", "experts", "expert_parallel"} <= set(plan.names)
+    split_as_read = []
+
+    def base_stage(base):
+        split_as_read.extend(getattr(m, EXPERT_SHARD_ATTR, None) is not None for _, m in experts_modules(base))
+        plan.apply(base, "base", cfg, facts)
+
+    loaded = load_model(cfg, tiny_tokenizer(), CPU, before_adapter=base_stage, as_drawn=plan.as_drawn(cfg, facts))
+    # the loader split each experts module on the meta device and read only its block (run.py passes as_drawn)
+    assert split_as_read and all(split_as_read)
+    files = load_file(str(checkpoint.path / "model.safetensors"))
+    modules = experts_modules(loaded.model.get_base_model())
+    assert modules
+    for name, module in modules:
+        key = name.replace(".base_layer", "")  # the module PEFT wraps, by its checkpoint name
+        assert getattr(module, EXPERT_SHARD_ATTR).rank == 1, name
+        assert getattr(module, EXPERT_OVERFLOW_BUFFER).device == CPU  # the overflow counter made while split on meta
+        for projection, (blocks, scales) in mxfp4_weights(module).items():
+            assert torch.equal(blocks, files[f"{key}.{projection}_blocks"][4:]), (key, projection)
+            assert torch.equal(scales, files[f"{key}.{projection}_scales"][4:]), (key, projection)
+            assert is_placeholder(getattr(module, projection)) and getattr(module, projection).shape[0] == 4
+            torch.testing.assert_close(getattr(module, f"{projection}_bias"), files[f"{key}.{projection}_bias"][4:])
+    expert_a = [p for n, p in loaded.model.named_parameters() if "experts" in n and "lora_A" in n]
+    assert expert_a and all(p.shape[0] == 2 * 4 for p in expert_a)

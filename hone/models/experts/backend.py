@@ -160,10 +160,10 @@ def hone_experts_forward(
     top_k_index, top_k_weights = _routing_args(args, kwargs)
     lora = lora or {}
     lora_scaling = lora_scaling or {}
+    if getattr(self, EXPERT_SHARD_ATTR, None) is not None:  # bf16 or MXFP4 experts, split over the ranks
+        return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
     if mxfp4_weights(self):
         return mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
-    if getattr(self, EXPERT_SHARD_ATTR, None) is not None:
-        return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights, lora, lora_scaling)
     return moe_experts(
         hidden_states,
         top_k_index,
@@ -193,7 +193,8 @@ def expert_parallel_forward(
     The capacity follows from the largest ``T`` any rank routes (:data:`EXPERT_TOKENS_ATTR`), the
     same on every rank whatever its micro-batch holds; the experts' pair rows are the worst case by
     default (no pair can overflow), or :data:`EXPERT_CAPACITY_ATTR`, whose overflow count is added to
-    :data:`EXPERT_OVERFLOW_BUFFER` on the device for the run to check."""
+    :data:`EXPERT_OVERFLOW_BUFFER` on the device for the run to check. MXFP4 experts pass their
+    block's blocks and scales (the grouped MXFP4 kernels, or the float32 reference off CUDA)."""
     shard: ExpertShard = getattr(module, EXPERT_SHARD_ATTR)
     n_tokens = top_k_index.shape[0]
     max_tokens = getattr(module, EXPERT_TOKENS_ATTR, None) or n_tokens
@@ -204,12 +205,13 @@ def expert_parallel_forward(
         )
     has_bias = bool(getattr(module, "has_bias", False))
     capacity = getattr(module, EXPERT_CAPACITY_ATTR, None)
+    mx = _both_mxfp4(module) if mxfp4_weights(module) else None
     out, overflow = expert_parallel_experts(
         hidden_states,
         top_k_index,
         top_k_weights,
-        module.gate_up_proj,
-        module.down_proj,
+        module.gate_up_proj if mx is None else mx["gate_up_proj"],
+        module.down_proj if mx is None else mx["down_proj"],
         layout_of(module),
         shard,
         biases=(module.gate_up_proj_bias, module.down_proj_bias) if has_bias else None,
@@ -224,6 +226,17 @@ def expert_parallel_forward(
     return out
 
 
+def _both_mxfp4(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{projection: (blocks, scales)}`` of a module holding MXFP4 experts; both projections or an error."""
+    weights = mxfp4_weights(module)
+    if set(weights) != set(EXPERT_PROJECTIONS):
+        raise ModelError(
+            f"{type(module).__name__}: MXFP4 experts need both {' and '.join(EXPERT_PROJECTIONS)} in MXFP4, "
+            f"found only {', '.join(weights)}"
+        )
+    return weights
+
+
 def mxfp4_experts_forward(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -236,12 +249,7 @@ def mxfp4_experts_forward(
     grouped kernels decode the weight tiles in registers where they run (CUDA with triton, or
     Triton's interpreter); elsewhere (a CPU run, the tests) the plain-PyTorch reference computes
     the same function on the float32-dequantized weights, slowly but exactly."""
-    weights = mxfp4_weights(module)
-    if set(weights) != set(EXPERT_PROJECTIONS):
-        raise ModelError(
-            f"{type(module).__name__}: MXFP4 experts need both {' and '.join(EXPERT_PROJECTIONS)} in MXFP4, "
-            f"found only {', '.join(weights)}"
-        )
+    weights = _both_mxfp4(module)
     layout = layout_of(module)
     has_bias = bool(getattr(module, "has_bias", False))
     args = (

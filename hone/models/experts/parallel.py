@@ -14,7 +14,10 @@ adapter) and carries its :class:`~hone.parallel.expert_parallel.ExpertShard` as
   ``lora_B`` ``[out, r * E/N]`` is the global ``[out, r * E]`` viewed ``[out, r, E]`` sliced on
   its last dim (PEFT lays B out expert-minor);
 - their gradients already sum every rank's tokens (the exchange's backward brings them), so no
-  reduction across ranks may touch them, and the gradient norm adds their squares over the ranks.
+  reduction across ranks may touch them, and the gradient norm adds their squares over the ranks;
+- MXFP4 experts (:mod:`hone.models.experts.mxfp4`) split the same way: their ``{proj}_blocks`` /
+  ``{proj}_scales`` buffers keep rows ``[first, first + E / N)`` (non-persistent, frozen), and the
+  placeholders become placeholders of the block's shape (PEFT sizes the LoRA factors from them).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hone.models.experts.backend import (
     EXPERT_TOKENS_ATTR,
     experts_modules,
 )
+from hone.models.experts.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, is_placeholder, mxfp4_weights, placeholder
 from hone.parallel.expert_parallel import ExpertShard
 
 #: The experts' own tensors split along their first (expert) dimension.
@@ -52,14 +56,24 @@ def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None
         return False
     names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
     shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0])
+    for projection, (blocks, scales) in mxfp4_weights(module).items():
+        module.register_buffer(projection + BLOCKS_SUFFIX, shard.local(blocks).clone(), persistent=False)
+        module.register_buffer(projection + SCALES_SUFFIX, shard.local(scales).clone(), persistent=False)
     for name in names:
         param = getattr(module, name)
+        if is_placeholder(param):  # an MXFP4 weight's stand-in: a placeholder of the block's shape, never materialized
+            block = placeholder((shard.local_count, *param.shape[1:]), param.dtype, param.device)
+            setattr(module, name, block)
+            continue
         setattr(module, name, nn.Parameter(shard.local(param.detach()).clone(), requires_grad=param.requires_grad))
     setattr(module, EXPERT_SHARD_ATTR, shard)
     setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
     setattr(module, EXPERT_CAPACITY_ATTR, capacity)
     if capacity is not None:
-        counter = torch.zeros((), dtype=torch.int64, device=getattr(module, names[0]).device)
+        device = getattr(module, names[0]).device
+        # split on the meta device (an MXFP4 checkpoint's loader): a real counter, moved to the device with the buffers
+        device = torch.device("cpu") if device.type == "meta" else device
+        counter = torch.zeros((), dtype=torch.int64, device=device)
         module.register_buffer(EXPERT_OVERFLOW_BUFFER, counter, persistent=False)
     return True
 

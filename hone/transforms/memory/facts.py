@@ -93,7 +93,7 @@ class ModelFacts:
     expert_trainable_params: int = 0
     """The trainable part of :attr:`expert_params` (LoRA factors, or every expert weight in a full fine-tune)."""
     expert_bytes: int = 0
-    """Bytes of :attr:`expert_params` as stored (frozen in ``model.dtype``, trainable in the trainable dtype)."""
+    """Bytes of :attr:`expert_params` as stored (frozen in ``model.dtype`` or MXFP4, trainable in the trainable dtype)."""
     expert_trainable_bytes: int = 0
     mxfp4_weights: int = 0
     """Expert weights held in MXFP4 (an MXFP4 checkpoint, or ``model.quantize: mxfp4``), counted at
@@ -218,8 +218,12 @@ def _expert_parameter_ids(model: Any) -> set[int]:
     return ids
 
 
-def _expert_facts(model: Any, frozen_bytes: int, trainable_bytes: int) -> dict[str, int]:
-    """:class:`ModelFacts`' expert fields: the parameters expert parallelism splits, and their bytes."""
+def _expert_facts(model: Any, frozen_bytes: int, trainable_bytes: int, mxfp4: int = 0) -> dict[str, int]:
+    """:class:`ModelFacts`' expert fields: the parameters expert parallelism splits, and their bytes
+    (the ``mxfp4`` expert weights held in MXFP4, frozen, at its bytes a weight: each rank's share
+    of them is a block of the blocks and scales)."""
+    from hone.models.experts.mxfp4 import MXFP4_BYTES_PER_WEIGHT
+
     in_experts = _expert_parameter_ids(model)
     frozen = trainable = 0
     for _, param in model.named_parameters():  # tied weights are listed once
@@ -229,7 +233,7 @@ def _expert_facts(model: Any, frozen_bytes: int, trainable_bytes: int) -> dict[s
     return dict(
         expert_params=frozen + trainable,
         expert_trainable_params=trainable,
-        expert_bytes=frozen * frozen_bytes + trainable * trainable_bytes,
+        expert_bytes=(frozen - mxfp4) * frozen_bytes + round(mxfp4 * MXFP4_BYTES_PER_WEIGHT) + trainable * trainable_bytes,
         expert_trainable_bytes=trainable * trainable_bytes,
     )
 
@@ -323,7 +327,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         experts_layout_problems=_experts_layout_problems(base),
         mxfp4_checkpoint=checkpoint,
         mxfp4_weights=mxfp4,
-        **_expert_facts(model, _elem_bytes(precision.weights), tbytes),
+        **_expert_facts(model, _elem_bytes(precision.weights), tbytes, mxfp4),
     )
 
 
