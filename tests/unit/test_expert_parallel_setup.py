@@ -52,12 +52,20 @@ def test_mxfp4_experts_are_not_split_yet():
         config({"preset": "tiny-gpt-oss", "quantize": "mxfp4"}, "lora", expert_parallel=2)
 
 
-def test_expert_parallel_must_span_every_process():
-    with pytest.raises(HoneError, match="not yet: expert_parallel must equal --nproc-per-node"):
-        check_launch(config(expert_parallel=2), World(0, 4, 0), "cpu", local_processes=4)
-    with pytest.raises(HoneError, match="distributed.expert_parallel: 2 on 1 process"):
+def test_expert_parallel_must_divide_the_processes():
+    check_launch(config(expert_parallel=2), World(0, 4, 0), "cpu", local_processes=4)  # 2 groups of 2, 2 replicas
+    with pytest.raises(HoneError, match="distributed.expert_parallel: 4 on 6 processes: N must divide .* 2, 3, 6"):
+        check_launch(config(expert_parallel=4), World(0, 6, 0), "cpu", local_processes=6)
+    with pytest.raises(HoneError, match="distributed.expert_parallel: 2 on 1 process: .*divisors over 1: none"):
         check_launch(config(expert_parallel=2), World(), "cpu")
     check_launch(config(expert_parallel=2), World(1, 2, 1), "cpu", local_processes=2)
+
+
+def test_expert_parallel_below_the_world_size_is_refused_beside_fsdp2():
+    with pytest.raises(HoneError, match="expert_parallel: 2 on 4 processes with distributed.strategy: fsdp .*not yet"):
+        plan_optimizations(config(expert_parallel=2, strategy="fsdp"), RunFacts(CPU, world=World(0, 4, 0)))
+    plan = plan_optimizations(config(expert_parallel=2), RunFacts(CPU, world=World(0, 4, 0)))
+    assert plan.decided.strategy == "ddp" and "expert_parallel" in plan.names
 
 
 def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_the_cpu():

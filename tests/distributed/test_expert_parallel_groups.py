@@ -1,0 +1,152 @@
+"""Expert parallelism over part of the job: 4 gloo ranks with ``distributed.expert_parallel: 2``
+(groups {0, 1} and {2, 3}; ranks 0 and 2, 1 and 3 hold the same experts and sum their gradients)
+give the losses, gradient norms (clipping), eval losses and final weights of one process with the
+same global batch (accumulation 4), fp32, 1e-5: LoRA on attention + experts, padded, and a full
+fine-tune, packed. A checkpoint after step 2 resumes to the same end on the same layout (4 ranks, scrambled
+weights) and on one process; the final adapter / model is the one-process run's. The layout of the
+groups is checked without processes."""
+
+import os
+import random
+
+import pytest
+import torch
+from ep_groups import groups_ranks
+from ep_training import CPU, Case, make_config, reference_model, run, trainable
+from fsdp_harness import spawn
+
+from hone.models.experts.parallel import join_blocks
+from hone.parallel.groups import group_layout
+from hone.track.metrics import read_metrics
+
+SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
+WORLD, N = 4, 2
+LORA_CASE = Case("lora", False)
+FULL_CASE = Case("full", True)
+
+
+def test_groups_are_consecutive_ranks_and_replicas_hold_the_same_block():
+    assert group_layout(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert group_layout(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    assert group_layout(6, 6) == ([[0, 1, 2, 3, 4, 5]], [[0], [1], [2], [3], [4], [5]])
+    with pytest.raises(ValueError, match="expert parallel size 4 does not divide the 6 ranks"):
+        group_layout(6, 4)
+
+
+def _spawn(out, cases):
+    for case in cases:
+        (out / case.name).mkdir()
+    try:
+        spawn(groups_ranks, WORLD, out, SEED, cases, timeout_s=600)
+    except Exception as exc:
+        raise AssertionError(f"expert-parallel runs over 2 of 4 ranks (seed {SEED}) failed:\n{exc}") from exc
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-groups"), [LORA_CASE])
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-groups-full"), [FULL_CASE])
+
+
+def _reference(case: Case, out, resume_from=None) -> dict[str, torch.Tensor]:
+    """One process, accumulation 4 (the same global batch); from a checkpoint where given, in a
+    model whose trained weights were scrambled first. Its final output goes to ``out / "final"``."""
+    from hone.models.save import save_final
+    from hone.runtime.world import SINGLE
+    from hone.transforms.base import RunFacts
+
+    cfg = make_config(out, case, accumulation=WORLD, expert_parallel=1, save_steps=2)
+    model = reference_model(case, SEED)
+    if resume_from is not None:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(7)))
+    run(model, cfg, SINGLE, RunFacts(CPU, world=SINGLE), SEED, resume_from=resume_from)
+    save_final(model, None, out / "final", cfg.adapter)
+    return trainable(model)
+
+
+def _losses(path):
+    rows = read_metrics(path / "metrics.jsonl")
+    train = [x for r in rows if "loss" in r for x in (r["loss"], r["grad_norm"])]
+    return train, [r["eval_loss"] for r in rows if "eval_loss" in r]
+
+
+def _joined(run_dir):
+    """The 4 ranks' trained weights as one model's: the blocks of group {0, 1} joined; every
+    replica (rank 2 of rank 0, 3 of 1) and every weight outside the experts the same on all ranks."""
+    ranks = [torch.load(run_dir / f"weights-rank{r}.pt") for r in range(WORLD)]
+    sharded = ranks[0]["sharded"]
+    for rank, saved in enumerate(ranks):
+        assert saved["layout"] == {
+            "ep_rank": rank % N,
+            "ep_size": N,
+            "group": [rank - rank % N + i for i in range(N)],
+            "replicas": list(range(rank % N, WORLD, N)),
+        }
+        for name, weight in saved["weights"].items():
+            torch.testing.assert_close(weight, ranks[rank % N]["weights"][name], rtol=0, atol=0, msg=f"replicas differ: {name}")
+            if name not in sharded:
+                torch.testing.assert_close(weight, ranks[0]["weights"][name], rtol=0, atol=0, msg=f"DDP weights differ: {name}")
+    joined = {
+        name: join_blocks(name, [ranks[r]["weights"][name] for r in range(N)], sharded[name]) if name in sharded else weight
+        for name, weight in ranks[0]["weights"].items()
+    }
+    return joined, sharded
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key, weight in want.items():
+        torch.testing.assert_close(got[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
+
+
+def _assert_finals_equal(got_dir, want_dir) -> None:
+    from safetensors.torch import load_file
+
+    name = next(p.name for p in want_dir.iterdir() if p.suffix == ".safetensors")
+    _assert_close(load_file(str(got_dir / name)), load_file(str(want_dir / name)))
+
+
+def _assert_one_process_run(runs, case, tmp_path):
+    whole = runs / case.name / "whole"
+    want = _reference(case, tmp_path / "one")
+    ref_train, ref_eval = _losses(tmp_path / "one")
+    got_train, got_eval = _losses(whole)
+    assert len(got_train) == len(ref_train) == 6 and len(got_eval) == len(ref_eval) == 2
+    assert got_train == pytest.approx(ref_train, rel=1e-5), SEED  # the losses, and the clipping norms
+    assert got_eval == pytest.approx(ref_eval, rel=1e-5), SEED
+    joined, sharded = _joined(whole)
+    assert sharded and all("experts" in n for n in sharded)
+    _assert_close(joined, want)
+    _assert_finals_equal(whole / "final", tmp_path / "one" / "final")  # every expert once, as one process writes
+    return want
+
+
+def _assert_resumes(runs, case, tmp_path):
+    """The step-2 checkpoint of 4 ranks, N = 2: on the same layout, and on one process."""
+    whole, resumed = runs / case.name / "whole", runs / case.name / "resumed"
+    _assert_close(_joined(resumed)[0], _joined(whole)[0])
+    assert _losses(resumed)[0][-2:] == pytest.approx(_losses(whole)[0][-2:], rel=1e-5)
+    _assert_finals_equal(resumed / "final", whole / "final")
+    one = _reference(case, tmp_path / "one-resumed", resume_from=whole / "checkpoints" / "step-2")
+    _assert_close(one, _joined(whole)[0])
+
+
+def test_lora_over_2_of_4_ranks_equals_one_process(lora_runs, tmp_path):
+    _assert_one_process_run(lora_runs, LORA_CASE, tmp_path)
+
+
+def test_lora_over_2_of_4_ranks_resumes_on_4_ranks_and_on_one_process(lora_runs, tmp_path):
+    _assert_resumes(lora_runs, LORA_CASE, tmp_path)
+
+
+def test_a_full_fine_tune_over_2_of_4_ranks_equals_one_process_and_resumes(full_runs, tmp_path):
+    _assert_one_process_run(full_runs, FULL_CASE, tmp_path / "run")
+    _assert_resumes(full_runs, FULL_CASE, tmp_path / "resume")
