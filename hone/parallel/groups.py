@@ -83,21 +83,26 @@ def expert_groups(size: int) -> ExpertGroups:
 def sum_over_replicas(grads: list[torch.Tensor], replicas: dist.ProcessGroup | None) -> None:
     """Sum ``grads`` in place over the replica group (every rank of it calls this with the same
     tensors, in the same order): one all-reduce per bucket of up to :data:`BUCKET_BYTES` of one
-    dtype and device, each gradient copied into a flat buffer and back (a larger one alone, in place)."""
+    dtype and device, each gradient copied into a flat buffer and back (a larger or non-contiguous one alone)."""
     if replicas is None or not grads:
         return
     buckets: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}  # bytes in each kind's last bucket
     for grad in grads:
-        if grad.numel() * grad.element_size() >= BUCKET_BYTES or not grad.is_contiguous():
+        size = grad.numel() * grad.element_size()
+        if size >= BUCKET_BYTES or not grad.is_contiguous():
             flat = grad.contiguous()
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replicas)
             if flat is not grad:
                 grad.copy_(flat)
             continue
-        open_ = buckets.setdefault((grad.dtype, grad.device), [[]])
-        if sum(g.numel() * g.element_size() for g in open_[-1]) + grad.numel() * grad.element_size() > BUCKET_BYTES:
-            open_.append([])
-        open_[-1].append(grad)
+        kind = (grad.dtype, grad.device)
+        lists = buckets.setdefault(kind, [[]])
+        if filled.get(kind, 0) + size > BUCKET_BYTES:
+            lists.append([])
+            filled[kind] = 0
+        lists[-1].append(grad)
+        filled[kind] = filled.get(kind, 0) + size
     for bucket in (b for lists in buckets.values() for b in lists if b):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replicas)

@@ -260,9 +260,16 @@ def _why(ctx: PlanContext) -> str:
     if d.expert_parallel <= 1:
         return d.expert_parallel_why
     joint = "; " if ctx.cfg.distributed.expert_parallel == "auto" else ": "
+    world = ctx.facts.world.world_size
+    replicas = (
+        f"; {world // d.expert_parallel} replicas of each block (groups of {d.expert_parallel} consecutive ranks) "
+        "sum its gradients once per step"
+        if d.expert_parallel < world
+        else ""
+    )
     return (
         f"{d.expert_parallel_why}{joint}each rank holds 1/{d.expert_parallel} of every MoE layer's experts; "
-        "tokens travel to them and back (two all-to-all exchanges per layer)"
+        f"tokens travel to them and back (two all-to-all exchanges per layer){replicas}"
     )
 
 

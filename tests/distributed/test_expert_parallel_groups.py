@@ -2,16 +2,17 @@
 (groups {0, 1} and {2, 3}; ranks 0 and 2, 1 and 3 hold the same experts and sum their gradients)
 give the losses, gradient norms (clipping), eval losses and final weights of one process with the
 same global batch (accumulation 4), fp32, 1e-5: LoRA on attention + experts, padded, and a full
-fine-tune, packed. A checkpoint after step 2 resumes to the same end on the same layout (4 ranks, scrambled
-weights) and on one process; the final adapter / model is the one-process run's. The layout of the
-groups is checked without processes."""
+fine-tune, packed (slow: LoRA through regional compile and full checkpointing). A checkpoint after
+step 2 resumes to the same end on the same layout (4 ranks, scrambled weights), on 2 ranks with
+``expert_parallel: 2`` and on one process; the final adapter / model is the one-process run's.
+The layout of the groups is checked without processes."""
 
 import os
 import random
 
 import pytest
 import torch
-from ep_groups import groups_ranks
+from ep_groups import groups_ranks, replica_sums, resume_on_two_ranks
 from ep_training import CPU, Case, make_config, reference_model, run, trainable
 from fsdp_harness import spawn
 
@@ -23,6 +24,7 @@ SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh 
 WORLD, N = 4, 2
 LORA_CASE = Case("lora", False)
 FULL_CASE = Case("full", True)
+COMPOSED_CASE = Case("lora", True, composed=True)  # regional compile (aot_eager) and full checkpointing
 
 
 def test_groups_are_consecutive_ranks_and_replicas_hold_the_same_block():
@@ -31,6 +33,15 @@ def test_groups_are_consecutive_ranks_and_replicas_hold_the_same_block():
     assert group_layout(6, 6) == ([[0, 1, 2, 3, 4, 5]], [[0], [1], [2], [3], [4], [5]])
     with pytest.raises(ValueError, match="expert parallel size 4 does not divide the 6 ranks"):
         group_layout(6, 4)
+
+
+def test_replica_sums_in_buckets_are_the_sums_in_place(tmp_path):
+    spawn(replica_sums, 2, tmp_path, timeout_s=120)
+    ranks = [torch.load(tmp_path / f"sums-rank{r}.pt") for r in range(2)]
+    for i, want in enumerate(a + b for a, b in zip(ranks[0]["before"], ranks[1]["before"], strict=True)):
+        for saved in ranks:
+            assert saved["after"][i].dtype == want.dtype and saved["after"][i].shape == want.shape
+            torch.testing.assert_close(saved["after"][i], want, rtol=0, atol=0)
 
 
 def _spawn(out, cases):
@@ -46,6 +57,11 @@ def _spawn(out, cases):
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory):
     return _spawn(tmp_path_factory.mktemp("ep-groups"), [LORA_CASE])
+
+
+@pytest.fixture(scope="module")
+def composed_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-groups-composed"), [COMPOSED_CASE])
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +105,7 @@ def _joined(run_dir):
             "ep_size": N,
             "group": [rank - rank % N + i for i in range(N)],
             "replicas": list(range(rank % N, WORLD, N)),
+            "gathers": rank < N,  # only the group of rank 0 (the writer) gathers checkpoints and final outputs
         }
         for name, weight in saved["weights"].items():
             torch.testing.assert_close(weight, ranks[rank % N]["weights"][name], rtol=0, atol=0, msg=f"replicas differ: {name}")
@@ -130,23 +147,39 @@ def _assert_one_process_run(runs, case, tmp_path):
 
 
 def _assert_resumes(runs, case, tmp_path):
-    """The step-2 checkpoint of 4 ranks, N = 2: on the same layout, and on one process."""
+    """The step-2 checkpoint of 4 ranks, N = 2: on the same layout, on one process, and on 2 ranks with N = 2."""
     whole, resumed = runs / case.name / "whole", runs / case.name / "resumed"
     _assert_close(_joined(resumed)[0], _joined(whole)[0])
     assert _losses(resumed)[0][-2:] == pytest.approx(_losses(whole)[0][-2:], rel=1e-5)
     _assert_finals_equal(resumed / "final", whole / "final")
     one = _reference(case, tmp_path / "one-resumed", resume_from=whole / "checkpoints" / "step-2")
     _assert_close(one, _joined(whole)[0])
+    two = tmp_path / "two-resumed"  # 2 ranks, expert_parallel: 2 (no replicas), accumulation 2
+    two.mkdir(parents=True)
+    spawn(resume_on_two_ranks, 2, two, SEED, case, whole / "checkpoints" / "step-2", timeout_s=300)
+    ranks = [torch.load(two / f"weights-rank{r}.pt") for r in range(2)]
+    sharded = ranks[0]["sharded"]
+    joined = {
+        name: join_blocks(name, [ranks[r]["weights"][name] for r in range(2)], sharded[name]) if name in sharded else weight
+        for name, weight in ranks[0]["weights"].items()
+    }
+    _assert_close(joined, _joined(whole)[0])
+    _assert_finals_equal(two / "final", whole / "final")
 
 
 def test_lora_over_2_of_4_ranks_equals_one_process(lora_runs, tmp_path):
     _assert_one_process_run(lora_runs, LORA_CASE, tmp_path)
 
 
-def test_lora_over_2_of_4_ranks_resumes_on_4_ranks_and_on_one_process(lora_runs, tmp_path):
+def test_lora_over_2_of_4_ranks_resumes_on_4_ranks_on_2_and_on_one_process(lora_runs, tmp_path):
     _assert_resumes(lora_runs, LORA_CASE, tmp_path)
 
 
 def test_a_full_fine_tune_over_2_of_4_ranks_equals_one_process_and_resumes(full_runs, tmp_path):
     _assert_one_process_run(full_runs, FULL_CASE, tmp_path / "run")
     _assert_resumes(full_runs, FULL_CASE, tmp_path / "resume")
+
+
+@pytest.mark.slow
+def test_lora_over_2_of_4_ranks_composes_with_regional_compile_and_checkpointing(composed_runs, tmp_path):
+    _assert_one_process_run(composed_runs, COMPOSED_CASE, tmp_path)
