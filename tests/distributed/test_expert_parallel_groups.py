@@ -183,3 +183,42 @@ def test_a_full_fine_tune_over_2_of_4_ranks_equals_one_process_and_resumes(full_
 @pytest.mark.slow
 def test_lora_over_2_of_4_ranks_composes_with_regional_compile_and_checkpointing(composed_runs, tmp_path):
     _assert_one_process_run(composed_runs, COMPOSED_CASE, tmp_path)
+
+
+def test_hone_train_splits_the_experts_over_2_of_4_processes(tmp_path):
+    """``hone train`` on 4 ranks with ``expert_parallel: 2``, as torchrun starts it: the loader
+    splits the experts through the plan (with a capacity factor: the overflow check runs over all
+    4 ranks), the plan records the replicas, and the final adapter holds every expert."""
+    import json
+
+    import yaml
+    from dist_launch import hone_train_forked
+    from safetensors.torch import load_file
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"text": " ".join(["red green blue lemon lime fox"] * (1 + i % 3))} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"preset": "tiny-qwen3-moe", "dtype": "float32"},
+        "data": {
+            "datasets": [{"path": str(data), "type": "completion"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(tmp_path / "c"),
+        },
+        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": ["q_proj", "experts"]},
+        "training": {"max_steps": 2, "micro_batch_size": 1, "output_dir": str(tmp_path / "run"), "save_steps": 1},
+        "optimizer": {"learning_rate": 5e-3},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.5},
+    }
+    path = tmp_path / "cfg.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    hone_train_forked(path, processes=WORLD)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    applied = {a["name"]: a["details"] for a in json.loads((tmp_path / "run" / "optimizations.json").read_text())["applied"]}
+    assert applied["expert_parallel"]["ranks"] == 2 and applied["expert_parallel"]["replicas"].startswith("2 ")
+    assert "ddp" in applied
+    adapter = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
+    a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
+    assert a.shape[0] == 4 * 8  # r x all 8 experts, gathered
