@@ -42,8 +42,8 @@ class DistributedConfig(Section):
     models). Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b): each GPU
     holds ``E / N`` experts instead of all of them. ``1`` (the default): off. ``N`` must divide
     the number of processes ``W``: with ``N < W`` groups of ``N`` consecutive ranks split the
-    experts and the ``W / N`` replicas of each block sum its gradients once per step (DDP only;
-    beside FSDP2 ``N = W``). It needs hone's experts backend
+    experts and the ``W / N`` replicas of each block sum its gradients once per step (FSDP2,
+    where asked, shards the rest over all ``W``). It needs hone's experts backend
     (``model.experts_implementation``: auto or hone), and does not split MXFP4 experts yet
     (docs/moe.md, docs/distributed.md). ``auto``: on one process 1; on several, the number of
     processes where the model has MoE layers hone's experts forward runs, the processes divide its

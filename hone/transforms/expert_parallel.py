@@ -4,7 +4,7 @@
 experts of every experts module into N contiguous blocks, one per rank of an expert-parallel
 group (all ranks where N = W; else W / N groups of N consecutive ranks, the ranks at the same
 place in each holding the same block, whose gradients are summed over them once per step:
-:mod:`hone.parallel.groups`; FSDP2 beside it needs N = W)
+:mod:`hone.parallel.groups`; FSDP2 beside it shards the rest over all W ranks)
 (:func:`hone.models.experts.parallel.shard_experts`), on the base model before the adapter, so
 PEFT's expert LoRA creates factors for the local experts only. hone's experts forward then
 sends each token to the ranks holding its experts and back
@@ -143,13 +143,6 @@ def _check(ctx: PlanContext) -> list[str]:
     if mxfp4 is not None:
         return [f"{key} does not split MXFP4 experts yet ({mxfp4}): use distributed.expert_parallel: 1"]
     problems = _tiling_problems(ctx, key)
-    world = ctx.facts.world.world_size
-    if n < world and ctx.decided.strategy == "fsdp":
-        problems.append(
-            f"{key} on {world} processes with distributed.strategy: fsdp ({ctx.decided.strategy_why}): not yet: "
-            f"beside FSDP2 the experts split over every process (expert_parallel: {world}); with DDP (distributed."
-            f"strategy: ddp) {n} of {world} processes split them, the rest holding replicas"
-        )
     facts = model_facts(ctx.cfg)
     if not any(layer.moe for layer in facts.layers) or facts.experts < 1:
         return [*problems, f"{key} splits the experts of mixture-of-experts layers, and {facts.architecture} has none"]

@@ -24,6 +24,8 @@ SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh 
 WORLD, N = 4, 2
 LORA_CASE = Case("lora", False)
 FULL_CASE = Case("full", True)
+FSDP_CASE = Case("lora", True, fsdp=True)
+FSDP_FULL_CASE = Case("full", False, fsdp=True)
 COMPOSED_CASE = Case("lora", True, composed=True)  # regional compile (aot_eager) and full checkpointing
 
 
@@ -222,3 +224,27 @@ def test_hone_train_splits_the_experts_over_2_of_4_processes(tmp_path):
     adapter = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
     a = next(v for k, v in adapter.items() if "experts" in k and "lora_A" in k)
     assert a.shape[0] == 4 * 8  # r x all 8 experts, gathered
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("ep-groups-fsdp"), [FSDP_CASE, FSDP_FULL_CASE])
+
+
+@pytest.mark.parametrize("case", [FSDP_CASE, FSDP_FULL_CASE], ids=lambda c: c.name)
+def test_beside_fsdp2_over_2_of_4_ranks_equals_one_process_and_resumes(fsdp_runs, case, tmp_path):
+    """FSDP2 shards the rest over all 4 ranks; the DCP checkpoint holds every expert once (the
+    blocks as a 2-D mesh: replicated over the replicas, sharded over the group), with the
+    one-process shapes, and resumes on the same layout."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    want = _assert_one_process_run(fsdp_runs, case, tmp_path / "run")
+    whole, resumed = fsdp_runs / case.name / "whole", fsdp_runs / case.name / "resumed"
+    saved = FileSystemReader(str(whole / "checkpoints" / "step-2" / "dcp")).read_metadata().state_dict_metadata
+    experts = {key.removeprefix("model."): meta.size for key, meta in saved.items() if key.removeprefix("model.") in want}
+    assert any("experts" in name for name in experts)
+    # lora_B is saved as its [out, r, E] view: the elements of the one-process tensor, once
+    assert {name: size.numel() for name, size in experts.items()} == {name: want[name].numel() for name in experts}
+    _assert_close(_joined(resumed)[0], _joined(whole)[0])
+    assert _losses(resumed)[0][-2:] == pytest.approx(_losses(whole)[0][-2:], rel=1e-5)
+    _assert_finals_equal(resumed / "final", whole / "final")

@@ -61,11 +61,15 @@ def test_expert_parallel_must_divide_the_processes():
     check_launch(config(expert_parallel=2), World(1, 2, 1), "cpu", local_processes=2)
 
 
-def test_expert_parallel_below_the_world_size_is_refused_beside_fsdp2():
-    with pytest.raises(HoneError, match="expert_parallel: 2 on 4 processes with distributed.strategy: fsdp .*not yet"):
-        plan_optimizations(config(expert_parallel=2, strategy="fsdp"), RunFacts(CPU, world=World(0, 4, 0)))
-    plan = plan_optimizations(config(expert_parallel=2), RunFacts(CPU, world=World(0, 4, 0)))
-    assert plan.decided.strategy == "ddp" and "expert_parallel" in plan.names
+def test_expert_parallel_below_the_world_size_runs_beside_ddp_and_fsdp2():
+    from hone.transforms.planner import decisions
+
+    for strategy in ("ddp", "fsdp"):
+        cfg, facts = config(expert_parallel=2, strategy=strategy), RunFacts(CPU, world=World(0, 4, 0))
+        plan = plan_optimizations(cfg, facts)
+        assert plan.decided.strategy == strategy and "expert_parallel" in plan.names
+        why = {name: why for name, _, _, why in decisions(cfg, facts, decided=plan.decided)}["expert_parallel"]
+        assert why.endswith("; 2 replicas of each block (groups of 2 consecutive ranks) sum its gradients once per step")
 
 
 def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_the_cpu():
