@@ -25,7 +25,8 @@ What happened is a :class:`StepOutcome`; the loop counts and reports it.
 step's global batch (:mod:`hone.train.batches`); the window's trained-token count is
 all-reduced (SUM) before the first backward, so every rank divides its token-loss sum by the
 *global* count; gradients are summed across ranks once per step (the plan's data-parallel
-transform: DDP with a SUM hook, ``no_sync`` for all but the window's last micro-batch). The loss
+transform: DDP with a SUM hook, ``no_sync`` for all but the window's last micro-batch; expert
+blocks of a group smaller than the job over their replicas, after the last backward). The loss
 that is logged is the global mean, all-reduced together with a stop flag (a signal seen by any
 rank stops all of them after the same step) and read at the step's one sync. Every rank holds
 the reduced gradients, so the clipping norm and the non-finite decision are the same
@@ -153,6 +154,10 @@ class StepParts:
         DDP's sum gives the other weights. A block without a gradient joins with zeros."""
         if self.expert_replicas is None:
             return
+        with record_function("hone: expert replica sums"):
+            self._sum_replicas()
+
+    def _sum_replicas(self) -> None:
         trained = [p for p in self.sharded if p.requires_grad]
         for param in trained:
             if param.grad is None:
