@@ -35,13 +35,15 @@ class DistributedConfig(Section):
 
     expert_parallel: int | Literal["auto"] = 1
     """Expert parallelism: the routed experts of every mixture-of-experts layer are split into
-    ``N`` contiguous blocks, one per process; each token travels to the processes holding its
+    ``N`` contiguous blocks, one per process of an expert-parallel group; each token travels to the processes holding its
     experts and back (two all-to-all exchanges per layer, no host syncs), and every other weight
     stays under the data-parallel strategy: DDP, or FSDP2 (``distributed.strategy: fsdp``, which
     then shards every weight outside the experts over all ranks: full fine-tunes of large MoE
     models). Use it for MoE models whose experts dominate the weights (qwen3-30b-a3b): each GPU
-    holds ``E / N`` experts instead of all of them. ``1`` (the default): off. This first version
-    takes ``N`` = the number of processes (``--nproc-per-node``), needs hone's experts backend
+    holds ``E / N`` experts instead of all of them. ``1`` (the default): off. ``N`` must divide
+    the number of processes ``W``: with ``N < W`` groups of ``N`` consecutive ranks split the
+    experts and the ``W / N`` replicas of each block sum its gradients once per step (FSDP2,
+    where asked, shards the rest over all ``W``). It needs hone's experts backend
     (``model.experts_implementation``: auto or hone); MXFP4 experts split like bf16 ones
     (docs/moe.md, docs/distributed.md). ``auto``: on one process 1; on several, the number of
     processes where the model has MoE layers hone's experts forward runs, the processes divide its
@@ -67,7 +69,7 @@ class DistributedConfig(Section):
         if ep != "auto" and ep < 1:
             raise ValueError(
                 f"distributed.expert_parallel: {ep} must be at least 1 (1: off; N > 1: the experts "
-                "split over N processes, N = --nproc-per-node; auto: chosen by the run)"
+                "split over N processes, N dividing the processes; auto: chosen by the run)"
             )
         factor = self.expert_capacity_factor
         if factor is not None and not factor > 0:

@@ -44,8 +44,9 @@ capacity factor near 1.25 (with the overflow check).
 
 Gradients reach the hidden states, the routing weights, the LoRA factors of the local experts
 and, when they require grad (full fine-tune), the local expert weights and biases; a rank's
-expert gradients hold the contributions of every rank's tokens routed to those experts, so
-no gradient reduction over the expert-parallel group is needed for them.
+expert gradients hold the contributions of every rank's tokens of the group routed to those
+experts, so no gradient reduction over the expert-parallel group is needed for them (only over
+the replicas of the block, where the group is a part of the job: :mod:`hone.parallel.groups`).
 """
 
 from __future__ import annotations
@@ -89,12 +90,14 @@ CAPACITY_MULTIPLE = 8
 class ExpertShard:
     """Which experts this rank holds: the contiguous block ``[rank * E / N, (rank + 1) * E / N)``
     of the ``num_experts`` (``E``) global experts, ``N`` = ``size`` ranks of ``group`` (None:
-    the default group)."""
+    the default group). ``replicas``: the ranks of the job holding the same block, where ``N`` is
+    less than the job's ranks (:mod:`hone.parallel.groups`; None: no replicas)."""
 
     size: int
     rank: int
     num_experts: int
     group: dist.ProcessGroup | None = None
+    replicas: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1:

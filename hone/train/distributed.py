@@ -74,15 +74,16 @@ def check_launch(cfg: "HoneConfig", world: World, device_type: str, local_proces
 
 
 def expert_parallel_problems(cfg: "HoneConfig", world: World) -> list[str]:
-    """``distributed.expert_parallel`` against the launch: 1, or every process of the job (all
-    ranks form one expert-parallel group; smaller groups beside data parallelism come later)."""
-    ep = cfg.distributed.expert_parallel
-    if ep in (1, "auto", world.world_size):  # auto chooses 1 or the world size
+    """``distributed.expert_parallel`` against the launch: 1 (off), auto, or a divisor ``N > 1``
+    of the job's processes (``W / N`` expert-parallel groups of ``N`` ranks, each block of
+    experts held by ``W / N`` replicas: :mod:`hone.parallel.groups`)."""
+    ep, size = cfg.distributed.expert_parallel, world.world_size
+    if ep in (1, "auto") or (isinstance(ep, int) and ep > 1 and size % ep == 0):
         return []
+    divisors = ", ".join(str(d) for d in range(2, size + 1) if size % d == 0) or "none"
     return [
-        f"distributed.expert_parallel: {ep} on {world.world_size} process{'es' if world.world_size != 1 else ''}: "
-        f"not yet: expert_parallel must equal --nproc-per-node (times the hosts: {world.world_size} here), "
-        "or be 1 (off) or auto"
+        f"distributed.expert_parallel: {ep} on {size} process{'es' if size != 1 else ''}: N must divide the number of "
+        f"processes (--nproc-per-node times the hosts: {size} here); divisors over 1: {divisors}; or 1 (off) or auto"
     ]
 
 

@@ -157,10 +157,24 @@ def _expert_placement(spec: ShardedTensor, local: torch.Tensor):
 
 
 def _as_dtensor(spec: ShardedTensor, local: torch.Tensor, mesh) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     view, placement = _expert_placement(spec, local)
-    return DTensor.from_local(view, mesh, [placement], run_check=False)
+    placements = [placement] if mesh.ndim == 1 else [Replicate(), placement]  # (replicas, expert-parallel group)
+    return DTensor.from_local(view, mesh, placements, run_check=False)
+
+
+def _blocks_mesh(spec: ShardedTensor, device: torch.device):
+    """Where the blocks' group is a part of the job: a 2-D mesh (replicas, expert-parallel group)
+    of the run's own groups, ranks ``[replica, position] = replica * N + position``
+    (:mod:`hone.parallel.groups`); DCP then writes each block once (replicas are deduplicated)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    size, world = spec.shard.size, dist.get_world_size()
+    ranks = torch.arange(world).view(world // size, size)
+    return DeviceMesh.from_group(
+        [spec.shard.replicas, spec.shard.group], device.type, mesh=ranks, mesh_dim_names=("replicas", "experts")
+    )
 
 
 def _mesh_of(state: dict[str, Any], device: torch.device):
@@ -190,7 +204,9 @@ def experts_as_dtensors(model: nn.Module, state: dict[str, Any]) -> dict[str, An
     absent = sorted(set(specs) - set(weights))
     if absent:  # DCP names the weights as named_parameters does; a wrapper renaming them would lose experts
         raise ExpertCheckpointError(f"expert-parallel blocks not found in the model's state dict by name: {absent[:3]}")
-    mesh = _mesh_of(weights, params[next(iter(specs))].device)
+    first = next(iter(specs.values()))
+    device = params[next(iter(specs))].device
+    mesh = _mesh_of(weights, device) if first.shard.replicas is None else _blocks_mesh(first, device)
     for name, spec in specs.items():
         weights[name] = _as_dtensor(spec, weights[name], mesh)
         shape = params[name].shape

@@ -21,7 +21,7 @@ from hone.config.loader import dump_config
 from hone.config.recorded import recorded_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
-from hone.models.experts.parallel import expert_parallel_params
+from hone.models.experts.parallel import expert_parallel_groups, expert_parallel_params
 from hone.runtime.world import World
 from hone.track.tracker import Tracker
 from hone.train.batches import BatchStream, PackedBatches, PaddedBatches, StepPlan, micro_batches, plan_steps
@@ -123,6 +123,7 @@ def set_up(
         tracker.print(f"resumed from {resume_from} at step {state.step} (epoch {plan.epoch_at(state.step):.2f})")
         for note in resumed.notes:
             tracker.print(f"note: {note}")
+    experts = (expert_parallel_params(model), *expert_parallel_groups(model))  # blocks, their group and replicas
     return Trainer(
         plan=plan,
         state=state,
@@ -130,7 +131,7 @@ def set_up(
         resumed_from=resume_from,
         batches=batches,
         stream=stream,
-        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm, expert_parallel_params(model)),
+        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm, *experts),
         device=device,
         world=world,
         tracker=tracker,

@@ -25,7 +25,8 @@ What happened is a :class:`StepOutcome`; the loop counts and reports it.
 step's global batch (:mod:`hone.train.batches`); the window's trained-token count is
 all-reduced (SUM) before the first backward, so every rank divides its token-loss sum by the
 *global* count; gradients are summed across ranks once per step (the plan's data-parallel
-transform: DDP with a SUM hook, ``no_sync`` for all but the window's last micro-batch). The loss
+transform: DDP with a SUM hook, ``no_sync`` for all but the window's last micro-batch; expert
+blocks of a group smaller than the job over their replicas, after the last backward). The loss
 that is logged is the global mean, all-reduced together with a stop flag (a signal seen by any
 rank stops all of them after the same step) and read at the step's one sync. Every rank holds
 the reduced gradients, so the clipping norm and the non-finite decision are the same
@@ -54,6 +55,7 @@ from torch.profiler import record_function  # names the step's phases in a profi
 from hone.config.root import HoneConfig
 from hone.data.collate import MicroBatch
 from hone.errors import HoneError
+from hone.parallel.groups import sum_over_replicas
 from hone.runtime.step import StepModule
 from hone.runtime.world import World
 from hone.train.batches import BatchStream, DataPosition, PackedBatches, PaddedBatches
@@ -143,6 +145,24 @@ class StepParts:
     params: list[nn.Parameter]  # the trainable ones: the gradient norm's
     max_grad_norm: float | None
     sharded: list[nn.Parameter] = field(default_factory=list)  # those of params each rank holds its own block of
+    expert_group: dist.ProcessGroup | None = None  # the ranks the blocks are split over (None: every rank)
+    expert_replicas: dist.ProcessGroup | None = None  # the ranks holding this rank's blocks too (None: none)
+
+    def sum_expert_replicas(self) -> None:
+        """Sum the expert blocks' gradients over their replicas (expert parallelism over part of
+        the job; once per step, after the last backward): each then holds every rank's tokens, as
+        DDP's sum gives the other weights. A block without a gradient joins with zeros."""
+        if self.expert_replicas is None:
+            return
+        with record_function("hone: expert replica sums"):
+            self._sum_replicas()
+
+    def _sum_replicas(self) -> None:
+        trained = [p for p in self.sharded if p.requires_grad]
+        for param in trained:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        sum_over_replicas([p.grad for p in trained], self.expert_replicas)
 
 
 @dataclass
@@ -268,8 +288,9 @@ def _nothing() -> None:
 def _plain_step(parts: StepParts, window: Window, stop: StopRequest, meanwhile: Callable[[], None]) -> StepResult:
     """Clip on the device, then the step's one sync: loss and norm together."""
     loss_t = forward_backward(parts.step_module, window.batches, window.divisor, parts.hooks, None)
-    with record_function("hone: grad norm"):
-        norm_t = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded)  # over every rank (FSDP2, experts)
+    parts.sum_expert_replicas()
+    with record_function("hone: grad norm"):  # over every rank (FSDP2, experts)
+        norm_t = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded, parts.expert_group)
     with record_function("hone: while the device works"):
         meanwhile()
     with record_function("hone: read loss and norm"):
@@ -289,13 +310,14 @@ def _float16_step(
     """float16: the scaler unscales only a finite loss's gradients (its bookkeeping allows one
     unscale per update), so the loss is read first, the norm after unscaling."""
     loss_t = forward_backward(parts.step_module, window.batches, window.divisor, parts.hooks, scaler)
+    parts.sum_expert_replicas()  # the scaled gradients: a sum commutes with unscaling
     with record_function("hone: while the device works"):
         meanwhile()
     read = read_step(loss_t, None, window, stop)
     grad_norm = None
     if classify(read.trained_tokens, read.loss, None, scaled=True) is StepOutcome.UPDATED:
         scaler.unscale_(parts.optimizer)
-        grad_norm = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded).item()
+        grad_norm = global_grad_norm(parts.params, parts.max_grad_norm, parts.sharded, parts.expert_group).item()
     outcome = classify(read.trained_tokens, read.loss, grad_norm, scaled=True)
     loss_scale = None
     if outcome is StepOutcome.UPDATED:

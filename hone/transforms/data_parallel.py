@@ -32,8 +32,9 @@ on, but its API is still private in torch 2.x. Two choices make the math exact:
 After the reduction every rank holds the same full gradients, so the clipping norm computed
 locally is the global one and every rank takes the same skip/step decision. Under expert
 parallelism the split experts (and their LoRA factors) stay out of DDP: their gradients already
-sum every rank's tokens, and :func:`hone.train.grad_norm.global_grad_norm` adds their squares
-over the ranks.
+sum every rank's tokens of the expert-parallel group (and the step sums them over the block's
+replicas where the group is a part of the job: :mod:`hone.parallel.groups`), and
+:func:`hone.train.grad_norm.global_grad_norm` adds their squares over the group.
 
 As a transform (:data:`DDP`) it comes last in the plan, beside FSDP2: it wraps the final modules.
 """

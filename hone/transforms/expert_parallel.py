@@ -1,7 +1,10 @@
 """Expert parallelism as a transform: each rank keeps ``E / N`` of every MoE layer's experts.
 
-``distributed.expert_parallel: N`` (N > 1, on N processes: all ranks form one group) splits
-the routed experts of every experts module into N contiguous blocks, one per rank
+``distributed.expert_parallel: N`` (N > 1, on W processes, N dividing W) splits the routed
+experts of every experts module into N contiguous blocks, one per rank of an expert-parallel
+group (all ranks where N = W; else W / N groups of N consecutive ranks, the ranks at the same
+place in each holding the same block, whose gradients are summed over them once per step:
+:mod:`hone.parallel.groups`; FSDP2 beside it shards the rest over all W ranks)
 (:func:`hone.models.experts.parallel.shard_experts`), on the base model before the adapter, so
 PEFT's expert LoRA creates factors for the local experts only. hone's experts forward then
 sends each token to the ranks holding its experts and back
@@ -50,6 +53,7 @@ from hone.models.experts.backend import is_experts_module
 from hone.models.experts.parallel import shard_experts, shard_module, take_overflow
 from hone.models.materialize import Replace
 from hone.parallel.expert_parallel import ExpertCapacityError, ExpertShard, check_overflow, expert_capacity
+from hone.parallel.groups import ExpertGroups, expert_groups
 from hone.runtime.step import StepContext
 from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.data_parallel import FIT_FRACTION, device_budget, training_state_bytes
@@ -187,19 +191,32 @@ def _capacity(ctx: PlanContext) -> int | None:
     return expert_capacity(_max_tokens(ctx), facts.top_k, _size(ctx), factor, facts.experts // _size(ctx))
 
 
+def _groups(ctx: PlanContext) -> ExpertGroups:
+    """This rank's groups: every rank of the job where ``N`` is the world size (the default
+    group), else its ``N`` consecutive ranks and its block's replicas (created once)."""
+    world, n = ctx.facts.world, _size(ctx)
+    if n == world.world_size:
+        return ExpertGroups(n, n, world.rank)
+    return expert_groups(n)
+
+
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
-    world, capacity, max_tokens = ctx.facts.world, _capacity(ctx), _max_tokens(ctx)
-    modules = shard_experts(model, world.world_size, world.rank, max_tokens, capacity)
+    groups, capacity, max_tokens = _groups(ctx), _capacity(ctx), _max_tokens(ctx)
+    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups)
     rule = "worst case: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
-    return {"ranks": world.world_size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
+    details = {"ranks": groups.size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
+    if groups.replica_count > 1:
+        details["replicas"] = f"{groups.replica_count} (expert gradients summed over them once per step)"
+    return details
 
 
 def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
     """With a capacity factor: after each micro-batch's forward and backward, the pairs over
     capacity summed over the layers and the ranks (one sync per micro-batch, none per layer); any
     stops the run on every rank together (:func:`~hone.parallel.expert_parallel.check_overflow`)."""
-    world, capacity = ctx.facts.world, _capacity(ctx)
-    shard = ExpertShard(world.world_size, world.rank, model_facts(ctx.cfg).experts)
+    groups, capacity = _groups(ctx), _capacity(ctx)
+    # over every rank (the default group), replicas too: any rank's overflow stops all of them together
+    shard = ExpertShard(groups.size, groups.rank, model_facts(ctx.cfg).experts)
 
     @contextmanager
     def checked(batch: object) -> Iterator[None]:
@@ -220,11 +237,11 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
     drawn (with ``model.quantize: mxfp4``, after the quantize transform's hook made it MXFP4: the
     block of its blocks and scales), so no rank holds every expert of the model at once
     (``_apply`` then finds them split)."""
-    world, capacity = ctx.facts.world, _capacity(ctx)
+    groups, capacity = _groups(ctx), _capacity(ctx)
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            shard_module(module, world.world_size, world.rank, _max_tokens(ctx), capacity)
+            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups)
         return None  # split in place: the module stays
 
     return keep_block
@@ -235,9 +252,16 @@ def _why(ctx: PlanContext) -> str:
     if d.expert_parallel <= 1:
         return d.expert_parallel_why
     joint = "; " if ctx.cfg.distributed.expert_parallel == "auto" else ": "
+    world = ctx.facts.world.world_size
+    replicas = (
+        f"; {world // d.expert_parallel} replicas of each block (groups of {d.expert_parallel} consecutive ranks) "
+        "sum its gradients once per step"
+        if d.expert_parallel < world
+        else ""
+    )
     return (
         f"{d.expert_parallel_why}{joint}each rank holds 1/{d.expert_parallel} of every MoE layer's experts; "
-        "tokens travel to them and back (two all-to-all exchanges per layer)"
+        f"tokens travel to them and back (two all-to-all exchanges per layer){replicas}"
     )
 
 

@@ -37,7 +37,9 @@ fine-tune is the memory FSDP exists to save; the extra reduce-scatters overlap w
 Expert parallelism beside it (``distributed.expert_parallel: N``): each rank's block of the
 experts (and the LoRA factors on it) is passed to every ``fully_shard`` as ``ignored_params``, so
 those stay plain local tensors: not sharded, not gathered, their gradients not reduce-scattered
-(they already sum every rank's tokens, brought back by the exchange's backward). Everything else
+(they already sum every rank's tokens of the expert-parallel group, brought back by the exchange's
+backward; a group smaller than the job sums them over the block's replicas once per step:
+:mod:`hone.parallel.groups`). Everything else
 (attention, router, norms, embeddings, head, the other LoRA factors) is sharded over all ranks as
 without expert parallelism. What reads the mix: :func:`hone.train.grad_norm.global_grad_norm`
 (the experts' squares summed over the ranks), :func:`hone.train.optim.param_groups` (DTensor and

@@ -59,7 +59,7 @@ def _hone_train(rank: int, cfg: Path) -> None:
     assert code == 0, f"hone train {cfg} exited {code} on rank {rank}"
 
 
-def hone_train_forked(cfg: Path) -> None:
-    """``hone train CFG`` in 2 processes forked by the harness (as ``torchrun -m hone train CFG``
-    runs it in each rank), with the launch timeout: a run whose launch is not under test."""
-    spawn(_hone_train, 2, cfg, timeout_s=TIMEOUT_S)
+def hone_train_forked(cfg: Path, processes: int = 2) -> None:
+    """``hone train CFG`` in ``processes`` processes forked by the harness (as ``torchrun -m hone
+    train CFG`` runs it in each rank), with the launch timeout: a run whose launch is not under test."""
+    spawn(_hone_train, processes, cfg, timeout_s=TIMEOUT_S)

@@ -92,12 +92,24 @@ def test_a_big_preset_drawn_on_the_device_quantizes_then_keeps_each_rank_s_mxfp4
     assert expert_a and all(p.shape[0] == LORA.lora_r * 4 for p in expert_a)  # PEFT sizes the factors for 4 experts
 
 
-def test_expert_parallel_must_span_every_process():
-    with pytest.raises(HoneError, match="not yet: expert_parallel must equal --nproc-per-node"):
-        check_launch(config(expert_parallel=2), World(0, 4, 0), "cpu", local_processes=4)
-    with pytest.raises(HoneError, match="distributed.expert_parallel: 2 on 1 process"):
+def test_expert_parallel_must_divide_the_processes():
+    check_launch(config(expert_parallel=2), World(0, 4, 0), "cpu", local_processes=4)  # 2 groups of 2, 2 replicas
+    with pytest.raises(HoneError, match="distributed.expert_parallel: 4 on 6 processes: N must divide .* 2, 3, 6"):
+        check_launch(config(expert_parallel=4), World(0, 6, 0), "cpu", local_processes=6)
+    with pytest.raises(HoneError, match="distributed.expert_parallel: 2 on 1 process: .*divisors over 1: none"):
         check_launch(config(expert_parallel=2), World(), "cpu")
     check_launch(config(expert_parallel=2), World(1, 2, 1), "cpu", local_processes=2)
+
+
+def test_expert_parallel_below_the_world_size_runs_beside_ddp_and_fsdp2():
+    from hone.transforms.planner import decisions
+
+    for strategy in ("ddp", "fsdp"):
+        cfg, facts = config(expert_parallel=2, strategy=strategy), RunFacts(CPU, world=World(0, 4, 0))
+        plan = plan_optimizations(cfg, facts)
+        assert plan.decided.strategy == strategy and "expert_parallel" in plan.names
+        why = {name: why for name, _, _, why in decisions(cfg, facts, decided=plan.decided)}["expert_parallel"]
+        assert why.endswith("; 2 replicas of each block (groups of 2 consecutive ranks) sum its gradients once per step")
 
 
 def test_the_plan_shards_experts_after_the_backend_with_hone_s_forward_even_on_the_cpu():

@@ -13,8 +13,10 @@ adapter) and carries its :class:`~hone.parallel.expert_parallel.ExpertShard` as
   ``[r * E/N, in]`` is the global ``[r * E, in]`` viewed ``[E, r, in]`` sliced on dim 0, and its
   ``lora_B`` ``[out, r * E/N]`` is the global ``[out, r * E]`` viewed ``[out, r, E]`` sliced on
   its last dim (PEFT lays B out expert-minor);
-- their gradients already sum every rank's tokens (the exchange's backward brings them), so no
-  reduction across ranks may touch them, and the gradient norm adds their squares over the ranks;
+- their gradients already sum every rank's tokens of the expert-parallel group (the exchange's
+  backward brings them), so no reduction over the group may touch them; where the group is a
+  part of the job they are summed over the block's replicas (:mod:`hone.parallel.groups`), and
+  the gradient norm adds their squares over the group (each block once).
 - MXFP4 experts (:mod:`hone.models.experts.mxfp4`) split the same way: their ``{proj}_blocks`` /
   ``{proj}_scales`` buffers keep rows ``[first, first + E / N)`` (non-persistent, frozen), and the
   placeholders become placeholders of the block's shape (PEFT sizes the LoRA factors from them).
@@ -23,6 +25,7 @@ adapter) and carries its :class:`~hone.parallel.expert_parallel.ExpertShard` as
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
@@ -35,6 +38,7 @@ from hone.models.experts.backend import (
 )
 from hone.models.experts.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, is_placeholder, mxfp4_weights, placeholder
 from hone.parallel.expert_parallel import ExpertShard
+from hone.parallel.groups import ExpertGroups
 
 #: The experts' own tensors split along their first (expert) dimension.
 SHARDED_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -46,16 +50,25 @@ def expert_shard(module: nn.Module) -> ExpertShard | None:
     return shard if isinstance(shard, ExpertShard) and shard.size > 1 else None
 
 
-def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity: int | None = None) -> bool:
+def shard_module(
+    module: nn.Module,
+    size: int,
+    rank: int,
+    max_tokens: int | None = None,
+    capacity: int | None = None,
+    groups: ExpertGroups | None = None,
+) -> bool:
     """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
     ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
-    (the default process group: the model stays picklable and compilable), the most tokens a
+    (over every rank: the default process group, and the model stays picklable; ``groups``: an
+    expert-parallel group smaller than the job, and the replicas of the block), the most tokens a
     forward routes per rank and the expert pair rows (None: the worst case; else a buffer
     counts the pairs over capacity). False where it was split already (idempotent)."""
     if expert_shard(module) is not None:
         return False
     names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
-    shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0])
+    group, replicas = (groups.group, groups.replicas) if groups is not None else (None, None)
+    shard = ExpertShard(size, rank, getattr(module, names[0]).shape[0], group, replicas)
     for projection, (blocks, scales) in mxfp4_weights(module).items():
         module.register_buffer(projection + BLOCKS_SUFFIX, shard.local(blocks).clone(), persistent=False)
         module.register_buffer(projection + SCALES_SUFFIX, shard.local(scales).clone(), persistent=False)
@@ -78,11 +91,18 @@ def shard_module(module: nn.Module, size: int, rank: int, max_tokens: int | None
     return True
 
 
-def shard_experts(model: nn.Module, size: int, rank: int, max_tokens: int | None = None, capacity: int | None = None) -> int:
+def shard_experts(
+    model: nn.Module,
+    size: int,
+    rank: int,
+    max_tokens: int | None = None,
+    capacity: int | None = None,
+    groups: ExpertGroups | None = None,
+) -> int:
     """:func:`shard_module` on every experts module of ``model``; returns how many it holds."""
     modules = experts_modules(model)
     for _, module in modules:
-        shard_module(module, size, rank, max_tokens, capacity)
+        shard_module(module, size, rank, max_tokens, capacity, groups)
     return len(modules)
 
 
@@ -110,6 +130,13 @@ def expert_parallel_shards(model: nn.Module) -> dict[str, ExpertShard]:
         elif (shard := expert_shard(module)) is not None:
             found.update({f"{prefix}{n}": shard for n, _ in module.named_parameters(recurse=False) if n in SHARDED_TENSORS})
     return found
+
+
+def expert_parallel_groups(model: nn.Module) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(the expert-parallel group, the replica group) of ``model``'s blocks: (None, None) where
+    they span every rank (the default group, no replicas) or nothing is split."""
+    shard = next(iter(expert_parallel_shards(model).values()), None)
+    return (shard.group, shard.replicas) if shard is not None else (None, None)
 
 
 def expert_parallel_names(model: nn.Module) -> list[str]:

@@ -71,9 +71,20 @@ def is_expert_sharded(model: nn.Module) -> bool:
     return any(expert_shard(module) is not None for module in model.modules())
 
 
+def gathers(shard: ExpertShard) -> bool:
+    """Whether this rank's expert-parallel group gathers the whole tensors: the group holding
+    rank 0, which writes (every group where it is all the ranks). With replicas (a group smaller
+    than the job) the other groups hold the same blocks again and gather nothing: every expert is
+    moved and saved once."""
+    return shard.group is None or 0 in dist.get_process_group_ranks(shard.group)
+
+
 def gather_one(block: torch.Tensor, spec: ShardedTensor, keep: bool) -> torch.Tensor | None:
     """The whole tensor of one block (every rank of ``spec.shard.group`` must call this, in the
-    same order), on the CPU where ``keep``, else None. One all-gather on the block's device."""
+    same order), on the CPU where ``keep``, else None. One all-gather on the block's device, in
+    the group that :func:`gathers` only (elsewhere None)."""
+    if not gathers(spec.shard):
+        return None
     block = block.detach().contiguous()
     blocks = [torch.empty_like(block) for _ in range(spec.shard.size)]
     dist.all_gather(blocks, block, group=spec.shard.group)
