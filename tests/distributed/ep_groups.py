@@ -9,7 +9,7 @@ trained weights of every rank and the expert groups' layout go to files for the 
 from pathlib import Path
 
 import torch
-from ep_training import Case, expert_parallel_model, make_config, run, trainable
+from ep_training import Case, expert_parallel_model, make_config, run, scramble_trainable, trainable
 
 from hone.models.experts.parallel import expert_parallel_shards
 from hone.models.experts.sharded_state import gathers
@@ -34,10 +34,7 @@ def groups_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
             model = expert_parallel_model(case, seed, cfg, facts)
             resume_from = None
             if part == "resumed":
-                with torch.no_grad():  # whatever the run restores must come from the checkpoint
-                    for param in model.parameters():
-                        if param.requires_grad:
-                            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+                scramble_trainable(model, rank)
                 resume_from = out / case.name / "whole" / "checkpoints" / "step-2"
             hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
             checkpoint_io_for(hooks, world).save_final(model, None, where / "final", cfg.adapter)

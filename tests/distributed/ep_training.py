@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from hone.config.adapter import AdapterConfig
 from hone.models.adapters import apply_adapter
-from hone.models.experts.parallel import expert_parallel_names, expert_shard, local_block
+from hone.models.experts.parallel import expert_parallel_names, expert_shard, join_blocks, local_block
 from hone.models.presets import build_preset_config
 from hone.runtime.world import World
 from hone.testing import VOCAB, random_rows, tiny_config
@@ -199,6 +199,34 @@ def run(model, cfg, world: World, facts: RunFacts, seed: int, resume_from: Path 
     return hooks
 
 
+def joined_weights(run_dir: Path, ranks: int, group: int | None = None) -> tuple[dict, dict]:
+    """``(weights, sharded)``: the trained weights the ``ranks`` ranks saved (``weights-rank{r}.pt``)
+    as one model's: the expert blocks of the first expert-parallel group (``group`` ranks; all of
+    them by default) joined, every other weight checked equal on every rank, and every rank's
+    block equal to the one at its position in the first group (its replicas)."""
+    group = group or ranks
+    saved = [torch.load(run_dir / f"weights-rank{r}.pt") for r in range(ranks)]
+    sharded = saved[0]["sharded"]
+    for rank, held in enumerate(saved):
+        for name, weight in held["weights"].items():
+            twin = saved[rank % group if name in sharded else 0]["weights"][name]
+            torch.testing.assert_close(weight, twin, rtol=0, atol=0, msg=f"replicas differ: {name} (rank {rank})")
+    joined = {
+        name: join_blocks(name, [saved[r]["weights"][name] for r in range(group)], sharded[name]) if name in sharded else weight
+        for name, weight in saved[0]["weights"].items()
+    }
+    return joined, sharded
+
+
+def scramble_trainable(model: torch.nn.Module, rank: int) -> None:
+    """Noise on every trainable weight before a resume: whatever the run then holds must come
+    from the checkpoint."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+
+
 def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trained weights, FSDP2's shards gathered whole (every rank must call it then)."""
     from torch.distributed.tensor import DTensor
@@ -236,10 +264,7 @@ def resume_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
             model = expert_parallel_model(case, seed, cfg, facts)
             resume_from = None
             if part == "resumed":
-                with torch.no_grad():  # whatever the run restores must come from the checkpoint
-                    for param in model.parameters():
-                        if param.requires_grad:
-                            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+                scramble_trainable(model, rank)
                 resume_from = out / case.name / "whole" / "checkpoints" / "step-2"
             hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
             checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / part / "final", cfg.adapter)

@@ -13,10 +13,9 @@ import random
 import pytest
 import torch
 from ep_groups import groups_ranks, replica_sums, resume_on_two_ranks
-from ep_training import CPU, Case, make_config, reference_model, run, trainable
+from ep_training import CPU, Case, joined_weights, make_config, reference_model, run, trainable
 from fsdp_harness import spawn
 
-from hone.models.experts.parallel import join_blocks
 from hone.parallel.groups import group_layout
 from hone.track.metrics import read_metrics
 
@@ -99,25 +98,15 @@ def _losses(path):
 def _joined(run_dir):
     """The 4 ranks' trained weights as one model's: the blocks of group {0, 1} joined; every
     replica (rank 2 of rank 0, 3 of 1) and every weight outside the experts the same on all ranks."""
-    ranks = [torch.load(run_dir / f"weights-rank{r}.pt") for r in range(WORLD)]
-    sharded = ranks[0]["sharded"]
-    for rank, saved in enumerate(ranks):
-        assert saved["layout"] == {
+    for rank in range(WORLD):
+        assert torch.load(run_dir / f"weights-rank{rank}.pt")["layout"] == {
             "ep_rank": rank % N,
             "ep_size": N,
             "group": [rank - rank % N + i for i in range(N)],
             "replicas": list(range(rank % N, WORLD, N)),
             "gathers": rank < N,  # only the group of rank 0 (the writer) gathers checkpoints and final outputs
         }
-        for name, weight in saved["weights"].items():
-            torch.testing.assert_close(weight, ranks[rank % N]["weights"][name], rtol=0, atol=0, msg=f"replicas differ: {name}")
-            if name not in sharded:
-                torch.testing.assert_close(weight, ranks[0]["weights"][name], rtol=0, atol=0, msg=f"DDP weights differ: {name}")
-    joined = {
-        name: join_blocks(name, [ranks[r]["weights"][name] for r in range(N)], sharded[name]) if name in sharded else weight
-        for name, weight in ranks[0]["weights"].items()
-    }
-    return joined, sharded
+    return joined_weights(run_dir, WORLD, N)
 
 
 def _assert_close(got: dict, want: dict) -> None:
@@ -159,13 +148,7 @@ def _assert_resumes(runs, case, tmp_path):
     two = tmp_path / "two-resumed"  # 2 ranks, expert_parallel: 2 (no replicas), accumulation 2
     two.mkdir(parents=True)
     spawn(resume_on_two_ranks, 2, two, SEED, case, whole / "checkpoints" / "step-2", timeout_s=300)
-    ranks = [torch.load(two / f"weights-rank{r}.pt") for r in range(2)]
-    sharded = ranks[0]["sharded"]
-    joined = {
-        name: join_blocks(name, [ranks[r]["weights"][name] for r in range(2)], sharded[name]) if name in sharded else weight
-        for name, weight in ranks[0]["weights"].items()
-    }
-    _assert_close(joined, _joined(whole)[0])
+    _assert_close(joined_weights(two, 2)[0], _joined(whole)[0])
     _assert_finals_equal(two / "final", whole / "final")
 
 

@@ -13,11 +13,20 @@ import random
 
 import pytest
 import torch
-from ep_training import Case, expert_parallel_model, make_config, resume_ranks, run, run_reference, shards, trainable
+from ep_training import (
+    Case,
+    expert_parallel_model,
+    joined_weights,
+    make_config,
+    resume_ranks,
+    run,
+    run_reference,
+    shards,
+    trainable,
+)
 from fsdp_harness import spawn
 from safetensors.torch import load_file
 
-from hone.models.experts.parallel import join_blocks
 from hone.track.metrics import read_metrics
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
@@ -91,14 +100,7 @@ def test_expert_parallel_over_mxfp4_experts_equals_one_process(two_rank_runs, tm
     sharded = ranks[0]["sharded"]
     assert any("lora_A" in n for n in sharded) and any("lora_B" in n for n in sharded)
     assert not any(n.endswith(("gate_up_proj", "down_proj")) for n in ranks[0]["weights"])  # the base stays frozen
-    joined = {}
-    for name, weight in ranks[0]["weights"].items():
-        other = ranks[1]["weights"][name]
-        if name in sharded:
-            joined[name] = join_blocks(name, [weight, other], sharded[name])
-        else:
-            torch.testing.assert_close(other, weight, rtol=0, atol=0, msg=f"replicas differ: {name}")
-            joined[name] = weight
+    joined, _ = joined_weights(two_rank_runs / case.name, 2)
     assert joined.keys() == expected.keys()
     for key, weight in expected.items():
         torch.testing.assert_close(joined[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")

@@ -10,10 +10,19 @@ import random
 
 import pytest
 import torch
-from ep_training import CAPPED, CASES, FSDP_CASES, GPT_OSS, SLOW_CASES, overflow_ranks, run_ranks, run_reference
+from ep_training import (
+    CAPPED,
+    CASES,
+    FSDP_CASES,
+    GPT_OSS,
+    SLOW_CASES,
+    joined_weights,
+    overflow_ranks,
+    run_ranks,
+    run_reference,
+)
 from fsdp_harness import spawn
 
-from hone.models.experts.parallel import join_blocks
 from hone.track.metrics import read_metrics
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
@@ -52,17 +61,7 @@ def _losses(path):
 
 def _joined(two_ranks):
     """The trained weights of the 2 ranks as one model's: expert blocks joined, the rest equal."""
-    ranks = [torch.load(two_ranks / f"weights-rank{r}.pt") for r in (0, 1)]
-    sharded = ranks[0]["sharded"]
-    joined = {}
-    for name, weight in ranks[0]["weights"].items():
-        other = ranks[1]["weights"][name]
-        if name in sharded:
-            joined[name] = join_blocks(name, [weight, other], sharded[name])
-        else:
-            torch.testing.assert_close(other, weight, rtol=0, atol=0, msg=f"replicas differ: {name}")
-            joined[name] = weight
-    return joined, sharded
+    return joined_weights(two_ranks, 2)
 
 
 @pytest.mark.parametrize("case", [*CASES, GPT_OSS, CAPPED], ids=lambda c: c.name)

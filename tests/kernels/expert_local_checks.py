@@ -73,15 +73,21 @@ def relative_errors(layout_name: str, trained: str, sentinel_share: float, devic
     case = local_case(layout, sentinel_share, **sizes)
     want = run_local(case, layout, trained, use_kernels=False, device=device)
     got = run_local(case, layout, trained, use_kernels=True, device=device)
-    real = case["ids"].lt(case["gate_up"].shape[0]).any(dim=1).to(device)
-    want["rows"], got["rows"] = want["rows"][real], got["rows"][real]  # a sentinel slot's gradient is dropped
+    return compare_local(want, got, case["ids"].lt(case["gu_A"].shape[0]).any(dim=1).to(device))
+
+
+def compare_local(want: dict, got: dict, real: torch.Tensor) -> dict:
+    """The kernels' results ``got`` against the plain path's ``want``: each tensor's relative
+    error (``"nonfinite"`` / ``"nonzero"`` where it should be finite / zero), the sentinel rows'
+    largest output magnitude and the overflow difference; ``real`` marks the received rows with
+    a local choice (a sentinel slot's gradient is dropped by its sender, so it is not compared)."""
+    want["rows"], got["rows"] = want["rows"][real], got["rows"][real]
     errors: dict = {"sentinel_out": got["out"][~real].abs().max().item() if (~real).any() else 0.0}
     assert set(got) == set(want), (sorted(got), sorted(want))
     for name, expected in want.items():
         if name == "overflow":
             errors[name] = got[name] - expected
-            continue
-        if not torch.isfinite(got[name]).all():
+        elif not torch.isfinite(got[name]).all():
             errors[name] = "nonfinite"
         elif expected.abs().sum() == 0:
             errors[name] = 0.0 if got[name].abs().sum() == 0 else "nonzero"

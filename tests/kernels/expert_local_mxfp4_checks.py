@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from expert_local_checks import LAYOUTS, local_case  # noqa: E402
+from expert_local_checks import LAYOUTS, compare_local, local_case  # noqa: E402
 from moe_mxfp4_checks import random_mxfp4  # noqa: E402
 
 from hone.parallel.expert_parallel import LocalExperts, local_experts  # noqa: E402
@@ -56,20 +56,7 @@ def mxfp4_relative_errors(layout_name: str, sentinel_share: float, device: str, 
     case = mxfp4_case(layout, sentinel_share, **sizes)
     want = run_mxfp4_local(case, layout, use_kernels=False, device=device, capacity=capacity)
     got = run_mxfp4_local(case, layout, use_kernels=True, device=device, capacity=capacity)
-    real = case["ids"].lt(case["gu_A"].shape[0]).any(dim=1).to(device)
-    want["rows"], got["rows"] = want["rows"][real], got["rows"][real]  # a sentinel slot's gradient is dropped
-    errors: dict = {"sentinel_out": got["out"][~real].abs().max().item() if (~real).any() else 0.0}
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for name, expected in want.items():
-        if name == "overflow":
-            errors[name] = got[name] - expected
-        elif not torch.isfinite(got[name]).all():
-            errors[name] = "nonfinite"
-        elif expected.abs().sum() == 0:
-            errors[name] = 0.0 if got[name].abs().sum() == 0 else "nonzero"
-        else:
-            errors[name] = ((got[name] - expected).norm() / expected.norm()).item()
-    return errors
+    return compare_local(want, got, case["ids"].lt(case["gu_A"].shape[0]).any(dim=1).to(device))
 
 
 if __name__ == "__main__":
