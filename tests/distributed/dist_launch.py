@@ -63,3 +63,33 @@ def hone_train_forked(cfg: Path, processes: int = 2) -> None:
     """``hone train CFG`` in ``processes`` processes forked by the harness (as ``torchrun -m hone
     train CFG`` runs it in each rank), with the launch timeout: a run whose launch is not under test."""
     spawn(_hone_train, processes, cfg, timeout_s=TIMEOUT_S)
+
+
+def tiny_moe_train_config(out: Path, training: dict, distributed: dict, **sections: dict) -> Path:
+    """A ``hone train`` config file in ``out`` for the tiny qwen3-moe on a small completion set it
+    writes there: LoRA r4 on q_proj and the experts, fp32, no trackers; ``training`` (beside
+    ``output_dir: out/run``), ``distributed`` and any other whole ``sections`` as given."""
+    import json
+
+    import yaml
+
+    data = out / "data.jsonl"
+    rows = [{"text": " ".join(["red green blue lemon lime fox"] * (1 + i % 3))} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"preset": "tiny-qwen3-moe", "dtype": "float32"},
+        "data": {
+            "datasets": [{"path": str(data), "type": "completion"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(out / "c"),
+        },
+        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": ["q_proj", "experts"]},
+        "training": {"output_dir": str(out / "run"), **training},
+        "optimizer": {"learning_rate": 5e-3},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "distributed": distributed,
+        **sections,
+    }
+    path = out / "cfg.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -176,28 +176,14 @@ def test_hone_train_splits_the_experts_over_2_of_4_processes(tmp_path):
     4 ranks), the plan records the replicas, and the final adapter holds every expert."""
     import json
 
-    import yaml
-    from dist_launch import hone_train_forked
+    from dist_launch import hone_train_forked, tiny_moe_train_config
     from safetensors.torch import load_file
 
-    data = tmp_path / "data.jsonl"
-    rows = [{"text": " ".join(["red green blue lemon lime fox"] * (1 + i % 3))} for i in range(16)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {
-        "model": {"preset": "tiny-qwen3-moe", "dtype": "float32"},
-        "data": {
-            "datasets": [{"path": str(data), "type": "completion"}],
-            "sequence_len": 32,
-            "dataset_prepared_path": str(tmp_path / "c"),
-        },
-        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": ["q_proj", "experts"]},
-        "training": {"max_steps": 2, "micro_batch_size": 1, "output_dir": str(tmp_path / "run"), "save_steps": 1},
-        "optimizer": {"learning_rate": 5e-3},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.5},
-    }
-    path = tmp_path / "cfg.yml"
-    path.write_text(yaml.safe_dump(cfg))
+    path = tiny_moe_train_config(
+        tmp_path,
+        training={"max_steps": 2, "micro_batch_size": 1, "save_steps": 1},
+        distributed={"expert_parallel": 2, "expert_capacity_factor": 1.5},
+    )
     hone_train_forked(path, processes=WORLD)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]

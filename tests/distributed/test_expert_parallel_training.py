@@ -124,32 +124,16 @@ def test_hone_train_runs_expert_parallel_end_to_end(tmp_path, strategy):
     fine-tune beside FSDP2, with a step checkpoint (DCP) and the final model written."""
     import json
 
-    import yaml
-    from dist_launch import hone_train_forked
+    from dist_launch import hone_train_forked, tiny_moe_train_config
 
-    data = tmp_path / "data.jsonl"
-    rows = [{"text": " ".join(["red green blue lemon lime fox"] * (1 + i % 3))} for i in range(16)]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {
-        "model": {"preset": "tiny-qwen3-moe", "dtype": "float32"},
-        "data": {
-            "datasets": [{"path": str(data), "type": "completion"}],
-            "sequence_len": 32,
-            "dataset_prepared_path": str(tmp_path / "c"),
-        },
-        "adapter": {"type": "lora", "lora_r": 4, "lora_target_modules": ["q_proj", "experts"]},
-        "training": {"max_steps": 2, "micro_batch_size": 2, "output_dir": str(tmp_path / "run"), "save_steps": None},
-        "optimizer": {"learning_rate": 5e-3},
-        "memory": {"activation_checkpointing": "full"},
-        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-        "distributed": {"expert_parallel": 2, "expert_capacity_factor": 1.5},
-    }
-    if strategy == "fsdp":
-        cfg["adapter"] = {"type": "none"}
-        cfg["training"]["save_steps"] = 1
-        cfg["distributed"]["strategy"] = "fsdp"
-    path = tmp_path / "cfg.yml"
-    path.write_text(yaml.safe_dump(cfg))
+    fsdp = strategy == "fsdp"
+    path = tiny_moe_train_config(
+        tmp_path,
+        training={"max_steps": 2, "micro_batch_size": 2, "save_steps": 1 if fsdp else None},
+        distributed={"expert_parallel": 2, "expert_capacity_factor": 1.5, **({"strategy": "fsdp"} if fsdp else {})},
+        memory={"activation_checkpointing": "full"},
+        **({"adapter": {"type": "none"}} if fsdp else {}),
+    )
     hone_train_forked(path)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
