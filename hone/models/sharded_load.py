@@ -15,7 +15,11 @@ weight; on N ranks that is N whole copies before sharding. Here, in order:
    still on the meta device;
 4. ``to_empty`` allocates each rank's shards on the device; the buffers are put back; each rank
    reads from the safetensors files only the rows of its shards (``safe_open(...).get_slice``),
-   one tensor at a time; the adapter weights are sliced from the values drawn in step 2.
+   one tensor at a time; the adapter weights are sliced from the values drawn in step 2. A fused
+   experts tensor (transformers 5's ``mlp.experts.gate_up_proj``) that the checkpoint keeps as one
+   tensor per expert (Hugging Face's qwen3-moe) is assembled from this rank's experts only
+   (:mod:`hone.models.expert_keys`); under expert parallelism the experts' blocks, which FSDP2
+   leaves local, are the rows of the rank's experts (its ``ExpertShard.first`` onwards).
 
 The result equals a normal load sharded afterwards (a CPU test proves it for LoRA and for a
 full fine-tune with tied embeddings). Presets (random weights, no files) load normally.
@@ -23,6 +27,7 @@ full fine-tune with tied embeddings). Presets (random weights, no files) load no
 
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -33,7 +38,9 @@ from hone.config import HoneConfig
 from hone.models.adapters import apply_adapter
 from hone.models.attention.sinks import sink_backend_for
 from hone.models.errors import ModelError
+from hone.models.expert_keys import expert_rows, per_expert_sources
 from hone.models.experts.mxfp4 import quant_method
+from hone.models.experts.parallel import SHARDED_TENSORS, expert_shard
 from hone.models.hub import local_model_dir
 from hone.models.loader import LoadedModel, check_vocab_fits, count_parameters, describe, seeded
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
@@ -59,33 +66,73 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return param.to_local(), chunk * param.device_mesh.get_local_rank()
 
 
+def expert_block_starts(model: nn.Module) -> dict[int, int]:
+    """``id(param)`` -> its first row in the whole tensor, for the expert blocks that expert
+    parallelism left local (plain tensors FSDP2 does not shard: :func:`local_rows` says 0)."""
+    starts = {}
+    for module in model.modules():
+        shard = expert_shard(module)
+        if shard is None:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if name in SHARDED_TENSORS:
+                starts[id(param)] = shard.first
+    return starts
+
+
 @torch.no_grad()
 def fill_from_safetensors(model: nn.Module, path: Path, skip: set[str]) -> None:
-    """Copy each rank's rows of every parameter (except ``skip``) from the files in ``path``."""
+    """Copy each rank's rows of every parameter (except ``skip``) from the files in ``path``; a
+    fused experts tensor missing from them is assembled from one tensor per expert
+    (:mod:`hone.models.expert_keys`), this rank's experts only."""
     from safetensors import safe_open
 
     files = weight_files(path)
+    starts = expert_block_starts(model)
     wanted: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    per_expert: list[tuple[str, Callable[[int], list[str]], torch.Tensor]] = []
     for name, param in model.named_parameters():
         if name in skip:
             continue
         key = checkpoint_key(name)
-        if key not in files:
+        if key in files:
+            wanted.setdefault(files[key], []).append((name, key, param))
+            continue
+        sources = per_expert_sources(key, files)
+        if sources is None:
             raise ModelError(f"model.path: '{path}' has no tensor '{key}' (for the model's '{name}')")
-        wanted.setdefault(files[key], []).append((name, key, param))
+        per_expert.append((key, sources, param))
     for file, entries in wanted.items():
         with safe_open(str(file), framework="pt") as f:
             for _name, key, param in entries:
                 local, start = local_rows(param)
                 if local.numel() == 0:
                     continue
-                rows = f.get_slice(key)[start : start + local.shape[0]]
-                if tuple(rows.shape) != tuple(local.shape):
-                    raise ModelError(
-                        f"model.path: tensor '{key}' in {file.name} has shape {tuple(rows.shape)} "
-                        f"where the model expects {tuple(local.shape)}"
-                    )
-                local.copy_(rows)
+                start += starts.get(id(param), 0)
+                _copy_rows(local, f.get_slice(key)[start : start + local.shape[0]], key, file.name)
+    with ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def read(key: str) -> torch.Tensor:
+            if key not in files:
+                raise ModelError(f"model.path: '{path}' has no tensor '{key}' (one expert of a per-expert checkpoint)")
+            if files[key] not in opened:
+                opened[files[key]] = stack.enter_context(safe_open(str(files[key]), framework="pt"))
+            return opened[files[key]].get_tensor(key)
+
+        for key, sources, param in per_expert:
+            local, start = local_rows(param)
+            if local.numel():
+                rows = expert_rows(sources, start + starts.get(id(param), 0), local.shape[0], read)
+                _copy_rows(local, rows, key, "its per-expert tensors")
+
+
+def _copy_rows(local: torch.Tensor, rows: torch.Tensor, key: str, where: str) -> None:
+    if tuple(rows.shape) != tuple(local.shape):
+        raise ModelError(
+            f"model.path: tensor '{key}' in {where} has shape {tuple(rows.shape)} where the model expects {tuple(local.shape)}"
+        )
+    local.copy_(rows)
 
 
 @torch.no_grad()
