@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hone.models.errors import ModelError
+
 
 @dataclass(frozen=True)
 class PerExpert:
@@ -55,4 +57,14 @@ def per_expert_sources(key: str, available: Container[str]) -> Callable[[int], l
 def expert_rows(sources: Callable[[int], list[str]], first: int, count: int, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """Rows ``[first, first + count)`` of the fused tensor (experts ``first`` onwards), each
     expert's parts (``read(key)``) concatenated along dim 0, stacked: as transformers fuses them."""
-    return torch.stack([torch.cat([read(part) for part in sources(e)], dim=0) for e in range(first, first + count)])
+    experts: list[torch.Tensor] = []
+    for expert in range(first, first + count):
+        keys = sources(expert)
+        parts = [read(key) for key in keys]
+        joined = torch.cat(parts, dim=0) if len({tuple(p.shape[1:]) for p in parts}) == 1 else None
+        if joined is None or (experts and joined.shape != experts[0].shape):
+            found = ", ".join(f"'{key}' {tuple(part.shape)}" for key, part in zip(keys, parts, strict=True))
+            want = f" (expert {first}'s make {tuple(experts[0].shape)})" if experts else ""
+            raise ModelError(f"model.path: expert {expert}'s tensors do not make one expert of a fused tensor: {found}{want}")
+        experts.append(joined)
+    return torch.stack(experts)

@@ -11,16 +11,17 @@ from fsdp_harness import full, save, spawn
 from safetensors import safe_open
 
 
-def _cfg(tmp, model_dir, expert_parallel: int):
+def _cfg(tmp, model_dir, expert_parallel: int, adapter: str):
     from hone.testing import tiny_config
 
-    distributed = {"strategy": "fsdp"} | ({"expert_parallel": expert_parallel} if expert_parallel > 1 else {})
-    return tiny_config(
-        tmp,
-        model={"preset": None, "path": str(model_dir), "dtype": "float32"},
-        distributed=distributed,
-        performance={"loss": "standard"},
-    )
+    sections = {
+        "model": {"preset": None, "path": str(model_dir), "dtype": "float32"},
+        "distributed": {"strategy": "fsdp"} | ({"expert_parallel": expert_parallel} if expert_parallel > 1 else {}),
+        "performance": {"loss": "standard"},
+    }
+    if adapter == "lora":
+        sections["adapter"] = {"type": "lora", "lora_r": 4, "lora_target_modules": "all-linear"}
+    return tiny_config(tmp, **sections)
 
 
 def _batch():
@@ -30,7 +31,7 @@ def _batch():
     return collate(random_rows(2, seed=9, vocab=300, as_list=True), pad_id=0)
 
 
-def _sharded(rank: int, tmp, model_dir, expert_parallel: int, out) -> None:
+def _sharded(rank: int, tmp, model_dir, expert_parallel: int, adapter: str, out) -> None:
     from torch.distributed.tensor import DTensor
 
     from hone.models.experts.parallel import expert_shard
@@ -40,7 +41,7 @@ def _sharded(rank: int, tmp, model_dir, expert_parallel: int, out) -> None:
     from hone.transforms.base import RunFacts
     from hone.transforms.planner import plan_optimizations
 
-    cfg = _cfg(tmp, model_dir, expert_parallel)
+    cfg = _cfg(tmp, model_dir, expert_parallel, adapter)
     facts = RunFacts(torch.device("cpu"), world=world_from_env())
     plan = plan_optimizations(cfg, facts)
     loaded = load_model_sharded(
@@ -77,8 +78,11 @@ def _fuse_checkpoint(model_dir) -> None:
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("layout,expert_parallel", [("per-expert", 1), ("fused", 1), ("per-expert", 2), ("fused", 2)])
-def test_sharded_load_of_a_moe_checkpoint_equals_normal_load(tmp_path, layout, expert_parallel):
+@pytest.mark.parametrize(
+    "layout,expert_parallel,adapter",
+    [("per-expert", 1, "none"), ("fused", 1, "none"), ("per-expert", 2, "none"), ("fused", 2, "none"), ("per-expert", 2, "lora")],
+)
+def test_sharded_load_of_a_moe_checkpoint_equals_normal_load(tmp_path, layout, expert_parallel, adapter):
     from hone.models.loader import load_model
     from hone.models.tokenizer import load_tokenizer
     from hone.testing import run_hooks, save_tiny_model, tiny_tokenizer
@@ -90,10 +94,10 @@ def test_sharded_load_of_a_moe_checkpoint_equals_normal_load(tmp_path, layout, e
         fused = any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())
         assert fused == (layout == "fused")
         assert fused or "model.layers.0.mlp.experts.7.up_proj.weight" in f.keys()
-    spawn(_sharded, 2, tmp_path, model_dir, expert_parallel, tmp_path, timeout_s=300)
+    spawn(_sharded, 2, tmp_path, model_dir, expert_parallel, adapter, tmp_path, timeout_s=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
 
-    cfg = _cfg(tmp_path, model_dir, 1)
+    cfg = _cfg(tmp_path, model_dir, 1, adapter)
     torch.manual_seed(0)
     ref = load_model(cfg, load_tokenizer(cfg.model), "cpu")
     want = {n: p.detach() for n, p in ref.model.named_parameters()}

@@ -1,9 +1,11 @@
 """The fused experts tensors of transformers 5 assembled from a checkpoint of one tensor per
 expert (hone.models.expert_keys), as transformers fuses them when it loads."""
 
+import pytest
 import torch
 from safetensors import safe_open
 
+from hone.models.errors import ModelError
 from hone.models.expert_keys import expert_rows, per_expert_sources
 
 PREFIX = "model.layers.3.mlp.experts."
@@ -59,3 +61,13 @@ def test_a_transformers_save_reads_back_as_the_models_fused_experts(tmp_path):
             sources = per_expert_sources(name, keys)
             assert sources is not None, name
             assert torch.equal(expert_rows(sources, 0, param.shape[0], f.get_tensor), param.detach()), name
+
+
+def test_experts_of_mismatched_shapes_are_refused_naming_the_tensors():
+    tensors = _per_expert_checkpoint()
+    tensors[f"{PREFIX}2.up_proj.weight"] = torch.zeros(2, 5)
+    with pytest.raises(ModelError, match=r"expert 2's tensors .*up_proj.weight' \(2, 5\)"):
+        expert_rows(per_expert_sources(PREFIX + "gate_up_proj", tensors), 0, 4, tensors.__getitem__)
+    tensors[f"{PREFIX}2.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ModelError, match=r"expert 2's .*\(expert 0's make \(4, 3\)\)"):
+        expert_rows(per_expert_sources(PREFIX + "gate_up_proj", tensors), 0, 4, tensors.__getitem__)
