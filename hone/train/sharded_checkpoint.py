@@ -33,8 +33,9 @@ rank that holds it. The run resumes exactly on the same ``N`` and on another lay
 FSDP2 alone; tested from 2 ranks), and a one-process checkpoint resumes under it: DCP reshards the
 experts like FSDP2's weights; the optimizer's parameter groups, which that run splits into
 DTensors and plain blocks (:func:`hone.train.optim.param_groups`), and an expert-minor ``lora_B``
-stored as ``[out, r, E]`` are matched by :mod:`hone.train.checkpoint_layout_change`. Beside DDP
-such a checkpoint is refused (that combination writes and reads the one-process format).
+stored as ``[out, r, E]`` are matched by :mod:`hone.train.checkpoint_layout_change`. Expert
+parallelism beside DDP (which writes the one-process format) reads such a checkpoint here too,
+each rank its blocks.
 """
 
 import json
@@ -215,11 +216,6 @@ def load_sharded_checkpoint(
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no {COMPLETE} marker)")
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"'{path}' is not a sharded checkpoint (no {DCP_DIR}/ directory)")
-    if not isinstance(optimizer, torch.optim.Optimizer):  # expert parallelism beside DDP: the one-process format only
-        raise CheckpointError(
-            f"cannot resume from {path} under expert parallelism beside DDP: it is a sharded (DCP) checkpoint; resume "
-            "it with distributed.strategy: fsdp, or on one process"
-        )
     state = read_trainer_state(path)
     schedule = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
     reader = dcp.FileSystemReader(str(path / DCP_DIR))

@@ -14,6 +14,7 @@ quantizes its experts and runs hone's experts forward, the ranks quantize throug
 keep their block of the blocks and scales); and, slow, regional compile with full checkpointing.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,10 +259,10 @@ def scramble(model: torch.nn.Module, rank: int) -> None:
 
 
 def resume_on_layout(
-    rank: int, out: Path, seed: int, cases: list[Case], source: Path, expert_parallel: int, part: str = ""
+    rank: int, out: Path, seed: int, cases: list[Case], source: Path, expert_parallel: int, part: str = "", ddp: bool = False
 ) -> None:
     """Each case resumed from ``source/<case>/<part>/checkpoints/step-2`` (written on another layout) on
-    this rank: expert parallelism beside FSDP2 over ``expert_parallel`` ranks, or (1) FSDP2 alone;
+    this rank: expert parallelism beside FSDP2 (or ``ddp``) over ``expert_parallel`` ranks, or (1) FSDP2 alone;
     to the end, with its final output in ``out/<case>/final``."""
     from hone.runtime.world import current_world
     from hone.train.checkpoint_io import checkpoint_io_for
@@ -270,7 +271,8 @@ def resume_on_layout(
     facts = RunFacts(CPU, world=world)
     for case in cases:
         alone = expert_parallel == 1
-        cfg = make_config(out / case.name, case, accumulation=1, expert_parallel=expert_parallel, fsdp_alone=alone)
+        layout = dataclasses.replace(case, fsdp=False) if ddp else case  # expert parallel beside DDP
+        cfg = make_config(out / case.name, layout, accumulation=1, expert_parallel=expert_parallel, fsdp_alone=alone)
         model = reference_model(case, seed) if alone else expert_parallel_model(case, seed, cfg, facts)
         scramble(model, rank)
         hooks = run(model, cfg, world, facts, seed, resume_from=source / case.name / part / "checkpoints" / "step-2")

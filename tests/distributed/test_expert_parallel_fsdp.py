@@ -121,6 +121,23 @@ def test_its_checkpoint_resumes_under_fsdp_alone(resumed_runs, tmp_path):
         _assert_same_final(tmp_path / case.name / "final", whole / "final", f"{case.name} -> FSDP2 alone")
 
 
+def test_its_checkpoint_resumes_under_expert_parallelism_beside_ddp(resumed_runs, tmp_path):
+    """2 ranks (expert parallel + FSDP2) -> 2 ranks of expert parallelism beside DDP (every weight
+    plain, two optimizer groups): each rank reads its blocks of the DCP checkpoint."""
+    from ep_training import resume_on_layout
+
+    for case in FSDP_CASES:
+        (tmp_path / case.name).mkdir()
+    try:
+        spawn(resume_on_layout, 2, tmp_path, SEED, FSDP_CASES, resumed_runs, 2, "whole", True, timeout_s=300)
+    except Exception as exc:
+        raise AssertionError(f"DDP runs resumed from expert-parallel FSDP2 checkpoints (seed {SEED}) failed:\n{exc}") from exc
+    for case in FSDP_CASES:
+        whole = resumed_runs / case.name / "whole"
+        assert _train_rows(tmp_path / case.name)[3][0] == pytest.approx(_train_rows(whole)[3][0], rel=1e-5, abs=1e-6)
+        _assert_same_final(tmp_path / case.name / "final", whole / "final", f"{case.name} -> beside DDP")
+
+
 def test_a_one_process_checkpoint_resumes_under_it(tmp_path):
     """One process (a checkpoint after step 2, the one-process format) -> 2 ranks of expert
     parallelism beside FSDP2: each rank keeps its block of the whole experts and their moments."""
