@@ -14,12 +14,15 @@ Two things depend on the layout a run trains on, not on its weights:
   expert-minor ``[out, r, E]`` (so its ranks' blocks are chunks of the experts' dimension;
   :mod:`hone.train.expert_checkpoint`) where the model holds ``[out, r * E]``: the same elements
   in the same order. :func:`as_saved_shapes` shows this run's tensors to DCP under the saved
-  shape (views of the same storage), so DCP reads into them, and puts the originals back after.
+  shape (views of the same storage), so DCP reads into them, and puts the originals back after;
+  the reverse (a checkpoint without expert parallelism resumed with it) reads the whole factor on
+  every rank, which then keeps its block.
 
 A one-process checkpoint (``optimizer.pt``) numbers the weights in the order one process builds
 its groups: :func:`one_process_order` gives that order on any layout.
 """
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,43 +123,74 @@ def _saved_view(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _reshapes(name: str, value: Any, saved: Any) -> tuple[int, ...] | None:
-    """The saved shape where it is an expert ``lora_B``'s ``[out, r, E]`` for this run's ``[out, r * E]``."""
+    """The saved shape where it holds an expert ``lora_B`` under the other of its two shapes:
+    ``[out, r, E]`` (expert parallelism) for this run's ``[out, r * E]``, or the reverse."""
     size = getattr(saved, "size", None)
-    if ".lora_B." not in f".{name}" or size is None or not isinstance(value, torch.Tensor) or value.dim() != 2:
+    if ".lora_B." not in f".{name}" or size is None or not isinstance(value, torch.Tensor):
         return None
-    size = tuple(size)
-    if len(size) == 3 and size[0] == value.shape[0] and size[1] * size[2] == value.shape[1]:
+    size, shape = tuple(size), tuple(value.shape)
+    if len(size) == 3 and len(shape) == 2 and size[0] == shape[0] and size[1] * size[2] == shape[1]:
+        return size
+    if len(size) == 2 and len(shape) == 3 and size[0] == shape[0] and size[1] == shape[1] * shape[2]:
         return size
     return None
 
 
-def as_saved_shapes(state: dict[str, Any], metadata: Any) -> list[tuple[dict[str, Any], str, Any]]:
+def _whole_then_block(value: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, Callable[[], None]]:
+    """For this run's ``[out, r, E]`` (a rank's experts: a DTensor sharded on ``E``) saved as
+    ``[out, r * E]``: the rank's block is no chunk of the saved tensor, so each rank reads the whole
+    tensor (an expert LoRA factor: small) into a stand-in, then keeps its block of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    whole = torch.empty(shape, dtype=value.dtype, device=value.device)
+
+    def keep_block() -> None:
+        if isinstance(value, DTensor):
+            block = distribute_tensor(whole.view(value.shape), value.device_mesh, value.placements, src_data_rank=None)
+            value.to_local().copy_(block.to_local())
+        else:
+            value.copy_(whole.view(value.shape))
+
+    return whole, keep_block
+
+
+def _stand_in(value: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    if len(shape) == 3:
+        return _saved_view(value, shape), None  # the same storage: nothing to do after the load
+    return _whole_then_block(value, shape)
+
+
+Undo = list[tuple[dict[str, Any], str, Any, Callable[[], None] | None]]
+
+
+def as_saved_shapes(state: dict[str, Any], metadata: Any) -> Undo:
     """Replace, in ``state`` (``{"model", "optim"}`` of DCP), each tensor the checkpoint holds under
-    another shape of the same elements by a view of that shape; returns what to put back after the
-    load (:func:`put_back`)."""
+    another shape of the same elements by a stand-in of that shape (a view, or the whole tensor
+    where this run holds a block of its experts); returns what to put back after the load
+    (:func:`put_back`)."""
     saved = metadata.state_dict_metadata
-    undo = []
+    undo: Undo = []
     weights, moments = state["model"], state["optim"].get("state", {})
     for name in list(weights):
         shape = _reshapes(name, weights[name], saved.get(f"model.{name}"))
         if shape is not None:
-            undo.append((weights, name, weights[name]))
-            weights[name] = _saved_view(weights[name], shape)
+            original = weights[name]
+            weights[name], finish = _stand_in(original, shape)
+            undo.append((weights, name, original, finish))
         if name not in moments:
             continue
         moments[name] = dict(moments[name])
         for key, value in list(moments[name].items()):
             shape = _reshapes(name, value, saved.get(f"optim.state.{name}.{key}"))
             if shape is not None:
-                undo.append((moments[name], key, value))
-                moments[name][key] = _saved_view(value, shape)
+                moments[name][key], finish = _stand_in(value, shape)
+                undo.append((moments[name], key, value, finish))
     return undo
 
 
 def check_shapes(state: dict[str, Any], metadata: Any, path: Path) -> None:
     """Refuse, naming the tensor, a weight or moment whose saved shape this run cannot read into
-    (after :func:`as_saved_shapes`): another model, ``lora_r``, or a layout hone does not convert
-    (an expert ``lora_B`` of a run without expert parallelism, ``[out, r * E]``, for a run with it)."""
+    (after :func:`as_saved_shapes`): another model, ``lora_r`` or number of experts."""
     saved = metadata.state_dict_metadata
     wanted = {f"model.{n}": v for n, v in state["model"].items()}
     for name, values in state["optim"].get("state", {}).items():
@@ -166,12 +200,14 @@ def check_shapes(state: dict[str, Any], metadata: Any, path: Path) -> None:
         if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
             raise CheckpointError(
                 f"cannot resume from {path}: it holds '{key}' as {tuple(size)}, this run as {tuple(value.shape)} "
-                "(another model or lora_r, or an expert lora_B saved without expert parallelism, which resumes "
-                "under it only from a one-process checkpoint: resume it on the layout that saved it)"
+                "(another model, lora_r or number of experts)"
             )
 
 
-def put_back(undo: list[tuple[dict[str, Any], str, Any]]) -> None:
-    """Undo :func:`as_saved_shapes` (the views were read into; the originals share their storage)."""
-    for holder, key, value in undo:
+def put_back(undo: Undo) -> None:
+    """Undo :func:`as_saved_shapes`: the originals back (a view shares their storage; a whole
+    tensor read gives them their block)."""
+    for holder, key, value, finish in undo:
+        if finish is not None:
+            finish()
         holder[key] = value

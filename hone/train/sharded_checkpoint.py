@@ -30,12 +30,11 @@ Beside expert parallelism, each rank's block of the experts (a plain tensor FSDP
 and its optimizer moments go into DCP as shards of the whole experts
 (:func:`hone.train.expert_checkpoint.experts_as_dtensors`): every expert is written once, by the
 rank that holds it. The run resumes exactly on the same ``N`` and on another layout (one process,
-FSDP2 alone; tested from 2 ranks), and a one-process checkpoint resumes under it: DCP reshards the
-experts like FSDP2's weights; the optimizer's parameter groups, which that run splits into
-DTensors and plain blocks (:func:`hone.train.optim.param_groups`), and an expert-minor ``lora_B``
-stored as ``[out, r, E]`` are matched by :mod:`hone.train.checkpoint_layout_change`. Expert
-parallelism beside DDP (which writes the one-process format) reads such a checkpoint here too,
-each rank its blocks.
+FSDP2 alone, expert parallelism beside DDP; tested from 2 ranks), and a checkpoint of one process
+or of FSDP2 alone resumes under it: DCP reshards the experts like FSDP2's weights; the
+optimizer's parameter groups, which that run splits into DTensors and plain blocks
+(:func:`hone.train.optim.param_groups`), and an expert-minor ``lora_B`` stored as ``[out, r, E]``
+are matched by :mod:`hone.train.checkpoint_layout_change`.
 """
 
 import json

@@ -259,11 +259,19 @@ def scramble(model: torch.nn.Module, rank: int) -> None:
 
 
 def resume_on_layout(
-    rank: int, out: Path, seed: int, cases: list[Case], source: Path, expert_parallel: int, part: str = "", ddp: bool = False
+    rank: int,
+    out: Path,
+    seed: int,
+    cases: list[Case],
+    source: Path | None,
+    expert_parallel: int,
+    part: str = "",
+    ddp: bool = False,
 ) -> None:
     """Each case resumed from ``source/<case>/<part>/checkpoints/step-2`` (written on another layout) on
     this rank: expert parallelism beside FSDP2 (or ``ddp``) over ``expert_parallel`` ranks, or (1) FSDP2 alone;
-    to the end, with its final output in ``out/<case>/final``."""
+    to the end, with its final output in ``out/<case>/final``. No ``source``: from the start, with
+    a checkpoint after step 2."""
     from hone.runtime.world import current_world
     from hone.train.checkpoint_io import checkpoint_io_for
 
@@ -272,10 +280,13 @@ def resume_on_layout(
     for case in cases:
         alone = expert_parallel == 1
         layout = dataclasses.replace(case, fsdp=False) if ddp else case  # expert parallel beside DDP
-        cfg = make_config(out / case.name, layout, accumulation=1, expert_parallel=expert_parallel, fsdp_alone=alone)
+        save = 2 if source is None else None
+        cfg = make_config(out / case.name, layout, 1, expert_parallel=expert_parallel, save_steps=save, fsdp_alone=alone)
         model = reference_model(case, seed) if alone else expert_parallel_model(case, seed, cfg, facts)
-        scramble(model, rank)
-        hooks = run(model, cfg, world, facts, seed, resume_from=source / case.name / part / "checkpoints" / "step-2")
+        resume_from = None if source is None else source / case.name / part / "checkpoints" / "step-2"
+        if resume_from is not None:
+            scramble(model, rank)
+        hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
         checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / "final", cfg.adapter)
 
 

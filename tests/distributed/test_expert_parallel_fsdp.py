@@ -163,3 +163,24 @@ def test_a_one_process_checkpoint_resumes_under_it(tmp_path):
         got, want = _train_rows(out / case.name), _train_rows(source / case.name)
         assert got[3][0] == pytest.approx(want[3][0], rel=1e-5, abs=1e-6), f"{case.name} (seed {SEED})"
         _assert_same_final(out / case.name / "final", source / case.name / "final", f"1 -> {case.name}")
+
+
+def test_a_checkpoint_of_fsdp_alone_resumes_under_it(tmp_path):
+    """2 ranks of FSDP2 alone (an expert lora_B saved as [out, r * E], sharded on out) -> 2 ranks of
+    expert parallelism beside FSDP2 (its block of [out, r, E] on E): each rank reads the whole
+    factor and keeps its block."""
+    from ep_training import resume_on_layout
+
+    source, out = tmp_path / "alone", tmp_path / "ep"
+    for case in FSDP_CASES:
+        (source / case.name).mkdir(parents=True)
+        (out / case.name).mkdir(parents=True)
+    try:
+        spawn(resume_on_layout, 2, source, SEED, FSDP_CASES, None, 1, timeout_s=300)
+        spawn(resume_on_layout, 2, out, SEED, FSDP_CASES, source, 2, timeout_s=300)
+    except Exception as exc:
+        raise AssertionError(f"FSDP2 alone -> expert parallel runs (seed {SEED}) failed:\n{exc}") from exc
+    for case in FSDP_CASES:
+        got, want = _train_rows(out / case.name), _train_rows(source / case.name)
+        assert got[3][0] == pytest.approx(want[3][0], rel=1e-5, abs=1e-6), f"{case.name} (seed {SEED})"
+        _assert_same_final(out / case.name / "final", source / case.name / "final", f"FSDP2 alone -> {case.name}")

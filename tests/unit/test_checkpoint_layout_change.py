@@ -94,7 +94,19 @@ def test_an_expert_lora_b_is_read_under_its_saved_shape_and_put_back():
 
 
 def test_a_shape_that_cannot_be_read_is_named():
-    state = {"model": {"m.experts.lora_B.default": torch.zeros(3, 2, 4)}, "optim": {"state": {}}}
+    state = {"model": {"m.experts.lora_B.default": torch.zeros(3, 5)}, "optim": {"state": {}}}
     meta = _metadata({"model.m.experts.lora_B.default": _tensor(3, 8)})
-    with pytest.raises(CheckpointError, match=r"holds 'model.m.experts.lora_B.default' as \(3, 8\), this run as \(3, 2, 4\)"):
+    with pytest.raises(CheckpointError, match=r"holds .model.m.experts.lora_B.default. as \(3, 8\), this run as \(3, 5\)"):
         check_shapes(state, meta, PATH)
+
+
+def test_an_expert_lora_b_saved_without_expert_parallelism_is_read_whole_then_kept():
+    weight = torch.zeros(3, 2, 4)  # [out, r, E] (on one process: every expert)
+    state = {"model": {"m.experts.lora_B.default": weight}, "optim": {"state": {}}}
+    meta = _metadata({"model.m.experts.lora_B.default": _tensor(3, 8)})
+    undo = as_saved_shapes(state, meta)
+    check_shapes(state, meta, PATH)
+    state["model"]["m.experts.lora_B.default"].copy_(torch.arange(24.0).view(3, 8))
+    put_back(undo)
+    assert state["model"]["m.experts.lora_B.default"] is weight
+    assert torch.equal(weight, torch.arange(24.0).view(3, 2, 4))
