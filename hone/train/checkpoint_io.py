@@ -10,6 +10,8 @@ message), and on resume every rank reads the same files. Under expert parallelis
 are the exception: every rank first gathers its blocks into the whole tensors, which rank 0
 writes in the same format, and on resume each rank keeps its block
 (:mod:`hone.train.expert_checkpoint`; the final adapter or model likewise, :mod:`hone.models.save`).
+A DCP checkpoint (written beside FSDP2) is read by every rank, its own blocks resharded
+(:func:`hone.train.sharded_checkpoint.load_sharded_checkpoint`).
 
 The data position in ``trainer_state.json`` is global (see :mod:`hone.train.batches`), so a
 checkpoint resumes on any number of processes.
@@ -25,6 +27,7 @@ from hone.runtime.world import SINGLE, World
 from hone.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
 from hone.train.distributed import together
 from hone.train.expert_checkpoint import whole_experts
+from hone.train.sharded_checkpoint import is_sharded_checkpoint
 
 if TYPE_CHECKING:
     from hone.config.adapter import AdapterConfig
@@ -94,7 +97,9 @@ class RankZeroCheckpoints:
     def load(self, path, *, model, optimizer, scheduler, scaler) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         with together(self.world):  # a rank that cannot read it stops them all
-            whole = whole_experts(model, optimizer)  # expert parallel: each rank keeps its blocks
+            # expert parallel: each rank keeps its blocks of the whole files; a DCP checkpoint (of
+            # expert parallelism beside FSDP2) is read by every rank, its own blocks resharded
+            whole = None if is_sharded_checkpoint(path) else whole_experts(model, optimizer)
             saved = load_checkpoint(
                 path,
                 model=model,

@@ -29,10 +29,12 @@ Works on one process too (no process group: DCP writes a single shard), which is
 Beside expert parallelism, each rank's block of the experts (a plain tensor FSDP2 leaves alone)
 and its optimizer moments go into DCP as shards of the whole experts
 (:func:`hone.train.expert_checkpoint.experts_as_dtensors`): every expert is written once, by the
-rank that holds it, and the run resumes exactly on the same ``N`` (tested). Not on another
-layout: the optimizer keeps FSDP2's DTensors and the plain blocks in separate parameter groups
-(:func:`hone.train.optim.param_groups`), which one process or DDP does not, and an expert-minor
-``lora_B`` is stored as ``[out, r, E]``; a one-process checkpoint is refused under it likewise.
+rank that holds it. The run resumes exactly on the same ``N`` and on another layout (one process,
+FSDP2 alone, expert parallelism beside DDP; tested from 2 ranks), and a checkpoint of one process
+or of FSDP2 alone resumes under it: DCP reshards the experts like FSDP2's weights; the
+optimizer's parameter groups, which that run splits into DTensors and plain blocks
+(:func:`hone.train.optim.param_groups`), and an expert-minor ``lora_B`` stored as ``[out, r, E]``
+are matched by :mod:`hone.train.checkpoint_layout_change`.
 """
 
 import json
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hone.atomic import fsync_path
+from hone.models.adapters import unwrap_compiled
 from hone.train.checkpoint_layout import (
     COMPLETE,
     SCHEDULER_FILE,
@@ -59,6 +62,15 @@ from hone.train.checkpoint_layout import (
     read_trainer_state,
     remove_temp_dirs,
     restore_rng,
+)
+from hone.train.checkpoint_layout_change import (
+    as_saved_shapes,
+    check_shapes,
+    one_process_order,
+    put_back,
+    regroup,
+    regroup_schedule,
+    saved_group_template,
 )
 from hone.train.expert_checkpoint import experts_as_blocks, experts_as_dtensors
 
@@ -205,20 +217,23 @@ def load_sharded_checkpoint(
         raise CheckpointError(f"'{path}' is not a sharded checkpoint (no {DCP_DIR}/ directory)")
     state = read_trainer_state(path)
     schedule = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
-    groups = len(schedule.get("base_lrs", optimizer.param_groups))  # the scheduler keeps one entry per group
-    if groups != len(optimizer.param_groups):  # expert parallelism beside FSDP2 splits them by kind (optim.param_groups)
-        raise CheckpointError(
-            f"cannot resume from {path}: its optimizer had {groups} parameter groups and this run's has "
-            f"{len(optimizer.param_groups)} (a checkpoint of expert parallelism beside FSDP2 resumes under the "
-            "same distributed.strategy and expert_parallel, and only there)"
-        )
+    reader = dcp.FileSystemReader(str(path / DCP_DIR))
+    metadata = reader.read_metadata()
     wanted = training_state_dict(model, optimizer)
+    current = wanted["optim"]["param_groups"]  # this optimizer's groups, weights named
+    wanted["optim"]["param_groups"] = saved_group_template(metadata)  # the saved groups, whatever the layout
+    undo = as_saved_shapes(wanted, metadata)  # an expert lora_B saved as [out, r, E]
+    check_shapes(wanted, metadata, path)
     try:
-        dcp.load(wanted, checkpoint_id=str(path / DCP_DIR))
+        dcp.load(wanted, storage_reader=reader)
     except Exception as exc:  # DCP reports missing keys and bad shapes as CheckpointException
         raise CheckpointError(f"cannot resume from {path}: it does not fit this run's model or optimizer ({exc})") from None
+    put_back(undo)
+    saved_groups = wanted["optim"]["param_groups"]
+    wanted["optim"]["param_groups"], mapping = regroup(current, saved_groups, path)
     wanted = experts_as_blocks(model, wanted)  # loaded into the views: each rank's block again
     _set_trainable_state(model, optimizer, path, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"])
+    schedule = regroup_schedule(schedule, mapping, len(saved_groups))
     scheduler.load_state_dict(schedule)
     rng = path / f"rng-rank{_rank()}.pt"
     if not rng.is_file():  # more ranks than the run that saved it: no stream of its own
@@ -230,6 +245,30 @@ def load_sharded_checkpoint(
 def _is_subclass(value: Any) -> bool:
     """A tensor subclass (torchao's quantized optimizer state), not a plain tensor."""
     return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and not isinstance(value, nn.Parameter)
+
+
+def _expert_blocks(
+    model: nn.Module, weights: dict[str, torch.Tensor], moments: dict[str, dict[str, Any]], path: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """The whole experts' weights and moments of a one-process checkpoint as this rank's blocks
+    (expert parallelism beside FSDP2 keeps them as plain tensors FSDP2 leaves alone)."""
+    from hone.models.experts.sharded_state import sharded_tensors
+
+    specs = sharded_tensors(unwrap_compiled(model))
+    if not specs:
+        return weights, moments
+
+    def block(name: str, value: Any) -> Any:
+        if name not in specs or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        try:
+            return specs[name].block(value)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"cannot resume from {path}: '{name}' does not split over this run's experts ({exc})") from None
+
+    weights = {name: block(name, value) for name, value in weights.items()}
+    moments = {name: {key: block(name, value) for key, value in values.items()} for name, values in moments.items()}
+    return weights, moments
 
 
 def load_full_checkpoint_sharded(
@@ -247,14 +286,8 @@ def load_full_checkpoint_sharded(
     names, which is how torch's full optimizer state dict is keyed."""
     from safetensors.torch import load_file
 
-    from hone.models.experts.sharded_state import is_expert_sharded
     from hone.train.checkpoint_layout import OPTIMIZER_FILE, RNG_FILE, WEIGHTS_FILE
 
-    if is_expert_sharded(model):
-        raise CheckpointError(
-            f"cannot resume from {path} under expert parallelism with FSDP2: it is a one-process checkpoint (one "
-            "process, or DDP), whose optimizer groups the weights otherwise; resume it with distributed.strategy: ddp"
-        )
     state = read_trainer_state(path)
     weights = load_file(str(path / WEIGHTS_FILE))
     saved = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
@@ -268,8 +301,7 @@ def load_full_checkpoint_sharded(
             "hone cannot split into shards: resume it on one process (a sharded checkpoint of an FSDP run resumes "
             "on any number of ranks)"
         )
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    order = one_process_order(model)  # the indices of optimizer.pt, whatever this run's groups
     if len(order) != sum(len(g["params"]) for g in saved["param_groups"]):
         raise CheckpointError(f"checkpoint {path} does not fit this run's optimizer (another model or adapter?)")
     by_index = dict(enumerate(order))
@@ -277,10 +309,15 @@ def load_full_checkpoint_sharded(
         "state": {by_index[i]: value for i, value in saved["state"].items()},
         "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in saved["param_groups"]],
     }
+    weights, optim_sd["state"] = _expert_blocks(model, weights, optim_sd["state"], path)
+    names = {id(p): n for n, p in model.named_parameters()}
+    current = [{"params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    optim_sd["param_groups"], mapping = regroup(current, optim_sd["param_groups"], path)
     try:
         _set_trainable_state(model, optimizer, path, model_state_dict=weights, optim_state_dict=optim_sd, full_state_dict=True)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot resume from {path}: {exc}") from None
-    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    schedule = torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    scheduler.load_state_dict(regroup_schedule(schedule, mapping, len(saved["param_groups"])))
     restore_rng(torch.load(path / RNG_FILE, map_location="cpu", weights_only=True))
     return state

@@ -14,6 +14,7 @@ quantizes its experts and runs hone's experts forward, the ranks quantize throug
 keep their block of the blocks and scales); and, slow, regional compile with full checkpointing.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,10 @@ SLOW_CASES = [Case("lora", True, composed=True), Case("full", True, composed=Tru
 FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
 
-def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int, save_steps: int | None = None):
+def make_config(
+    out: Path, case: Case, accumulation: int, expert_parallel: int, save_steps: int | None = None, fsdp_alone: bool = False
+):
+    """The case's config; ``fsdp_alone``: FSDP2 without expert parallelism (``expert_parallel`` 1)."""
     return tiny_config(
         out,
         model={"preset": case.preset, "dtype": "float32", **({"quantize": case.quantize} if case.quantize != "none" else {})},
@@ -95,7 +99,7 @@ def make_config(out: Path, case: Case, accumulation: int, expert_parallel: int, 
             "fused": case.fsdp,
             "adam_epsilon": 1e-5,
         },
-        distributed={"expert_parallel": expert_parallel}
+        distributed={"expert_parallel": expert_parallel, **({"strategy": "fsdp"} if fsdp_alone else {})}
         if expert_parallel == 1
         else {
             "expert_parallel": expert_parallel,
@@ -269,6 +273,46 @@ def resume_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
             hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
             checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / part / "final", cfg.adapter)
             torch.save(trainable(model), out / case.name / part / f"weights-rank{rank}.pt")
+
+
+def scramble(model: torch.nn.Module, rank: int) -> None:
+    """Add noise to the trainable weights: whatever a resumed run ends with must come from the checkpoint."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(rank)))
+
+
+def resume_on_layout(
+    rank: int,
+    out: Path,
+    seed: int,
+    cases: list[Case],
+    source: Path | None,
+    expert_parallel: int,
+    part: str = "",
+    ddp: bool = False,
+) -> None:
+    """Each case resumed from ``source/<case>/<part>/checkpoints/step-2`` (written on another layout) on
+    this rank: expert parallelism beside FSDP2 (or ``ddp``) over ``expert_parallel`` ranks, or (1) FSDP2 alone;
+    to the end, with its final output in ``out/<case>/final``. No ``source``: from the start, with
+    a checkpoint after step 2."""
+    from hone.runtime.world import current_world
+    from hone.train.checkpoint_io import checkpoint_io_for
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    for case in cases:
+        alone = expert_parallel == 1
+        layout = dataclasses.replace(case, fsdp=False) if ddp else case  # expert parallel beside DDP
+        save = 2 if source is None else None
+        cfg = make_config(out / case.name, layout, 1, expert_parallel=expert_parallel, save_steps=save, fsdp_alone=alone)
+        model = reference_model(case, seed) if alone else expert_parallel_model(case, seed, cfg, facts)
+        resume_from = None if source is None else source / case.name / part / "checkpoints" / "step-2"
+        if resume_from is not None:
+            scramble(model, rank)
+        hooks = run(model, cfg, world, facts, seed, resume_from=resume_from)
+        checkpoint_io_for(hooks, world).save_final(model, None, out / case.name / "final", cfg.adapter)
 
 
 def run_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
