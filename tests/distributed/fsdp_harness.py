@@ -72,3 +72,24 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def save(obj, path: Path) -> None:
     torch.save(obj, Path(path))
+
+
+def load_sharded_as_planned(cfg):
+    """``(loaded, plan, facts)``: ``cfg``'s model loaded by the FSDP2 sharded loader on this rank's
+    CPU (``loaded.model``), its base and adapted stages applied by the plan as ``hone train`` does."""
+    from hone.models.sharded_load import load_model_sharded
+    from hone.models.tokenizer import load_tokenizer
+    from hone.runtime.world import world_from_env
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    facts = RunFacts(torch.device("cpu"), world=world_from_env())
+    plan = plan_optimizations(cfg, facts)
+    loaded = load_model_sharded(
+        cfg,
+        load_tokenizer(cfg.model),
+        facts.device,
+        shard=lambda m: plan.apply(m, "adapted", cfg, facts),
+        before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
+    )
+    return loaded, plan, facts

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from fsdp_harness import full, save, spawn
+from fsdp_harness import full, load_sharded_as_planned, save, spawn
 from safetensors import safe_open
 
 
@@ -35,22 +35,9 @@ def _sharded(rank: int, tmp, model_dir, expert_parallel: int, adapter: str, out)
     from torch.distributed.tensor import DTensor
 
     from hone.models.experts.parallel import expert_shard
-    from hone.models.sharded_load import load_model_sharded
-    from hone.models.tokenizer import load_tokenizer
-    from hone.runtime.world import world_from_env
-    from hone.transforms.base import RunFacts
-    from hone.transforms.planner import plan_optimizations
 
     cfg = _cfg(tmp, model_dir, expert_parallel, adapter)
-    facts = RunFacts(torch.device("cpu"), world=world_from_env())
-    plan = plan_optimizations(cfg, facts)
-    loaded = load_model_sharded(
-        cfg,
-        load_tokenizer(cfg.model),
-        facts.device,
-        shard=lambda m: plan.apply(m, "adapted", cfg, facts),
-        before_adapter=lambda base: plan.apply(base, "base", cfg, facts),
-    )
+    loaded, plan, facts = load_sharded_as_planned(cfg)
     model = loaded.model
     firsts = {}  # the expert blocks FSDP2 leaves local: their first expert
     for module_name, module in model.named_modules():
