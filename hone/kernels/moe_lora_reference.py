@@ -72,14 +72,15 @@ def as_in_out(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight if transposed else weight.transpose(1, 2)
 
 
-def _project(
+def expert_projection(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     lora: LoraFactors | None,
     scaling: float,
 ) -> torch.Tensor:
-    """``x [n, in] @ weight [in, out] (+ bias) + s (x A^T) B^T`` for one expert."""
+    """``x [n, in] @ weight [in, out] (+ bias) + s (x A^T) B^T`` for one expert, in the inputs'
+    dtype (the reference and expert parallelism's plain path pass float32)."""
     y = x @ weight
     if bias is not None:
         y = y + bias
@@ -128,7 +129,7 @@ def moe_experts_reference(
         dn_lora = None if down_lora is None else (cast(down_lora[0][e]), cast(down_lora[1][e]))
         gu_bias = None if gate_up_bias is None else cast(gate_up_bias[e])
         dn_bias = None if down_bias is None else cast(down_bias[e])
-        h = gated_activation(_project(xe, w_gu[e], gu_bias, gu_lora, scaling), layout)
-        y = _project(h, w_dn[e], dn_bias, dn_lora, down_scaling)
+        h = gated_activation(expert_projection(xe, w_gu[e], gu_bias, gu_lora, scaling), layout)
+        y = expert_projection(h, w_dn[e], dn_bias, dn_lora, down_scaling)
         out = out.index_add(0, token, y.float() * top_k_weights[token, slot].float().unsqueeze(1))
     return out.to(dtype)

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from hone.errors import HoneError
 from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route
-from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, gated_activation
+from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, expert_projection, gated_activation
 from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
 from hone.kernels.moe_mxfp4_reference import dequantized
 from hone.parallel.exchange import exchange
@@ -195,8 +195,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(source)
         ctx.shape = hidden.shape
-        padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
-        return padded[source]
+        return _with_zero_row(hidden)[source]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -225,7 +224,7 @@ def dispatch(
     ``hidden`` and ``top_k_weights``."""
     plan = plan_send(top_k_index, shard, slots)
     send = _GatherRows.apply(hidden, plan.source)
-    weights = torch.cat([top_k_weights.float(), top_k_weights.new_zeros(1, top_k_weights.shape[1], dtype=torch.float32)])
+    weights = _with_zero_row(top_k_weights.float())
     send_weights = torch.where(plan.local_ids < shard.local_count, weights[plan.source], 0.0)
     group, size = shard.group, shard.size
     return Dispatched(
@@ -310,14 +309,10 @@ def local_experts(
     return _local_experts_grouped(rows, local_ids, weights, experts, down_scaling, capacity)
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias, lora: LoraFactors | None, scaling: float) -> torch.Tensor:
-    """``x [S, in] @ weight [in, out] (+ bias) + s (x A^T) B^T`` for one expert, in float32."""
-    y = x @ weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    if lora is not None:
-        y = y + scaling * ((x @ lora[0].float().T) @ lora[1].float().T)
-    return y
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    """``[t; 0]``: a 2-D tensor with one zero row appended, the row that sentinel indices
+    (one past the last real row) read."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
 
 
 def _overflow(local_ids: torch.Tensor, count: int, capacity: int | None) -> torch.Tensor:
@@ -347,12 +342,12 @@ def _local_experts_dense(
     for e in range(experts.count):
 
         def pick(t, e=e):
-            return None if t is None else t[e]
+            return None if t is None else t[e].float()
 
-        gu_lora = None if experts.gate_up_lora is None else (experts.gate_up_lora[0][e], experts.gate_up_lora[1][e])
-        dn_lora = None if experts.down_lora is None else (experts.down_lora[0][e], experts.down_lora[1][e])
-        h = gated_activation(_project(x, w_gu[e], pick(experts.gate_up_bias), gu_lora, experts.scaling), layout)
-        y = _project(h, w_dn[e], pick(experts.down_bias), dn_lora, down_scaling)
+        gu_lora = None if experts.gate_up_lora is None else (pick(experts.gate_up_lora[0]), pick(experts.gate_up_lora[1]))
+        dn_lora = None if experts.down_lora is None else (pick(experts.down_lora[0]), pick(experts.down_lora[1]))
+        h = gated_activation(expert_projection(x, pick(w_gu), pick(experts.gate_up_bias), gu_lora, experts.scaling), layout)
+        y = expert_projection(h, pick(w_dn), pick(experts.down_bias), dn_lora, down_scaling)
         coefficient = torch.where(local_ids == e, weights, 0.0).sum(dim=1, keepdim=True)
         out = out + coefficient * y
     return Partials(out.to(rows.dtype), _overflow(local_ids, experts.count, capacity))
@@ -367,7 +362,7 @@ class _WeightedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(y, weights, row_of_pair)
-        padded = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        padded = _with_zero_row(y)
         out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
         for j in range(weights.shape[1]):
             out += weights[:, j : j + 1] * padded[row_of_pair[:, j]].float()
@@ -377,7 +372,7 @@ class _WeightedRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         y, weights, row_of_pair = ctx.saved_tensors
         grad = grad.float()
-        padded = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        padded = _with_zero_row(y)
         d_y = torch.zeros(y.shape[0] + 1, y.shape[1], dtype=torch.float32, device=y.device)
         d_w = torch.empty_like(weights)
         for j in range(weights.shape[1]):
@@ -409,7 +404,7 @@ def _local_experts_grouped(
     position = torch.arange(n_pairs, device=rows.device)
     real = position < ends[-1]
     token = torch.where(real, torch.div(perm, k, rounding_mode="floor"), n_rows)
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    padded = _with_zero_row(rows)
     gate_up = _grouped_linear(
         padded, token, ends, experts.gate_up, layout, experts.gate_up_bias, experts.gate_up_lora, experts.scaling
     )
@@ -446,7 +441,7 @@ def combine(partials: torch.Tensor, plan: SendPlan, shard: ExpertShard) -> torch
     ranks they came from, then each token's partials (one per rank holding any of its experts)
     summed in float32, in rank order."""
     back = exchange(partials, shard.size, shard.group)  # block d holds rank d's partials for our slots
-    padded = torch.cat([back, back.new_zeros(1, back.shape[1])])
+    padded = _with_zero_row(back)
     out = padded[plan.slot[:, 0]].float()
     for d in range(1, shard.size):
         out = out + padded[plan.slot[:, d]].float()
