@@ -188,22 +188,28 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> Send
 
 class _GatherRows(torch.autograd.Function):
     """``[hidden; 0][source]``: the send buffer, index ``T`` (a sentinel) reading a zero row.
-    The backward sums each token's rows (one per destination) in float32 and rounds once; the
-    sentinels' gradients land on the padding row, dropped."""
+    The backward gathers each token's rows (one per destination, ``slot [T, N]``; ``N x S``, a
+    zero row, where it has no expert there) and sums them in float32, in rank order: a gather,
+    so no float32 buffer of the tokens to zero, no atomics, and the same sum on every run."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(source)
-        ctx.shape = hidden.shape
+    def forward(ctx, hidden: torch.Tensor, source: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slot)
         return _with_zero_row(hidden)[source]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (source,) = ctx.saved_tensors
-        n_tokens, width = ctx.shape
-        summed = torch.zeros(n_tokens + 1, width, dtype=torch.float32, device=grad.device)
-        summed.index_add_(0, source, grad.float())
-        return summed[:n_tokens].to(grad.dtype), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slot,) = ctx.saved_tensors
+        return _sum_slots(_with_zero_row(grad), slot).to(grad.dtype), None, None
+
+
+def _sum_slots(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` float32: for each token, the sum over destinations ``d`` (in order) of
+    ``rows[slot[t, d]]``; ``rows`` ends with the zero row that a missing slot reads."""
+    out = rows[slot[:, 0]].float()
+    for d in range(1, slot.shape[1]):
+        out = out + rows[slot[:, d]].float()
+    return out
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,7 @@ def dispatch(
     every rank owning one of its experts (see the module docstring); differentiable w.r.t.
     ``hidden`` and ``top_k_weights``."""
     plan = plan_send(top_k_index, shard, slots)
-    send = _GatherRows.apply(hidden, plan.source)
+    send = _GatherRows.apply(hidden, plan.source, plan.slot)
     weights = _with_zero_row(top_k_weights.float())
     send_weights = torch.where(plan.local_ids < shard.local_count, weights[plan.source], 0.0)
     group, size = shard.group, shard.size
@@ -356,12 +362,17 @@ def _local_experts_dense(
 class _WeightedRows(torch.autograd.Function):
     """``out[s] = sum_j w[s, j] * y[row of pair (s, j)]`` in float32, choices in order (a
     deterministic gather per choice, no atomics); pairs not among the computed rows read a zero
-    row. Saves only ``y``, the index and the weights (a plain gather would keep ``k`` float32
-    copies of ``y`` for the weights' gradient)."""
+    row. Each computed row holds exactly one pair (``pair_of_row``; rows past the real pairs
+    hold none), so the backward gathers its gradient ``w * grad`` from that pair's token instead
+    of scattering every pair into a float32 buffer of all rows. Saves only ``y``, the indices
+    and the weights (a plain gather would keep ``k`` float32 copies of ``y`` for the weights'
+    gradient)."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y, weights, row_of_pair)
+    def forward(
+        ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, pair_of_row: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(y, weights, row_of_pair, pair_of_row)
         padded = _with_zero_row(y)
         out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
         for j in range(weights.shape[1]):
@@ -369,16 +380,19 @@ class _WeightedRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        y, weights, row_of_pair = ctx.saved_tensors
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        y, weights, row_of_pair, pair_of_row = ctx.saved_tensors
         grad = grad.float()
+        k = weights.shape[1]
+        # pair_of_row is S' * k (one past the last pair: a zero weight) on rows holding no pair
+        flat_weights = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
+        token = torch.div(pair_of_row, k, rounding_mode="floor")
+        d_y = flat_weights[pair_of_row].unsqueeze(1) * _with_zero_row(grad)[token]
         padded = _with_zero_row(y)
-        d_y = torch.zeros(y.shape[0] + 1, y.shape[1], dtype=torch.float32, device=y.device)
         d_w = torch.empty_like(weights)
-        for j in range(weights.shape[1]):
-            d_y.index_add_(0, row_of_pair[:, j], weights[:, j : j + 1] * grad)
+        for j in range(k):
             d_w[:, j] = (padded[row_of_pair[:, j]].float() * grad).sum(dim=1)
-        return d_y[: y.shape[0]].to(y.dtype), d_w, None
+        return d_y.to(y.dtype), d_w, None, None
 
 
 def _local_experts_grouped(
@@ -414,7 +428,8 @@ def _local_experts_grouped(
     # that is not a computed row reads the zero row past y (forward), and gets no gradient.
     row_of_pair = torch.full((n_rows * k,), n_pairs, dtype=torch.int64, device=rows.device)
     row_of_pair[perm] = torch.where(real, position, n_pairs)
-    out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k))
+    pair_of_row = torch.where(real, perm, n_rows * k)
+    out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k), pair_of_row)
     overflow = (ends_all[count - 1].long() - n_pairs).clamp(min=0)
     return Partials(out.to(rows.dtype), overflow)
 
@@ -441,11 +456,7 @@ def combine(partials: torch.Tensor, plan: SendPlan, shard: ExpertShard) -> torch
     ranks they came from, then each token's partials (one per rank holding any of its experts)
     summed in float32, in rank order."""
     back = exchange(partials, shard.size, shard.group)  # block d holds rank d's partials for our slots
-    padded = _with_zero_row(back)
-    out = padded[plan.slot[:, 0]].float()
-    for d in range(1, shard.size):
-        out = out + padded[plan.slot[:, d]].float()
-    return out
+    return _sum_slots(_with_zero_row(back), plan.slot)
 
 
 def expert_parallel_experts(

@@ -5,7 +5,9 @@ Who this process is among the run's (:class:`~hone.runtime.world.World`) is a co
 transforms need too, so it lives in :mod:`hone.runtime.world`.
 """
 
+import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -153,7 +155,24 @@ def init_world(device_type: str, cpu_collectives: bool = False) -> World:
 def close_world() -> None:
     """Leave the process group (at the end of a run, also after an error)."""
     if dist.is_available() and dist.is_initialized():
+        release_cuda_graphs()
         dist.destroy_process_group()
+
+
+def release_cuda_graphs() -> None:
+    """Drop the CUDA graphs Inductor recorded (``performance.cuda_graphs``), if any.
+
+    A recorded graph that holds NCCL kernels (expert parallelism's exchanges inside each compiled
+    layer) keeps its communicator in use, and ``destroy_process_group`` then waits for it forever
+    (pytorch/pytorch#115388: measured, a finished 2-GPU run never exited). The graphs are only
+    found where Inductor's CUDA-graph module was loaded; otherwise there is nothing to drop.
+    """
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    trees.reset_cudagraph_trees()
+    gc.collect()
 
 
 def device_of(world: World, device_type: str) -> torch.device:

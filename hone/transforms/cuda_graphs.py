@@ -7,7 +7,7 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
 
 - only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
   measured setting), every training micro-batch of one shape (a new shape records a new graph),
-  one process (no expert parallelism either: see below), and no checkpointing that re-runs a
+  one process or expert parallelism over every process beside DDP (see below), and no checkpointing that re-runs a
   layer's forward in the backward (``full``, ``offload``, tiled layers) or moves its activations
   (offload);
 - only where it pays: MoE experts on hone's kernels, whose step is host-bound (the qwen3-30b-a3b
@@ -20,12 +20,14 @@ benchmarks/2026-11-27-h100-mxfp4.md). Not measured yet, so not chosen by ``auto`
 steps, an NF4 base and float8;
 ``cuda_graphs: true`` turns them on where the user has measured them.
 
-Expert parallelism is named apart from data parallelism (it runs beside DDP today, so the
-data-parallel rule would leave graphs off anyway, but it must stay off when DDP is measured):
-its all-to-all exchanges sit inside each compiled layer's graph (torch's functional collectives),
-so a recorded graph would replay NCCL all-to-alls. NCCL can be captured, but every rank must
-record and replay the same graphs in step and none of it is measured; ``cuda_graphs: true``
-tries it.
+Expert parallelism beside DDP is measured and turns them on: its all-to-all exchanges sit inside
+each compiled layer's graph, so the graphs record and replay NCCL all-to-alls (every rank records
+the same layers in the same order; DDP's gradient all-reduce runs outside them, in eager hooks).
+Without graphs the exchange makes the host-bound step worse: qwen3-30b-a3b (48 layers, expert
+LoRA, seq 4096) on 2 H100 took 620.6 ms a step, 309.6 ms with graphs; on 4, 517.4 and 371.0 ms
+(benchmarks/2026-11-27-h100-expert-parallel.md). Beside FSDP2 it is not measured, so off. A run
+that records NCCL kernels must drop its graphs before leaving the process group
+(:func:`hone.train.distributed.release_cuda_graphs`).
 """
 
 from hone.config.memory import INPUT_ONLY_POLICIES
@@ -34,6 +36,8 @@ from hone.transforms.base import RunFacts
 
 #: The measurement ``auto`` rests on (benchmarks/2026-11-26-h100-moe-lora-model.md).
 _MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
+#: Expert parallelism's (benchmarks/2026-11-27-h100-expert-parallel.md).
+_MEASURED_EP = "qwen3-30b-a3b with expert LoRA on 2 H100: 620.6 -> 309.6 ms a step"
 
 
 def _explicit_why(cfg: HoneConfig, on: bool) -> str:
@@ -68,12 +72,14 @@ def _blocker(
         return "torch_compile_scope: model (measured with regional compile only)"
     if facts.shape_note is not None:
         return f"{facts.shape_note} (every new shape would record another graph)"
-    if expert_parallel > 1:
+    if expert_parallel > 1 and strategy != "ddp":
+        return f"expert parallelism beside {strategy} is not measured with CUDA graphs yet (measured beside DDP)"
+    if 1 < expert_parallel < facts.world.world_size:
         return (
-            f"expert parallelism over {expert_parallel} ranks puts NCCL all-to-all exchanges in every layer's graph, "
-            "not measured inside CUDA graphs yet (cuda_graphs: true tries it)"
+            f"expert parallel groups of {expert_parallel} in {facts.world.world_size} processes are not measured "
+            "with CUDA graphs yet (measured with one group of every process)"
         )
-    if strategy != "none":
+    if strategy != "none" and expert_parallel <= 1:
         return f"data parallelism ({strategy}) is not measured with CUDA graphs yet"
     if policy in INPUT_ONLY_POLICIES or tiled:
         return f"checkpointing {policy}{' with tiled layers/MLP' if tiled else ''} re-runs each layer's forward in the backward"
@@ -116,6 +122,8 @@ def cuda_graphs_choice(
     if blocker is not None:
         return False, f"cuda_graphs: auto: off, {blocker}"
     why = f"cuda_graphs: auto: on, MoE experts on hone's kernels are host-bound without them ({_MEASURED})"
+    if expert_parallel > 1:
+        why = f"cuda_graphs: auto: on, expert parallelism's exchanges make the step host-bound without them ({_MEASURED_EP})"
     if not facts.shapes_known:
         why += "; if every training micro-batch has one shape (the run checks its data: rows of different lengths turn them off)"
     return True, why

@@ -120,3 +120,39 @@ def test_two_gpus_through_the_grouped_kernels_equal_the_reference(tmp_path):
     every_pair = WORLD * TOKENS * TOP_K  # all on rank 1
     assert [results["qwen3_moe-skewed"]["small_overflow"] for results in ranks] == [0, every_pair - SMALL_CAPACITY]
     assert all("refused" in results["qwen3_moe-skewed"] for results in ranks)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")
+def test_a_run_that_records_the_exchanges_in_cuda_graphs_trains_and_exits(tmp_path):
+    """``hone train`` on 2 GPUs with expert parallelism and CUDA graphs (``auto``'s choice beside
+    DDP): the graphs record NCCL all-to-alls, and the processes must still exit. A live graph
+    holding NCCL kernels blocks ``destroy_process_group`` forever (pytorch/pytorch#115388), so
+    hone drops the graphs first; without that this launch times out after training."""
+    import json
+    import subprocess
+
+    from dist_launch import TIMEOUT_S, child_env, tiny_moe_train_config, torchrun
+
+    data = tmp_path / "same_length.jsonl"  # one micro-batch shape: graphs record once
+    data.write_text("".join(json.dumps({"text": "red green blue lemon lime fox " * 4}) + "\n" for _ in range(16)))
+    cfg = tiny_moe_train_config(
+        tmp_path,
+        {"max_steps": 4, "micro_batch_size": 1},
+        {"expert_parallel": WORLD},
+        data={
+            "datasets": [{"path": str(data), "type": "completion"}],
+            "sequence_len": 32,
+            "dataset_prepared_path": str(tmp_path / "c"),
+        },
+        performance={"cuda_graphs": True},
+    )
+    done = subprocess.run(
+        torchrun("-m", "hone", "train", str(cfg), nproc=WORLD),
+        env=child_env(CUDA_VISIBLE_DEVICES="0,1"),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "CUDA graphs" in done.stdout and "expert parallel (2 ranks" in done.stdout
+    assert (tmp_path / "run" / "final").is_dir()

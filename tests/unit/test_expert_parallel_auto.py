@@ -146,14 +146,25 @@ def test_auto_falls_back_to_one_where_the_activations_need_tiling():
     assert decided.strategy == "fsdp"  # the replicas do not fit: FSDP2, which may tile
 
 
-def test_cuda_graphs_auto_stay_off_under_expert_parallelism():
-    cfg = config(distributed={"expert_parallel": 2}, model={"preset_overrides": {"num_hidden_layers": 8}})
-    one = decide(config(distributed={"expert_parallel": 1}, model={"preset_overrides": {"num_hidden_layers": 8}}), facts(1))
+def test_cuda_graphs_auto_record_the_exchanges_beside_ddp_only():
+    """Measured beside DDP with one group of every process (2 and 4 H100): on there; beside
+    FSDP2, or groups smaller than the job, off with the reason."""
+    eight = {"preset_overrides": {"num_hidden_layers": 8}}
+    one = decide(config(distributed={"expert_parallel": 1}, model=eight), facts(1))
     assert one.cuda_graphs is True  # the premise: this run alone records graphs
-    decided = decide(cfg, facts(2))
-    assert decided.cuda_graphs is False
-    assert decided.cuda_graphs_why.startswith("cuda_graphs: auto: off, expert parallelism over 2 ranks")
-    forced = decide(config(distributed={"expert_parallel": 2}, performance={"cuda_graphs": True}), facts(2))
+    for n in (2, 4):
+        decided = decide(config(distributed={"expert_parallel": n}, model=eight), facts(n))
+        assert (decided.strategy, decided.cuda_graphs) == ("ddp", True), decided.cuda_graphs_why
+        assert decided.cuda_graphs_why.startswith("cuda_graphs: auto: on, expert parallelism's exchanges")
+    beside_fsdp = decide(config(distributed={"expert_parallel": 2, "strategy": "fsdp"}, model=eight), facts(2))
+    assert beside_fsdp.cuda_graphs is False
+    assert beside_fsdp.cuda_graphs_why.startswith("cuda_graphs: auto: off, expert parallelism beside fsdp")
+    groups = decide(config(distributed={"expert_parallel": 2}, model=eight), facts(4))
+    assert groups.cuda_graphs is False
+    assert "expert parallel groups of 2 in 4 processes" in groups.cuda_graphs_why
+    ddp_alone = decide(config(distributed={"expert_parallel": 1, "strategy": "ddp"}, model=eight), facts(2))
+    assert ddp_alone.cuda_graphs is False and "data parallelism (ddp)" in ddp_alone.cuda_graphs_why
+    forced = decide(config(distributed={"expert_parallel": 2, "strategy": "fsdp"}, performance={"cuda_graphs": True}), facts(2))
     assert forced.cuda_graphs is True  # written in the config: tried as asked
 
 
