@@ -63,6 +63,22 @@ class DistributedConfig(Section):
     this key (a pair is never dropped silently). The exchanges themselves never overflow: a token
     travels at most once to each rank."""
 
+    context_parallel: int = 1
+    """Context parallelism: each sequence is split along its length over ``N`` consecutive ranks
+    (DeepSpeed-Ulysses: every rank runs the projections, MLP, norms and loss on its contiguous
+    ``1/N`` of the tokens; around attention two all-to-all exchanges give each rank the whole
+    sequence for ``1/N`` of the heads, so any attention kernel, causal or packed with document
+    isolation, keeps working). Use it when one sequence's activations do not fit one GPU even with
+    checkpointing, offload and tiling (hundreds of thousands of tokens): each rank keeps about
+    ``1/N`` of them (``hone plan --nproc-per-node N`` gives the longest sequence per GPU count).
+    It costs two exchanges per attention layer each way, so at lengths one GPU holds, data
+    parallelism is faster. ``1`` (the default): off. ``N`` must divide the number of processes ``W``
+    (the ``W / N`` groups train different micro-batches: data parallelism, gradients summed over
+    all ``W`` ranks by DDP or FSDP2) and the model's query and key/value heads; packed rows
+    (``data.sample_packing``) need ``data.sequence_len`` a multiple of ``N`` (unpacked micro-batches
+    are padded at the end of each row to a multiple of ``N``: no loss, exact). Not yet with
+    ``expert_parallel`` or ``memory.tiled_layers`` (docs/distributed.md)."""
+
     @model_validator(mode="after")
     def _expert_parallel_alone(self) -> "DistributedConfig":
         ep = self.expert_parallel
@@ -70,6 +86,22 @@ class DistributedConfig(Section):
             raise ValueError(
                 f"distributed.expert_parallel: {ep} must be at least 1 (1: off; N > 1: the experts "
                 "split over N processes, N dividing the processes; auto: chosen by the run)"
+            )
+        cp = self.context_parallel
+        if cp < 1:
+            raise ValueError(
+                f"distributed.context_parallel: {cp} must be at least 1 (1: off; N > 1: each sequence split over N "
+                "processes, N dividing the processes)"
+            )
+        if cp > 1 and ep != "auto" and ep > 1:
+            raise ValueError(
+                f"distributed.context_parallel: {cp} and distributed.expert_parallel: {ep} cannot be combined yet "
+                "(each would shard the tokens of a micro-batch its own way): set one of them to 1"
+            )
+        if cp > 1 and self.strategy == "none":
+            raise ValueError(
+                f"distributed.context_parallel: {cp} runs on several processes, which distributed.strategy: none "
+                "refuses: use distributed.strategy: auto, ddp or fsdp, or distributed.context_parallel: 1"
             )
         factor = self.expert_capacity_factor
         if factor is not None and not factor > 0:

@@ -166,6 +166,26 @@ class HoneConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _context_parallel_composes(self) -> "HoneConfig":
+        """What context parallelism cannot run with yet, known from the config alone (the model's
+        heads and the launch are checked before the model loads: :mod:`hone.transforms.context_parallel`)."""
+        cp = self.distributed.context_parallel
+        if cp == 1:
+            return self
+        key = f"distributed.context_parallel: {cp}"
+        if self.data.sample_packing and self.data.sequence_len % cp:
+            raise ValueError(
+                f"{key} splits every packed row of data.sequence_len: {self.data.sequence_len} tokens into {cp} equal "
+                f"shards: use a data.sequence_len that is a multiple of {cp}"
+            )
+        if self.memory.tiled_layers not in ("auto", "off"):
+            raise ValueError(
+                f"{key} does not run with memory.tiled_layers: {self.memory.tiled_layers} yet (a chunk of a rank's shard "
+                "is not a contiguous piece of the sequence): set memory.tiled_layers: off"
+            )
+        return self
+
     @property
     def tokens_per_step(self) -> int:
         """Upper bound on tokens in one optimizer step (all micro-batches, full length)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["BUCKET_BYTES", "ExpertGroups", "expert_groups", "group_layout", "sum_over_replicas"]
+__all__ = ["BUCKET_BYTES", "ExpertGroups", "context_group", "expert_groups", "group_layout", "sum_over_replicas"]
 
 #: The most bytes of gradients one replica all-reduce moves through a flat buffer (larger
 #: gradients are reduced in place, alone): few collectives, and little memory beside the gradients.
@@ -108,3 +108,30 @@ def sum_over_replicas(grads: list[torch.Tensor], replicas: dist.ProcessGroup | N
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=replicas)
         for grad, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
             grad.copy_(part.view_as(grad))
+
+
+_context_made: dict[int, tuple[object, tuple[int, dist.ProcessGroup | None]]] = {}  # size -> (default group, mine)
+
+
+def context_group(size: int) -> tuple[int, dist.ProcessGroup | None]:
+    """(this rank's position in its context-parallel group, the group) for ``size`` consecutive
+    ranks per group (``{0..N-1}, {N..2N-1}, ...``: on one host the exchanges stay on NVLink); the
+    group is None (the default group) where ``size`` is the world size. Created once per default
+    group: every rank makes its first call for a size at the same point (``dist.new_group`` is
+    collective over the job)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"context parallel size {size} does not divide the {world} ranks of the job")
+    if size == world:
+        return rank, None
+    default = dist.group.WORLD
+    made = _context_made.get(size)
+    if made is not None and made[0] is default:
+        return made[1]
+    mine = None
+    for start in range(0, world, size):
+        created = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = created
+    _context_made[size] = (default, (rank % size, mine))
+    return rank % size, mine

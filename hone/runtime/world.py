@@ -25,6 +25,13 @@ class World:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def data_parallel(self, context_parallel: int = 1) -> tuple[int, int]:
+        """(this rank's data-parallel replica, the replicas): with context parallelism over ``N``
+        consecutive ranks, the ``N`` ranks of a group read the same micro-batches and split each
+        sequence, so the data is shared by ``world_size / N`` replicas (``N`` divides the world:
+        the launch checks it)."""
+        return self.rank // context_parallel, max(1, self.world_size // context_parallel)
+
     @property
     def is_main(self) -> bool:
         """Rank 0 logs, plots, writes metrics and the final outputs."""

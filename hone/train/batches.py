@@ -28,6 +28,12 @@ list (a contiguous block; the rule is :meth:`BatchStream.next_window`). So the g
 sequence does not depend on how many processes share it, every rank reads a disjoint part of
 it, and the position stored in a checkpoint is global: a run resumed on another number of
 processes continues the same sequence (exactly so when ``W * k`` stays the same).
+
+**Context parallelism** (``distributed.context_parallel: N``): the ``N`` consecutive ranks of a
+group split each sequence, so they read the same micro-batches; the data is shared by the
+``W / N`` groups, which take the place of the ranks above (``world_size`` of the plan is ``W / N``,
+``rank`` the group's index: :meth:`hone.runtime.world.World.data_parallel`). The global batch
+sequence depends only on ``(W / N) * k``: a run resumed with another ``N`` (or none) continues it.
 """
 
 import math
@@ -68,7 +74,8 @@ class StepPlan:
     steps_per_epoch: int
     total_steps: int
     world_size: int = 1
-    """Processes sharing each step (data parallelism); 1 for a single process."""
+    """Data-parallel replicas sharing each step: the processes, or under context parallelism the
+    groups of ``N`` ranks that split each sequence; 1 for a single process."""
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -48,7 +48,7 @@ def check_launch(cfg: "HoneConfig", world: World, device_type: str, local_proces
     """Refuse, before any data or model loads, a launch that cannot work: raises
     :class:`DistributedSetupError` naming the key or flag, the value and what is allowed.
     ``local_processes``: processes on this host (default: torchrun's ``LOCAL_WORLD_SIZE``)."""
-    problems = expert_parallel_problems(cfg, world)
+    problems = expert_parallel_problems(cfg, world) + context_parallel_launch_problems(cfg, world)
     if not world.distributed and not problems:
         return
     strategy = cfg.distributed.strategy
@@ -86,6 +86,20 @@ def expert_parallel_problems(cfg: "HoneConfig", world: World) -> list[str]:
     return [
         f"distributed.expert_parallel: {ep} on {size} process{'es' if size != 1 else ''}: N must divide the number of "
         f"processes (--nproc-per-node times the hosts: {size} here); divisors over 1: {divisors}; or 1 (off) or auto"
+    ]
+
+
+def context_parallel_launch_problems(cfg: "HoneConfig", world: World) -> list[str]:
+    """``distributed.context_parallel`` against the launch: 1 (off), or a divisor ``N > 1`` of the
+    job's processes (``W / N`` groups of ``N`` consecutive ranks, each group splitting its
+    sequences; data parallelism over the groups). The model's heads are checked by the plan."""
+    cp, size = cfg.distributed.context_parallel, world.world_size
+    if cp == 1 or (cp > 1 and size % cp == 0):
+        return []
+    divisors = ", ".join(str(d) for d in range(2, size + 1) if size % d == 0) or "none"
+    return [
+        f"distributed.context_parallel: {cp} on {size} process{'es' if size != 1 else ''}: N must divide the number of "
+        f"processes (--nproc-per-node times the hosts: {size} here); divisors over 1: {divisors}; or 1 (off)"
     ]
 
 

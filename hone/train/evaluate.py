@@ -4,7 +4,8 @@ The mean is over tokens, not over batches (the sum of every token's loss divided
 count), so it does not depend on how the split is cut into batches.
 
 With several processes the split's batches are dealt round-robin (batch ``i`` to rank
-``i % world_size``); each rank sums its losses and tokens, and one all-reduce (SUM) gives every
+``i % world_size``; under context parallelism to the group ``i % (world_size / N)``, whose ranks
+each compute their shard of it); each rank sums its losses and tokens, and one all-reduce (SUM) gives every
 rank the mean one process would compute. Every rank runs the same number of forwards (a rank
 with one batch fewer repeats its first one and discards it), so an engine that communicates in
 the forward (FSDP2 gathers each layer's weights) never waits for a rank that has finished.
@@ -82,13 +83,16 @@ def evaluate(
     try:
         batches = micro_batches(dataset, packing, pad_id)
         starts = list(range(0, batches.units, batch_size))
-        mine = starts[world.rank :: world.world_size]
-        rounds = -(-len(starts) // world.world_size)  # every rank runs this many forwards
+        # context parallelism: the N ranks of a group evaluate the same batches, each its shard
+        replica, replicas = world.data_parallel(hooks.context_parallel if hooks is not None else 1)
+        mine = starts[replica::replicas]
+        rounds = -(-len(starts) // replicas)  # every rank runs this many forwards
         for i in range(rounds):
             counted = i < len(mine)
             start = mine[i] if counted else (mine[0] if mine else starts[0])
             indices = list(range(start, min(start + batch_size, batches.units)))
             batch = batches(indices).to(device).with_attention(layout)
+            batch = hooks.local_batch(batch) if hooks is not None else batch
             if batch.trained_tokens == 0 and not world.distributed:
                 continue
             loss_sum = step(batch) if step is not None else micro_batch_loss(model, batch, loss_fn, autocast_dtype)

@@ -333,12 +333,14 @@ class _PlanRecord:
 
 def check_split(cfg: HoneConfig, data, world: World) -> None:
     """Refuse (:class:`~hone.train.batches.NotEnoughData`) training data that cannot fill one
-    optimizer step of ``world.world_size`` processes, before the model loads."""
+    optimizer step of the run's data-parallel replicas (``world.world_size`` processes, or the
+    ``world_size / N`` groups of context parallelism), before the model loads."""
     from hone.data.packing import packing_for
     from hone.train.batches import plan_steps
 
     packing = packing_for(data.train, cfg, "train")
-    plan_steps(packing.num_bins if packing is not None else len(data.train), cfg.training, world.world_size)
+    replicas = world.data_parallel(cfg.distributed.context_parallel)[1]
+    plan_steps(packing.num_bins if packing is not None else len(data.train), cfg.training, replicas)
 
 
 def _from_rank_zero(world: World, value):

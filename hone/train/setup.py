@@ -80,7 +80,8 @@ def set_up(
     scaler = loss_scaler(cfg, device)
     batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
-    plan = plan_steps(batches.units, t, world.world_size)
+    replica, replicas = world.data_parallel(cfg.distributed.context_parallel)  # context parallel groups share batches
+    plan = plan_steps(batches.units, t, replicas)
     seed_everything(t.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -99,7 +100,7 @@ def set_up(
     )
     resumed = resume(checkpointer, resume_from, plan, cfg, scheduler, world) if resume_from is not None else None
     state = resumed.state if resumed is not None else TrainState()
-    stream = BatchStream(plan, t.seed, state.position, rank=world.rank)
+    stream = BatchStream(plan, t.seed, state.position, rank=replica)
     step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
     tracker = _tracker(cfg, world, console, plan, resumed, trackers)
     evaluator = Evaluator(

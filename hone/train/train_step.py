@@ -191,7 +191,9 @@ def collate_window(stream: BatchStream, batches: PaddedBatches | PackedBatches, 
     rank's counts; advances ``stream``. Nothing here talks to other ranks, so it may run a step
     ahead of the one that trains it (:mod:`hone.train.prefetch`)."""
     with record_function("hone: batches"):
-        micro = [batches(rows).to(device).with_attention(hooks.layout) for rows in stream.next_window()]
+        # the part of each whole micro-batch this rank trains (context parallelism: its shard of the
+        # sequence), after the attention inputs of the whole sequence are attached and before counting
+        micro = [hooks.local_batch(batches(rows).to(device).with_attention(hooks.layout)) for rows in stream.next_window()]
     trained = sum(b.trained_tokens for b in micro)
     return Window(micro, trained, sum(b.tokens for b in micro), divisor=trained, position=stream.position)
 

@@ -15,7 +15,9 @@ and then acts through any of these hooks (all optional). Every hook reads the ru
   attention (document boundaries, hone's mask, or transformers' own handling); the micro-batch
   then carries it, so the loss and the loop know nothing about attention.
 - ``step_context`` -- a context manager around each micro-batch's forward and backward
-  (activation offload, later context parallelism).
+  (activation offload).
+- ``micro_batch`` -- the part of each whole micro-batch this rank computes (context parallelism:
+  its shard of the sequence), taken before the window's tokens are counted.
 - ``after_optimizer_step`` -- e.g. float8 scale updates.
 - ``wrap_step`` -- data parallelism (DDP; FSDP2's root): wrap the module the loop calls once per
   micro-batch (:class:`StepModule`), whose ``forward`` is the micro-batch's loss sum, and say how
@@ -125,6 +127,8 @@ class Decisions:
     """Why ``tiled_layers: auto`` left the layers whole on a run that does not fit."""
     expert_parallel: int = 1
     """Ranks the experts of every MoE layer are split over (``distributed.expert_parallel``; 1: off)."""
+    context_parallel: int = 1
+    """Consecutive ranks each sequence is split over (``distributed.context_parallel``; 1: off)."""
     expert_parallel_why: str = "distributed.expert_parallel: 1"
 
 
@@ -166,6 +170,10 @@ class Transform:
     attention_layout: Callable[[nn.Module, PlanContext], "AttentionLayout"] | None = None
     step_context: Callable[[nn.Module, PlanContext], StepContext] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
+    micro_batch: Callable[[PlanContext], Callable[[MicroBatch], MicroBatch]] | None = None
+    """The part of each whole micro-batch this rank trains and evaluates (context parallelism: its
+    shard of the sequence), applied once the batch carries its attention inputs and before its
+    tokens are counted, so the global counts sum the ranks' parts."""
     wrap_step: Callable[[StepModule, PlanContext], tuple[StepModule, dict[str, Any]]] | None = None
     """Data parallelism: wrap the per-micro-batch module; returns it and what to record."""
     why: Callable[[PlanContext], str] | None = None
@@ -196,6 +204,11 @@ class RunHooks:
     after_step: list[Callable[[], None]] = field(default_factory=list)
     step_wrappers: list[Callable[[StepModule], StepModule]] = field(default_factory=list)
     """The plan's ``wrap_step`` hooks, in plan order (applied by :meth:`step_module`)."""
+    batch_parts: list[Callable[[MicroBatch], MicroBatch]] = field(default_factory=list)
+    """The plan's ``micro_batch`` hooks, in plan order (applied by :meth:`local_batch`)."""
+    context_parallel: int = 1
+    """Ranks each micro-batch is split over: the data is shared by ``world_size / context_parallel``
+    replicas (:meth:`hone.runtime.world.World.data_parallel`)."""
     sharded_checkpoints: bool = False
     """A transform shards the weights (FSDP2): every rank writes its shards of each checkpoint
     (Distributed Checkpoint); otherwise rank 0 writes the ordinary files
@@ -209,6 +222,12 @@ class RunHooks:
         for wrap in self.step_wrappers:
             step = wrap(step)
         return step
+
+    def local_batch(self, batch: MicroBatch) -> MicroBatch:
+        """The part of the whole micro-batch ``batch`` (attention inputs attached) this rank trains."""
+        for part in self.batch_parts:
+            batch = part(batch)
+        return batch
 
     def step_context(self, batch: MicroBatch) -> ExitStack:
         """Every transform's context for one micro-batch's forward and backward, entered in plan order."""

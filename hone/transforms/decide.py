@@ -2,7 +2,9 @@
 
 The planner calls :func:`decide` once per plan, before it asks any transform anything; each
 transform then reads its setting from the plan (``ctx.decided``), and so do ``hone plan``'s
-lines and the record. The order below is the order of their dependencies: expert parallelism
+lines and the record. Under context parallelism every memory decision is made for one rank's
+shard of each sequence (:func:`~hone.transforms.context_parallel.per_rank_config`). The order below
+is the order of their dependencies: expert parallelism
 (the model and the processes; the memory estimates below see the experts split as it decides),
 whether the model compiles and which experts implementation it runs (the device and the model),
 the data-parallel strategy, which says how many processes share the weights (the memory each card
@@ -20,6 +22,7 @@ from hone.transforms.auto_policy import offload_layers_choice, plan_memory, sele
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import host_memory
 from hone.transforms.compile import compile_choice
+from hone.transforms.context_parallel import per_rank_config
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
@@ -45,8 +48,9 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
 
 
 def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_parallel_why: str) -> Decisions:
-    """Every other ``auto`` setting, the experts split over ``expert_parallel`` ranks."""
-    cfg = with_expert_parallel(cfg, expert_parallel)
+    """Every other ``auto`` setting, the experts split over ``expert_parallel`` ranks; under
+    context parallelism the memory is decided for one rank's shard of each sequence."""
+    cfg = per_rank_config(with_expert_parallel(cfg, expert_parallel))
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
     experts, experts_why = experts_choice(cfg, facts, expert_parallel)
@@ -99,6 +103,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         tiled_layers_skipped=chunks_why if cfg.memory.tiled_layers == "auto" and chunks_do_not_fit and not chunks else None,
         expert_parallel=expert_parallel,
         expert_parallel_why=expert_parallel_why,
+        context_parallel=cfg.distributed.context_parallel,
     )
 
 

@@ -108,6 +108,8 @@ def _cannot_split(cfg: HoneConfig, world: int) -> str | None:
     """Why ``auto`` cannot split this run's experts over ``world`` processes (None: it can)."""
     if world == 1:
         return "one process"
+    if cfg.distributed.context_parallel > 1:
+        return f"distributed.context_parallel: {cfg.distributed.context_parallel} (not combined with expert parallelism yet)"
     if cfg.distributed.strategy in ("fsdp", "none"):
         return (
             f"distributed.strategy: {cfg.distributed.strategy} (auto splits the experts beside DDP only; "

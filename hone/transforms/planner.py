@@ -31,6 +31,7 @@ from hone.transforms.attention import ATTENTION
 from hone.transforms.base import Decisions, PlanContext, RunFacts, RunHooks, Stage, Transform
 from hone.transforms.checkpointing import CHECKPOINTING
 from hone.transforms.compile import COMPILE
+from hone.transforms.context_parallel import CONTEXT_PARALLEL
 from hone.transforms.data_parallel import DDP
 from hone.transforms.decide import decide
 from hone.transforms.expert_parallel import EXPERT_PARALLEL
@@ -86,9 +87,13 @@ TRANSFORMS: tuple[Transform, ...] = (
     # compiles each tiled layer's inner layer, the code the chunks run
     TILED_LAYERS,
     # torch.compile of each decoder layer or of the whole decoder: it traces whatever modules it
-    # finds, so everything that swaps modules or kernels goes before it (context parallelism,
-    # when hone has it, goes after it)
+    # finds, so everything that swaps modules or kernels goes before it
     COMPILE,
+    # adapted model, distributed.context_parallel: each attention computes the whole sequence for
+    # 1/N of the heads between two all-to-all exchanges (a backend registered with transformers
+    # around the kernel chosen above); after compile, which traces the exchanges with the layers
+    # when it first runs, and before DDP / FSDP2, which reduce the gradients over every rank
+    CONTEXT_PARALLEL,
     # data parallelism over several processes, last: DistributedDataParallel wraps the module the
     # loop calls per micro-batch, which must hold the final modules. At most one of DDP and FSDP2.
     DDP,
@@ -167,7 +172,7 @@ class Plan:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""
         ctx = PlanContext(cfg, facts, self.decided)
         loss_fn = layout = None
-        step_contexts, after_step, step_wrappers = [], [], []
+        step_contexts, after_step, step_wrappers, batch_parts = [], [], [], []
         for transform in self.transforms:
             if transform.loss is not None:
                 if loss_fn is not None:
@@ -179,6 +184,8 @@ class Plan:
                 self._record(transform, {"packed_batches_carry": layout.kind})
             if transform.step_context is not None:
                 step_contexts.append(transform.step_context(model, ctx))
+            if transform.micro_batch is not None:
+                batch_parts.append(transform.micro_batch(ctx))
             if transform.after_optimizer_step is not None:
                 hook = transform.after_optimizer_step
                 after_step.append(lambda hook=hook: hook(model))
@@ -194,6 +201,8 @@ class Plan:
             after_step=after_step,
             step_wrappers=step_wrappers,
             sharded_checkpoints=self.shards_parameters,
+            batch_parts=batch_parts,
+            context_parallel=self.decided.context_parallel,
         )
 
     def _wrap(self, transform: Transform, step: StepModule, ctx: PlanContext) -> StepModule:
