@@ -59,7 +59,7 @@ def test_compile_is_planned_and_auto_is_skipped_off_cuda_with_the_reason():
     assert "skipped compile: torch_compile: auto compiles on CUDA only" in plan.describe()
 
 
-def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled_layers_compile_then_data_parallel():
+def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled_layers_compile_context_then_data_parallel():
     assert [t.name for t in TRANSFORMS] == [
         "allocator",
         "attention",
@@ -72,6 +72,7 @@ def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled
         "activation_checkpointing",
         "tiled_layers",
         "compile",
+        "context_parallel",
         "ddp",
         "fsdp",
     ]
