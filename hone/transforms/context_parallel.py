@@ -47,15 +47,22 @@ from hone.transforms.memory.facts import transformers_config
 
 
 def per_rank_config(cfg: HoneConfig) -> HoneConfig:
-    """``cfg`` with ``data.sequence_len`` the tokens one rank computes outside attention (the
-    shard, ``ceil(sequence_len / N)``): what the memory decisions and the estimate size the
-    activations by. Inside attention a rank holds the whole sequence for ``1/N`` of the heads: the
-    same bytes as its shard for every head."""
+    """``cfg`` as one rank's memory sees it: ``data.sequence_len`` the tokens it computes outside
+    attention (its shard, ``ceil(sequence_len / N)``) and no context parallelism left to divide by:
+    what the ``auto`` memory decisions (checkpointing, tiled MLP shards, the offload split) are
+    made on. Inside attention a rank holds the whole sequence for ``1/N`` of the heads: the same
+    bytes as its shard for every head. (The estimate divides by itself where the config says
+    ``N``: :class:`~hone.transforms.memory.knobs.Knobs`.)"""
     n = cfg.distributed.context_parallel
     if n <= 1:
         return cfg
     shard = -(-cfg.data.sequence_len // n)
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"sequence_len": shard})})
+    return cfg.model_copy(
+        update={
+            "data": cfg.data.model_copy(update={"sequence_len": shard}),
+            "distributed": cfg.distributed.model_copy(update={"context_parallel": 1}),
+        }
+    )
 
 
 def pad_rows(batch: MicroBatch, multiple: int) -> MicroBatch:
@@ -95,7 +102,8 @@ def _check(ctx: PlanContext) -> list[str]:
     from hone.models.attention.ulysses import context_parallel_problems  # TEMP until cpcore's backend is merged
 
     n = _size(ctx)
-    problems = list(context_parallel_problems(transformers_config(ctx.cfg.model), n))
+    asked = ctx.cfg.model.attn_implementation  # auto: the kernel the attention transform picks, checked as it is applied
+    problems = list(context_parallel_problems(transformers_config(ctx.cfg.model), n, None if asked == "auto" else asked))
     d = ctx.decided
     if d.tiled_layers_chunks >= 2:
         problems.append(
@@ -109,9 +117,8 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     from hone.models.attention.ulysses import enable_context_parallel  # TEMP until cpcore's backend is merged
 
     shard = _shard(ctx)
-    enable_context_parallel(model, shard)
-    world = ctx.facts.world.world_size
-    details: dict[str, Any] = {"ranks": shard.size, "position": shard.rank, "data_parallel_groups": world // shard.size}
+    details = dict(enable_context_parallel(model, shard))
+    details.update(ranks=shard.size, data_parallel_groups=ctx.facts.world.world_size // shard.size)
     return details
 
 

@@ -50,6 +50,7 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
 def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_parallel_why: str) -> Decisions:
     """Every other ``auto`` setting, the experts split over ``expert_parallel`` ranks; under
     context parallelism the memory is decided for one rank's shard of each sequence."""
+    context_parallel = cfg.distributed.context_parallel
     cfg = per_rank_config(with_expert_parallel(cfg, expert_parallel))
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
@@ -103,7 +104,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         tiled_layers_skipped=chunks_why if cfg.memory.tiled_layers == "auto" and chunks_do_not_fit and not chunks else None,
         expert_parallel=expert_parallel,
         expert_parallel_why=expert_parallel_why,
-        context_parallel=cfg.distributed.context_parallel,
+        context_parallel=context_parallel,
     )
 
 

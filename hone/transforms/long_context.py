@@ -46,18 +46,22 @@ def longest_table(
     device: str = "cuda",
     losses: tuple[LossKind, ...] = ("standard", "fused_linear_ce"),
     param_shards: int = 1,
+    context_parallel: int | None = None,
 ) -> list[LongestRow]:
     """For every checkpointing policy x tiled MLP (off, ``auto``'s shard count at each length) x
     loss in ``losses``, and for ``full`` and ``offload`` with tiled layers too (``auto``'s chunk
     count, tiled MLP, the last loss of ``losses``): the longest sequence whose estimated GPU peak fits ``budget`` bytes and
     whose host memory fits ``host_budget`` (None: unlimited), with ``offload_layers`` as the
-    config sets it (``auto``: the split that fits the host). Offload only on CUDA."""
+    config sets it (``auto``: the split that fits the host). Offload only on CUDA.
+    ``context_parallel``: each sequence split over that many ranks (default: as the config says;
+    then the rows are one rank's, and tiled layers, which context parallelism refuses, are left out)."""
+    split = context_parallel or cfg.distributed.context_parallel
     combos: list[tuple[str, bool, LossKind, bool]] = []
     for policy in POLICIES_BY_SPEED:
         if policy == "offload" and device != "cuda":
             continue
         combos += [(policy, tiled, loss, False) for tiled in (False, True) for loss in losses]
-        if policy in INPUT_ONLY_POLICIES:  # tiled layers: the furthest combination only
+        if policy in INPUT_ONLY_POLICIES and split == 1:  # tiled layers: the furthest combination only
             combos.append((policy, True, losses[-1], True))
     rows = []
     for policy, tiled, loss, layers_tiled in combos:
@@ -69,6 +73,7 @@ def longest_table(
             host_budget=host_budget,
             param_shards=param_shards,
             tiled_layers="auto" if layers_tiled else 0,
+            context_parallel=split,
         )
         longest = longest_sequence(cfg, knobs, budget, multiple=MULTIPLE, limit=LIMIT)
         at = estimate_memory(cfg, replace(knobs, sequence_len=longest)) if longest else None

@@ -16,6 +16,7 @@ from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
+from hone.transforms.context_plan import GpuCountRow, longest_by_gpus, render_by_gpus
 from hone.transforms.decide import decide
 from hone.transforms.expert_parallel import with_expert_parallel
 from hone.transforms.long_context import LongestRow, best_row, longest_table, render_longest
@@ -68,6 +69,10 @@ class PlanView:
     sequence_len: int = 0
     remedies: tuple[str, ...] = ()
     """What would shrink the weights of this config, for a verdict that not even the shortest sequence fits."""
+    by_gpus: list[GpuCountRow] | None = None
+    """Context parallelism: the longest sequence on 1, 2, 4, 8 GPUs of one host (:mod:`hone.transforms.context_plan`)."""
+    by_gpus_host: int | None = None
+    """The host memory those GPUs share (``host_budget`` is one rank's share under context parallelism)."""
 
 
 def _auto(value: str, asked: object) -> str:
@@ -146,6 +151,9 @@ def plan_view(
     written, cfg = cfg, with_expert_parallel(cfg, decided.expert_parallel)  # estimates: per rank, experts split as decided
     param_shards = decided.param_shards
     loss = loss_of(cfg)
+    whole_host, split = host_budget, cfg.distributed.context_parallel
+    if split > 1 and host_budget is not None:  # the ranks of a group share one host (estimates are one rank's)
+        host_budget, host_source = host_budget // split, f"{host_source} / {split} ranks"
     knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
     estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
     longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES_BY_SPEED}
@@ -170,7 +178,8 @@ def plan_view(
         f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
         f"{format_count(est.trainable_params)} trainable; "
         f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}{_experts_format(facts)}; "
-        f"micro-batch {est.micro_batch} x {est.sequence_len} tokens"
+        f"micro-batch {est.micro_batch} x {cfg.data.sequence_len} tokens"
+        + (f" (each rank {est.sequence_len}: context parallel over {split})" if split > 1 else "")
         + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
     )
     return PlanView(
@@ -194,8 +203,14 @@ def plan_view(
         long_rows=long_rows,
         policy=decided.checkpointing,
         experts=decided.experts_implementation if facts.experts else None,
-        sequence_len=est.sequence_len,
+        sequence_len=cfg.data.sequence_len,
         remedies=_remedies(cfg),
+        by_gpus=(
+            longest_by_gpus(cfg, budget, whole_host, device=device, losses=losses, fsdp=decided.strategy == "fsdp")
+            if split > 1
+            else None
+        ),
+        by_gpus_host=whole_host,
     )
 
 
@@ -426,4 +441,6 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
                 width,
                 indent="",
             )
+    if view.by_gpus:
+        out += ["", *render_by_gpus(view.by_gpus, budget, view.by_gpus_host)]
     return "\n".join(out) + "\n"

@@ -90,5 +90,6 @@ def test_unpacked_rows_are_padded_at_the_end_to_a_multiple_of_n_without_a_traine
 def test_the_memory_is_decided_for_one_ranks_shard(tmp_path):
     cfg = _cfg(tmp_path, data={"sequence_len": 1000})
     assert per_rank_config(cfg).data.sequence_len == 500
+    assert per_rank_config(cfg).distributed.context_parallel == 1  # nothing left for the estimate to divide by
     assert per_rank_config(_cfg(tmp_path, {"context_parallel": 3}, data={"sequence_len": 1000})).data.sequence_len == 334
     assert per_rank_config(tiny_config(tmp_path)).data.sequence_len == 64

@@ -186,12 +186,14 @@ def selective_budget(cfg: HoneConfig, knobs: Knobs) -> float:
 
 
 def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
-    """``knobs`` with the config's defaults filled in: the sequence and micro-batch, whether the
+    """``knobs`` with the config's defaults filled in: the sequence (under context parallelism one
+    rank's shard of it: attention holds the whole sequence for ``1/N`` of the heads, the same bytes) and micro-batch, whether the
     step compiles on the device (``torch_compile: auto`` compiles on CUDA), the attention, the
     offload split asked for (``memory.offload_layers``), the tiled layers' chunks and the tiled
     MLP's shards (the MLP of a tiled layer processes one chunk at a time)."""
     perf = cfg.performance
-    seq = knobs.sequence_len or cfg.data.sequence_len
+    split = knobs.context_parallel or cfg.distributed.context_parallel  # one rank's shard of each sequence
+    seq = -(-(knobs.sequence_len or cfg.data.sequence_len) // split)
     mbs = knobs.micro_batch or cfg.training.micro_batch_size
     compiled = perf.compiles_on(knobs.device) if knobs.compiled is None else knobs.compiled
     chunks = layer_chunks(knobs.tiled_layers, knobs.checkpointing, seq)

@@ -18,6 +18,9 @@ class Knobs:
     _: KW_ONLY
     sequence_len: int | None = None
     """Default: ``data.sequence_len``."""
+    context_parallel: int | None = None
+    """Ranks each sequence is split over: the estimate is one rank's, ``ceil(sequence_len / N)``
+    tokens outside attention (default ``distributed.context_parallel``)."""
     micro_batch: int | None = None
     """Default: ``training.micro_batch_size``."""
     compiled: bool | None = None
