@@ -136,6 +136,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     packing_efficiency: float | None = None
     compile_stats: dict[str, Any] | None = None
     estimated_gib: float | None = None
+    split = 1  # ranks each row is split over (distributed.context_parallel): a rank trains 1/split of its tokens
 
     if condition.reference is not None:
         batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
@@ -167,6 +168,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
                     data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu)
                 )  # every rank reads its own part
             cfg = _hone_config(spec, condition, workdir, data_file)
+            split = cfg.distributed.context_parallel
             configure_allocator(cfg, device.type)  # as hone train does, before CUDA starts
             estimated_gib = _estimated_peak_gib(cfg, device)
             if device.type == "cuda":
@@ -198,7 +200,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     if len(timed) < spec.timed_steps:
         raise RuntimeError(f"only {len(step_times)} steps reported, expected {total_steps}")
     median_s = statistics.median(timed)
-    tokens = w.tokens_per_step
+    tokens = w.tokens_per_step // split  # this rank's: the ranks' rows add up to the tokens trained
     tokens_per_s = trained_per_s = tokens / median_s  # random data: every token is trained
     trained_at_median: float | None = None
     if w.data == "lengths":  # steps differ in size: what the timed steps did over their time

@@ -77,7 +77,8 @@ class DistributedConfig(Section):
     all ``W`` ranks by DDP or FSDP2) and the model's query and key/value heads; packed rows
     (``data.sample_packing``) need ``data.sequence_len`` a multiple of ``N`` (unpacked micro-batches
     are padded at the end of each row to a multiple of ``N``: no loss, exact). Not yet with
-    ``expert_parallel`` or ``memory.tiled_layers`` (docs/distributed.md)."""
+    ``expert_parallel`` or ``memory.tiled_layers`` (whose ``auto`` then leaves the layers whole;
+    docs/distributed.md)."""
 
     @model_validator(mode="after")
     def _expert_parallel_alone(self) -> "DistributedConfig":

@@ -50,9 +50,10 @@ def per_rank_config(cfg: HoneConfig) -> HoneConfig:
     """``cfg`` as one rank's memory sees it: ``data.sequence_len`` the tokens it computes outside
     attention (its shard, ``ceil(sequence_len / N)``) and no context parallelism left to divide by:
     what the ``auto`` memory decisions (checkpointing, tiled MLP shards, the offload split) are
-    made on. Inside attention a rank holds the whole sequence for ``1/N`` of the heads: the same
-    bytes as its shard for every head. (The estimate divides by itself where the config says
-    ``N``: :class:`~hone.transforms.memory.knobs.Knobs`.)"""
+    made on, with tiled layers off (``auto`` never picks what context parallelism refuses).
+    Inside attention a rank holds the whole sequence for ``1/N`` of the heads: the same bytes as
+    its shard for every head. (The estimate divides by itself where the config says ``N``:
+    :class:`~hone.transforms.memory.knobs.Knobs`.)"""
     n = cfg.distributed.context_parallel
     if n <= 1:
         return cfg
@@ -61,6 +62,7 @@ def per_rank_config(cfg: HoneConfig) -> HoneConfig:
         update={
             "data": cfg.data.model_copy(update={"sequence_len": shard}),
             "distributed": cfg.distributed.model_copy(update={"context_parallel": 1}),
+            "memory": cfg.memory.model_copy(update={"tiled_layers": "off"}),  # refused beside context parallelism
         }
     )
 
