@@ -1,4 +1,4 @@
-"""A 2-process FSDP2, DDP or expert-parallel run (gloo, CPU) killed with SIGKILL mid-run resumes from
+"""A 2-process FSDP2, DDP, expert-parallel or context-parallel run (gloo, CPU) killed with SIGKILL mid-run resumes from
 its newest complete checkpoint to the uninterrupted run's losses. The NCCL version is in
 tests/gpu/test_distributed_gpu.py."""
 
@@ -18,6 +18,8 @@ STEPS = 24
 SETUPS = {
     "fsdp": ({"preset": "tiny-llama"}, {"lora_r": 4}, {"strategy": "fsdp"}),
     "ddp": ({"preset": "tiny-llama"}, {"lora_r": 4}, {"strategy": "ddp"}),
+    # each sequence split over the 2 ranks (tiny qwen3: 4 query, 2 key/value heads); rows padded to even widths
+    "context_parallel": ({"preset": "tiny-qwen3"}, {"lora_r": 4}, {"context_parallel": 2}),
     "expert_parallel": (
         {"preset": "tiny-qwen3-moe"},
         {"lora_r": 4, "lora_target_modules": ["q_proj", "v_proj", "experts"]},
