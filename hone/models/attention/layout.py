@@ -19,6 +19,7 @@ from hone.models.attention.packed_mask import (
     takes_document_boundaries,
     uses_own_document_mask,
 )
+from hone.models.attention.wrapped import inner_implementation
 
 Kind = Literal["boundaries", "block_mask", "dense_mask", "transformers"]
 
@@ -45,6 +46,6 @@ def layout_for(model: Any) -> AttentionLayout:
     if takes_document_boundaries(model):
         return AttentionLayout("boundaries")
     if uses_own_document_mask(model):
-        kind = "block_mask" if model.config._attn_implementation == "flex_attention" else "dense_mask"
+        kind = "block_mask" if inner_implementation(model.config._attn_implementation) == "flex_attention" else "dense_mask"
         return AttentionLayout(kind)
     return AttentionLayout("transformers")

@@ -21,6 +21,7 @@ import torch
 
 from hone.models.attention.causal import CAUSAL_SDPA
 from hone.models.attention.varlen import VARLEN_SDPA
+from hone.models.attention.wrapped import inner_implementation
 
 #: Backends that get hone's mask on packed batches.
 OWN_MASK_BACKENDS = ("sdpa", CAUSAL_SDPA, "flex_attention")
@@ -29,15 +30,16 @@ BOUNDARY_BACKENDS = (VARLEN_SDPA, "flash_attention_2", "flash_attention_3")
 
 
 def takes_document_boundaries(model: Any) -> bool:
-    """Whether packed batches for ``model`` go in as boundaries (varlen kernels), not a mask."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) in BOUNDARY_BACKENDS
+    """Whether packed batches for ``model`` go in as boundaries (varlen kernels), not a mask
+    (read through a context-parallel wrapper: the kernel inside decides)."""
+    return inner_implementation(getattr(getattr(model, "config", None), "_attn_implementation", None)) in BOUNDARY_BACKENDS
 
 
 def uses_own_document_mask(model: Any) -> bool:
     """Whether packed batches for ``model`` get hone's mask: sdpa or flex attention, and no
     sliding windows (one mask serves every layer only when all layers attend the same way)."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) not in OWN_MASK_BACKENDS:
+    if config is None or inner_implementation(getattr(config, "_attn_implementation", None)) not in OWN_MASK_BACKENDS:
         return False
     return all_layers_attend_fully(config)
 
