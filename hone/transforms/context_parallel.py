@@ -40,6 +40,7 @@ from torch import nn
 
 from hone.config.root import HoneConfig
 from hone.data.collate import MicroBatch
+from hone.models.attention.ulysses import context_parallel_problems, enable_context_parallel
 from hone.parallel.context_parallel import ContextShard, shard_micro_batch
 from hone.parallel.groups import context_group
 from hone.transforms.base import PlanContext, Transform
@@ -101,8 +102,6 @@ def _shard(ctx: PlanContext) -> ContextShard:
 
 def _check(ctx: PlanContext) -> list[str]:
     """The model's heads and attention (read from its config, nothing loaded) and the tiling."""
-    from hone.models.attention.ulysses import context_parallel_problems  # TEMP until cpcore's backend is merged
-
     n = _size(ctx)
     asked = ctx.cfg.model.attn_implementation  # auto: the kernel the attention transform picks, checked as it is applied
     problems = list(context_parallel_problems(transformers_config(ctx.cfg.model), n, None if asked == "auto" else asked))
@@ -116,8 +115,6 @@ def _check(ctx: PlanContext) -> list[str]:
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
-    from hone.models.attention.ulysses import enable_context_parallel  # TEMP until cpcore's backend is merged
-
     shard = _shard(ctx)
     details = dict(enable_context_parallel(model, shard))
     details.update(ranks=shard.size, data_parallel_groups=ctx.facts.world.world_size // shard.size)

@@ -12,6 +12,7 @@ host's memory divided by it, and ``hone plan`` prints the table (estimates, not 
 from dataclasses import dataclass
 
 from hone.config.root import HoneConfig
+from hone.models.attention.ulysses import context_parallel_problems
 from hone.transforms.long_context import LongestRow, best_row, longest_table
 from hone.transforms.memory.facts import transformers_config
 from hone.transforms.memory.knobs import LossKind
@@ -35,6 +36,19 @@ class GpuCountRow:
         return self.best.longest if self.best is not None else 0
 
 
+def rank_share(host_budget: int | None, source: str, split: int) -> tuple[int | None, str]:
+    """(bytes, where they come from) of the host memory one rank of ``split`` on a host may use:
+    the ranks of a context-parallel group share one host, and the estimates are one rank's."""
+    if split <= 1 or host_budget is None:
+        return host_budget, source
+    return host_budget // split, f"{source} / {split} ranks"
+
+
+def shard_note(shard: int, split: int) -> str:
+    """What the plan's model line adds under context parallelism: the tokens of one rank."""
+    return f" (each rank {shard:,}: context parallel over {split})" if split > 1 else ""
+
+
 def longest_by_gpus(
     cfg: HoneConfig,
     budget: int,
@@ -44,13 +58,13 @@ def longest_by_gpus(
     losses: tuple[LossKind, ...] = ("standard", "fused_linear_ce"),
     fsdp: bool = False,
     counts: tuple[int, ...] = GPU_COUNTS,
-) -> list[GpuCountRow]:
+) -> list[GpuCountRow] | None:
     """One row per GPU count: the longest sequence, per-rank GPU peak and host memory, with each
-    sequence split over all of them (one GPU: no split). ``budget``: one GPU's bytes;
-    ``host_budget``: the host's, shared by the ranks (None: unlimited); ``fsdp``: the weights
-    sharded over the GPUs too."""
-    from hone.models.attention.ulysses import context_parallel_problems  # TEMP lazy until cpcore's backend is merged
-
+    sequence split over all of them (one GPU: no split); None where ``cfg`` does not ask for
+    context parallelism (the plan shows no table). ``budget``: one GPU's bytes; ``host_budget``:
+    the host's, shared by the ranks (None: unlimited); ``fsdp``: the weights sharded over the GPUs too."""
+    if cfg.distributed.context_parallel <= 1:
+        return None
     model_config = transformers_config(cfg.model)
     rows = []
     for n in counts:

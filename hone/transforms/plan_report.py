@@ -16,7 +16,7 @@ from hone.config.memory import POLICIES_BY_SPEED
 from hone.config.root import HoneConfig
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
-from hone.transforms.context_plan import GpuCountRow, longest_by_gpus, render_by_gpus
+from hone.transforms.context_plan import GpuCountRow, longest_by_gpus, rank_share, render_by_gpus, shard_note
 from hone.transforms.decide import decide
 from hone.transforms.expert_parallel import with_expert_parallel
 from hone.transforms.long_context import LongestRow, best_row, longest_table, render_longest
@@ -152,8 +152,7 @@ def plan_view(
     param_shards = decided.param_shards
     loss = loss_of(cfg)
     whole_host, split = host_budget, cfg.distributed.context_parallel
-    if split > 1 and host_budget is not None:  # the ranks of a group share one host (estimates are one rank's)
-        host_budget, host_source = host_budget // split, f"{host_source} / {split} ranks"
+    host_budget, host_source = rank_share(host_budget, host_source, split)
     knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
     estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
     longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES_BY_SPEED}
@@ -178,8 +177,7 @@ def plan_view(
         f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
         f"{format_count(est.trainable_params)} trainable; "
         f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}{_experts_format(facts)}; "
-        f"micro-batch {est.micro_batch} x {cfg.data.sequence_len} tokens"
-        + (f" (each rank {est.sequence_len}: context parallel over {split})" if split > 1 else "")
+        f"micro-batch {est.micro_batch} x {cfg.data.sequence_len} tokens{shard_note(est.sequence_len, split)}"
         + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
     )
     return PlanView(
@@ -205,11 +203,7 @@ def plan_view(
         experts=decided.experts_implementation if facts.experts else None,
         sequence_len=cfg.data.sequence_len,
         remedies=_remedies(cfg),
-        by_gpus=(
-            longest_by_gpus(cfg, budget, whole_host, device=device, losses=losses, fsdp=decided.strategy == "fsdp")
-            if split > 1
-            else None
-        ),
+        by_gpus=longest_by_gpus(cfg, budget, whole_host, device=device, losses=losses, fsdp=decided.strategy == "fsdp"),
         by_gpus_host=whole_host,
     )
 
