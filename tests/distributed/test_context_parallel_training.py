@@ -2,10 +2,12 @@
 ``distributed.context_parallel: 2`` (each sequence split in two, attention exchanging heads for
 tokens) gives one process's losses, gradient norms, eval losses and final weights (fp32, 1e-5):
 a tiny Qwen3 with LoRA on attention, padded rows (odd widths: padded to a multiple of 2) and
-packed rows, and a full fine-tune. Slow: 2 context-parallel groups x 2 data-parallel replicas on
-4 processes against one process with accumulation 2."""
+packed rows, and a full fine-tune under DDP and under FSDP2. Slow: regional compile with full
+checkpointing; 2 context-parallel groups x 2 data-parallel replicas on 4 processes against one
+process with accumulation 2."""
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -17,11 +19,13 @@ from safetensors.torch import load_file
 
 from hone.track.metrics import read_metrics
 
-SEED = random.randrange(10_000)  # fresh each session (printed on failure)
+SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 STEPS = 3
 
 
-def _config(out: Path, name: str, *, packed: bool, adapter: str, context_parallel: int, accumulation: int = 1) -> Path:
+def _config(
+    out: Path, name: str, *, packed: bool, adapter: str, context_parallel: int, accumulation: int = 1, **sections: dict
+) -> Path:
     data = out / "data.jsonl"
     if not data.exists():
         rng = random.Random(SEED)
@@ -30,7 +34,7 @@ def _config(out: Path, name: str, *, packed: bool, adapter: str, context_paralle
     adapter_cfg = (
         {"type": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
         if adapter == "lora"
-        else {"type": "full"}
+        else {"type": "none"}
     )
     cfg = {
         "model": {"preset": "tiny-qwen3", "dtype": "float32"},
@@ -55,15 +59,18 @@ def _config(out: Path, name: str, *, packed: bool, adapter: str, context_paralle
         "distributed": {"context_parallel": context_parallel},
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
     }
+    for key, values in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **values}
     path = out / f"{name}.yml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def _metrics(run: Path) -> tuple[list[float], list[float]]:
+def _metrics(run: Path) -> tuple[list[float], list[float], list[float]]:
+    """(train losses, gradient norms, eval losses)."""
     rows = read_metrics(run / "metrics.jsonl")
-    train = [x for r in rows if "loss" in r for x in (r["loss"], r["grad_norm"])]
-    return train, [r["eval_loss"] for r in rows if "eval_loss" in r]
+    train = [r for r in rows if "loss" in r]
+    return [r["loss"] for r in train], [r["grad_norm"] for r in train], [r["eval_loss"] for r in rows if "eval_loss" in r]
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
@@ -72,13 +79,16 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
-def _assert_same(got: Path, expected: Path) -> None:
-    ref_train, ref_eval = _metrics(expected)
-    cp_train, cp_eval = _metrics(got)
-    assert len(cp_train) == len(ref_train) == 2 * STEPS and len(cp_eval) == len(ref_eval) >= 2
-    assert cp_train == pytest.approx(ref_train, rel=1e-5), f"seed {SEED}"
+def _assert_same(got: Path, expected: Path, norm_rel: float = 1e-5) -> None:
+    ref_loss, ref_norm, ref_eval = _metrics(expected)
+    cp_loss, cp_norm, cp_eval = _metrics(got)
+    assert len(cp_loss) == len(ref_loss) == STEPS and len(cp_eval) == len(ref_eval) >= 2
+    assert cp_loss == pytest.approx(ref_loss, rel=1e-5), f"seed {SEED}"
+    assert cp_norm == pytest.approx(ref_norm, rel=norm_rel), f"seed {SEED}"
     assert cp_eval == pytest.approx(ref_eval, rel=1e-5), f"seed {SEED}"
     ref, cp = _weights(expected), _weights(got)
+    if "lm_head.weight" in cp.keys() - ref.keys():  # FSDP2's final save writes the tied head too
+        torch.testing.assert_close(cp.pop("lm_head.weight"), cp["model.embed_tokens.weight"], rtol=0, atol=0)
     assert cp.keys() == ref.keys() and ref
     for key, weight in ref.items():
         # 1e-5 absolute: AdamW divides by sqrt(v), which turns the rounding of a different
@@ -88,12 +98,33 @@ def _assert_same(got: Path, expected: Path) -> None:
     assert "context_parallel" in [a["name"] for a in record["applied"]]
 
 
-CASES = [("lora", False), ("lora", True), ("full", True)]
+CASES = [("lora", False, "ddp"), ("lora", True, "ddp"), ("full", True, "ddp"), ("full", False, "fsdp")]
 
 
-@pytest.mark.parametrize(("adapter", "packed"), CASES, ids=[f"{a}-{'packed' if p else 'padded'}" for a, p in CASES])
-def test_two_ranks_splitting_each_sequence_equal_one_process(tmp_path, adapter, packed):
+@pytest.mark.parametrize(
+    ("adapter", "packed", "strategy"), CASES, ids=[f"{a}-{'packed' if p else 'padded'}-{s}" for a, p, s in CASES]
+)
+def test_two_ranks_splitting_each_sequence_equal_one_process(tmp_path, adapter, packed, strategy):
     kind = dict(packed=packed, adapter=adapter)
+    hone_train_forked(_config(tmp_path, "one", context_parallel=1, **kind), processes=1)
+    split = _config(tmp_path, "cp2", context_parallel=2, distributed={"strategy": strategy}, **kind)
+    hone_train_forked(split, processes=2)
+    # FSDP2's sharded norm of a full fine-tune: measured 1.5e-5 from one process's on 2 ranks
+    # without context parallelism too (seed 1698), the rounding of its reduce-scatter and shard sums
+    _assert_same(tmp_path / "cp2", tmp_path / "one", norm_rel=5e-5 if strategy == "fsdp" else 1e-5)
+
+
+#: Regional compile (aot_eager on the CPU) and full activation checkpointing: the exchanges traced
+#: inside each compiled layer and run again in its recompute.
+COMPOSED = {
+    "performance": {"torch_compile": True, "torch_compile_backend": "aot_eager", "torch_compile_scope": "regional"},
+    "memory": {"activation_checkpointing": "full"},
+}
+
+
+@pytest.mark.slow
+def test_context_parallelism_composes_with_regional_compile_and_checkpointing(tmp_path):
+    kind = dict(packed=True, adapter="lora", **COMPOSED)
     hone_train_forked(_config(tmp_path, "one", context_parallel=1, **kind), processes=1)
     hone_train_forked(_config(tmp_path, "cp2", context_parallel=2, **kind), processes=2)
     _assert_same(tmp_path / "cp2", tmp_path / "one")
