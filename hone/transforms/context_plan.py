@@ -85,11 +85,11 @@ def render_by_gpus(rows: list[GpuCountRow], budget: int, host_budget: int | None
         f"Longest sequence by GPU count, each sequence split over the GPUs of one host (estimate; {budget / GIB:.0f} GiB "
         f"per GPU, {host}; per rank: GPU peak and host memory):"
     ]
-    header = ["GPUs", "longest", "GPU peak", "host", "checkpointing", "tiled MLP", "loss"]
+    header = ["GPUs", "longest", "GPU peak", "host", "checkpointing", "tiled MLP", "tiled layers", "loss"]
     table = []
     for r in rows:
         if r.refused is not None:
-            table.append([str(r.gpus), "refused", "-", "-", r.refused, "", ""])
+            table.append([str(r.gpus), "refused", "-", "-", r.refused])
             continue
         best = r.best
         est = best.at_longest if best is not None else None
@@ -101,14 +101,16 @@ def render_by_gpus(rows: list[GpuCountRow], budget: int, host_budget: int | None
                 f"{est.host_total / GIB:.1f}" if est else "-",
                 best.checkpointing if best else "-",
                 ("auto" if best.tiled else "off") if best else "-",
+                ("auto" if best.layers_tiled else "off") if best else "-",
                 best.loss if best else "-",
             ]
         )
-    widths = [max(len(x[i]) for x in [header, *table]) for i in range(4)]
+    widths = [max(len(x[i]) for x in [header, *table] if i < len(x) and (i < 4 or x[1] != "refused")) for i in range(8)]
 
-    def line(cells: list[str]) -> str:
-        head = "  ".join(c.rjust(w) for c, w in zip(cells[:4], widths))
-        return ("  " + head + "  " + "  ".join(cells[4:])).rstrip()
+    def line(cells: list[str]) -> str:  # numbers right-aligned; a refusal's reason runs on
+        head = [c.rjust(w) for c, w in zip(cells[:4], widths)]
+        tail = cells[4:] if cells[1] == "refused" else [c.ljust(w) for c, w in zip(cells[4:], widths[4:])]
+        return ("  " + "  ".join(head + tail)).rstrip()
 
     out += [line(header), *(line(x) for x in table)]
     return out

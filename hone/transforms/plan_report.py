@@ -436,5 +436,6 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
                 indent="",
             )
     if view.by_gpus:
-        out += ["", *render_by_gpus(view.by_gpus, budget, view.by_gpus_host)]
+        title, *table = render_by_gpus(view.by_gpus, budget, view.by_gpus_host)
+        out += ["", *_wrap(title, width, indent=""), *_cut(table, width)]
     return "\n".join(out) + "\n"
