@@ -136,3 +136,26 @@ def test_two_context_parallel_groups_of_two_equal_one_process_with_twice_the_acc
     hone_train_forked(_config(tmp_path, "one", context_parallel=1, accumulation=2, **kind), processes=1)
     hone_train_forked(_config(tmp_path, "cp2x2", context_parallel=2, **kind), processes=4)
     _assert_same(tmp_path / "cp2x2", tmp_path / "one")
+
+
+def test_a_context_parallel_checkpoint_resumes_on_one_process_to_the_same_run(tmp_path):
+    """The data position is global and the weights are whole (rank 0 writes): a run of 2 ranks
+    splitting each sequence, resumed after step 2 by one process without context parallelism,
+    ends where one process alone does."""
+    kind = dict(packed=True, adapter="lora", training={"save_steps": 2})
+    hone_train_forked(_config(tmp_path, "one", context_parallel=1, **kind), processes=1)
+    hone_train_forked(_config(tmp_path, "cp2", context_parallel=2, **kind), processes=2)
+    checkpoint = tmp_path / "cp2" / "checkpoints" / "step-2"
+    assert (checkpoint / "COMPLETE").exists()
+    resumed = _config(tmp_path, "resumed", context_parallel=1, packed=True, adapter="lora", training={"resume": str(checkpoint)})
+    hone_train_forked(resumed, processes=1)
+    # it did resume: steps 1-2 are the context-parallel run's rows, carried over by its checkpoint
+    before = [r for r in read_metrics(tmp_path / "cp2" / "metrics.jsonl") if "loss" in r and r["step"] <= 2]
+    assert [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r and r["step"] <= 2] == before
+    ref_loss, ref_norm, _ = _metrics(tmp_path / "one")
+    got_loss, got_norm, _ = _metrics(tmp_path / "resumed")
+    assert got_loss[-1:] == pytest.approx(ref_loss[-1:], rel=1e-5) and got_norm[-1:] == pytest.approx(ref_norm[-1:], rel=1e-5)
+    ref, got = _weights(tmp_path / "one"), _weights(tmp_path / "resumed")
+    assert got.keys() == ref.keys()
+    for key, weight in ref.items():
+        torch.testing.assert_close(got[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
