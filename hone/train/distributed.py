@@ -92,15 +92,32 @@ def expert_parallel_problems(cfg: "HoneConfig", world: World) -> list[str]:
 def context_parallel_launch_problems(cfg: "HoneConfig", world: World) -> list[str]:
     """``distributed.context_parallel`` against the launch: 1 (off), or a divisor ``N > 1`` of the
     job's processes (``W / N`` groups of ``N`` consecutive ranks, each group splitting its
-    sequences; data parallelism over the groups). The model's heads are checked by the plan."""
+    sequences; data parallelism over the groups), and the model's heads and attention (read from
+    its config: nothing loads, no GPU is touched; the plan checks them again with the kernel it picks)."""
     cp, size = cfg.distributed.context_parallel, world.world_size
-    if cp == 1 or (cp > 1 and size % cp == 0):
+    if cp == 1:
         return []
+    problems = _context_parallel_model_problems(cfg)
+    if size % cp == 0:
+        return problems
     divisors = ", ".join(str(d) for d in range(2, size + 1) if size % d == 0) or "none"
     return [
         f"distributed.context_parallel: {cp} on {size} process{'es' if size != 1 else ''}: N must divide the number of "
-        f"processes (--nproc-per-node times the hosts: {size} here); divisors over 1: {divisors}; or 1 (off)"
+        f"processes (--nproc-per-node times the hosts: {size} here); divisors over 1: {divisors}; or 1 (off)",
+        *problems,
     ]
+
+
+def _context_parallel_model_problems(cfg: "HoneConfig") -> list[str]:
+    from hone.models.attention.ulysses import context_parallel_problems
+    from hone.transforms.memory.facts import transformers_config
+
+    try:
+        model_config = transformers_config(cfg.model)
+    except Exception:  # noqa: BLE001 -- an unreadable model is reported where it loads
+        return []
+    asked = cfg.model.attn_implementation
+    return context_parallel_problems(model_config, cfg.distributed.context_parallel, None if asked == "auto" else asked)
 
 
 def _describe(exc: BaseException) -> tuple[str, int]:

@@ -47,7 +47,9 @@ def test_the_launch_refuses_a_size_that_does_not_divide_the_processes(tmp_path):
     cfg = _cfg(tmp_path, {"context_parallel": 4})
     with pytest.raises(DistributedSetupError, match=r"distributed\.context_parallel: 4 on 6 processes: N must divide"):
         check_launch(cfg, World(0, 6, 0), "cpu")
-    check_launch(cfg, World(0, 8, 0), "cpu")  # 2 groups of 4: fine
+    with pytest.raises(DistributedSetupError, match=r"the model has 2 key/value heads \(num_key_value_heads\), which 4 ranks"):
+        check_launch(cfg, World(0, 8, 0), "cpu")  # 2 groups of 4, but tiny-llama has 2 key/value heads
+    check_launch(_cfg(tmp_path), World(0, 4, 0), "cpu")  # 2 groups of 2: fine
 
 
 def test_the_ranks_of_a_group_read_the_same_micro_batches_and_the_sequence_ignores_the_layout():
