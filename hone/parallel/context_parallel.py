@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hone.parallel.exchange import exchange
 
-__all__ = ["ContextShard", "heads_to_seq", "seq_to_heads", "shard_micro_batch"]
+__all__ = ["ContextShard", "heads_to_seq", "seq_to_heads", "seqs_to_heads", "shard_micro_batch"]
 
 #: The targets' "no loss" label (``hone.data.collate.IGNORE_INDEX``; this lower layer cannot import it).
 IGNORE_INDEX = -100
@@ -84,6 +84,26 @@ def seq_to_heads(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     send = x.reshape(batch, n, local, part, dim).transpose(0, 1)  # [N, B, H/N, T/N, D]: block j for rank j
     got = exchange(send, n, shard.group)  # [N, B, H/N, T/N, D]: block i = rank i's positions
     return got.permute(1, 2, 0, 3, 4).reshape(batch, local, n * part, dim)
+
+
+def seqs_to_heads(xs: tuple[torch.Tensor, ...], shard: ContextShard) -> tuple[torch.Tensor, ...]:
+    """:func:`seq_to_heads` of each of ``xs`` (q, k, v: any head counts ``N`` divides, one
+    batch, length and head size) in ONE all-to-all: each rank's blocks of all of them travel
+    together (one collective per layer instead of three; the copy into the send buffer is the
+    one each exchange makes anyway). Differentiable."""
+    if shard.size == 1:
+        return xs
+    n = shard.size
+    batch, _, part, dim = xs[0].shape
+    locals_ = [shard.part(x.shape[1], f"{x.shape[1]} heads") for x in xs]
+    if any(x.shape[0] != batch or x.shape[2:] != (part, dim) for x in xs):
+        raise ValueError(
+            f"seqs_to_heads exchanges tensors of one batch, length and head size, not {[tuple(x.shape) for x in xs]}"
+        )
+    send = torch.cat([x.reshape(batch, n, h, part, dim).transpose(0, 1) for x, h in zip(xs, locals_)], dim=2)
+    got = exchange(send, n, shard.group)  # [N, B, sum(H/N), T/N, D]: block i = rank i's positions
+    out = got.permute(1, 2, 0, 3, 4).reshape(batch, sum(locals_), n * part, dim)
+    return tuple(out.split(locals_, dim=1))
 
 
 def heads_to_seq(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:

@@ -40,10 +40,11 @@ class Case:
     size: int = 2
     heads: int = 4
     kv_heads: int = 2
+    checkpointed: bool = False  # activation checkpointing: the backward recomputes each layer, exchanges included
 
     @property
     def name(self) -> str:
-        return f"{self.preset}-{self.trained}-{self.rows}-{self.attention}-cp{self.size}"
+        return f"{self.preset}-{self.trained}-{self.rows}-{self.attention}-cp{self.size}" + ("-ckpt" if self.checkpointed else "")
 
 
 CASES_2 = [
@@ -53,6 +54,7 @@ CASES_2 = [
     Case("tiny-llama", "lora", "packed", "varlen"),  # whole-sequence boundaries
     Case("tiny-llama", "full", "padded", "causal"),
     Case("tiny-llama", "lora", "padded", "varlen"),  # no boundaries: causal sdpa
+    Case("tiny-qwen3", "full", "packed", "varlen", checkpointed=True),
 ]
 #: Four ranks need four key/value heads: 8 query heads in groups of 2 (grouped-query attention).
 CASES_4 = [
@@ -88,6 +90,8 @@ def build_model(case: Case) -> torch.nn.Module:
     else:
         for param in model.parameters():
             param.requires_grad_(True)
+    if case.checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.eval()
 
 

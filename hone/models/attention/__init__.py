@@ -8,5 +8,7 @@ boundaries (``cu_seqlens``). Varlen kernels take the boundaries: hone's own ``sd
 (``varlen``, torch's per-document kernel, chosen for packed sdpa runs where it can run) and
 flash attention. For sdpa elsewhere and flex_attention hone builds the document mask itself,
 once per micro-batch (``packed_mask``); eager and sliding-window models get their mask from
-transformers, which reads it from the positions.
+transformers, which reads it from the positions. Under context parallelism (``ulysses``) a
+backend wraps the model's kernel, trading a slice of the positions for a share of the heads
+around it; the kernel inside decides what packed rows carry (``wrapped``).
 """

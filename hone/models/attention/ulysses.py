@@ -43,7 +43,7 @@ from hone.models.attention.varlen import VARLEN_SDPA, varlen_sdpa_attention
 from hone.models.attention.wrapped import ULYSSES_NAMES, inner_implementation
 from hone.models.errors import ModelError
 from hone.models.structure import decoder_layers, unwrap_peft
-from hone.parallel.context_parallel import ContextShard, heads_to_seq, seq_to_heads
+from hone.parallel.context_parallel import ContextShard, heads_to_seq, seq_to_heads, seqs_to_heads
 
 __all__ = [
     "CONTEXT_SHARD_ATTR",
@@ -147,7 +147,10 @@ def ulysses_attention(
             f"{key.shape[2]})"
         )
     kwargs.pop("position_ids", None)
-    query, key, value = (seq_to_heads(t, shard) for t in (query, key, value))
+    if query.shape[-1] == key.shape[-1] == value.shape[-1]:
+        query, key, value = seqs_to_heads((query, key, value), shard)  # one all-to-all for the three
+    else:  # a value head size of its own (multi-head latent attention)
+        query, key, value = (seq_to_heads(t, shard) for t in (query, key, value))
     length = key.shape[2]
     if attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[-1] != length):
         raise ContextParallelError(
