@@ -124,6 +124,7 @@ class RunStats:
 class _Run:
     """One run of one forward: each layer's call (forward order) and its saved input's handles."""
 
+    start: int = 0  # the index of the run's first layer
     calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
     replay: Replay | None = None
     first: Any = None  # the packed first input (the tensor, or the offloader's handle)
@@ -155,7 +156,6 @@ class LayerRuns:
         self._rebuilding = False
         self._runs: dict[int, _Run] = {}
         self._expect: tuple[_Run, int, tuple[Any, ...]] | None = None
-        self._seen = 0
 
     @property
     def recording(self) -> bool:
@@ -182,7 +182,7 @@ class LayerRuns:
         r, position = self.where[index]
         if position == 0:
             s, e = self.bounds[r]
-            self._runs[r] = _Run(replay=Replay(x, any(has_dropout(m) for m in self.layers[s:e])))
+            self._runs[r] = _Run(start=s, replay=Replay(x, any(has_dropout(m) for m in self.layers[s:e])))
         run = self._runs.get(r)
         if run is None or len(run.calls) != position or (position > 0 and run.out != _signature(x)):
             raise LayerRunsError(
@@ -193,17 +193,15 @@ class LayerRuns:
         run.calls.append((layer, args, kwargs))
         assert run.replay is not None
         run.replay.capture()
-        self._expect, self._seen = (run, position, _signature(x)), 0
+        self._expect = (run, position, _signature(x))
         try:
             yield lambda out: setattr(run, "out", _signature(_hidden(out)))
         finally:
-            seen, self._expect = self._seen, None
-        if seen == 0:
-            raise LayerRunsError(
-                f"memory.checkpoint_run_layers: decoder layer {index} did not save its input for the backward through "
-                "autograd's saved-tensor hooks; runs need each layer to keep only its input "
-                "(memory.activation_checkpointing: full or offload)"
-            )
+            self._expect = None
+        if position == 0 and run.first is None:
+            # nothing saved the run's first input (it needs no gradient, nor does the layer): a later
+            # layer of the run may still need it rebuilt from there
+            run.first = self.offloader.pack(x) if self.offloader is not None else x
 
     # ------------------------------------------------------------------ hooks
 
@@ -212,7 +210,6 @@ class LayerRuns:
         if self._rebuilding or expect is None or _signature(tensor) != expect[2]:
             return self.offloader.pack(tensor) if self.offloader is not None and not self._rebuilding else tensor
         run, position, _ = expect
-        self._seen += 1
         if position == 0 and run.first is None:
             run.first = self.offloader.pack(tensor) if self.offloader is not None else tensor
             self.stats.first_saved += 1
@@ -253,7 +250,7 @@ class LayerRuns:
                 del out
         finally:
             self._rebuilding = False
-        run.rebuilt = rebuilt
+        run.rebuilt = {p: t for p, t in rebuilt.items() if run.pending.get(p)}  # what autograd will ask for
         self.stats.rebuilds += 1
 
 
