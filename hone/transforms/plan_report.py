@@ -422,6 +422,7 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
             out += [""] + _wrap(
                 f"Longest sequence with any switch: {best.longest:,} tokens (checkpointing {best.checkpointing}, "
                 f"tiled MLP {'auto' if best.tiled else 'off'}, tiled layers {'auto' if best.layers_tiled else 'off'}, "
+                f"checkpoint_run_layers {best.run_layers}, "
                 f"{best.loss} loss); --wide: every combination",
                 width,
                 indent="",
