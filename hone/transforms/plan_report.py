@@ -101,6 +101,16 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
         ("fp8", perf.fp8, "performance.fp8"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
+    if decided.tiled_layers_chunks >= 2 or decided.run_layers > 1:  # the long-context switches, where they are on
+        at = next(i for i, row in enumerate(rows) if row[0] == "tiled MLP") + 1
+        rows[at:at] = [
+            ("tiled layers", _auto(f"{decided.tiled_layers_chunks} chunks", memory.tiled_layers), "memory.tiled_layers"),
+            (
+                "layer runs",
+                _auto(f"{decided.run_layers} layers per saved input", memory.checkpoint_run_layers),
+                "memory.checkpoint_run_layers",
+            ),
+        ]
     if model_facts(cfg).experts:
         rows.insert(
             1, ("experts", _auto(decided.experts_implementation, model.experts_implementation), "model.experts_implementation")
@@ -146,7 +156,11 @@ def plan_view(
     written, cfg = cfg, with_expert_parallel(cfg, decided.expert_parallel)  # estimates: per rank, experts split as decided
     param_shards = decided.param_shards
     loss = loss_of(cfg)
-    knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
+    # the plan's tiled layers and layer runs (full and offload only: the estimate ignores them elsewhere)
+    layers = {"tiled_layers": decided.tiled_layers_chunks, "run_layers": decided.run_layers}
+    knobs = {
+        p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards, **layers) for p in POLICIES_BY_SPEED
+    }
     estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
     longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES_BY_SPEED}
     # tiled: the configured count, else auto's (also for "off": what tiling would give)
@@ -338,7 +352,8 @@ def _memory_rows(view: PlanView, policies: list[str], wide: bool) -> list[list[s
     rows.append(["host (process, pinned incl.)", *(gib_cell(view.estimates[p].host_total) for p in policies)])
     if "offload" in view.estimates:
         off = view.estimates["offload"]
-        rows.append(["layers offloaded", *(f"{off.offloaded_layers}/{off.layers}" if p == "offload" else "-" for p in policies)])
+        runs = f"/{-(-off.layers // off.run_layers)} runs" if off.run_layers > 1 else f"/{off.layers}"
+        rows.append(["layers offloaded", *(f"{off.offloaded_layers}{runs}" if p == "offload" else "-" for p in policies)])
     rows.append(["activations per layer", *(gib_cell(view.estimates[p].activations_per_layer) for p in policies)])
     budget, host = view.budget, view.host_budget
     fits_label = f"fits {gib(budget)} less {AUTO_MARGIN:.0%}"
