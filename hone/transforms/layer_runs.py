@@ -98,6 +98,15 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+def _whole_storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s memory where ``t`` is all of it, laid out row-major from the start:
+    any view of that memory is then a view of ``t``, rebuilt by the same geometry on a rebuilt
+    ``t``; None otherwise."""
+    if t.storage_offset() != 0 or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return None
+    return t.untyped_storage().data_ptr()
+
+
 def _hidden(out: Any) -> torch.Tensor:
     """A decoder layer's hidden states (transformers layers return them alone or first in a tuple)."""
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -134,12 +143,14 @@ class _Run:
 
 
 class _Handle:
-    """What autograd keeps instead of a layer input of a run: the run and the layer's position."""
+    """What autograd keeps instead of a layer input of a run: the run, the layer's position and,
+    where what was saved is a view of the input's memory (a compiled layer may save one), its
+    geometry (size, stride, offset) on the rebuilt input."""
 
-    __slots__ = ("position", "run")
+    __slots__ = ("position", "run", "view")
 
-    def __init__(self, run: _Run, position: int) -> None:
-        self.run, self.position = run, position
+    def __init__(self, run: _Run, position: int, view: tuple[Any, ...] | None = None) -> None:
+        self.run, self.position, self.view = run, position, view
 
 
 class LayerRuns:
@@ -155,7 +166,7 @@ class LayerRuns:
         self._recording = False
         self._rebuilding = False
         self._runs: dict[int, _Run] = {}
-        self._expect: tuple[_Run, int, tuple[Any, ...]] | None = None
+        self._expect: tuple[_Run, int, tuple[Any, ...], int | None, int] | None = None
 
     @property
     def recording(self) -> bool:
@@ -193,7 +204,7 @@ class LayerRuns:
         run.calls.append((layer, args, kwargs))
         assert run.replay is not None
         run.replay.capture()
-        self._expect = (run, position, _signature(x))
+        self._expect = (run, position, _signature(x), _whole_storage(x), x._version)
         try:
             yield lambda out: setattr(run, "out", _signature(_hidden(out)))
         finally:
@@ -207,16 +218,28 @@ class LayerRuns:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         expect = self._expect
-        if self._rebuilding or expect is None or _signature(tensor) != expect[2]:
-            return self.offloader.pack(tensor) if self.offloader is not None and not self._rebuilding else tensor
-        run, position, _ = expect
+        if self._rebuilding or expect is None:
+            return self._pass(tensor)
+        run, position, signature, whole, version = expect
+        view = None
+        if tensor._version != version:  # changed in place since the layer got it: not what a rebuild gives
+            return self._pass(tensor)
+        if _signature(tensor) != signature:
+            same_memory = whole is not None and tensor.untyped_storage().data_ptr() == whole
+            if position == 0 or not same_memory or tensor.dtype != signature[4] or tensor.layout != torch.strided:
+                return self._pass(tensor)
+            view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         if position == 0 and run.first is None:
             run.first = self.offloader.pack(tensor) if self.offloader is not None else tensor
             self.stats.first_saved += 1
         elif position > 0 and position not in run.pending:
             self.stats.inner_dropped += 1
         run.pending[position] = run.pending.get(position, 0) + 1
-        return _Handle(run, position)
+        return _Handle(run, position, view)
+
+    def _pass(self, tensor: torch.Tensor) -> Any:
+        """Anything but a run's layer input: the offloader's (when it is on), else kept as it is."""
+        return self.offloader.pack(tensor) if self.offloader is not None and not self._rebuilding else tensor
 
     def _unpack(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, _Handle):
@@ -226,6 +249,8 @@ class LayerRuns:
             self._rebuild(run)
         assert run.rebuilt is not None
         tensor = run.rebuilt[position]
+        if handle.view is not None:
+            tensor = tensor.contiguous().as_strided(*handle.view)
         run.pending[position] -= 1
         if run.pending[position] == 0:
             del run.rebuilt[position]

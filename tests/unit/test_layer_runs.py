@@ -336,3 +336,45 @@ def test_the_planner_applies_runs_after_checkpointing_and_they_train_like_no_che
     ids = _ids(99)
     _assert_same(offload_step(planned, ids), offload_step(copy.deepcopy(model), ids))
     assert offloader_for(planned).max_tensors == 1  # (its 1 MiB floor offloads nothing of a tiny model)
+
+
+class _ToyLayer(nn.Module):
+    """A layer whose matmul saves a view of its input (``x.view(-1, hidden)``), as a compiled
+    layer's graph may: the runs' hooks recognise the input's memory and rebuild the view."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed)) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh((x.view(-1, x.shape[-1]) @ self.w).view_as(x)) + x
+
+
+class _Toy(nn.Module):
+    _no_split_modules = ["_ToyLayer"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ToyLayer(8, seed) for seed in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_saved_view_of_a_layer_input_is_rebuilt_as_that_view():
+    toy = _Toy()
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    toy(x).square().sum().backward()
+    want = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in toy.named_parameters()}}
+    runs, x.grad = copy.deepcopy(toy), None
+    runs.zero_grad(set_to_none=True)
+    apply_layer_runs(runs, 2)
+    with layer_runs_for(runs).step_context():
+        runs(x).square().sum().backward()
+    got = {"x": x.grad, **{n: p.grad for n, p in runs.named_parameters()}}
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    stats = layer_runs_for(runs).stats
+    assert stats.inner_dropped == stats.rebuilt_layers == 2 and stats.first_saved == 0  # (run firsts: kept as x itself)
