@@ -235,6 +235,8 @@ class Plan:
             lines.append(d.experts_why)
         if memory.checkpointing == "auto":
             lines.append(d.checkpointing_why)
+        if memory.checkpoint_run_layers == "auto" and d.run_layers > 1:  # only where it is on: it is rare
+            lines.append(d.run_layers_why)
         if memory.selective_memory_budget == "auto" and d.compiler_memory_budget_why is not None:
             lines.append(d.compiler_memory_budget_why)
         if cfg.distributed.expert_parallel == "auto":

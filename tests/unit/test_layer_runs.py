@@ -378,3 +378,31 @@ def test_a_saved_view_of_a_layer_input_is_rebuilt_as_that_view():
         torch.testing.assert_close(got[name], g, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
     stats = layer_runs_for(runs).stats
     assert stats.inner_dropped == stats.rebuilt_layers == 2 and stats.first_saved == 0  # (run firsts: kept as x itself)
+
+
+def test_a_training_run_through_the_planner_records_runs_and_trains_like_one_input_per_layer(tmp_path, write_jsonl):
+    """``hone train``'s path (tiny Qwen3 of 3 layers, LoRA, tiled layers inside): the runs are
+    applied after checkpointing and tiled layers, recorded with why, and train alike."""
+    from hone.testing import tiny_lora_run
+
+    gen = torch.Generator().manual_seed(6)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(5, 300, (31,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
+    data = write_jsonl(tmp_path, rows)
+    model = {"preset_overrides": {"num_hidden_layers": 3}}
+    memory = {"tiled_layers": 2}
+    plain, plain_record = tiny_lora_run(
+        data, tmp_path / "plain", model=model, memory={**memory, "checkpoint_run_layers": 1}, performance={"loss": "standard"}
+    )
+    steps, record = tiny_lora_run(
+        data, tmp_path / "runs", model=model, memory={**memory, "checkpoint_run_layers": 2}, performance={"loss": "standard"}
+    )
+    assert "layer_runs" not in [a["name"] for a in plain_record["applied"]]
+    names = [a["name"] for a in record["applied"]]
+    assert names.index("activation_checkpointing") < names.index("tiled_layers") < names.index("layer_runs")
+    details = next(a for a in record["applied"] if a["name"] == "layer_runs")["details"]
+    assert details["layers_per_run"] == 2 and details["runs"] == 2 and details["why"] == "memory.checkpoint_run_layers: 2"
+    assert len(steps) == 2
+    torch.testing.assert_close(torch.tensor(steps), torch.tensor(plain), rtol=1e-5, atol=0)
