@@ -134,7 +134,8 @@ class _Run:
     """One run of one forward: each layer's call (forward order) and its saved input's handles."""
 
     start: int = 0  # the index of the run's first layer
-    calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+    calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any], bool]] = field(default_factory=list)
+    """Each layer's call: the layer, its other arguments, and whether its input required grad."""
     replay: Replay | None = None
     first: Any = None  # the packed first input (the tensor, or the offloader's handle)
     pending: dict[int, int] = field(default_factory=dict)  # position -> handles not yet unpacked
@@ -201,7 +202,7 @@ class LayerRuns:
                 "(something runs between the layers, or they run out of order), so its input cannot be rebuilt from "
                 "the run's first input; set memory.checkpoint_run_layers: 1 for this model"
             )
-        run.calls.append((layer, args, kwargs))
+        run.calls.append((layer, args, kwargs, x.requires_grad))
         assert run.replay is not None
         run.replay.capture()
         self._expect = (run, position, _signature(x), _whole_storage(x), x._version)
@@ -267,12 +268,14 @@ class LayerRuns:
         assert run.replay is not None
         self._rebuilding = True
         try:
-            for position, (layer, args, kwargs) in enumerate(run.calls[:-1]):
+            for position, (layer, args, kwargs, wanted_grad) in enumerate(run.calls[:-1]):
+                # the input as the forward's was (requiring grad or not): a compiled layer guards on it
+                given = rebuilt[position].detach().requires_grad_(wanted_grad)
                 with run.replay.context(position, grad=True):
-                    out = _hidden(layer(rebuilt[position].detach(), *args, **kwargs))
+                    out = _hidden(layer(given, *args, **kwargs))
                 rebuilt[position + 1] = out.detach()
                 self.stats.rebuilt_layers += 1
-                del out
+                del out, given
         finally:
             self._rebuilding = False
         run.rebuilt = {p: t for p, t in rebuilt.items() if run.pending.get(p)}  # what autograd will ask for
