@@ -20,9 +20,9 @@ def run_starts(layers: int, length: int) -> list[bool]:
 
 
 def kept_in_runs(m: ModelFacts, step: Step, full: list[int]) -> tuple[tuple[int, ...], int, int, int | None, int]:
-    """(bytes each layer keeps, in flight, late in flight, offloaded runs) for ``full`` or ``offload``
-    in runs of ``step.run_layers``: a run's first layer keeps its input (on the host where it is
-    offloaded), the others nothing. Returns (each, rebuilt inner inputs, in flight, late, offloaded)."""
+    """(bytes each layer keeps, the rebuilt inner inputs of one run, in flight, late in flight,
+    offloaded runs) for ``full`` or ``offload`` in runs of ``step.run_layers``: a run's first layer
+    keeps its input (none on the GPU where it is offloaded), the others nothing."""
     input_bytes, length = step.input_bytes, step.run_layers
     starts = run_starts(len(full), length)
     rebuilt = (min(length, len(full)) - 1) * input_bytes
