@@ -102,10 +102,24 @@ class MemoryConfig(Section):
     offload_layers: Literal["auto"] | int = "auto"
     """``activation_checkpointing: offload``: how many decoder layers' saved inputs go to pinned
     host memory (the first ones, in forward order; the others stay on the GPU, where the backward
-    needs them first). ``auto``: every layer's when the host has the memory for them, else as
+    needs them first); with ``checkpoint_run_layers`` above 1, how many runs' (one input each).
+    ``auto``: every layer's when the host has the memory for them, else as
     many as fit the host's memory less a margin (at 512K tokens a qwen3-8b layer input is 4 GiB:
     36 of them do not fit a 128 GiB host). An integer: at most that many (0: none, which is
     ``full``). ``hone plan`` prints the split and the host memory it takes."""
+
+    checkpoint_run_layers: Literal["auto"] | int = "auto"
+    """Under ``activation_checkpointing: full`` or ``offload``: keep one saved input per run of this
+    many consecutive decoder layers instead of one per layer, and rebuild the run's other inputs in
+    the backward by running the run's first layers once more (one more forward of k-1 layers per
+    run; the backward still rebuilds one layer's activations at a time). Exact (only rounding
+    differs). For when the layers' saved inputs are what does not fit, on the GPU or, under
+    ``offload``, in host memory: at 512K tokens a qwen3-8b layer input is 4 GiB, and the 36 of them
+    fit neither an 80 GiB card nor a 128 GiB host; runs of two need 18 (72 GiB, on the host).
+    ``memory.offload_layers`` then counts runs. ``1``: one input per layer (plain checkpointing).
+    An integer (2 or more): runs of that many layers (the last run shorter where it does not
+    divide the layers). ``auto``: 1 wherever that fits; where it does not, the shortest runs that
+    make the run fit (``hone plan`` prints the choice and why)."""
 
     expandable_segments: Literal["auto"] | bool = "auto"
     """CUDA only: let torch's caching allocator grow one virtual segment instead of reserving
@@ -151,6 +165,41 @@ class MemoryConfig(Section):
         if value < 0:
             raise ValueError(f"{value} is negative; {allowed}")
         return value
+
+    @field_validator("checkpoint_run_layers", mode="before")
+    @classmethod
+    def _run_layers_value(cls, value: Any) -> Any:
+        """``auto`` or a count of layers per run (1 or more); a digit string from a command-line
+        override is a count."""
+        allowed = "allowed: auto, or a number of layers per run (an integer, 1 or more; 1 is one input per layer)"
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value.strip())
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{value!r} is not a number of layers per run; {allowed}")
+        if value < 1:
+            raise ValueError(f"{value} layers per run is not a run; {allowed}")
+        return value
+
+    @property
+    def run_layers(self) -> int | None:
+        """The configured layers per run; None for ``auto`` (the planner decides)."""
+        return None if self.checkpoint_run_layers == "auto" else int(self.checkpoint_run_layers)
+
+    @model_validator(mode="after")
+    def _runs_keep_inputs_only(self) -> "MemoryConfig":
+        """A run rebuilds its inner inputs from its first one: every layer must keep only its input."""
+        runs = self.run_layers
+        if runs is not None and runs > 1 and self.checkpointing not in (*INPUT_ONLY_POLICIES, "auto"):
+            raise ValueError(
+                f"memory.checkpoint_run_layers: {runs} needs memory.activation_checkpointing: full or offload (a run "
+                f"keeps its first layer's input only, and each layer must keep only its input), got "
+                f"{self.checkpointing}; allowed: full, offload, or checkpoint_run_layers: 1"
+            )
+        return self
 
     @property
     def tiled_mlp_shards(self) -> int | None:

@@ -130,6 +130,10 @@ class Decisions:
     context_parallel: int = 1
     """Consecutive ranks each sequence is split over (``distributed.context_parallel``; 1: off)."""
     expert_parallel_why: str = "distributed.expert_parallel: 1"
+    run_layers: int = 1
+    """Layer-run checkpointing: one saved input per run of this many decoder layers (1: one per layer;
+    ``memory.checkpoint_run_layers``; ``offload_layers`` then counts runs)."""
+    run_layers_why: str = "memory.checkpoint_run_layers: 1"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
@@ -192,9 +193,25 @@ def offloader_for(model: nn.Module) -> OffloadActivations | None:
 
 def offload_step_context(model: nn.Module) -> AbstractContextManager[None]:
     """The context around one micro-batch's forward and backward: offloads the layer inputs
-    when ``model`` was checkpointed with ``offload``, does nothing otherwise."""
+    when ``model`` was checkpointed with ``offload``, does nothing otherwise; where another
+    transform took the saved-tensor hooks over (layer runs, which chain the offloader), its own."""
+    hooks = _STEP_HOOKS.get(model)
+    if hooks is not None:
+        return hooks()
     offloader = offloader_for(model)
     return offloader.step_context() if offloader is not None else nullcontext()
+
+
+_STEP_HOOKS: weakref.WeakKeyDictionary[nn.Module, Callable[[], AbstractContextManager[None]]] = weakref.WeakKeyDictionary()
+
+
+def take_over_step_hooks(model: nn.Module, context: Callable[[], AbstractContextManager[None]]) -> None:
+    """Make ``context`` the micro-batch context of ``model`` (and of the model inside its PEFT
+    wrapper) in place of the offloader's: only one pair of saved-tensor hooks is active at a time,
+    so a transform that needs its own (layer runs) installs them and hands tensors on to the
+    offloader itself."""
+    _STEP_HOOKS[model] = context
+    _STEP_HOOKS[unwrap_peft(model)] = context
 
 
 _SAVES = {

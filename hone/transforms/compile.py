@@ -75,8 +75,11 @@ def compile_regional(model: nn.Module, perf: PerformanceConfig, dynamic: bool, c
     input_grads = _embedding_output_needs_grad(base)
     kwargs = _compile_kwargs(perf, dynamic, cuda_graphs)
     for layer in layers:
-        # a stand-in (tiled layer) runs its inner layer chunk by chunk: that is what compiles
-        (layer.inner if stands_in_for_layer(layer) else layer).compile(**kwargs)
+        # a stand-in (tiled layer, layer run) runs its inner layer (chunk by chunk): that is what
+        # compiles; stand-ins nest (a layer run around a tiled layer)
+        while stands_in_for_layer(layer):
+            layer = layer.inner
+        layer.compile(**kwargs)
     classes = sorted({type(layer).__name__ for layer in layers})
     return {
         "scope": "regional",

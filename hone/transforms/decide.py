@@ -27,6 +27,7 @@ from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.experts import experts_choice
+from hone.transforms.layer_runs import decide_run_layers
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
@@ -59,9 +60,21 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     memory = plan_memory(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards)
     chunks, chunks_why, chunks_do_not_fit = decide_chunks(cfg, facts, strategy, memory.policy, memory.shards, param_shards)
+    runs = decide_run_layers(
+        cfg, facts, memory.policy, (memory.shards, chunks), strategy=strategy, expert_parallel=expert_parallel
+    )
+    shards, tiled_mlp_why = memory.shards, memory.tiled_why
+    if runs.tiling_why is not None:  # the runs fit only tiled: auto tiling left off alone comes on with them
+        if runs.mlp_shards != shards:
+            shards, tiled_mlp_why = runs.mlp_shards, f"tiled_mlp: auto: {runs.mlp_shards} shards, {runs.tiling_why}"
+        if runs.chunks != chunks:
+            chunks, chunks_why = runs.chunks, f"tiled_layers: auto: {runs.chunks} chunks, {runs.tiling_why}"
     offload_layers, offload_why = None, None
-    if memory.policy == "offload":  # the split over the model's decoder layers, as the run finds them
-        offload_layers, offload_why = offload_layers_choice(cfg, len(model_facts(cfg).layers), facts.host_memory_bytes)
+    if memory.policy == "offload":  # the split over the model's decoder layers (runs), as the run finds them
+        layers = len(model_facts(cfg).layers)
+        offload_layers, offload_why = offload_layers_choice(cfg, -(-layers // runs.layers), facts.host_memory_bytes)
+        if runs.layers > 1:
+            offload_why = f"{offload_why} (runs of {runs.layers} layers, one input each)"
     budget, budget_why = None, None
     if memory.policy == "selective" and compiles and cfg.performance.torch_compile_backend == "inductor":
         budget, budget_why = selective_budget_choice(
@@ -74,7 +87,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         experts=experts,
         strategy=strategy,
         policy=memory.policy,
-        tiled=bool(memory.shards or chunks),
+        tiled=bool(shards or chunks),
         expert_parallel=expert_parallel,
     )
     return Decisions(
@@ -96,15 +109,17 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         offload_why=offload_why,
         compiler_memory_budget=budget,
         compiler_memory_budget_why=budget_why,
-        tiled_mlp_shards=memory.shards,
-        tiled_mlp_why=memory.tiled_why,
-        tiled_mlp_skipped=memory.tiled_why if cfg.memory.tiled_mlp == "auto" and memory.does_not_fit else None,
+        tiled_mlp_shards=shards,
+        tiled_mlp_why=tiled_mlp_why,
+        tiled_mlp_skipped=memory.tiled_why if cfg.memory.tiled_mlp == "auto" and memory.does_not_fit and not shards else None,
         tiled_layers_chunks=chunks,
         tiled_layers_why=chunks_why,
         tiled_layers_skipped=chunks_why if cfg.memory.tiled_layers == "auto" and chunks_do_not_fit and not chunks else None,
         expert_parallel=expert_parallel,
         expert_parallel_why=expert_parallel_why,
         context_parallel=context_parallel,
+        run_layers=runs.layers,
+        run_layers_why=runs.why,
     )
 
 
@@ -125,5 +140,6 @@ def decided_estimate(cfg: HoneConfig, device: str = "cuda", host_budget: int | N
         offload_layers=decided.offload_layers,
         selective_budget=decided.compiler_memory_budget,
         host_budget=host_budget,
+        run_layers=decided.run_layers,
     )
     return estimate_memory(cfg, knobs)

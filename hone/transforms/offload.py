@@ -117,12 +117,27 @@ class OffloadActivations:
     @contextmanager
     def step_context(self) -> Iterator[None]:
         """Offload during one micro-batch's forward and backward."""
+        with self.session(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """One micro-batch's bookkeeping without installing the hooks: for saved-tensor hooks
+        of another transform that hand some tensors on to :meth:`pack` / :meth:`unpack` (only
+        one pair of default hooks is active at a time; layer-run checkpointing chains this one)."""
         self._begin()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
+            yield
         finally:
             self._end()
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """The pack hook: a handle for a tensor moved to the host, or the tensor itself."""
+        return self._pack(tensor)
+
+    def unpack(self, handle: Any) -> torch.Tensor:
+        """The unpack hook: the tensor :meth:`pack` was given, on its device again."""
+        return self._unpack(handle)
 
     def pause(self) -> None:
         """Stop offloading for the rest of this forward (what is saved after the last layer, the

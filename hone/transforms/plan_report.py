@@ -106,6 +106,16 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
         ("fp8", perf.fp8, "performance.fp8"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
+    if decided.tiled_layers_chunks >= 2 or decided.run_layers > 1:  # the long-context switches, where they are on
+        at = next(i for i, row in enumerate(rows) if row[0] == "tiled MLP") + 1
+        rows[at:at] = [
+            ("tiled layers", _auto(f"{decided.tiled_layers_chunks} chunks", memory.tiled_layers), "memory.tiled_layers"),
+            (
+                "layer runs",
+                _auto(f"{decided.run_layers} layers per saved input", memory.checkpoint_run_layers),
+                "memory.checkpoint_run_layers",
+            ),
+        ]
     if model_facts(cfg).experts:
         rows.insert(
             1, ("experts", _auto(decided.experts_implementation, model.experts_implementation), "model.experts_implementation")
@@ -140,7 +150,6 @@ def plan_view(
     ``host_budget`` bytes of host memory, default this machine's RAM). ``decided``: the plan's
     resolved ``auto`` settings (:func:`hone.transforms.decide.decide`), which the view quotes
     rather than deciding again; by default those of one process on ``device``."""
-    from hone.models.loader import describe_adapter, format_count
     from hone.transforms.auto_policy import auto_shards
     from hone.transforms.card import host_memory
 
@@ -153,7 +162,11 @@ def plan_view(
     loss = loss_of(cfg)
     whole_host, split = host_budget, cfg.distributed.context_parallel
     host_budget, host_source = rank_share(host_budget, host_source, split)
-    knobs = {p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards) for p in POLICIES_BY_SPEED}
+    # the plan's tiled layers and layer runs (full and offload only: the estimate ignores them elsewhere)
+    layers = {"tiled_layers": decided.tiled_layers_chunks, "run_layers": decided.run_layers}
+    knobs = {
+        p: Knobs(p, loss, device=device, host_budget=host_budget, param_shards=param_shards, **layers) for p in POLICIES_BY_SPEED
+    }
     estimates = {p: estimate_memory(cfg, knobs[p]) for p in POLICIES_BY_SPEED}
     longest = {p: longest_sequence(cfg, knobs[p], budget) for p in POLICIES_BY_SPEED}
     # tiled: the configured count, else auto's (also for "off": what tiling would give)
@@ -171,15 +184,6 @@ def plan_view(
     if cfg.memory.checkpointing == "auto":
         tiled_line += f"; checkpointing {decided.checkpointing} ({decided.checkpointing_why})"
     facts = model_facts(cfg)
-    est = estimates["none"]
-    total = est.frozen_params + est.trainable_params
-    model_line = (
-        f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
-        f"{format_count(est.trainable_params)} trainable; "
-        f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}{_experts_format(facts)}; "
-        f"micro-batch {est.micro_batch} x {cfg.data.sequence_len} tokens{shard_note(est.sequence_len, split)}"
-        + (f" x accumulation {cfg.training.gradient_accumulation_steps}" if cfg.training.gradient_accumulation_steps > 1 else "")
-    )
     return PlanView(
         title=title,
         device=device,
@@ -190,7 +194,7 @@ def plan_view(
         loss=loss,
         estimates=estimates,
         longest=longest,
-        model_line=model_line,
+        model_line=_model_line(cfg, facts, estimates["none"], split),
         max_positions=facts.max_positions,
         tiled=tiled,
         tiled_longest=tiled_longest,
@@ -205,6 +209,21 @@ def plan_view(
         remedies=_remedies(cfg),
         by_gpus=longest_by_gpus(cfg, budget, whole_host, device=device, losses=losses, fsdp=decided.strategy == "fsdp"),
         by_gpus_host=whole_host,
+    )
+
+
+def _model_line(cfg: HoneConfig, facts: ModelFacts, est: MemoryEstimate, split: int) -> str:
+    """The plan's line about the model, its adapter and one rank's micro-batch."""
+    from hone.models.loader import describe_adapter, format_count
+
+    total = est.frozen_params + est.trainable_params
+    accumulation = cfg.training.gradient_accumulation_steps
+    return (
+        f"{facts.architecture} ({cfg.model.source}), {format_count(total)} params, "
+        f"{format_count(est.trainable_params)} trainable; "
+        f"{describe_adapter(cfg.adapter)}; {cfg.model.dtype}{_experts_format(facts)}; "
+        f"micro-batch {est.micro_batch} x {cfg.data.sequence_len} tokens{shard_note(est.sequence_len, split)}"
+        + (f" x accumulation {accumulation}" if accumulation > 1 else "")
     )
 
 
@@ -347,7 +366,8 @@ def _memory_rows(view: PlanView, policies: list[str], wide: bool) -> list[list[s
     rows.append(["host (process, pinned incl.)", *(gib_cell(view.estimates[p].host_total) for p in policies)])
     if "offload" in view.estimates:
         off = view.estimates["offload"]
-        rows.append(["layers offloaded", *(f"{off.offloaded_layers}/{off.layers}" if p == "offload" else "-" for p in policies)])
+        runs = f"/{-(-off.layers // off.run_layers)} runs" if off.run_layers > 1 else f"/{off.layers}"
+        rows.append(["layers offloaded", *(f"{off.offloaded_layers}{runs}" if p == "offload" else "-" for p in policies)])
     rows.append(["activations per layer", *(gib_cell(view.estimates[p].activations_per_layer) for p in policies)])
     budget, host = view.budget, view.host_budget
     fits_label = f"fits {gib(budget)} less {AUTO_MARGIN:.0%}"
@@ -431,6 +451,7 @@ def render_plan(view: PlanView, transforms: Sequence[TransformLine] | None = Non
             out += [""] + _wrap(
                 f"Longest sequence with any switch: {best.longest:,} tokens (checkpointing {best.checkpointing}, "
                 f"tiled MLP {'auto' if best.tiled else 'off'}, tiled layers {'auto' if best.layers_tiled else 'off'}, "
+                f"checkpoint_run_layers {best.run_layers}, "
                 f"{best.loss} loss); --wide: every combination",
                 width,
                 indent="",

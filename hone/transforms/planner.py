@@ -38,6 +38,7 @@ from hone.transforms.expert_parallel import EXPERT_PARALLEL
 from hone.transforms.experts import EXPERTS
 from hone.transforms.fp8 import FP8
 from hone.transforms.fsdp import FSDP
+from hone.transforms.layer_runs import LAYER_RUNS
 from hone.transforms.loss import LOSS
 from hone.transforms.quantize import QUANTIZE
 from hone.transforms.tiled_layers import TILED_LAYERS
@@ -86,6 +87,11 @@ TRANSFORMS: tuple[Transform, ...] = (
     # and whose offloader then moves the tiled layers' saved inputs) and before compile, which
     # compiles each tiled layer's inner layer, the code the chunks run
     TILED_LAYERS,
+    # adapted model: one saved input per run of k decoder layers; it wraps whatever stands in the
+    # decoder's list (the checkpointed or the tiled layer), whose saved input it recognises, so it
+    # comes after both, and takes the offloader's hooks over; before compile, which compiles the
+    # innermost layer (the wrapper stays eager: its bookkeeping is Python)
+    LAYER_RUNS,
     # torch.compile of each decoder layer or of the whole decoder: it traces whatever modules it
     # finds, so everything that swaps modules or kernels goes before it
     COMPILE,
@@ -238,6 +244,8 @@ class Plan:
             lines.append(d.experts_why)
         if memory.checkpointing == "auto":
             lines.append(d.checkpointing_why)
+        if memory.checkpoint_run_layers == "auto" and d.run_layers > 1:  # only where it is on: it is rare
+            lines.append(d.run_layers_why)
         if memory.selective_memory_budget == "auto" and d.compiler_memory_budget_why is not None:
             lines.append(d.compiler_memory_budget_why)
         if cfg.distributed.expert_parallel == "auto":

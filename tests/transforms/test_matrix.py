@@ -116,7 +116,9 @@ class Trainer:
         self.cache = root / "cache"
         self.runs = 0
 
-    def config(self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off"):
+    def config(
+        self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off", run_layers: str | int = "auto"
+    ):
         self.runs += 1
         return parse_config(
             {
@@ -137,14 +139,16 @@ class Trainer:
                     "output_dir": str(self.root / f"run{self.runs}-{policy}-{compile_}-{packing}-{adapter}"),
                 },
                 "optimizer": {"learning_rate": LR, "adam_epsilon": ADAM_EPS, "lr_scheduler": "constant"},
-                "memory": {"activation_checkpointing": policy, "tiled_mlp": tiled_mlp},
+                "memory": {"activation_checkpointing": policy, "tiled_mlp": tiled_mlp, "checkpoint_run_layers": run_layers},
                 "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
                 "performance": COMPILE[compile_],
             }
         )
 
-    def train(self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off") -> Run:
-        cfg = self.config(policy, compile_, packing, adapter, tiled_mlp)
+    def train(
+        self, policy: str, compile_: str, packing: str, adapter: str, tiled_mlp: str | int = "off", run_layers: str | int = "auto"
+    ) -> Run:
+        cfg = self.config(policy, compile_, packing, adapter, tiled_mlp, run_layers)
         steps = []
         run_training(
             cfg,
@@ -293,6 +297,30 @@ def test_tiled_mlp_cells_train_like_the_plain_run(request, trainer, plain_runs, 
         assert stats["counted"] and stats["recompiles"] == 0, stats
     if offloaded is not None:
         assert len(offloaded) == STEPS and all(stats.packed == LAYERS - 1 for stats in offloaded)
+    _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
+
+
+#: Layer-run cells (both layers in one run: the second layer's input rebuilt in the backward):
+#: packed rows (the document mask or boundaries reach the rebuild), compiled and eager, offload
+#: (full fine-tune: layer 0's input is no leaf, so the offloader moves the run's first input).
+RUN_CELLS = [("full", "on", "packed", "lora"), ("offload", "on", "packed", "full"), ("offload", "off", "unpacked", "lora")]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize(("policy", "compile_", "packing", "adapter"), RUN_CELLS, ids=lambda v: str(v))
+def test_layer_run_cells_train_like_the_plain_run(request, trainer, plain_runs, policy, compile_, packing, adapter):
+    plain = plain_runs(packing, adapter)
+    offloaded = request.getfixturevalue("offload_tracked") if policy == "offload" else None
+    torch._dynamo.reset()
+    got = trainer.train(policy, compile_, packing, adapter, run_layers=2)
+    applied = _applied(got.record)
+    assert applied["layer_runs"]["layers_per_run"] == 2 and applied["layer_runs"]["runs"] == 1
+    if compile_ == "on":
+        stats = got.record["compile"]
+        assert stats["counted"] and stats["recompiles"] == 0, stats
+    if offloaded is not None:  # one input per run: under LoRA the run's first is a leaf the device keeps
+        assert len(offloaded) == STEPS and all(stats.packed == (adapter == "full") for stats in offloaded)
     _assert_same_training(got, plain, rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
 
 

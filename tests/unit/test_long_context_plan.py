@@ -2,6 +2,8 @@
 longest sequence per policy x tiling x loss (estimates only; tiny and real presets on the meta
 device, no weights)."""
 
+from dataclasses import replace
+
 import pytest
 
 from hone.config import parse_config
@@ -126,9 +128,12 @@ def test_longest_sequence_respects_the_host():
 
 def test_longest_table_orders_the_switches():
     rows = longest_table(_cfg("qwen3-8b"), 80 * GIB, 128 * GIB)
-    assert len(rows) == 4 * 2 * 2 + 2  # and full / offload with tiled layers
+    assert len(rows) == 4 * 2 * 2 + 2 * 3  # and full / offload with tiled layers, alone and in runs of 2 and 3
     by = {(r.checkpointing, r.tiled, r.loss): r.longest for r in rows if not r.layers_tiled}
-    layered = {r.checkpointing: r for r in rows if r.layers_tiled}
+    layered = {r.checkpointing: r for r in rows if r.layers_tiled and r.run_layers == 1}
+    in_runs = {(r.checkpointing, r.run_layers): r for r in rows if r.run_layers > 1}
+    for (policy, _), row in in_runs.items():  # one input per run instead of per layer: further still
+        assert row.longest > layered[policy].longest and row.at_longest.run_layers == row.run_layers
     assert set(layered) == {"full", "offload"}
     for policy, row in layered.items():  # chunked layers rebuild less: they reach further
         assert row.longest > by[(policy, True, "fused_linear_ce")] and row.at_longest.tiled_layers >= 2
@@ -139,6 +144,7 @@ def test_longest_table_orders_the_switches():
     assert by[("offload", False, "fused_linear_ce")] < by[("offload", True, "fused_linear_ce")]
     best = best_row(rows)
     assert (best.checkpointing, best.tiled, best.loss, best.layers_tiled) == ("offload", True, "fused_linear_ce", True)
+    assert best.run_layers > 1
     assert best.at_longest.total <= 80 * GIB and best.at_longest.host_total <= 128 * GIB
     text = "\n".join(render_longest(rows, 80 * GIB, 128 * GIB, "--host-memory"))
     assert "furthest" in text and "layers offloaded" in text and f"{best.longest:,}" in text
@@ -230,3 +236,77 @@ def test_tiled_layers_auto_chunks_only_what_does_not_fit_whole():
     assert not on and "checkpointing none" in why
     on, why = _tiled_layers_decision(long_cfg(tiled_layers=4), 80)  # a count is taken as written
     assert on and why == "memory.tiled_layers: 4"
+
+
+def _long_lora(seq: int, **memory):
+    return parse_config(
+        {
+            "model": {"preset": "qwen3-8b", "dtype": "bfloat16"},
+            "data": {
+                "datasets": [{"path": "unused.jsonl", "type": "pretokenized"}],
+                "sequence_len": seq,
+                "allow_longer_than_model": True,
+            },
+            "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": QKVO},
+            "memory": memory,
+        }
+    )
+
+
+def _decided(cfg, card_gib: float = 80, host_gib: float = 128):
+    import torch
+
+    from hone.transforms.base import RunFacts
+    from hone.transforms.decide import decide
+
+    facts = RunFacts(torch.device("cuda"), memory_bytes=int(card_gib * GIB), host_memory_bytes=int(host_gib * GIB))
+    return decide(cfg, facts), facts
+
+
+def test_512k_of_qwen3_8b_lora_fits_one_80_gib_card_in_runs_of_two():
+    """docs/long-context.md: the 36 layer inputs of 4 GiB each fit neither the card nor a 128 GiB
+    host; one per run of two (18, 72 GiB, all on the host) does, with tiled layers and MLP."""
+    from hone.transforms.memory.decide import fits_within
+
+    cfg = _long_lora(524288)
+    decided, facts = _decided(cfg)
+    assert decided.checkpointing == "offload" and decided.run_layers == 2
+    assert decided.tiled_layers_chunks >= 2 and decided.tiled_mlp_shards >= 2
+    assert decided.offload_layers is None  # every run's first input but run 0's (a leaf under LoRA) on the host
+    assert "checkpoint_run_layers: auto: 2" in decided.run_layers_why and "what fits" in decided.run_layers_why
+    knobs = Knobs(
+        "offload", "fused_linear_ce", tiled_mlp=decided.tiled_mlp_shards, tiled_layers=decided.tiled_layers_chunks,
+        host_budget=128 * GIB,
+    )  # fmt: skip
+    alone = estimate_memory(cfg, knobs)
+    runs = estimate_memory(cfg, replace(knobs, run_layers=2))
+    assert not fits_within(alone, 80 * GIB, 128 * GIB) and fits_within(runs, 80 * GIB, 128 * GIB)
+    assert runs.offloaded_layers == 17 and runs.host == 17 * 4 * GIB and runs.rebuilt_inputs == 4 * GIB
+    assert runs.total < alone.total and runs.host < alone.host
+
+
+def test_auto_keeps_one_input_per_layer_wherever_that_fits():
+    decided, _ = _decided(_long_lora(262144))
+    assert decided.run_layers == 1 and "fits with one input per layer" in decided.run_layers_why
+    decided, _ = _decided(_long_lora(8192, activation_checkpointing="none"))
+    assert decided.run_layers == 1 and "checkpointing none" in decided.run_layers_why
+    decided, _ = _decided(_long_lora(8192, activation_checkpointing="full", checkpoint_run_layers=3))
+    assert decided.run_layers == 3 and decided.run_layers_why == "memory.checkpoint_run_layers: 3"
+    decided, _ = _decided(_long_lora(4 * 524288))  # 2M tokens: not even in runs
+    assert decided.run_layers == 1 and "does not fit in runs of up to" in decided.run_layers_why
+
+
+def test_runs_keep_one_input_per_run_and_rebuild_the_inner_ones():
+    cfg = _cfg(seq=8192, layers=5)
+    one_input = 2 * 8192 * 64
+    full = estimate_memory(cfg, Knobs("full", "fused_linear_ce"))
+    for k, runs in ((2, 3), (3, 2)):
+        est = estimate_memory(cfg, Knobs("full", "fused_linear_ce", run_layers=k))
+        assert est.run_layers == k and est.rebuilt_inputs == (k - 1) * one_input
+        # (5 - runs) inputs fewer kept, (k - 1) rebuilt while the backward walks a run
+        assert est.activations <= full.activations - (5 - runs - (k - 1)) * one_input < full.activations
+    # offload: the split counts runs, and the offloaded ones are runs' inputs
+    off = estimate_memory(cfg, Knobs("offload", "fused_linear_ce", run_layers=2, offload_layers=1))
+    assert off.offloaded_layers == 1 and off.host == pinned_block(one_input)
+    # selective keeps more than the inputs: runs do not apply
+    assert estimate_memory(cfg, Knobs("selective", "fused_linear_ce", run_layers=2)).run_layers == 1

@@ -71,6 +71,7 @@ def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled
         "loss",
         "activation_checkpointing",
         "tiled_layers",
+        "layer_runs",
         "compile",
         "context_parallel",
         "ddp",

@@ -17,7 +17,7 @@ phases), where every other term is called.
 
 from dataclasses import dataclass, field
 
-from hone.config.memory import POLICIES_BY_SPEED, SELECTIVE_BUDGET_FLOOR
+from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED, SELECTIVE_BUDGET_FLOOR
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs
@@ -96,6 +96,11 @@ class MemoryEstimate:
     """Decoder layers of the model."""
     tiled_layers: int = 0
     """Chunks each decoder layer is computed in (0: whole; :mod:`hone.transforms.tiled_layers`)."""
+    run_layers: int = 1
+    """Layers per run of layer-run checkpointing (1: each layer keeps its input; ``offloaded_layers``
+    then counts runs); :mod:`hone.transforms.layer_runs`."""
+    rebuilt_inputs: int = 0
+    """Layer runs: bytes of one run's inner inputs rebuilt in the backward (in ``activations``)."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -172,6 +177,8 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
         host_total=host_total,
         param_shards=step.param_shards,
         layers=len(full),
+        run_layers=step.run_layers,
+        rebuilt_inputs=kept.rebuilt_inputs,
         **parts,
     )
 
@@ -215,6 +222,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         param_shards=knobs.param_shards,
         selective_budget=selective_budget(cfg, knobs) if compiled and perf.torch_compile_backend == "inductor" else None,
         accumulating=cfg.training.gradient_accumulation_steps > 1,
+        run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
     )
 
 
@@ -247,12 +255,15 @@ def step_phases(
         ),
         "backward, last layer": dict(
             trainable_state=grads if accumulating else m.outside_trainable_bytes,
-            activations=kept.stored + rebuilt + grad_stream,
+            activations=kept.stored + kept.rebuilt_inputs + rebuilt + grad_stream,
             outside_layers=0,
             loss=0,
         ),
         "backward, first layer": dict(
-            trainable_state=grads, activations=kept.each[0] + kept.in_flight + rebuilt + grad_stream, outside_layers=0, loss=0
+            trainable_state=grads,
+            activations=kept.each[0] + kept.in_flight + kept.rebuilt_inputs + rebuilt + grad_stream,
+            outside_layers=0,
+            loss=0,
         ),
         "optimizer step": dict(trainable_state=grads, activations=0, outside_layers=0, loss=0, optimizer_step=optimizer_step),
     }

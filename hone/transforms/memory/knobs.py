@@ -41,3 +41,6 @@ class Knobs:
     tiled_layers: int | Literal["auto"] = 0
     """``full``/``offload``: each layer in that many chunks of the sequence (``auto``:
     :func:`.terms.tiled_layers.auto_layer_chunks`; 0: whole)."""
+    run_layers: int = 1
+    """``full``/``offload``: one saved input per run of this many layers (1: one per layer;
+    :mod:`hone.transforms.layer_runs`)."""

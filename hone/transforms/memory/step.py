@@ -35,6 +35,8 @@ class Step:
     """``selective`` under Inductor: the compiler's activation memory budget (None: eager selective)."""
     accumulating: bool
     """Gradient accumulation: earlier micro-batches' gradients are alive through the step."""
+    run_layers: int = 1
+    """``full``/``offload``: layers per run of layer-run checkpointing (1: each layer keeps its input)."""
 
     @property
     def tokens(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hone.transforms.memory.facts import ModelFacts
 from hone.transforms.memory.layers import selective_bytes
 from hone.transforms.memory.step import Step
+from hone.transforms.memory.terms.layer_runs import kept_in_runs
 from hone.transforms.memory.terms.offload import offload_split
 
 
@@ -29,7 +30,9 @@ class Kept:
     late_in_flight: int | None = None
     """Those late in the step, beside every kept layer (None: ``in_flight``)."""
     offloaded: int = 0
-    """``offload``: layers whose input is in pinned host memory."""
+    """``offload``: layers (layer runs: runs) whose input is in pinned host memory."""
+    rebuilt_inputs: int = 0
+    """Layer runs: the inner inputs of the run the backward walks, rebuilt beside what ``each`` keeps."""
 
     @property
     def stored(self) -> int:
@@ -41,6 +44,9 @@ def kept_by_policy(m: ModelFacts, step: Step, full: list[int]) -> Kept:
     """The term, from ``full``: the bytes each layer keeps without checkpointing."""
     if step.policy == "none":
         return Kept(tuple(full), 0)
+    if step.run_layers > 1 and step.policy in ("full", "offload"):
+        each, rebuilt, in_flight, late, offloaded = kept_in_runs(m, step, full)
+        return Kept(each, max(full), in_flight, late, offloaded, rebuilt)
     if step.policy == "full":
         return Kept((step.input_bytes,) * len(full), max(full))
     if step.policy == "selective":
