@@ -43,7 +43,8 @@ from hone.data.collate import MicroBatch
 from hone.models.attention.ulysses import context_parallel_problems, enable_context_parallel
 from hone.parallel.context_parallel import ContextShard, shard_micro_batch
 from hone.parallel.groups import context_group
-from hone.transforms.base import PlanContext, Transform
+from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.transforms.card import host_memory
 from hone.transforms.memory.facts import transformers_config
 
 
@@ -66,6 +67,18 @@ def per_rank_config(cfg: HoneConfig) -> HoneConfig:
             "memory": cfg.memory.model_copy(update={"tiled_layers": "off"}),  # refused beside context parallelism
         }
     )
+
+
+def per_rank_facts(cfg: HoneConfig, facts: RunFacts) -> RunFacts:
+    """``facts`` as one rank of a context-parallel group sees them: the ``N`` ranks of a group run
+    on one host and share its memory (offloaded layer inputs, pinned), so each rank's ``auto``
+    decisions (the offload split, layer runs) are made on ``1/N`` of it, as ``hone plan``'s
+    estimates are (:func:`hone.transforms.context_plan.rank_share`)."""
+    n = cfg.distributed.context_parallel
+    if n <= 1:
+        return facts
+    host = facts.host_memory_bytes if facts.host_memory_bytes is not None else host_memory(None)[0]
+    return replace(facts, host_memory_bytes=host // n)
 
 
 def pad_rows(batch: MicroBatch, multiple: int) -> MicroBatch:

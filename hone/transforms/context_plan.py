@@ -4,7 +4,8 @@ Why: past the longest sequence one GPU holds (checkpointing, offload and tiling 
 question is how many GPUs a length needs. Under ``distributed.context_parallel: N`` each rank keeps
 about ``1/N`` of a sequence's activations (its shard outside attention; the whole sequence for
 ``1/N`` of the heads inside it: the same bytes), while every rank holds the weights, and the ``N``
-ranks of one host share its memory for offloaded layer inputs. :func:`longest_by_gpus` runs the
+ranks of one host share its memory for offloaded layer inputs. Layer runs (one saved input per run
+of k layers) count here as on one GPU; tiled layers do not (context parallelism refuses them). :func:`longest_by_gpus` runs the
 long-context search (:func:`hone.transforms.long_context.longest_table`) for each count with the
 host's memory divided by it, and ``hone plan`` prints the table (estimates, not measurements).
 """
@@ -85,7 +86,7 @@ def render_by_gpus(rows: list[GpuCountRow], budget: int, host_budget: int | None
         f"Longest sequence by GPU count, each sequence split over the GPUs of one host (estimate; {budget / GIB:.0f} GiB "
         f"per GPU, {host}; per rank: GPU peak and host memory):"
     ]
-    header = ["GPUs", "longest", "GPU peak", "host", "checkpointing", "tiled MLP", "tiled layers", "loss"]
+    header = ["GPUs", "longest", "GPU peak", "host", "checkpointing", "tiled MLP", "tiled layers", "layer runs", "loss"]
     table = []
     for r in rows:
         if r.refused is not None:
@@ -102,10 +103,11 @@ def render_by_gpus(rows: list[GpuCountRow], budget: int, host_budget: int | None
                 best.checkpointing if best else "-",
                 ("auto" if best.tiled else "off") if best else "-",
                 ("auto" if best.layers_tiled else "off") if best else "-",
+                str(best.run_layers) if best else "-",
                 best.loss if best else "-",
             ]
         )
-    widths = [max(len(x[i]) for x in [header, *table] if i < len(x) and (i < 4 or x[1] != "refused")) for i in range(8)]
+    widths = [max(len(x[i]) for x in [header, *table] if i < len(x) and (i < 4 or x[1] != "refused")) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:  # numbers right-aligned; a refusal's reason runs on
         head = [c.rjust(w) for c, w in zip(cells[:4], widths)]

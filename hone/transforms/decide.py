@@ -3,7 +3,8 @@
 The planner calls :func:`decide` once per plan, before it asks any transform anything; each
 transform then reads its setting from the plan (``ctx.decided``), and so do ``hone plan``'s
 lines and the record. Under context parallelism every memory decision is made for one rank's
-shard of each sequence (:func:`~hone.transforms.context_parallel.per_rank_config`). The order below
+shard of each sequence (:func:`~hone.transforms.context_parallel.per_rank_config`) and its share
+of the host (:func:`~hone.transforms.context_parallel.per_rank_facts`), layer runs included. The order below
 is the order of their dependencies: expert parallelism
 (the model and the processes; the memory estimates below see the experts split as it decides),
 whether the model compiles and which experts implementation it runs (the device and the model),
@@ -22,7 +23,7 @@ from hone.transforms.auto_policy import offload_layers_choice, plan_memory, sele
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import host_memory
 from hone.transforms.compile import compile_choice
-from hone.transforms.context_parallel import per_rank_config
+from hone.transforms.context_parallel import per_rank_config, per_rank_facts
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
@@ -52,6 +53,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     """Every other ``auto`` setting, the experts split over ``expert_parallel`` ranks; under
     context parallelism the memory is decided for one rank's shard of each sequence."""
     context_parallel = cfg.distributed.context_parallel
+    facts = per_rank_facts(cfg, facts)  # the group's ranks share the host
     cfg = per_rank_config(with_expert_parallel(cfg, expert_parallel))
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
@@ -129,7 +131,9 @@ def decided_estimate(cfg: HoneConfig, device: str = "cuda", host_budget: int | N
     decides it: the bench records it beside each measured peak, so it must estimate what runs."""
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    decided = decide(cfg, RunFacts(torch.device(device), host_memory_bytes=host_budget))
+    facts = RunFacts(torch.device(device), host_memory_bytes=host_budget)
+    decided = decide(cfg, facts)
+    host_budget = per_rank_facts(cfg, facts).host_memory_bytes  # under context parallelism: one rank's share
     knobs = Knobs(
         decided.checkpointing,
         loss_of(cfg),

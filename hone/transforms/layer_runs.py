@@ -35,7 +35,10 @@ Composition: it needs each layer to keep only its input (``full`` or ``offload``
 its layer's checkpoint); a tiled MLP inside composes; regional compile compiles the innermost layer
 (stand-ins nest). Not composed here: a whole-model graph (it would trace the hooks' bookkeeping),
 FSDP2 (the rebuild would gather the layers' weights again, untested) and expert parallelism (the
-rebuild would rerun the exchanges on their own).
+rebuild would rerun the exchanges on their own). Context parallelism composes: the rebuild of a run
+reruns its layers' attention all-to-alls, and every rank of the group rebuilds the same runs in
+the same order of the backward (as the recompute of a checkpointed layer does), so the exchanges
+pair up (tests/distributed/test_context_parallel_training.py).
 """
 
 from __future__ import annotations

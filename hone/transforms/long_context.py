@@ -59,8 +59,8 @@ def longest_table(
     whose host memory fits ``host_budget`` (None: unlimited), with ``offload_layers`` as the
     config sets it (``auto``: the split that fits the host). Offload only on CUDA.
     ``context_parallel``: each sequence split over that many ranks (default: as the config says;
-    then the rows are one rank's, and tiled layers and layer runs, which context parallelism does
-    not take, are left out)."""
+    then the rows are one rank's, and tiled layers, which context parallelism refuses, are left
+    out: its layer runs are tried without them)."""
     split = context_parallel or cfg.distributed.context_parallel
     combos: list[tuple[str, bool, LossKind, bool, int]] = []
     for policy in POLICIES_BY_SPEED:
@@ -69,6 +69,8 @@ def longest_table(
         combos += [(policy, tiled, loss, False, 1) for tiled in (False, True) for loss in losses]
         if policy in INPUT_ONLY_POLICIES and split == 1:  # tiled layers, then layer runs with them: the furthest only
             combos += [(policy, True, losses[-1], True, runs) for runs in (1, *RUN_LENGTHS)]
+        elif policy in INPUT_ONLY_POLICIES:  # split: layer runs without tiled layers (refused beside context parallelism)
+            combos += [(policy, True, losses[-1], False, runs) for runs in RUN_LENGTHS]
     rows = []
     for policy, tiled, loss, layers_tiled, runs in combos:
         knobs = Knobs(

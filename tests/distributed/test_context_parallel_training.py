@@ -4,7 +4,8 @@ tokens) gives one process's losses, gradient norms, eval losses and final weight
 a tiny Qwen3 with LoRA on attention, padded rows (odd widths: padded to a multiple of 2) and
 packed rows, and a full fine-tune under DDP and under FSDP2. Slow: regional compile with full
 checkpointing; 2 context-parallel groups x 2 data-parallel replicas on 4 processes against one
-process with accumulation 2."""
+process with accumulation 2. Layer-run checkpointing beside it (runs of 2 over 3 layers, LoRA and
+full) against one process without checkpointing."""
 
 import json
 import os
@@ -161,3 +162,23 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process_to_the_same_run(tm
     assert got.keys() == ref.keys()
     for key, weight in ref.items():
         torch.testing.assert_close(got[key], weight, rtol=1e-5, atol=1e-5, msg=lambda m, key=key: f"{key} (seed {SEED}): {m}")
+
+
+#: Layer runs beside context parallelism: 3 layers in runs of 2 (the last run one layer), full
+#: checkpointing; the rebuild of a run in the backward runs its first layer's attention exchanges
+#: once more, on every rank of the group in the same order.
+IN_RUNS = {
+    "model": {"preset_overrides": {"num_hidden_layers": 3}},
+    "memory": {"activation_checkpointing": "full", "checkpoint_run_layers": 2},
+}
+
+
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_layer_runs_beside_context_parallelism_equal_one_process_without_checkpointing(tmp_path, adapter):
+    one = {"model": IN_RUNS["model"], "memory": {"activation_checkpointing": "none", "checkpoint_run_layers": 1}}
+    hone_train_forked(_config(tmp_path, "one", context_parallel=1, packed=True, adapter=adapter, **one), processes=1)
+    hone_train_forked(_config(tmp_path, "cp2", context_parallel=2, packed=True, adapter=adapter, **IN_RUNS), processes=2)
+    _assert_same(tmp_path / "cp2", tmp_path / "one")
+    applied = {a["name"]: a.get("details") for a in json.loads((tmp_path / "cp2" / "optimizations.json").read_text())["applied"]}
+    assert applied["layer_runs"]["layers_per_run"] == 2 and applied["layer_runs"]["runs"] == 2
+    assert "layer_runs" not in {a["name"] for a in json.loads((tmp_path / "one" / "optimizations.json").read_text())["applied"]}

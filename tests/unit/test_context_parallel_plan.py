@@ -9,6 +9,7 @@ from hone.config import parse_config
 from hone.runtime.world import World
 from hone.transforms.base import RunFacts
 from hone.transforms.decide import decide
+from hone.transforms.long_context import best_row, longest_table
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs
 from hone.transforms.memory.longest import longest_sequence
@@ -71,7 +72,31 @@ def test_the_table_by_gpu_count_refuses_a_count_the_heads_do_not_divide():
 
     rows = longest_by_gpus(_cfg(4096, 2), H100, 128 * GIB, losses=("fused_linear_ce",), counts=(1, 2, 3))
     assert [r.gpus for r in rows] == [1, 2, 3]
-    assert rows[0].longest > 0 and rows[1].longest > 0
+    assert rows[0].longest > 0 and rows[1].longest > rows[0].longest  # layer runs count under the split too
     assert rows[2].refused is not None and "which 3 ranks cannot split evenly" in rows[2].refused
     lines = render_by_gpus(rows, H100, 128 * GIB)
     assert lines[0].startswith("Longest sequence by GPU count") and "refused" in lines[-1]
+
+
+def test_auto_takes_layer_runs_per_rank_where_one_input_per_layer_does_not_fit():
+    """A million tokens over 4 ranks of one host: each rank decides on its shard and its quarter of
+    the 128 GiB host; one input per layer does not fit the card, runs of two do (no tiled layers)."""
+    facts = RunFacts(torch.device("cuda"), memory_bytes=H100, host_memory_bytes=128 * GIB, world=World(0, 4, 0))
+    d = decide(_cfg(1 << 20, 4), facts)
+    assert (d.checkpointing, d.run_layers, d.tiled_layers_chunks) == ("offload", 2, 0)
+    assert "one saved input per run of 2 layers is what fits" in d.run_layers_why and "32.0 GiB of host" in d.run_layers_why
+    assert "32 GiB of host memory" in d.offload_why and "runs of 2 layers" in d.offload_why
+    assert decide(_cfg(1 << 18, 4), facts).run_layers == 1  # where one input per layer fits, it is kept
+
+
+def test_four_gpus_of_one_host_reach_a_million_tokens_with_layer_runs():
+    """qwen3-8b LoRA r16 on q,k,v,o in bf16, each sequence split over 4 x 80 GiB with a 128 GiB
+    host (32 GiB a rank): the estimate's longest is >= 1,048,576 tokens with layer runs, which
+    one input per layer does not reach (1,332,224 when written: the GPU peak at its limit, 72 of
+    80 GiB with the margin, the rank's host share nearly full, 28.2 of 32 GiB)."""
+    rows = longest_table(_cfg(4096, 4), H100, 32 * GIB, losses=("fused_linear_ce",))
+    best = best_row(rows)
+    assert best is not None and best.longest >= 1 << 20 and best.run_layers > 1 and not best.layers_tiled
+    assert not any(r.layers_tiled for r in rows)  # refused beside context parallelism
+    per_layer = best_row([r for r in rows if r.run_layers == 1])
+    assert per_layer is not None and per_layer.longest < 1 << 20
