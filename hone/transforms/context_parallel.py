@@ -70,15 +70,17 @@ def per_rank_config(cfg: HoneConfig) -> HoneConfig:
 
 
 def per_rank_facts(cfg: HoneConfig, facts: RunFacts) -> RunFacts:
-    """``facts`` as one rank of a context-parallel group sees them: the ``N`` ranks of a group run
-    on one host and share its memory (offloaded layer inputs, pinned), so each rank's ``auto``
-    decisions (the offload split, layer runs) are made on ``1/N`` of it, as ``hone plan``'s
-    estimates are (:func:`hone.transforms.context_plan.rank_share`)."""
+    """``facts`` as one rank of a context-parallel group sees them: the ranks of a group run on one
+    host and share its memory (offloaded layer inputs, pinned), so each rank's ``auto`` decisions
+    (the offload split, layer runs) are made on its share: ``1/N`` of it, as ``hone plan``'s
+    estimates are (:func:`hone.transforms.context_plan.rank_share`), or ``1/W`` where the job's
+    ``W`` processes are more (several groups, counted as on one host: on several hosts that is
+    less than each rank could use, never more)."""
     n = cfg.distributed.context_parallel
     if n <= 1:
         return facts
     host = facts.host_memory_bytes if facts.host_memory_bytes is not None else host_memory(None)[0]
-    return replace(facts, host_memory_bytes=host // n)
+    return replace(facts, host_memory_bytes=host // max(n, facts.world.world_size))
 
 
 def pad_rows(batch: MicroBatch, multiple: int) -> MicroBatch:

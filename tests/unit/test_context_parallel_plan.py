@@ -87,6 +87,11 @@ def test_auto_takes_layer_runs_per_rank_where_one_input_per_layer_does_not_fit()
     assert "one saved input per run of 2 layers is what fits" in d.run_layers_why and "32.0 GiB of host" in d.run_layers_why
     assert "32 GiB of host memory" in d.offload_why and "runs of 2 layers" in d.offload_why
     assert decide(_cfg(1 << 18, 4), facts).run_layers == 1  # where one input per layer fits, it is kept
+    # two groups of 4 on one host of 8 processes: each rank's share is an eighth, not a quarter
+    eight = decide(
+        _cfg(1 << 20, 4), RunFacts(torch.device("cuda"), memory_bytes=H100, host_memory_bytes=128 * GIB, world=World(0, 8, 0))
+    )
+    assert "16 GiB of host memory" in eight.offload_why, eight.offload_why
 
 
 def test_four_gpus_of_one_host_reach_a_million_tokens_with_layer_runs():
