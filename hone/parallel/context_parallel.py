@@ -136,7 +136,7 @@ class MicroBatchLike(Protocol):
 Batch = TypeVar("Batch", bound=MicroBatchLike)
 
 
-def shard_micro_batch(batch: Batch, shard: ContextShard) -> Batch:
+def shard_micro_batch(batch: Batch, shard: ContextShard, counted: Batch | None = None) -> Batch:
     """This rank's shard of ``batch`` (a :class:`hone.data.collate.MicroBatch`, targets already
     shifted, the same on every rank of the group): ``input_ids``, ``targets`` and ``position_ids``
     sliced to the rank's ``T / N`` positions; global positions (``0..T-1`` where the batch has
@@ -147,9 +147,12 @@ def shard_micro_batch(batch: Batch, shard: ContextShard) -> Batch:
     padded on the right only (causal attention: no real token sees a later pad; pads carry no
     target), refused otherwise. ``trained_tokens`` and ``tokens`` are the shard's (they add up
     over the group to the batch's; a packed batch's padding tails are not located row by row,
-    so its ``tokens`` are split evenly, exact in sum)."""
+    so its ``tokens`` are split evenly, exact in sum). ``counted``: the same micro-batch as it was
+    on the host before ``batch`` was copied to the device: the padding check and the counts read
+    it there, so sharding never waits for the device (None: they read ``batch``, one host sync)."""
     if shard.size == 1:
         return batch
+    host = counted if counted is not None else batch
     width = batch.input_ids.shape[1]
     shard.part(width, f"micro-batch width {width} (its sequence length)")
     if batch.cu_seqlens is not None and not batch.attention_inputs:
@@ -157,7 +160,7 @@ def shard_micro_batch(batch: Batch, shard: ContextShard) -> Batch:
             "shard_micro_batch: a packed micro-batch must carry its attention inputs (document mask or "
             "boundaries over the whole sequence) before it is sharded: call batch.with_attention(layout) first"
         )
-    mask = batch.attention_mask
+    mask = host.attention_mask
     padded = mask is not None and batch.tokens < batch.input_ids.numel()
     if padded:
         holes = (mask[:, 1:] > mask[:, :-1]).any(dim=1)  # a pad before a real token
@@ -172,7 +175,7 @@ def shard_micro_batch(batch: Batch, shard: ContextShard) -> Batch:
     if positions is None:
         positions = torch.arange(width, device=batch.input_ids.device).expand(batch.input_ids.shape[0], -1)
     targets = shard.local(batch.targets)
-    counts = [(targets != IGNORE_INDEX).sum()]
+    counts = [(shard.local(host.targets) != IGNORE_INDEX).sum()]
     if padded:
         counts.append(shard.local(mask).sum())
     counts = torch.stack(counts).tolist()  # one host read for both

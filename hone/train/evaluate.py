@@ -91,8 +91,9 @@ def evaluate(
             counted = i < len(mine)
             start = mine[i] if counted else (mine[0] if mine else starts[0])
             indices = list(range(start, min(start + batch_size, batches.units)))
-            batch = batches(indices).to(device).with_attention(layout)
-            batch = hooks.local_batch(batch) if hooks is not None else batch
+            host = batches(indices)
+            batch = host.to(device).with_attention(layout)
+            batch = hooks.local_batch(batch, host) if hooks is not None else batch
             if batch.trained_tokens == 0 and not world.distributed:
                 continue
             loss_sum = step(batch) if step is not None else micro_batch_loss(model, batch, loss_fn, autocast_dtype)

@@ -193,7 +193,9 @@ def collate_window(stream: BatchStream, batches: PaddedBatches | PackedBatches, 
     with record_function("hone: batches"):
         # the part of each whole micro-batch this rank trains (context parallelism: its shard of the
         # sequence), after the attention inputs of the whole sequence are attached and before counting
-        micro = [hooks.local_batch(batches(rows).to(device).with_attention(hooks.layout)) for rows in stream.next_window()]
+        # (counted on the host copy: no wait for the device)
+        hosts = [batches(rows) for rows in stream.next_window()]
+        micro = [hooks.local_batch(host.to(device).with_attention(hooks.layout), host) for host in hosts]
     trained = sum(b.trained_tokens for b in micro)
     return Window(micro, trained, sum(b.tokens for b in micro), divisor=trained, position=stream.position)
 

@@ -174,7 +174,7 @@ class Transform:
     attention_layout: Callable[[nn.Module, PlanContext], "AttentionLayout"] | None = None
     step_context: Callable[[nn.Module, PlanContext], StepContext] | None = None
     after_optimizer_step: Callable[[nn.Module], None] | None = None
-    micro_batch: Callable[[PlanContext], Callable[[MicroBatch], MicroBatch]] | None = None
+    micro_batch: Callable[[PlanContext], Callable[[MicroBatch, MicroBatch | None], MicroBatch]] | None = None
     """The part of each whole micro-batch this rank trains and evaluates (context parallelism: its
     shard of the sequence), applied once the batch carries its attention inputs and before its
     tokens are counted, so the global counts sum the ranks' parts."""
@@ -208,7 +208,7 @@ class RunHooks:
     after_step: list[Callable[[], None]] = field(default_factory=list)
     step_wrappers: list[Callable[[StepModule], StepModule]] = field(default_factory=list)
     """The plan's ``wrap_step`` hooks, in plan order (applied by :meth:`step_module`)."""
-    batch_parts: list[Callable[[MicroBatch], MicroBatch]] = field(default_factory=list)
+    batch_parts: list[Callable[[MicroBatch, MicroBatch | None], MicroBatch]] = field(default_factory=list)
     """The plan's ``micro_batch`` hooks, in plan order (applied by :meth:`local_batch`)."""
     context_parallel: int = 1
     """Ranks each micro-batch is split over: the data is shared by ``world_size / context_parallel``
@@ -227,10 +227,13 @@ class RunHooks:
             step = wrap(step)
         return step
 
-    def local_batch(self, batch: MicroBatch) -> MicroBatch:
-        """The part of the whole micro-batch ``batch`` (attention inputs attached) this rank trains."""
+    def local_batch(self, batch: MicroBatch, host: MicroBatch | None = None) -> MicroBatch:
+        """The part of the whole micro-batch ``batch`` (attention inputs attached) this rank trains.
+        ``host``: the same micro-batch before it was copied to the device, which counts read
+        without waiting for the device."""
         for part in self.batch_parts:
-            batch = part(batch)
+            batch = part(batch, host)
+            host = None  # a part changed the batch: the host copy no longer describes it
         return batch
 
     def step_context(self, batch: MicroBatch) -> ExitStack:

@@ -136,11 +136,12 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     return details
 
 
-def _micro_batch(ctx: PlanContext) -> Callable[[MicroBatch], MicroBatch]:
+def _micro_batch(ctx: PlanContext) -> Callable[[MicroBatch, MicroBatch | None], MicroBatch]:
     shard = _shard(ctx)
 
-    def local(batch: MicroBatch) -> MicroBatch:
-        return shard_micro_batch(pad_rows(batch, shard.size), shard)
+    def local(batch: MicroBatch, host: MicroBatch | None = None) -> MicroBatch:
+        counted = None if host is None else pad_rows(host, shard.size)
+        return shard_micro_batch(pad_rows(batch, shard.size), shard, counted)
 
     return local
 

@@ -84,6 +84,20 @@ def test_padded_rows_are_sliced_with_global_positions_and_recounted():
     assert sum(s.tokens for s in shards) == batch.tokens
 
 
+def test_the_counts_read_the_host_copy_never_the_device():
+    """Given the batch's host copy, sharding reads nothing from the device batch: here its tensors
+    are on the meta device, which has no values, so any count or check taken from them fails."""
+    host = collate(_rows([8, 5, 2], seed=3), pad_id=0)
+    device = host.to(torch.device("meta"))
+    for rank in range(2):
+        shard = ContextShard(2, rank)
+        got, want = shard_micro_batch(device, shard, host), shard_micro_batch(host, shard)
+        assert (got.trained_tokens, got.tokens) == (want.trained_tokens, want.tokens)
+        assert got.input_ids.device.type == "meta" and got.input_ids.shape == want.input_ids.shape
+    with pytest.raises(RuntimeError):  # without its host copy it reads the device (meta: no values)
+        shard_micro_batch(device, ContextShard(2, 0))
+
+
 def test_packed_rows_keep_their_document_positions_and_whole_attention_inputs():
     batch = collate_packed([_rows([3, 4]), _rows([5, 1], seed=1)], 8, pad_id=0)
     batch = batch.with_attention(layout_for(_model(CAUSAL_SDPA)))

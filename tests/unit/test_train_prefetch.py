@@ -25,7 +25,7 @@ from hone.train.step_log import StepLog, StepMetrics
 from hone.train.train_step import StepOutcome, StepParts, Window, take_window, train_step
 
 CPU = torch.device("cpu")
-HOOKS = SimpleNamespace(layout=None, local_batch=lambda batch: batch)  # padded: no attention inputs; no context parallelism
+HOOKS = SimpleNamespace(layout=None, local_batch=lambda batch, host=None: batch)  # padded, no context parallelism
 
 
 def _stream(rows: int, seed: int) -> BatchStream:
