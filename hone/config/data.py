@@ -138,11 +138,40 @@ class PretokenizedDataset(_DatasetBase):
     """Column of labels; if the column is absent, every token is trained."""
 
 
+class PreferenceDataset(_DatasetBase):
+    """Pairs of a prompt, a chosen and a rejected completion, for a preference objective
+    (DPO, IPO, ORPO). Rows are plain text (three strings) or chat messages: ``chosen`` /
+    ``rejected`` conversations that share the prompt turns, or a ``prompt`` message list plus
+    the completions' assistant turns (TRL's preference formats; see docs/datasets.md)."""
+
+    type: Literal["preference"]
+    field_prompt: str = "prompt"
+    """Column of the prompt: a string, or a list of messages; optional for chat rows whose
+    chosen and rejected conversations carry the prompt turns themselves."""
+
+    field_chosen: str = "chosen"
+    """Column of the preferred completion: a string, or a list of messages."""
+
+    field_rejected: str = "rejected"
+    """Column of the dispreferred completion: a string, or a list of messages."""
+
+    field_role: str = "role"
+    """Key of a message's role (chat rows)."""
+
+    field_content: str = "content"
+    """Key of a message's text (chat rows)."""
+
+    role_map: dict[str, ChatRole] = Field(default_factory=dict)
+    """Map source role names to standard ones, e.g. ``{human: user, gpt: assistant}``."""
+
+
 DatasetConfig = Annotated[
-    AlpacaDataset | ChatDataset | CompletionDataset | PretokenizedDataset,
+    AlpacaDataset | ChatDataset | CompletionDataset | PretokenizedDataset | PreferenceDataset,
     Field(discriminator="type"),
 ]
-DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")
+DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized", "preference")
+#: Dataset types that train the language-modelling loss (supervised fine-tuning).
+SFT_DATASET_TYPES: tuple[str, ...] = ("alpaca", "chat", "completion", "pretokenized")
 
 #: Chat templates shipped with hone (``hone.data.chat_templates`` holds their text), aliases included.
 CHAT_TEMPLATE_NAMES: tuple[str, ...] = (
@@ -197,7 +226,10 @@ class DataConfig(Section):
     warning. See docs/errors.md."""
 
     excess_length_strategy: Literal["drop", "truncate"] = "drop"
-    """What happens to rows longer than ``sequence_len``: dropped, or cut to fit."""
+    """What happens to rows longer than ``sequence_len``: dropped, or cut to fit. For a
+    ``preference`` pair (prompt + the longer completion): dropped, or both completions cut to
+    fit after the prompt; a pair whose prompt alone leaves no room is dropped, or refused under
+    ``truncate`` (the prompt is never cut)."""
 
     on_bad_row: Literal["error", "skip"] = "error"
     """A row with a missing or malformed field stops preprocessing, or is skipped and counted."""
@@ -238,6 +270,26 @@ class DataConfig(Section):
                 "data.test_datasets (separate files), not both"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_data(self) -> "DataConfig":
+        """A run trains one objective: preference pairs and SFT rows cannot share it."""
+        entries = [("datasets", i, e) for i, e in enumerate(self.datasets)]
+        entries += [("test_datasets", i, e) for i, e in enumerate(self.test_datasets)]
+        pairs = [f"data.{s}.{i}" for s, i, e in entries if e.type == "preference"]
+        others = [f"data.{s}.{i} ({e.type})" for s, i, e in entries if e.type != "preference"]
+        if pairs and others:
+            raise ValueError(
+                f"{pairs[0]}.type: preference cannot be mixed with SFT datasets ({', '.join(others)}): "
+                "a run trains either a preference objective on pairs or the language-modelling loss on rows; "
+                "use one kind of dataset in data.datasets and data.test_datasets"
+            )
+        return self
+
+    @property
+    def is_preference(self) -> bool:
+        """Whether the run's data are preference pairs (every entry then is; see ``_one_kind_of_data``)."""
+        return self.datasets[0].type == "preference"
 
     @property
     def has_eval(self) -> bool:

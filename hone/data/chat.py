@@ -121,6 +121,14 @@ class ChatFormat(RowFormat):
         )
         return rendered[0]
 
+    def render_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for ``messages`` (preference rows render their prompt with it)."""
+        return self._render(messages, add_generation_prompt)
+
+    def trim_after_special(self, text: str, start: int, end: int) -> int:
+        """``end`` moved back over whitespace that follows a closing special token."""
+        return self._trim_after_special(text, start, end)
+
     def _trim_after_special(self, text: str, start: int, end: int) -> int:
         """``end`` moved back over whitespace that follows a closing special token."""
         stripped = text[start:end].rstrip()

@@ -10,7 +10,8 @@ splits are then packed once and their bins saved in the entry too (``packing``).
 
 The returned datasets have exactly the columns ``input_ids``, ``labels`` (lists of int64 of
 equal length, ``1 <= len <= sequence_len``, at least one label that is not -100) and
-``length``.
+``length``; for ``preference`` data (pairs, never packed here) the columns of
+:data:`hone.data.preference_encode.PREFERENCE_COLUMNS` instead.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ from hone.data.formats import Source
 from hone.data.interrupt import check_interrupted, interruptible
 from hone.data.load import check_file, load_file
 from hone.data.packing import Packing, packing_for
+from hone.data.preference import PreferenceFormat
+from hone.data.preference_encode import PREFERENCE_COLUMNS, PREFERENCE_FEATURES, STATUS_PROMPT_TOO_LONG, PreferenceEncoder
 from hone.data.row_format import make_format
 from hone.data.stats import MAX_EXAMPLES, DataStats, SourceStats, SplitStats
 
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
 _TEXT_FORMATS = ("alpaca", "chat", "completion")
-_EOS_FORMATS = ("alpaca", "completion")
+_EOS_FORMATS = ("alpaca", "completion", "preference")
 
 
 @dataclass
@@ -84,6 +87,8 @@ class _Encoded:
     trained: np.ndarray
     weight: float
     stats: SourceStats
+    #: Preference pairs: ``[prompt, chosen, rejected]`` lengths per row; None for SFT rows.
+    parts: np.ndarray | None = None
 
 
 def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> PreparedData:
@@ -103,6 +108,8 @@ def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> 
 def _packing(cfg: HoneConfig, prepared: PreparedData) -> dict[str, Packing] | None:
     """Pack the splits once, as training will (same seed); the bins are saved in the cache
     entry, so a cache hit (and the training loop, and each eval) loads them instead."""
+    if cfg.data.is_preference:
+        return None  # pairs are packed by the preference objective, not as SFT rows
     splits = {"train": prepared.train, "eval": prepared.eval}
     out = {name: packing_for(split, cfg, name) for name, split in splits.items()}
     return {name: packing for name, packing in out.items() if packing is not None} or None
@@ -166,7 +173,7 @@ def _check_tokenizer(cfg: HoneConfig, tokenizer: Any) -> None:
             "(a tokenizer.json) to map trained text to tokens"
         )
     if types & set(_EOS_FORMATS) and tokenizer.eos_token_id is None:
-        raise DataError(f"the tokenizer '{name}' has no eos token; alpaca and completion rows end with one")
+        raise DataError(f"the tokenizer '{name}' has no eos token; alpaca, completion and preference rows end with one")
 
 
 def _save_memo(hasher: FileHasher) -> None:
@@ -246,14 +253,18 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
     raw = load_file(entry.files, entry.resolved_format, scratch / "hf", key)
     fmt.check_columns(list(raw.column_names))
 
-    encoder = RowEncoder(fmt, tokenizer, data.sequence_len, truncate=data.excess_length_strategy == "truncate")
+    truncate = data.excess_length_strategy == "truncate"
+    if isinstance(fmt, PreferenceFormat):
+        encoder: Any = PreferenceEncoder(fmt, tokenizer, data.sequence_len, truncate)
+    else:
+        encoder = RowEncoder(fmt, tokenizer, data.sequence_len, truncate)
     tag = f"{section}-{index}"
     encoded = raw.map(
         encoder,
         batched=True,
         batch_size=256,
         remove_columns=list(raw.column_names),
-        features=ENCODED_FEATURES,
+        features=PREFERENCE_FEATURES if isinstance(fmt, PreferenceFormat) else ENCODED_FEATURES,
         num_proc=data.num_proc if data.num_proc and data.num_proc > 1 and len(raw) > 1 else None,
         cache_file_name=str(scratch / f"encoded-{tag}.arrow"),
         new_fingerprint=f"hone-encoded-{tag}",  # skip hashing the function (and the tokenizer in it)
@@ -270,7 +281,16 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
 
     template_rows = np.flatnonzero(status == STATUS_TEMPLATE)
     if len(template_rows):
-        raise DataError(f"{problem_at(template_rows[0])} ({key}, type chat)")
+        raise DataError(f"{problem_at(template_rows[0])} ({key}, type {entry.type})")
+    prompt_rows = np.flatnonzero(status == STATUS_PROMPT_TOO_LONG)
+    if len(prompt_rows) and data.excess_length_strategy == "truncate":
+        raise DataError(
+            f"{problem_at(prompt_rows[0])} ({key}, type preference); data.excess_length_strategy: truncate cuts "
+            "completions, never the prompt: shorten the prompt, raise data.sequence_len, or set "
+            "data.excess_length_strategy: drop to drop such pairs"
+        )
+    stats.dropped_prompt_too_long = int(len(prompt_rows))
+    stats.dropped_examples = [problem_at(r) for r in prompt_rows[:MAX_EXAMPLES]]
     bad_rows = np.flatnonzero(status == STATUS_BAD_ROW)
     if len(bad_rows) and data.on_bad_row == "error":
         raise DataError(
@@ -287,9 +307,14 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
     if len(keep) == 0:
         raise DataError(_nothing_left(entry.path, key, stats, data.sequence_len))
 
-    kept = encoded.select(keep).select_columns(["input_ids", "labels", "length", "n_trained"])
     lengths = np.asarray(columns["length"])[keep].astype(np.int64)
     trained = np.asarray(columns["n_trained"])[keep].astype(np.int64)
+    if isinstance(fmt, PreferenceFormat):
+        kept = encoded.select(keep)
+        parts = np.asarray(kept.select_columns(["lengths"]).with_format("numpy")["lengths"], dtype=np.int64).reshape(-1, 3)
+        kept = kept.select_columns([*PREFERENCE_COLUMNS, "n_trained"])
+        return _Encoded(kept, lengths, trained, entry.weight, stats, parts)
+    kept = encoded.select(keep).select_columns(["input_ids", "labels", "length", "n_trained"])
     return _Encoded(kept, lengths, trained, entry.weight, stats)
 
 
@@ -297,6 +322,8 @@ def _nothing_left(path: Path, key: str, stats: SourceStats, sequence_len: int) -
     reasons = []
     if stats.bad_rows_skipped:
         reasons.append(f"{stats.bad_rows_skipped} bad rows skipped (first: {stats.skipped_examples[0]})")
+    if stats.dropped_prompt_too_long:
+        reasons.append(f"{stats.dropped_prompt_too_long} whose prompt alone fills data.sequence_len = {sequence_len} dropped")
     if stats.dropped_too_long:
         reasons.append(f"{stats.dropped_too_long} longer than data.sequence_len = {sequence_len} dropped")
     if stats.dropped_no_trained:
@@ -312,10 +339,13 @@ def _write_split(
     order = np.concatenate([offset + rows for offset, rows in zip(offsets, selections)]).astype(np.int64)
     order = order[mix.rng_for(seed, 3, split_index).permutation(len(order))]
     combined = datasets.concatenate_datasets([p.dataset for p in parts])
-    combined.select(order).select_columns(list(OUTPUT_COLUMNS)).save_to_disk(str(out))
+    pairs = parts[0].parts is not None
+    columns = PREFERENCE_COLUMNS if pairs else OUTPUT_COLUMNS
+    combined.select(order).select_columns(list(columns)).save_to_disk(str(out))
     lengths = np.concatenate([p.lengths for p in parts])[order]
     trained = np.concatenate([p.trained for p in parts])[order]
-    return SplitStats.from_arrays(lengths, trained, sources)
+    lengths_3 = np.concatenate([p.parts for p in parts if p.parts is not None])[order] if pairs else None
+    return SplitStats.from_arrays(lengths, trained, sources, lengths_3)
 
 
 # ---------------------------------------------------------------- cache entries
@@ -334,7 +364,7 @@ def _load_entry(entry: Path, keep_in_memory: bool) -> tuple[datasets.Dataset, da
             evaluation = datasets.load_from_disk(str(entry / "eval"), keep_in_memory=keep_in_memory)
     except Exception:  # noqa: BLE001 - any damage means "rebuild", never "crash"
         return None
-    if list(train.column_names) != list(OUTPUT_COLUMNS):
+    if list(train.column_names) not in (list(OUTPUT_COLUMNS), list(PREFERENCE_COLUMNS)):
         return None
     return train, evaluation, stats
 

@@ -11,6 +11,7 @@ from typing import Any
 from hone.config.data import DatasetConfig
 from hone.data.chat import ChatFormat
 from hone.data.formats import AlpacaFormat, CompletionFormat, PretokenizedFormat, RowFormat, Source
+from hone.data.preference import PreferenceFormat
 
 
 def make_format(cfg: DatasetConfig, source: Source, tokenizer: Any, chat_template: str | None) -> RowFormat:
@@ -23,4 +24,6 @@ def make_format(cfg: DatasetConfig, source: Source, tokenizer: Any, chat_templat
         return PretokenizedFormat(cfg, source, vocab_size=len(tokenizer))
     if cfg.type == "chat":
         return ChatFormat(cfg, source, tokenizer, chat_template)
+    if cfg.type == "preference":
+        return PreferenceFormat(cfg, source, tokenizer, chat_template)
     raise AssertionError(f"unhandled dataset type {cfg.type!r}")  # the config's union is closed

@@ -49,6 +49,8 @@ def render_rows(split: Any, tokenizer: Any, count: int, color: bool) -> str:
     shown = min(count, len(split))
     legend = "in green" if color else f"between {OPEN} and {CLOSE}"
     lines = [f"the first {shown} of {len(split)} training rows as the model sees them; trained tokens {legend}:"]
+    if "prompt_ids" in split.column_names:
+        return "\n".join([lines[0].replace("training rows", "training pairs"), *_pairs(split, tokenizer, shown, color)])
     for index in range(shown):
         row = split[index]
         ids, labels = list(row["input_ids"]), list(row["labels"])
@@ -56,3 +58,17 @@ def render_rows(split: Any, tokenizer: Any, count: int, color: bool) -> str:
         lines.append(f"--- row {index}: {len(ids)} tokens, {trained} trained")
         lines.append(render_row(ids, labels, tokenizer, color))
     return "\n".join(lines)
+
+
+def _pairs(split: Any, tokenizer: Any, shown: int, color: bool) -> list[str]:
+    """Preference pairs: each completion after the shared prompt, the completion marked as trained."""
+    lines = []
+    for index in range(shown):
+        row = split[index]
+        prompt = list(row["prompt_ids"])
+        lines.append(f"--- pair {index}: prompt {len(prompt)} tokens")
+        for name in ("chosen", "rejected"):
+            completion = list(row[f"{name}_ids"])
+            ids, labels = prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
+            lines.append(f"  {name} ({len(completion)} tokens): {render_row(ids, labels, tokenizer, color)}")
+    return lines

@@ -47,6 +47,9 @@ class SourceStats:
     rows_train: int = 0  # rows this file contributes to the train split (after weighting)
     rows_eval: int = 0  # rows held out for eval, or contributed to eval by a test dataset
     skipped_examples: list[str] = field(default_factory=list)
+    #: Preference pairs whose prompt alone leaves no room in ``sequence_len`` (dropped), with examples.
+    dropped_prompt_too_long: int = 0
+    dropped_examples: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -61,15 +64,35 @@ class SplitStats:
     dropped_too_long: int = 0
     dropped_no_trained: int = 0
     truncated: int = 0
+    #: Preference splits (a row is a pair): token totals and maxima of prompts, chosen and
+    #: rejected completions; ``pairs`` is False (and these are 0) for SFT rows.
+    pairs: bool = False
+    prompt_tokens: int = 0
+    chosen_tokens: int = 0
+    rejected_tokens: int = 0
+    max_prompt: int = 0
+    max_chosen: int = 0
+    max_rejected: int = 0
 
     @property
     def mean_length(self) -> float:
         return self.tokens / self.rows if self.rows else 0.0
 
     @classmethod
-    def from_arrays(cls, lengths: np.ndarray, trained: np.ndarray, sources: list[SourceStats]) -> SplitStats:
-        """Statistics of a split from its rows' lengths and trained-token counts."""
+    def from_arrays(
+        cls, lengths: np.ndarray, trained: np.ndarray, sources: list[SourceStats], parts: np.ndarray | None = None
+    ) -> SplitStats:
+        """Statistics of a split from its rows' lengths and trained-token counts (and, for
+        preference pairs, ``parts``: one row of prompt, chosen and rejected lengths per pair)."""
+        extra: dict[str, Any] = {}
+        if parts is not None:
+            parts = parts.reshape(-1, 3)
+            totals, maxima = parts.sum(axis=0), parts.max(axis=0) if len(parts) else np.zeros(3, dtype=np.int64)
+            extra = {"pairs": True, "prompt_tokens": int(totals[0]), "chosen_tokens": int(totals[1])}
+            extra |= {"rejected_tokens": int(totals[2]), "max_prompt": int(maxima[0]), "max_chosen": int(maxima[1])}
+            extra["max_rejected"] = int(maxima[2])
         return cls(
+            **extra,
             rows=int(len(lengths)),
             tokens=int(lengths.sum()),
             trained_tokens=int(trained.sum()),

@@ -17,10 +17,12 @@ BAR_WIDTH = 40
 
 def render_summary(prepared: PreparedData) -> str:
     stats = prepared.stats
+    unit = "pairs" if stats.train.pairs else "rows"
     lines = [
-        f"data: {_n(stats.train.rows)} train rows" + (f", {_n(stats.eval.rows)} eval rows" if stats.eval else ", no eval split")
+        f"data: {_n(stats.train.rows)} train {unit}"
+        + (f", {_n(stats.eval.rows)} eval {unit}" if stats.eval else ", no eval split")
     ]
-    lines += _split_table(stats)
+    lines += _pair_table(stats) if stats.train.pairs else _split_table(stats)
     lines += _drops(stats)
     for split, packed in (prepared.packing or {}).items():
         lines.append(
@@ -38,7 +40,10 @@ def render_summary(prepared: PreparedData) -> str:
         )
         for example in source.skipped_examples:
             lines.append(f"    skipped: {example}")
-    lines.append(f"length histogram (train, tokens per row, sequence_len {stats.sequence_len}):")
+        for example in source.dropped_examples:
+            lines.append(f"    dropped: {example}")
+    per = "tokens per pair: prompt + the longer completion" if stats.train.pairs else "tokens per row"
+    lines.append(f"length histogram (train, {per}, sequence_len {stats.sequence_len}):")
     lines += _histogram(stats.train.histogram)
     if prepared.cache_enabled:
         lines.append(f"cache: {prepared.cache_dir} ({'hit' if prepared.cache_hit else 'written'})")
@@ -65,11 +70,36 @@ def _split_table(stats: DataStats) -> list[str]:
     return rows
 
 
+def _pair_table(stats: DataStats) -> list[str]:
+    """Pairs and the mean / max length of their prompts and of each completion."""
+    header = f"  {'':<6}{'pairs':>10}{'prompt mean':>13}{'max':>7}{'chosen mean':>13}{'max':>7}{'rejected mean':>15}{'max':>7}"
+    rows = [header]
+    splits: list[tuple[str, SplitStats | None]] = [("train", stats.train), ("eval", stats.eval)]
+    for name, split in splits:
+        if split is None:
+            continue
+        count = split.rows or 1
+        rows.append(
+            f"  {name:<6}{_n(split.rows):>10}{split.prompt_tokens / count:>13.1f}{split.max_prompt:>7}"
+            f"{split.chosen_tokens / count:>13.1f}{split.max_chosen:>7}"
+            f"{split.rejected_tokens / count:>15.1f}{split.max_rejected:>7}"
+        )
+    return rows
+
+
 def _drops(stats: DataStats) -> list[str]:
     too_long = sum(s.dropped_too_long for s in stats.sources)
     no_trained = sum(s.dropped_no_trained for s in stats.sources)
     skipped = sum(s.bad_rows_skipped for s in stats.sources)
     truncated = sum(s.truncated for s in stats.sources)
+    prompt_long = sum(s.dropped_prompt_too_long for s in stats.sources)
+    if stats.train.pairs:
+        return [
+            f"dropped: {_n(prompt_long)} pairs whose prompt alone fills {stats.sequence_len} tokens, "
+            f"{_n(too_long)} longer than {stats.sequence_len} tokens"
+            f"{' (strategy: drop)' if stats.excess_length_strategy == 'drop' else ''}; skipped: {_n(skipped)} bad rows; "
+            f"truncated: {_n(truncated)} (completions cut to fit)"
+        ]
     return [
         f"dropped: {_n(too_long)} longer than {stats.sequence_len} tokens"
         f"{' (strategy: drop)' if stats.excess_length_strategy == 'drop' else ''}, "
