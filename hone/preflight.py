@@ -44,11 +44,44 @@ def run_preflight(
     result = PreflightResult()
     result.issues += _path_issues(cfg)
     if output_dir:  # the commands that start a run (validate, train): its directory, its trackers
+        result.issues += objective_issues(cfg)
         result.issues += _output_dir_issues(cfg)
         _tracker_check(cfg, result)
     model_config = _model_issues(cfg, result, weights, build_preset)
     _context_check(cfg, model_config, result)
     return result
+
+
+#: Objectives that train on preference pairs (issue 28); ``sft`` trains the language-modelling loss.
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "orpo")
+
+
+def objective_issues(cfg: HoneConfig) -> list[ConfigIssue]:
+    """Preference pairs need a preference objective and SFT rows the language-modelling loss.
+
+    Checked for the commands that train (validate, train), not for ``hone preprocess``,
+    which prepares and checks pairs whatever the objective.
+    """
+    objective = getattr(cfg.training, "objective", "sft")
+    name = objective if isinstance(objective, str) else str(getattr(objective, "type", "sft"))
+    if cfg.data.is_preference and name not in PREFERENCE_OBJECTIVES:
+        return [
+            ConfigIssue(
+                "data.datasets.0.type",
+                f"preference needs a preference objective ({', '.join(PREFERENCE_OBJECTIVES)}; issue 28), but this run "
+                f"trains '{name}' (the language-modelling loss on rows); `hone preprocess` prepares and checks the "
+                "pairs meanwhile",
+            )
+        ]
+    if not cfg.data.is_preference and name in PREFERENCE_OBJECTIVES:
+        return [
+            ConfigIssue(
+                "data.datasets.0.type",
+                f"{cfg.data.datasets[0].type} rows cannot train the preference objective '{name}': "
+                "it needs datasets of type preference (prompt, chosen, rejected)",
+            )
+        ]
+    return []
 
 
 def _path_issues(cfg: HoneConfig) -> list[ConfigIssue]:

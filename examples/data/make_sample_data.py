@@ -13,6 +13,9 @@ Outputs, next to this script:
   user/assistant exchanges), ``{"messages": [{"role": ..., "content": ...}, ...]}``.
 - ``alpaca_sample.jsonl``: ~2000 ``{"instruction", "input", "output"}`` rows.
 - ``completion_sample.jsonl``: ~300 ``{"text"}`` rows stating the facts as sentences.
+- ``preference_sample.jsonl``: 40 preference pairs (``type: preference``, TRL's chat form
+  with an explicit prompt): ``{"prompt": [user turn], "chosen": [the right answer],
+  "rejected": [a wrong answer of the same kind]}``; not read by the tokenizer build.
 
 Run ``python examples/data/make_sample_data.py`` (no arguments); rerunning rewrites identical
 files. Every answer is a single word so that exact-match checks are meaningful. The bundled
@@ -233,6 +236,28 @@ def completion_rows(rng: random.Random, n: int) -> list[dict]:
     return rows
 
 
+def preference_rows(rng: random.Random, n: int) -> list[dict]:
+    """The right answer chosen, another fact's answer of the same kind rejected: a clear
+    preference that a tiny model can learn (and a DPO run's reward margin can show)."""
+    table = facts()
+    answers: dict[str, list[str]] = {}
+    for kind, _, answer in table:
+        answers.setdefault(kind, []).append(answer)
+    questions = Questions(rng, table)
+    rows = []
+    for _ in range(n):
+        kind, question, answer = questions.draw()
+        wrong = rng.choice(sorted({a for a in answers[kind] if a != answer}))
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": question}],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return rows
+
+
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     """Write to a temp name, then rename: a crash never leaves a half-written sample file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -247,7 +272,8 @@ def main(out_dir: Path = HERE) -> None:
     write_jsonl(out_dir / "chat_sample.jsonl", chat_rows(random.Random(SEED), 2000))
     write_jsonl(out_dir / "alpaca_sample.jsonl", alpaca_rows(random.Random(SEED + 1), 2000))
     write_jsonl(out_dir / "completion_sample.jsonl", completion_rows(random.Random(SEED + 2), 300))
-    for name in ("chat_sample.jsonl", "alpaca_sample.jsonl", "completion_sample.jsonl"):
+    write_jsonl(out_dir / "preference_sample.jsonl", preference_rows(random.Random(SEED + 3), 40))
+    for name in ("chat_sample.jsonl", "alpaca_sample.jsonl", "completion_sample.jsonl", "preference_sample.jsonl"):
         print(f"wrote {out_dir / name} ({(out_dir / name).stat().st_size} bytes)")
 
 

@@ -124,7 +124,7 @@ def test_pad_falls_back_to_eos_only_when_missing(tmp_path):
 def test_sample_data_generator_is_deterministic_and_matches_the_committed_files(tmp_path):
     make = _import_script(SAMPLES / "make_sample_data.py")
     make.main(tmp_path)
-    for name in ("chat_sample.jsonl", "alpaca_sample.jsonl", "completion_sample.jsonl"):
+    for name in ("chat_sample.jsonl", "alpaca_sample.jsonl", "completion_sample.jsonl", "preference_sample.jsonl"):
         committed = (SAMPLES / name).read_bytes()
         assert (tmp_path / name).read_bytes() == committed, name
         assert len(committed) < 1_000_000
