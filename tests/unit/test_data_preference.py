@@ -203,3 +203,15 @@ def test_preference_and_sft_datasets_cannot_be_mixed(tmp_path):
     raw["data"]["test_datasets"] = [{"path": "p.jsonl", "type": "preference"}]
     with pytest.raises(ConfigError, match=r"data.datasets.0 \(chat\)"):
         parse_config(raw)
+
+
+def test_text_pairs_need_no_chat_template_but_chat_pairs_do(tmp_path, write_jsonl, make_data_config, tokenizer):
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    text = write_jsonl(tmp_path, [{"prompt": "q", "chosen": " a", "rejected": " b"}], name="text.jsonl")
+    assert len(prepare(make_data_config, bare, text).train) == 1
+    chat = write_jsonl(tmp_path, [{"prompt": [user("q")], "chosen": [assistant("a")], "rejected": [assistant("b")]}])
+    with pytest.raises(DataError, match=r"row 1: a preference dataset with chat messages needs a chat template"):
+        prepare(make_data_config, bare, chat, on_bad_row="skip")  # the template, not the row: never skipped
