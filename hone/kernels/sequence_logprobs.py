@@ -20,6 +20,13 @@ Both passes are ``torch.library`` custom ops (``hone::sequence_logprobs`` and
 ``hone::sequence_logprobs_backward``) with fake implementations, so ``torch.compile(fullgraph=True)``
 traces a model's forward and backward through them without a graph break.
 
+Each chunk's softmax step has two implementations (``impl``): ``"torch"`` (plain ops on a
+float32 copy of the chunk's logits) and ``"triton"``, the fused cross-entropy's kernel
+(:mod:`hone.kernels.cross_entropy_triton`), which reads the logits in their own dtype, returns
+``-log p(target)`` per row and overwrites the row with ``softmax - onehot``; the backward then
+scales each row by ``-g[seq]`` in place, so no float32 ``[chunk x vocab]`` copy exists (CUDA
+only; the forward ignores the gradient it writes). ``"auto"`` is ``"triton"`` on CUDA.
+
 A token counts if its target is not ``ignore_index`` and its segment id is in ``[0,
 num_segments)``; segment ids below 0 mark tokens of no sequence (padding, prompts). Segment ids
 at or past ``num_segments`` are the caller's error (an index error on CPU, a device assert on
@@ -28,10 +35,16 @@ CUDA): checking them here would cost a host sync per call.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
-from hone.kernels.cross_entropy import accumulate_weight_grad, default_chunk_tokens
+from hone.kernels.cross_entropy import KernelUnavailableError, accumulate_weight_grad, default_chunk_tokens
+from hone.kernels.cross_entropy_triton import cross_entropy_softmax_grad_, triton_available
+
+Impl = Literal["auto", "torch", "triton"]
+IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
 def sequence_logprobs_reference(
@@ -83,6 +96,7 @@ def _forward_op(
     num_segments: int,
     ignore_index: int,
     chunk_tokens: int,
+    impl: str,
 ) -> torch.Tensor:
     """Float32 ``[num_segments]`` sums of the counted tokens' log-probabilities, chunk by chunk."""
     out = torch.zeros(num_segments + 1, dtype=torch.float32, device=hidden.device)
@@ -90,16 +104,21 @@ def _forward_op(
         stop = start + chunk_tokens
         t, s = targets[start:stop], segments[start:stop]
         counted = _counted(t, s, ignore_index)
-        x = _chunk_logits(hidden[start:stop], weight, bias)
-        lse = torch.logsumexp(x, dim=-1)
-        target_logit = x.gather(1, torch.where(counted, t, 0).unsqueeze(1)).squeeze(1)
-        del x
-        out.index_add_(0, torch.where(counted, s, num_segments), torch.where(counted, target_logit - lse, 0.0))
+        if impl == "triton":
+            logits = F.linear(hidden[start:stop], weight, bias)
+            token_logps = -cross_entropy_softmax_grad_(logits, torch.where(counted, t, ignore_index), ignore_index, 0)
+            del logits
+        else:
+            x = _chunk_logits(hidden[start:stop], weight, bias)
+            lse = torch.logsumexp(x, dim=-1)
+            token_logps = x.gather(1, torch.where(counted, t, 0).unsqueeze(1)).squeeze(1) - lse
+            del x
+        out.index_add_(0, torch.where(counted, s, num_segments), torch.where(counted, token_logps, 0.0))
     return out[:num_segments].clone()
 
 
 @_forward_op.register_fake
-def _(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens):
+def _(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens, impl):
     return hidden.new_empty((num_segments,), dtype=torch.float32)
 
 
@@ -113,6 +132,7 @@ def _backward_op(
     segments: torch.Tensor,
     ignore_index: int,
     chunk_tokens: int,
+    impl: str,
     need_hidden_grad: bool,
     need_weight_grad: bool,
     need_bias_grad: bool,
@@ -131,14 +151,19 @@ def _backward_op(
         t, s, h = targets[start:stop], segments[start:stop], hidden[start:stop]
         counted = _counted(t, s, ignore_index)
         g = g_slots[torch.where(counted, s, num_segments)]  # 0 for tokens that do not count
-        x = _chunk_logits(h, weight, bias)
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        # d logits = g * (onehot - softmax), built in place on the float32 logits.
-        grad_logits = x.sub_(lse).exp_().mul_(-g.unsqueeze(1))
-        grad_logits.scatter_add_(1, torch.where(counted, t, 0).unsqueeze(1), g.unsqueeze(1))
-        del x
+        # d logits = g * (onehot - softmax), built in place on the chunk's logits.
+        if impl == "triton":
+            grad_logits = F.linear(h, weight, bias)
+            cross_entropy_softmax_grad_(grad_logits, torch.where(counted, t, ignore_index), ignore_index, 0)
+            grad_logits.mul_(-g.unsqueeze(1))  # float32 product, rounded once to the logits' dtype
+        else:
+            x = _chunk_logits(h, weight, bias)
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            grad_logits = x.sub_(lse).exp_().mul_(-g.unsqueeze(1))
+            grad_logits.scatter_add_(1, torch.where(counted, t, 0).unsqueeze(1), g.unsqueeze(1))
+            del x
         if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+            grad_bias += grad_logits.sum(0, dtype=torch.float32)
         grad_logits = grad_logits.to(hidden.dtype)
         if need_hidden_grad:
             torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
@@ -160,6 +185,7 @@ def _(
     segments,
     ignore_index,
     chunk_tokens,
+    impl,
     need_hidden_grad,
     need_weight_grad,
     need_bias_grad,
@@ -171,9 +197,10 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, targets, segments, _, ignore_index, chunk_tokens = inputs
+    hidden, weight, bias, targets, segments, _, ignore_index, chunk_tokens, impl = inputs
     ctx.ignore_index = ignore_index
     ctx.chunk_tokens = chunk_tokens
+    ctx.impl = impl
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, targets, segments)
 
@@ -190,6 +217,7 @@ def _backward(ctx, grad_out):
         segments,
         ctx.ignore_index,
         ctx.chunk_tokens,
+        ctx.impl,
         need_hidden,
         need_weight,
         need_bias and ctx.has_bias,
@@ -198,6 +226,7 @@ def _backward(ctx, grad_out):
         d_hidden if need_hidden else None,
         d_weight if need_weight else None,
         d_bias if need_bias and ctx.has_bias else None,
+        None,
         None,
         None,
         None,
@@ -218,6 +247,7 @@ def sequence_logprobs(
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    impl: Impl = "auto",
 ) -> torch.Tensor:
     """Float32 ``[num_segments]``: for each segment ``s``, the sum over tokens ``i`` with
     ``segments[i] == s`` and ``targets[i] != ignore_index`` of ``log softmax(hidden_i @ weight.T
@@ -228,8 +258,11 @@ def sequence_logprobs(
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (the backward recomputes each
     chunk's logits). Under ``torch.autocast`` the operands are cast to the autocast dtype first,
     as the reference's matmul is. ``chunk_tokens`` defaults to the fused cross-entropy's
-    :func:`~hone.kernels.cross_entropy.default_chunk_tokens`.
+    :func:`~hone.kernels.cross_entropy.default_chunk_tokens`; ``impl`` picks the softmax step
+    (module docstring).
     """
+    if impl not in IMPLS:
+        raise KernelUnavailableError(f"sequence_logprobs impl {impl!r} is not one of {', '.join(IMPLS)}")
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1 or segments.dim() != 1:
         raise ValueError(
             f"expected hidden [N, H], weight [V, H], targets [N], segments [N]; got {tuple(hidden.shape)}, "
@@ -258,14 +291,21 @@ def sequence_logprobs(
                 None if bias is None else bias.to(dtype),
                 ignore_index,
                 chunk_tokens,
+                impl,
             )
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(
             f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
             f"({None if bias is None else bias.dtype}) must share a dtype, as the reference's projection does"
         )
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
+    if impl == "triton" and not triton_available(hidden.device):
+        raise KernelUnavailableError(
+            f"sequence_logprobs impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
+        )
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(n, vocab)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
-    return _forward_op(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens)
+    return _forward_op(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens, impl)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from hone.kernels import KernelUnavailableError
 from hone.kernels.sequence_logprobs import (
     _backward_op,
     _forward_op,
@@ -153,15 +154,24 @@ def test_bad_arguments_raise():
         sequence_logprobs(h, w.detach().double(), t, s, 5)
     with pytest.raises(ValueError, match="chunk_tokens"):
         sequence_logprobs(h, w, t, s, 5, chunk_tokens=0)
+    with pytest.raises(KernelUnavailableError, match="not one of"):
+        sequence_logprobs(h, w, t, s, 5, impl="cuda")
+
+
+def test_triton_impl_without_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    h, w, b, t, s = _inputs(8)
+    with pytest.raises(KernelUnavailableError, match="triton"):
+        sequence_logprobs(h, w, t, s, 5, impl="triton")
 
 
 def test_opcheck_passes_for_both_custom_ops():
     h, w, b, t, s = _inputs(21)
-    torch.library.opcheck(_forward_op, (h, w, b, t, s, 5, IGNORE, 8))
-    torch.library.opcheck(_forward_op, (h, w.detach(), None, t, s, 5, IGNORE, 8))
+    torch.library.opcheck(_forward_op, (h, w, b, t, s, 5, IGNORE, 8, "torch"))
+    torch.library.opcheck(_forward_op, (h, w.detach(), None, t, s, 5, IGNORE, 8, "torch"))
     g = torch.randn(5)
-    torch.library.opcheck(_backward_op, (g, h.detach(), w.detach(), b.detach(), t, s, IGNORE, 8, True, True, True))
-    torch.library.opcheck(_backward_op, (g, h.detach(), w.detach(), None, t, s, IGNORE, 8, True, False, False))
+    torch.library.opcheck(_backward_op, (g, h.detach(), w.detach(), b.detach(), t, s, IGNORE, 8, "torch", True, True, True))
+    torch.library.opcheck(_backward_op, (g, h.detach(), w.detach(), None, t, s, IGNORE, 8, "torch", True, False, False))
 
 
 class _Head(nn.Module):
