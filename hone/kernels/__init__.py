@@ -13,6 +13,7 @@ from hone.kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from hone.kernels.cross_entropy_triton import triton_available
+from hone.kernels.sequence_logprobs import segment_token_counts, sequence_logprobs, sequence_logprobs_reference
 
 __all__ = [
     "DEFAULT_LOGITS_BUDGET_BYTES",
@@ -20,5 +21,8 @@ __all__ = [
     "default_chunk_tokens",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "segment_token_counts",
+    "sequence_logprobs",
+    "sequence_logprobs_reference",
     "triton_available",
 ]

@@ -124,7 +124,7 @@ _STEPS = {"torch": _softmax_grad_torch, "compiled": _softmax_grad_compiled, "tri
 _addmm_out_dtype_ok = True
 
 
-def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+def accumulate_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
     """``grad_weight += grad_logits.T @ hidden`` with a float32 ``grad_weight``."""
     global _addmm_out_dtype_ok
     if grad_logits.dtype == grad_weight.dtype:
@@ -169,7 +169,7 @@ def _fused_op(
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
             if grad_weight is not None:
-                _accumulate_weight_grad(grad_weight, grad_logits, h)
+                accumulate_weight_grad(grad_weight, grad_logits, h)
         del grad_logits
     if grad_weight is None:
         grad_weight = weight.new_empty(0, dtype=torch.float32)
