@@ -424,7 +424,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             host_memory_bytes=host_budget,
         )
         decided = decide(cfg, facts)
-        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided)
+        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided, processes)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
     return 0
 

@@ -70,17 +70,17 @@ def per_rank_config(cfg: HoneConfig) -> HoneConfig:
 
 
 def per_rank_facts(cfg: HoneConfig, facts: RunFacts) -> RunFacts:
-    """``facts`` as one rank of a context-parallel group sees them: the ranks of a group run on one
-    host and share its memory (offloaded layer inputs, pinned), so each rank's ``auto`` decisions
-    (the offload split, layer runs) are made on its share: ``1/N`` of it, as ``hone plan``'s
-    estimates are (:func:`hone.transforms.context_plan.rank_share`), or ``1/W`` where the job's
-    ``W`` processes are more (several groups, counted as on one host: on several hosts that is
-    less than each rank could use, never more)."""
-    n = cfg.distributed.context_parallel
-    if n <= 1:
+    """``facts`` as one rank sees them: the job's processes are counted as on one host and share
+    its memory (each rank's offloaded layer inputs are pinned there), so each rank's ``auto``
+    decisions (the offload split, layer runs) are made on its share: ``1/W`` of the host for
+    ``W`` processes, or ``1/N`` for a context-parallel group of ``N`` planned alone, as ``hone
+    plan``'s estimates are (:func:`hone.transforms.context_plan.rank_share`). On several hosts
+    that is less than each rank could use, never more."""
+    sharing = max(cfg.distributed.context_parallel, facts.world.world_size)
+    if sharing <= 1:
         return facts
     host = facts.host_memory_bytes if facts.host_memory_bytes is not None else host_memory(None)[0]
-    return replace(facts, host_memory_bytes=host // max(n, facts.world.world_size))
+    return replace(facts, host_memory_bytes=host // sharing)
 
 
 def pad_rows(batch: MicroBatch, multiple: int) -> MicroBatch:

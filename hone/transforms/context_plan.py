@@ -39,7 +39,8 @@ class GpuCountRow:
 
 def rank_share(host_budget: int | None, source: str, split: int) -> tuple[int | None, str]:
     """(bytes, where they come from) of the host memory one rank of ``split`` on a host may use:
-    the ranks of a context-parallel group share one host, and the estimates are one rank's."""
+    the processes of a host (a context-parallel group, or every process of the job) share it,
+    and the estimates are one rank's."""
     if split <= 1 or host_budget is None:
         return host_budget, source
     return host_budget // split, f"{source} / {split} ranks"

@@ -145,11 +145,13 @@ def plan_view(
     host_budget: int | None = None,
     host_source: str = "",
     decided: Decisions | None = None,
+    processes: int = 1,
 ) -> PlanView:
     """Estimates under every policy, and the longest sequence each one fits in ``budget`` (and in
     ``host_budget`` bytes of host memory, default this machine's RAM). ``decided``: the plan's
     resolved ``auto`` settings (:func:`hone.transforms.decide.decide`), which the view quotes
-    rather than deciding again; by default those of one process on ``device``."""
+    rather than deciding again; by default those of one process on ``device``. ``processes``:
+    the job's processes, counted as on one host (they share its memory)."""
     from hone.transforms.auto_policy import auto_shards
     from hone.transforms.card import host_memory
 
@@ -161,7 +163,7 @@ def plan_view(
     param_shards = decided.param_shards
     loss = loss_of(cfg)
     whole_host, split = host_budget, cfg.distributed.context_parallel
-    host_budget, host_source = rank_share(host_budget, host_source, split)
+    host_budget, host_source = rank_share(host_budget, host_source, max(split, processes))
     # the plan's tiled layers and layer runs (full and offload only: the estimate ignores them elsewhere)
     layers = {"tiled_layers": decided.tiled_layers_chunks, "run_layers": decided.run_layers}
     knobs = {

@@ -105,3 +105,15 @@ def test_four_gpus_of_one_host_reach_a_million_tokens_with_layer_runs():
     assert not any(r.layers_tiled for r in rows)  # refused beside context parallelism
     per_layer = best_row([r for r in rows if r.run_layers == 1])
     assert per_layer is not None and per_layer.longest < 1 << 20
+
+
+def test_data_parallel_processes_of_one_host_share_it_for_offloaded_inputs():
+    """Two DDP processes at 256K tokens each offload their own layer inputs into the same host:
+    each decides on half of it (one process alone decides on all of it)."""
+    alone = decide(_cfg(1 << 18), RunFacts(torch.device("cuda"), memory_bytes=H100, host_memory_bytes=128 * GIB))
+    two = decide(
+        _cfg(1 << 18), RunFacts(torch.device("cuda"), memory_bytes=H100, host_memory_bytes=128 * GIB, world=World(0, 2, 0))
+    )
+    assert alone.checkpointing == two.checkpointing == "offload", (alone.checkpointing_why, two.checkpointing_why)
+    assert "128 GiB of host memory" in alone.offload_why, alone.offload_why
+    assert "64 GiB of host memory" in two.offload_why, two.offload_why
