@@ -22,11 +22,18 @@ from hone.track.metrics import read_metrics
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 STEPS = 3
-#: The final weights' absolute tolerance. AdamW divides by sqrt(v), which turns the rounding of a
-#: different summation order in a near-zero gradient into up to ~2e-5 of weight: one element of
-#: 256 moved 1.7e-5 (seed 6482, 2 groups x 2 against accumulation 2) and 1.5e-5 (seed 3025, a
-#: 2-rank checkpoint resumed on one process). The losses, norms and eval losses stay at 1e-5.
-WEIGHT_ATOL = 5e-5
+
+
+#: The final weights after AdamW, which divides by sqrt(v): the rounding of a different summation
+#: order in a near-zero gradient can move that element by far more than 1e-5 (seen: one element in
+#: 256 by 1.7e-5, seed 6482; one in 131,072 by 5.4e-5, seed 99, a full fine-tune under FSDP2). So
+#: at most 1 element in 1,000 (at least one) may leave 1e-5, and none may leave 1e-3; the losses,
+#: norms and eval losses stay at 1e-5 relative.
+def _assert_weights_close(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+    off = (got - want).abs() > 1e-5 + 1e-5 * want.abs()
+    allowed = max(1, want.numel() // 1000)
+    worst = float((got - want).abs().max())
+    assert int(off.sum()) <= allowed and worst <= 1e-3, f"{key} (seed {SEED}): {int(off.sum())} elements off, worst {worst:.3g}"
 
 
 def _config(
@@ -97,7 +104,7 @@ def _assert_same(got: Path, expected: Path, norm_rel: float = 1e-5) -> None:
         torch.testing.assert_close(cp.pop("lm_head.weight"), cp["model.embed_tokens.weight"], rtol=0, atol=0)
     assert cp.keys() == ref.keys() and ref
     for key, weight in ref.items():
-        torch.testing.assert_close(cp[key], weight, rtol=1e-5, atol=WEIGHT_ATOL, msg=lambda m, k=key: f"{k} (seed {SEED}): {m}")
+        _assert_weights_close(cp[key], weight, key)
     record = json.loads((got / "optimizations.json").read_text())
     assert "context_parallel" in [a["name"] for a in record["applied"]]
 
@@ -162,7 +169,7 @@ def test_a_context_parallel_checkpoint_resumes_on_one_process_to_the_same_run(tm
     ref, got = _weights(tmp_path / "one"), _weights(tmp_path / "resumed")
     assert got.keys() == ref.keys()
     for key, weight in ref.items():
-        torch.testing.assert_close(got[key], weight, rtol=1e-5, atol=WEIGHT_ATOL, msg=lambda m, k=key: f"{k} (seed {SEED}): {m}")
+        _assert_weights_close(got[key], weight, key)
 
 
 #: Layer runs beside context parallelism: 3 layers in runs of 2 (the last run one layer), full
