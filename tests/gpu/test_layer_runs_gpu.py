@@ -1,8 +1,9 @@
 """Layer runs on CUDA in bf16 (5 layers of width 2048, 8K tokens, LoRA on every projection): under
 ``offload`` with the offloader's side streams, the gradients in runs of 2 and 3 (tiled layers
-inside, eager and under Inductor) are those of one input per layer (the rebuild runs the same
-kernels on the same inputs); between the forward and the backward the GPU holds one input per run
-instead of one per layer under ``full``. Skipped without a GPU.
+inside, eager and under Inductor) are as close to float32's as those of one input per layer (the
+rebuild runs the same kernels on the same inputs; the attention backward is not deterministic);
+between the forward and the backward the GPU holds one input per run instead of one per layer
+under ``full``. Skipped without a GPU.
 
 Run: ``pytest -q -m gpu tests/gpu/test_layer_runs_gpu.py``
 """
@@ -86,6 +87,7 @@ def _ids(tok) -> torch.Tensor:
 )
 def test_offloaded_runs_give_the_gradients_of_one_input_per_layer_in_bf16(tok, runs, chunks, compiled):
     base, ids = _base(tok), _ids(tok)
+    _, exact = _step(_built(copy.deepcopy(base).float(), "full", 1), ids)  # float32: the math without bf16 rounding
     want_loss, want = _step(_built(base, "offload", 1, chunks, compiled), ids)
     model = _built(base, "offload", runs, chunks, compiled)
     for _ in range(2):  # the second step: compiled graphs reused, offload buffers reused
@@ -93,7 +95,10 @@ def test_offloaded_runs_give_the_gradients_of_one_input_per_layer_in_bf16(tok, r
         assert torch.isfinite(loss) and abs(loss - want_loss) <= 1e-3 * abs(want_loss)
         for name, ref in want.items():
             assert torch.isfinite(grads[name]).all(), name
-            assert norm_error(grads[name], ref) <= 1e-2, f"{name}: {norm_error(grads[name], ref):.2e}"
+            # bf16 with a nondeterministic attention backward: both runs round; layer runs may not
+            # round much more than one input per layer does (measured against float32)
+            ours, theirs = norm_error(grads[name], exact[name]), norm_error(ref, exact[name])
+            assert ours <= 1.5 * theirs + 1e-3, f"{name}: {ours:.2e} from float32 vs {theirs:.2e} with one input per layer"
         stats = layer_runs_for(model).stats
         assert stats.rebuilt_layers == stats.inner_dropped == LAYERS - -(-LAYERS // runs)
 
