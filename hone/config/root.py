@@ -37,8 +37,23 @@ class HoneConfig(Section):
                 )
         return self
 
+    @property
+    def packs_documents(self) -> bool:
+        """Whether micro-batches hold several documents in a row (``data.sample_packing``, a packed
+        eval split, or a preference objective, which packs each micro-batch's pairs into one row)."""
+        return self.data.sample_packing or self.data.packs_eval or self.training.is_preference
+
     @model_validator(mode="after")
     def _packing_needs_isolating_attention(self) -> "HoneConfig":
+        if self.training.is_preference and not self.model.attention_isolates_packed_documents:
+            from hone.config.attention import BACKENDS
+
+            usable = ", ".join(n for n, b in BACKENDS.items() if b.isolates_packed_documents and b.installed)
+            raise ValueError(
+                f"training.objective: {self.training.objective} packs each micro-batch's chosen and rejected sequences "
+                f"into one row, which needs an attention backend that keeps them apart, but model.attn_implementation "
+                f"'{self.model.attn_implementation}' does not: use one of: {usable}"
+            )
         packs = self.data.sample_packing or self.data.packs_eval
         if packs and not self.model.attention_isolates_packed_documents:
             from hone.config.attention import BACKENDS
@@ -105,6 +120,11 @@ class HoneConfig(Section):
         if not chunks:
             return self
         key = f"memory.tiled_layers: {chunks}"
+        if self.training.is_preference:
+            raise ValueError(
+                f"{key} computes causal rows without a mask, but training.objective: {self.training.objective} packs "
+                "each micro-batch's pairs into one row with a document mask: set memory.tiled_layers: off"
+            )
         if self.data.sample_packing or self.data.packs_eval:
             raise ValueError(
                 f"{key} computes causal rows without a mask, but data.sample_packing (or eval_sample_packing) is on: "
@@ -183,6 +203,56 @@ class HoneConfig(Section):
             raise ValueError(
                 f"{key} does not run with memory.tiled_layers: {self.memory.tiled_layers} yet (a chunk of a rank's shard "
                 "is not a contiguous piece of the sequence): set memory.tiled_layers: off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _preference_composes(self) -> "HoneConfig":
+        """What a preference objective (DPO, IPO, ORPO) does not run with yet, each naming its key."""
+        t = self.training
+        if not t.is_preference:
+            return self
+        key = f"training.objective: {t.objective}"
+        if self.data.explicitly_set("sample_packing") and self.data.sample_packing:
+            raise ValueError(
+                f"data.sample_packing: true does not apply to {key}: each micro-batch packs its own micro_batch_size "
+                "pairs (chosen and rejected sequences) into one row, never pairs of different steps: remove it"
+            )
+        if self.data.explicitly_set("eval_sample_packing") and self.data.eval_sample_packing:
+            raise ValueError(
+                f"data.eval_sample_packing: true does not apply to {key}: eval micro-batches pack their pairs as "
+                "training ones do: remove it"
+            )
+        refusals = (
+            (self.distributed.context_parallel != 1, f"distributed.context_parallel: {self.distributed.context_parallel}"),
+            (
+                self.distributed.expert_parallel not in (1, "auto"),
+                f"distributed.expert_parallel: {self.distributed.expert_parallel}",
+            ),
+            (self.model.dtype == "float16", "model.dtype: float16 (use bfloat16)"),
+        )
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"{what} does not run with {key} yet: remove it, or train sft")
+        reference = t.preference.reference
+        if t.objective == "orpo":
+            return self
+        if reference == "adapter_disabled" and not self.adapter.is_lora:
+            raise ValueError(
+                f"training.preference.reference: adapter_disabled needs an adapter to switch off, but adapter.type is "
+                f"'{self.adapter.type}' (full fine-tune): set adapter.type: lora, or reference: auto"
+            )
+        if not self.adapter.is_lora:
+            raise ValueError(
+                f"{key} with adapter.type: '{self.adapter.type}' (full fine-tune) needs precomputed reference "
+                f"log-probabilities (training.preference.reference: {reference}), which hone does not compute yet: "
+                "set adapter.type: lora (the reference is the model with the adapter switched off), or use "
+                "training.objective: orpo (no reference)"
+            )
+        if reference == "precomputed":
+            raise ValueError(
+                "training.preference.reference: precomputed is not implemented yet: use reference: auto or "
+                "adapter_disabled with adapter.type: lora"
             )
         return self
 

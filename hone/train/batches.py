@@ -12,6 +12,10 @@ Because each epoch shuffles anew, a different handful of rows sits out each epoc
 ``training.max_steps`` gives the total directly (wrapping into further epochs as needed);
 otherwise ``total = floor(num_epochs * steps_per_epoch)`` (fractions allowed, at least 1).
 
+With a preference objective (``training.objective: dpo | ipo | orpo``) the unit is a **pair**:
+``micro_batch_size`` pairs make a micro-batch, packed into one row (:mod:`hone.data.pairs`), and
+everything above holds with "pairs" for "rows" (sample packing does not apply to pairs).
+
 With ``data.sample_packing`` the unit is a *packed row* instead of a dataset row: the rows
 are packed once into bins of ``sequence_len`` tokens by :mod:`hone.data.packing` (deterministic
 in the seed, saved with the prepared data; this module only reads the bins) and each epoch
@@ -45,6 +49,7 @@ import numpy as np
 from hone.config.training import TrainingConfig
 from hone.data.collate import MicroBatch, collate, collate_packed, rows_at
 from hone.data.packing import Packing
+from hone.data.pairs import collate_pairs, pair_rows_at
 from hone.errors import HoneError
 
 
@@ -239,9 +244,30 @@ class PackedBatches:
         return collate_packed(grouped, self.packing.capacity, self.pad_id)
 
 
-def micro_batches(dataset: Any, packing: Packing | None, pad_id: int) -> PaddedBatches | PackedBatches:
+class PairBatches:
+    """Units are preference pairs; a micro-batch packs ``len(indices)`` pairs into one row
+    (``prompt_nll``: ORPO's NLL covers the chosen prompts, see :mod:`hone.data.pairs`)."""
+
+    packing: Packing | None = None
+
+    def __init__(self, dataset: Any, pad_id: int, prompt_nll: bool = False):
+        self.dataset = dataset
+        self.pad_id = pad_id
+        self.prompt_nll = prompt_nll
+        self.units = len(dataset)
+
+    def __call__(self, indices: list[int]) -> MicroBatch:
+        return collate_pairs(pair_rows_at(self.dataset, indices), self.pad_id, self.prompt_nll)
+
+
+Batches = PaddedBatches | PackedBatches | PairBatches
+
+
+def micro_batches(dataset: Any, packing: Packing | None, pad_id: int, objective: str = "sft") -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
-    :func:`hone.data.packing.packing_for`, never packed here)."""
+    :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``."""
+    if objective != "sft":
+        return PairBatches(dataset, pad_id, prompt_nll=objective == "orpo")
     if packing is None:
         return PaddedBatches(dataset, pad_id)
     return PackedBatches(dataset, packing, pad_id)
