@@ -1,0 +1,91 @@
+"""Exact data parallelism for a preference objective: DPO on 2 ranks (DDP, gloo) x 1 micro-batch
+of 2 pairs == 1 process x 2 micro-batches: the same losses and TRL metrics at every step (the
+pair counts all-reduced with the tokens, the metrics with the loss), the same eval, the same
+final LoRA weights, on both ranks."""
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from fsdp_harness import spawn
+from rich.console import Console
+
+from hone.runtime.world import SINGLE, World
+from hone.testing import plan_hooks, tiny_config, tiny_llama, with_random_lora
+from hone.track.metrics import read_metrics
+from hone.train.loop import train_loop
+
+SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
+CPU = torch.device("cpu")
+
+
+def _pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
+    gen = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [gen.randrange(1, 97) for _ in range(gen.randint(low, high))]
+
+    return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 8), "rejected_ids": ids(1, 8)} for _ in range(n)]
+
+
+def _run(out: Path, seed: int, world: World, accumulation: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # PEFT draws LoRA's A matrices from the global generator
+    model = with_random_lora(tiny_llama(seed), seed)
+    model.config._attn_implementation = "sdpa"
+    cfg = tiny_config(
+        out,
+        adapter={"type": "lora", "lora_r": 4},
+        data={"val_set_size": 0.1},
+        training={
+            "max_steps": 3,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": accumulation,
+            "eval_steps": 3,
+            "objective": "dpo",
+            "preference": {"beta": 0.5},
+        },
+        optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False},
+    )
+    train_loop(
+        model,
+        _pairs(24, seed),
+        _pairs(5, seed + 1),
+        cfg,
+        device=CPU,
+        pad_id=0,
+        console=Console(quiet=True),
+        world=world,
+        hooks=plan_hooks(model, cfg, CPU, world),
+    )
+    return model
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rank(rank: int, out: Path, seed: int) -> None:
+    from hone.train.distributed import init_world
+
+    model = _run(out, seed, init_world("cpu"), accumulation=1)
+    torch.save(_trainable(model), out / f"weights-rank{rank}.pt")
+
+
+def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path):
+    spawn(_rank, 2, tmp_path / "ddp", SEED, timeout_s=180)
+    reference = _trainable(_run(tmp_path / "one", SEED, SINGLE, accumulation=2))
+    two, one = read_metrics(tmp_path / "ddp" / "metrics.jsonl"), read_metrics(tmp_path / "one" / "metrics.jsonl")
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2, 3, 3]
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "eval_rewards/margins"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key, f"seed {SEED}")
+        assert a.get("eval_pairs") == b.get("eval_pairs")
+    rank0 = torch.load(tmp_path / "ddp" / "weights-rank0.pt")
+    rank1 = torch.load(tmp_path / "ddp" / "weights-rank1.pt")
+    assert rank0.keys() == reference.keys() and len(reference) > 0
+    for key, weight in reference.items():
+        torch.testing.assert_close(rank1[key], rank0[key], rtol=0, atol=0, msg=f"replicas differ: {key}")
+        torch.testing.assert_close(rank0[key], weight, rtol=1e-5, atol=1e-5, msg=f"{key} (seed {SEED})")
