@@ -234,27 +234,24 @@ class HoneConfig(Section):
         for refused, what in refusals:
             if refused:
                 raise ValueError(f"{what} does not run with {key} yet: remove it, or train sft")
-        reference = t.preference.reference
-        if t.objective == "orpo":
-            return self
-        if reference == "adapter_disabled" and not self.adapter.is_lora:
+        if t.preference.reference == "adapter_disabled" and not self.adapter.is_lora:
             raise ValueError(
-                f"training.preference.reference: adapter_disabled needs an adapter to switch off, but adapter.type is "
-                f"'{self.adapter.type}' (full fine-tune): set adapter.type: lora, or reference: auto"
-            )
-        if not self.adapter.is_lora:
-            raise ValueError(
-                f"{key} with adapter.type: '{self.adapter.type}' (full fine-tune) needs precomputed reference "
-                f"log-probabilities (training.preference.reference: {reference}), which hone does not compute yet: "
-                "set adapter.type: lora (the reference is the model with the adapter switched off), or use "
-                "training.objective: orpo (no reference)"
-            )
-        if reference == "precomputed":
-            raise ValueError(
-                "training.preference.reference: precomputed is not implemented yet: use reference: auto or "
-                "adapter_disabled with adapter.type: lora"
+                "training.preference.reference: adapter_disabled needs an adapter to switch off, but adapter.type is "
+                f"'{self.adapter.type}' (full fine-tune): set adapter.type: lora, or reference: auto (precomputed)"
             )
         return self
+
+    @property
+    def preference_reference(self) -> str | None:
+        """Where DPO's and IPO's reference log-probs come from: ``adapter_disabled`` or
+        ``precomputed`` (``training.preference.reference``, ``auto`` resolved by the adapter);
+        None without a reference (sft, orpo)."""
+        t = self.training
+        if t.objective in ("sft", "orpo"):
+            return None
+        if t.preference.reference == "auto":
+            return "adapter_disabled" if self.adapter.is_lora else "precomputed"
+        return t.preference.reference
 
     @property
     def tokens_per_step(self) -> int:

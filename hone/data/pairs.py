@@ -38,9 +38,12 @@ def pair_width(lengths: Sequence[int], align: int = ALIGN) -> int:
     return max(align, -(-total // align) * align)
 
 
-def collate_pairs(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool = False) -> MicroBatch:
+def collate_pairs(
+    rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool = False, reference: torch.Tensor | None = None
+) -> MicroBatch:
     """One packed micro-batch of the ``len(rows)`` pairs (module docstring); ``prompt_nll``:
-    the chosen prompts' tokens are targets too, in segments ``2P .. 3P - 1`` (ORPO)."""
+    the chosen prompts' tokens are targets too, in segments ``2P .. 3P - 1`` (ORPO);
+    ``reference``: the pairs' precomputed reference log-probs, ``[P, 2]`` (chosen, rejected)."""
     if not rows:
         raise ValueError("collate_pairs needs at least one pair")
     pairs = len(rows)
@@ -78,6 +81,8 @@ def collate_pairs(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prom
     batch.segments = segments
     batch.completion_tokens = completion_tokens
     batch.nll_tokens = nll_tokens
+    if reference is not None:
+        batch.reference_logps = torch.cat([reference[:, 0], reference[:, 1]]).float()
     return batch
 
 

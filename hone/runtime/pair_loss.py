@@ -13,13 +13,14 @@ then one sum over its pairs per metric); the loop divides the loss terms by the 
 the mean over the window's pairs and ORPO's NLL the mean over its chosen tokens, whatever the
 ``micro_batch x accumulation x ranks`` split. DPO and IPO have no NLL: their first term is 0.
 
-The reference log-probabilities come with the batch (``batch.reference_logps``), computed by
-:func:`hone.runtime.step.with_reference` just before the policy's forward: the same model with
-its adapter(s) switched off (``reference_off``), under ``torch.no_grad``.
+The reference log-probabilities come with the batch (``batch.reference_logps``): computed by
+:func:`hone.runtime.step.with_reference` just before the policy's forward, by the same model with
+its adapter(s) switched off (``reference_off``), under ``torch.no_grad``; or precomputed once
+before the first step (:mod:`hone.train.reference`, inside :meth:`PairLoss.computing_reference`).
 """
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -68,6 +69,17 @@ class PairLoss:
         self.label_smoothing = label_smoothing
         self.reference_off = reference_off if objective != "orpo" else None
         self.metrics = metric_names(objective)
+        self.reference_only = False
+
+    @contextmanager
+    def computing_reference(self) -> Iterator[None]:
+        """Inside it, a micro-batch's loss is its reference log-probs ``[2P]`` instead (the
+        precomputed reference's one pass over the pairs, through the run's own step module)."""
+        self.reference_only = True
+        try:
+            yield
+        finally:
+            self.reference_only = False
 
     def segments(self, batch: MicroBatch) -> int:
         """The sequences summed per micro-batch: chosen and rejected completions (and for ORPO
@@ -94,6 +106,8 @@ class PairLoss:
         )
 
     def __call__(self, hidden: torch.Tensor, head: nn.Module, batch: MicroBatch) -> torch.Tensor:
+        if self.reference_only:
+            return self.reference_logps(hidden, head, batch)
         pairs = batch.pairs
         sums = self.logps(hidden, head, batch)
         chosen, rejected = sums[:pairs], sums[pairs : 2 * pairs]

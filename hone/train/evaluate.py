@@ -69,6 +69,7 @@ def evaluate(
     world: World = SINGLE,
     step: nn.Module | None = None,
     objective: str = "sft",
+    reference: torch.Tensor | None = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
@@ -88,7 +89,7 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens, pairs, nll_tokens = 0, 0, 0
     try:
-        batches = micro_batches(dataset, packing, pad_id, objective)
+        batches = micro_batches(dataset, packing, pad_id, objective, reference)
         starts = list(range(0, batches.units, batch_size))
         # context parallelism: the N ranks of a group evaluate the same batches, each its shard
         replica, replicas = world.data_parallel(hooks.context_parallel if hooks is not None else 1)
@@ -158,6 +159,7 @@ class Evaluator:
         hooks: "RunHooks",
         world: World,
         step: nn.Module,
+        reference: torch.Tensor | None = None,
     ):
         self.model = model
         self.dataset = dataset
@@ -175,6 +177,7 @@ class Evaluator:
         self.hooks = hooks
         self.world = world
         self.step = step
+        self.reference = reference  # DPO/IPO of a full fine-tune: the eval pairs' precomputed reference log-probs
 
     def baseline_due(self, step: int) -> bool:
         """Before the first step of a fresh run: the baseline the final eval is compared with."""
@@ -197,6 +200,7 @@ class Evaluator:
             world=self.world,
             step=self.step,
             objective=self.objective,
+            reference=self.reference,
         )
         row = {
             "step": step,

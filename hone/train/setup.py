@@ -103,6 +103,11 @@ def set_up(
     state = resumed.state if resumed is not None else TrainState()
     stream = BatchStream(plan, t.seed, state.position, rank=replica)
     step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
+    eval_reference = None
+    if cfg.preference_reference == "precomputed":  # DPO/IPO of a full fine-tune: before the first step
+        eval_reference = _precomputed_reference(
+            cfg, model, step_module.module, hooks, batches, eval_data, pad_id, device, world, resumed
+        )
     tracker = _tracker(cfg, world, console, plan, resumed, trackers)
     evaluator = Evaluator(
         model,
@@ -117,6 +122,7 @@ def set_up(
         hooks=hooks,
         world=world,
         step=step_module.module,
+        reference=eval_reference,
     )
     if batches.packing is not None:
         tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
@@ -143,6 +149,27 @@ def set_up(
         evaluator=evaluator,
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
+    )
+
+
+def _precomputed_reference(cfg, model, module, hooks, batches, eval_data, pad_id, device, world, resumed):
+    """The reference log-probs of every pair with the initial weights (read back on resume):
+    attached to the training batches; returns the eval split's (:mod:`hone.train.reference`)."""
+    from hone.train.reference import prepare_reference
+
+    return prepare_reference(
+        model,
+        module,
+        hooks,
+        batches,
+        eval_data,
+        output_dir=Path(cfg.training.output_dir),
+        batch_size=cfg.training.micro_batch_size,
+        pad_id=pad_id,
+        objective=cfg.training.objective,
+        device=device,
+        world=world,
+        resuming=resumed is not None,
     )
 
 

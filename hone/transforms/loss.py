@@ -102,9 +102,14 @@ def preference_loss(cfg: HoneConfig, model: nn.Module) -> tuple[LossFn, dict[str
             f"training.objective: {objective} sums log-probabilities from the hidden states and the output head, "
             f"which cannot be exact for this model: {'; '.join(blockers)}"
         )
-    reference_off = adapters_off(model) if objective != "orpo" else None
+    source = cfg.preference_reference
+    reference_off = adapters_off(model) if source == "adapter_disabled" else None
     loss = PairLoss(objective, pref.beta, pref.label_smoothing, reference_off)
-    reference = "none (reference-free)" if reference_off is None else "the model with its adapter(s) switched off"
+    reference = {
+        None: "none (reference-free)",
+        "adapter_disabled": "the model with its adapter(s) switched off, in each micro-batch",
+        "precomputed": "precomputed once with the initial weights before the first step",
+    }[source]
     why = f"training.objective: {objective}, beta {pref.beta:g}; reference: {reference}"
     return loss, {"loss": f"{objective} (sequence log-probs, fused)", "why": why, "objective": objective}
 
