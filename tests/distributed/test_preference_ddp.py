@@ -1,7 +1,8 @@
-"""Exact data parallelism for a preference objective: DPO on 2 ranks (DDP, gloo) x 1 micro-batch
-of 2 pairs == 1 process x 2 micro-batches: the same losses and TRL metrics at every step (the
-pair counts all-reduced with the tokens, the metrics with the loss), the same eval, the same
-final LoRA weights, on both ranks."""
+"""Exact data parallelism for a preference objective: DPO on 2 ranks (DDP or FSDP2, gloo) x 1
+micro-batch of 2 pairs == 1 process x 2 micro-batches: the same losses and TRL metrics at every
+step (the pair counts all-reduced with the tokens, the metrics with the loss), the same eval, the
+same final LoRA weights, on both ranks. Under FSDP2 the reference pass (the adapter switched off)
+runs inside the root unit's forward, before the policy's."""
 
 import os
 import random
@@ -30,7 +31,7 @@ def _pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
     return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 8), "rejected_ids": ids(1, 8)} for _ in range(n)]
 
 
-def _run(out: Path, seed: int, world: World, accumulation: int) -> torch.nn.Module:
+def _run(out: Path, seed: int, world: World, accumulation: int, strategy: str = "ddp") -> torch.nn.Module:
     torch.manual_seed(seed)  # PEFT draws LoRA's A matrices from the global generator
     model = with_random_lora(tiny_llama(seed), seed)
     model.config._attn_implementation = "sdpa"
@@ -47,7 +48,19 @@ def _run(out: Path, seed: int, world: World, accumulation: int) -> torch.nn.Modu
             "preference": {"beta": 0.5},
         },
         optimizer={"learning_rate": 5e-3, "lr_scheduler": "constant", "weight_decay": 0.01, "fused": False},
+        distributed={"strategy": strategy} if world.distributed else {},
     )
+    if strategy == "fsdp" and world.distributed:  # shard the model as the run does, then its hooks
+        from hone.transforms.base import RunFacts
+        from hone.transforms.planner import plan_optimizations
+
+        facts = RunFacts(CPU, world=world)
+        plan = plan_optimizations(cfg, facts)
+        assert "fsdp" in plan.names
+        plan.apply(model, "adapted", cfg, facts)
+        hooks = plan.hooks(model, cfg, facts)
+    else:
+        hooks = plan_hooks(model, cfg, CPU, world)
     train_loop(
         model,
         _pairs(24, seed),
@@ -57,24 +70,27 @@ def _run(out: Path, seed: int, world: World, accumulation: int) -> torch.nn.Modu
         pad_id=0,
         console=Console(quiet=True),
         world=world,
-        hooks=plan_hooks(model, cfg, CPU, world),
+        hooks=hooks,
     )
     return model
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    from fsdp_harness import full
+
+    return {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rank(rank: int, out: Path, seed: int) -> None:
+def _rank(rank: int, out: Path, seed: int, strategy: str) -> None:
     from hone.train.distributed import init_world
 
-    model = _run(out, seed, init_world("cpu"), accumulation=1)
+    model = _run(out, seed, init_world("cpu"), accumulation=1, strategy=strategy)
     torch.save(_trainable(model), out / f"weights-rank{rank}.pt")
 
 
-def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path):
-    spawn(_rank, 2, tmp_path / "ddp", SEED, timeout_s=180)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, strategy):
+    spawn(_rank, 2, tmp_path / "ddp", SEED, strategy, timeout_s=180)
     reference = _trainable(_run(tmp_path / "one", SEED, SINGLE, accumulation=2))
     two, one = read_metrics(tmp_path / "ddp" / "metrics.jsonl"), read_metrics(tmp_path / "one" / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2, 3, 3]

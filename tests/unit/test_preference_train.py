@@ -129,3 +129,40 @@ def test_two_pairs_in_one_micro_batch_train_as_two_micro_batches_of_one(tmp_path
     assert any(not torch.equal(weights_2x1[n], moved[n]) for n in moved)  # training moved them
     for name, weight in weights_2x1.items():
         torch.testing.assert_close(weights_1x2[name], weight, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+def test_dpo_with_regional_compile_and_checkpointing_trains_as_the_plain_run(tmp_path, checkpointing):
+    """The reference pass switches the adapter off inside compiled, checkpointed layers: the
+    compiled run (aot_eager on the CPU) recompiles for the switch and trains as the plain one."""
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import plan_optimizations
+
+    pairs = random_pairs(8, SEED + 5)
+    plain, plain_weights = _run(tmp_path / "plain", "dpo", 2, 1, pairs)
+    torch._dynamo.reset()
+    cfg = tiny_config(
+        tmp_path / "composed",
+        adapter={"type": "lora", "lora_r": 4},
+        training={"micro_batch_size": 2, "max_steps": 2, "objective": "dpo", "preference": {"beta": 0.5}},
+        optimizer={"learning_rate": 1e-2, "weight_decay": 0.01},
+        performance={"torch_compile": True, "torch_compile_backend": "aot_eager", "torch_compile_scope": "regional"},
+        memory={"activation_checkpointing": checkpointing},
+    )
+    model = _lora_model()
+    facts = RunFacts(torch.device("cpu"), shape_note="pairs", lengths_vary=True)
+    plan = plan_optimizations(cfg, facts)
+    plan.apply(model, "adapted", cfg, facts)
+    assert {"compile", "activation_checkpointing"} <= set(plan.names), plan.names
+    hooks = plan.hooks(model, cfg, facts)
+    train_loop(model, pairs, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), hooks=hooks)
+    from hone.track.metrics import read_metrics
+
+    rows = [r for r in read_metrics(cfg.training.output_dir / "metrics.jsonl") if "loss" in r]
+    for a, b in zip(plain, rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-5, abs=1e-6)
+    weights = {n.replace("_orig_mod.", ""): p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert weights.keys() == plain_weights.keys()
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-5)
