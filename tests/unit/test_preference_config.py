@@ -77,12 +77,6 @@ def test_the_reference_resolves_by_the_adapter(objective, adapter, asked, resolv
             "objective: orpo",
         ),
         ({"objective": "dpo"}, {"memory": {"tiled_layers": 2}}, "memory.tiled_layers", "objective: dpo"),
-        (
-            {"objective": "dpo"},
-            {"model": {"preset": "tiny-llama", "attn_implementation": "eager"}},
-            "attn_implementation",
-            "keeps them apart",
-        ),
     ],
 )
 def test_what_a_preference_run_refuses_names_its_key(training, sections, key, words):
