@@ -102,6 +102,12 @@ class HoneConfig(Section):
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
+        if self.training.is_preference:
+            raise ValueError(
+                f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but training.objective: "
+                f"{self.training.objective} packs each micro-batch's pairs into a row as wide as they are: turn CUDA "
+                "graphs off (triton.cudagraphs: false, or torch_compile_mode: default / max-autotune-no-cudagraphs)"
+            )
         if self.data.sample_packing:
             raise ValueError(
                 f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "
@@ -240,6 +246,13 @@ class HoneConfig(Section):
                 f"'{self.adapter.type}' (full fine-tune): set adapter.type: lora, or reference: auto (precomputed)"
             )
         return self
+
+    @property
+    def sequences_per_micro_batch(self) -> int:
+        """Sequences of ``data.sequence_len`` at most in one micro-batch: ``micro_batch_size`` rows,
+        or for a preference objective its pairs' chosen and rejected sequences (twice as many, in
+        one packed row): what the memory model counts a micro-batch's tokens by."""
+        return self.training.micro_batch_size * (2 if self.training.is_preference else 1)
 
     @property
     def preference_reference(self) -> str | None:

@@ -139,7 +139,10 @@ def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[Loss
 def loss_decision(cfg: HoneConfig) -> tuple[str, str]:
     """(the loss the run will use, why), by :func:`decide_loss` with what the model's config
     shows before it loads (a bias on the head is only known once it has): what the plan and the
-    memory estimate count on."""
+    memory estimate count on. A preference objective's per-sequence log-probs walk the tokens in
+    chunks as the fused loss does (never the logits)."""
+    if cfg.training.is_preference:
+        return "fused_linear_ce", f"training.objective: {cfg.training.objective} (per-sequence log-probs, chunked)"
     return decide_loss(cfg.performance.loss, fused_loss_blockers(transformers_config(cfg.model), None))
 
 
