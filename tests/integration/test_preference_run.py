@@ -105,3 +105,22 @@ def test_a_preference_run_that_dies_resumes_exactly(tmp_path, objective):
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_qlora_dpo_switches_the_adapter_off_around_the_4_bit_base(tmp_path):
+    """QLoRA: the reference is the 4-bit base with the adapter off. At step 1 the fresh adapter
+    (B = 0) makes the policy the reference (loss log 2, rewards 0); afterwards the rewards move,
+    which they could not if the reference pass kept the adapter on."""
+    pytest.importorskip("torchao", reason="NF4 needs the optional 'quant' extra (torchao)")
+    cfg = _config(tmp_path, "qlora", max_steps=4, eval_steps=None)
+    raw = cfg.model_dump(mode="json")
+    raw["model"].update(quantize="nf4", preset_overrides={"hidden_size": 128, "intermediate_size": 256, "head_dim": 32})
+    raw["adapter"]["lora_target_modules"] = "all-linear"
+    result = run_training(parse_config(raw), device="cpu", console=Console(quiet=True))
+    import json
+
+    record = json.loads((result.output_dir / "optimizations.json").read_text())
+    assert "quantize" in [a["name"] for a in record["applied"]]
+    train = [r for r in read_metrics(result.metrics_path) if "loss" in r]
+    assert train[0]["loss"] == pytest.approx(0.693147, abs=1e-6) and train[0]["rewards/margins"] == 0.0
+    assert all(r["rewards/chosen"] != 0.0 for r in train[1:])
