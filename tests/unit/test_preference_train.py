@@ -166,3 +166,45 @@ def test_dpo_with_regional_compile_and_checkpointing_trains_as_the_plain_run(tmp
     assert weights.keys() == plain_weights.keys()
     for name, weight in plain_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_switch_turns_off_peft_lora_and_hones_expert_lora():
+    """``adapters_off``: the model computes as its base (PEFT's LoRA on attention and its expert
+    wrappers, eager experts), and hone's fused expert LoRA wrappers see their adapters disabled
+    (their forward then falls back to PEFT's, which calls the base experts); all back on after."""
+    from hone.config.adapter import AdapterConfig
+    from hone.models.adapters import adapters_off, apply_adapter
+    from hone.models.experts import set_experts_implementation
+    from hone.models.experts.lora import HoneExpertsLora
+    from hone.testing import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    adapter = AdapterConfig(type="lora", lora_r=4, lora_target_modules=["q_proj", "v_proj", "experts"])
+    ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(SEED))
+    base = tiny_model("tiny-qwen3-moe", tokenizer, seed=SEED)
+    set_experts_implementation(base, "eager")
+    with torch.no_grad():
+        want = base(input_ids=ids).logits
+    model = apply_adapter(base, adapter)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=gen) * 0.1
+    assert any("experts" in n and "lora_B" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        on = model(input_ids=ids).logits
+        with adapters_off(model)():
+            off = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert (on - want).abs().max() > 1e-3  # the adapter changes the numbers...
+    torch.testing.assert_close(off, want, rtol=1e-5, atol=1e-5)  # ...and switched off, the base computes
+    torch.testing.assert_close(again, on, rtol=0, atol=0)
+
+    fused_base = tiny_model("tiny-qwen3-moe", tokenizer, seed=SEED)
+    set_experts_implementation(fused_base, "hone")
+    fused = apply_adapter(fused_base, adapter)
+    wrappers = [m for m in fused.modules() if isinstance(m, HoneExpertsLora)]
+    assert wrappers and not any(w.disable_adapters for w in wrappers)
+    with adapters_off(fused)():
+        assert all(w.disable_adapters for w in wrappers)
+    assert not any(w.disable_adapters for w in wrappers)
