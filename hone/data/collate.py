@@ -56,6 +56,9 @@ class MicroBatch:
     for rejected ``p``, ``2P + p`` for chosen ``p``'s prompt (ORPO's NLL), -1 for none."""
     completion_tokens: torch.Tensor | None = None
     """[2P] float32: the chosen then the rejected completions' token counts."""
+    counted: torch.Tensor | None = None
+    """[n] long: the flat positions (over ``B * T``) whose segment is not -1, in order: the only
+    rows of the hidden states the objective projects through the head (found on the host)."""
     nll_tokens: int = 0
     """Target tokens of the chosen sequences that ORPO's NLL averages over (0 without pairs)."""
     reference_logps: torch.Tensor | None = None
@@ -86,6 +89,7 @@ class MicroBatch:
             pairs=self.pairs,
             segments=move(self.segments),
             completion_tokens=move(self.completion_tokens),
+            counted=move(self.counted),
             nll_tokens=self.nll_tokens,
             reference_logps=move(self.reference_logps),
         )

@@ -13,7 +13,9 @@ sequence whose log-probability it adds to: ``p`` for chosen ``p``, ``P + p`` for
 ``p``. ORPO's NLL is taken, as TRL's ``ORPOTrainer`` takes it, over the chosen sequences'
 prompt *and* completion tokens: with ``prompt_nll`` the chosen prompts' tokens (all but the
 first, which nothing predicts) are targets too, in segment ``2P + p``. The objective sums each
-segment with :func:`hone.kernels.sequence_logprobs.sequence_logprobs`.
+segment with :func:`hone.kernels.sequence_logprobs.sequence_logprobs`, over the positions of
+``counted`` only (found here, on the host): the prompts' and the padding's hidden states never
+go through the output head.
 
 A batch carries its pair count and token counts (host integers and a small tensor), so the
 training loop divides by the window's pairs and tokens without a device sync.
@@ -79,6 +81,7 @@ def collate_pairs(
         at += prompt_len + completion_len
     batch.pairs = pairs
     batch.segments = segments
+    batch.counted = torch.nonzero(segments.reshape(-1) >= 0).squeeze(1)
     batch.completion_tokens = completion_tokens
     batch.nll_tokens = nll_tokens
     if reference is not None:

@@ -90,16 +90,17 @@ class PairLoss:
         """Float32 ``[segments]``: each segment's summed target log-probabilities."""
         from hone.kernels.sequence_logprobs import sequence_logprobs
 
-        assert batch.segments is not None, "a pair micro-batch carries segments (hone.data.pairs)"
+        assert batch.segments is not None and batch.counted is not None, "a pair micro-batch (hone.data.pairs)"
         weight, bias = head.weight, getattr(head, "bias", None)
         if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # (under autocast the kernel casts both itself)
             bias = bias.to(hidden.dtype) if bias is not None else None
+        counted = batch.counted  # only the positions that sum into a sequence go through the head
         return sequence_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
+            hidden.reshape(-1, hidden.shape[-1]).index_select(0, counted),
             weight,
-            batch.targets.reshape(-1),
-            batch.segments.reshape(-1),
+            batch.targets.reshape(-1).index_select(0, counted),
+            batch.segments.reshape(-1).index_select(0, counted),
             self.segments(batch),
             bias=bias,
             ignore_index=IGNORE_INDEX,

@@ -50,6 +50,7 @@ def test_a_micro_batch_of_pairs_is_one_packed_row_with_a_segment_per_sequence(pr
     assert batch.cu_seqlens.tolist()[: 2 * P + 1] == [sum(lengths[:i]) for i in range(2 * P + 1)]
     segments, targets = batch.segments[0], batch.targets[0]
     assert ((segments >= 0) == (targets != IGNORE_INDEX)).all()  # a target belongs to exactly one sequence
+    assert batch.counted.tolist() == [i for i, s in enumerate(segments.tolist()) if s >= 0]  # what the head sees
     for p, pair in enumerate(pairs):
         for slot, key in ((p, "chosen_ids"), (P + p, "rejected_ids")):
             assert targets[segments == slot].tolist() == pair[key]  # the completion, in order, nothing else
