@@ -81,6 +81,8 @@ class StepPlan:
     world_size: int = 1
     """Data-parallel replicas sharing each step: the processes, or under context parallelism the
     groups of ``N`` ranks that split each sequence; 1 for a single process."""
+    unit: str = "row"
+    """What a step counts, as the console says it: ``row`` (or packed row), ``pair`` for a preference objective."""
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -117,7 +119,7 @@ class StepPlan:
 
     def describe(self) -> str:
         dropped = (
-            f", {self.dropped_per_epoch} row{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "
+            f", {self.dropped_per_epoch} {self.unit}{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "
             "out (less than a full step)"
             if self.dropped_per_epoch
             else ""
@@ -125,7 +127,7 @@ class StepPlan:
         world = f" x {self.world_size} processes" if self.world_size > 1 else ""
         return (
             f"{self.total_steps} optimizer steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps; "
-            f"{self.rows_per_step} rows per step = micro_batch_size {self.micro_batch_size} x "
+            f"{self.rows_per_step} {self.unit}s per step = micro_batch_size {self.micro_batch_size} x "
             f"gradient_accumulation_steps {self.accumulation}{world}{dropped})"
         )
 
@@ -134,12 +136,13 @@ def plan_steps(num_rows: int, training: TrainingConfig, world_size: int = 1) -> 
     """Steps per epoch and in total for ``num_rows`` training rows (or packed bins) shared by
     ``world_size`` processes."""
     per_step = training.samples_per_step * world_size
+    unit = "pair" if training.is_preference else "row"
     steps_per_epoch = num_rows // per_step
     if steps_per_epoch == 0:
         world = f" x {world_size} processes" if world_size > 1 else ""
         fewer = " or run on fewer processes" if world_size > 1 else ""
         raise NotEnoughData(
-            f"the training data has {num_rows} row{'s' if num_rows != 1 else ''}, fewer than one optimizer "
+            f"the training data has {num_rows} {unit}{'s' if num_rows != 1 else ''}, fewer than one optimizer "
             f"step uses (training.micro_batch_size {training.micro_batch_size} x "
             f"training.gradient_accumulation_steps {training.gradient_accumulation_steps}{world} = {per_step}): "
             f"add data or lower them{fewer}"
@@ -158,6 +161,7 @@ def plan_steps(num_rows: int, training: TrainingConfig, world_size: int = 1) -> 
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         world_size=world_size,
+        unit=unit,
     )
 
 
