@@ -105,3 +105,57 @@ def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, 
     for key, weight in reference.items():
         torch.testing.assert_close(rank1[key], rank0[key], rtol=0, atol=0, msg=f"replicas differ: {key}")
         torch.testing.assert_close(rank0[key], weight, rtol=1e-5, atol=1e-5, msg=f"{key} (seed {SEED})")
+
+
+def _killed_config(tmp_path: Path, name: str) -> Path:
+    import yaml
+
+    sample = Path(__file__).resolve().parents[2] / "examples" / "data" / "preference_sample.jsonl"
+    cfg = {
+        "model": {"preset": "tiny-llama", "dtype": "float32"},
+        "data": {
+            "datasets": [{"path": str(sample), "type": "preference"}],
+            "sequence_len": 64,
+            "dataset_prepared_path": str(tmp_path / "cache"),
+        },
+        "adapter": {"type": "lora", "lora_r": 4},
+        "training": {
+            "objective": "dpo",
+            "max_steps": 16,
+            "save_steps": 4,
+            "micro_batch_size": 2,
+            "output_dir": str(tmp_path / name),
+            "seed": 5,
+        },
+        "optimizer": {"learning_rate": 5e-3},
+        "distributed": {"strategy": "ddp"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+    }
+    path = tmp_path / f"{name}.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow  # two torchrun launches (~35 s on 2 cores); tests/integration/test_preference_run.py resumes a crash in-process
+def test_a_killed_two_process_dpo_run_resumes_to_the_uninterrupted_losses(tmp_path):
+    """``hone train --nproc-per-node 2`` of DPO, SIGKILLed once a checkpoint is complete, resumed
+    with ``training.resume: latest`` (tests/distributed/killed_run.py, as for SFT)."""
+    from dist_launch import child_env, hone_train_forked
+    from killed_run import kill_and_resume
+
+    done = kill_and_resume(
+        _killed_config(tmp_path, "straight"),
+        _killed_config(tmp_path, "killed"),
+        child_env(),
+        kill_after=4,
+        timeout_s=300,
+        straight=hone_train_forked,
+    )
+    rows = {name: [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r] for name in ("straight", "killed")}
+    want = {r["step"]: r for r in rows["straight"]}
+    got = {r["step"]: r for r in rows["killed"]}
+    after = list(range(done + 1, 17))
+    assert after, "the kill came after the last step"
+    for step in after:
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-6), (step, key)
