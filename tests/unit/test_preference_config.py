@@ -97,3 +97,11 @@ def test_validate_refuses_sft_rows_with_a_preference_objective(tmp_path, capsys)
     assert main(["validate", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "training.objective: 'orpo' trains on preference pairs, but data.datasets.0.type is completion" in err
+
+
+def test_validate_summarises_the_objective():
+    from hone.config.summary import summarize
+
+    lines = summarize(parse_config(_cfg({"objective": "ipo", "micro_batch_size": 2}, adapter={"type": "none"})))
+    training = next(line for line in lines if line.strip().startswith("training"))
+    assert "ipo (beta 0.1, reference: precomputed before the first step)" in training and "micro-batch 2 pairs" in training
