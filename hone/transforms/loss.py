@@ -156,12 +156,21 @@ def _why(ctx: PlanContext) -> str:
 def _check(ctx: PlanContext) -> list[str]:
     """What a preference objective cannot run with that only the plan's decisions show."""
     objective = ctx.cfg.training.objective
-    if objective != "sft" and ctx.decided.expert_parallel > 1:
-        return [
+    if objective == "sft":
+        return []
+    problems = []
+    if ctx.decided.expert_parallel > 1:
+        problems.append(
             f"training.objective: {objective} does not run with expert parallelism yet (distributed.expert_parallel "
             f"resolves to {ctx.decided.expert_parallel}): set distributed.expert_parallel: 1"
-        ]
-    return []
+        )
+    blockers = fused_loss_blockers(transformers_config(ctx.cfg.model), None)
+    if blockers:
+        problems.append(
+            f"training.objective: {objective} sums log-probabilities from the hidden states and the output head, "
+            f"which cannot be exact for this model: {'; '.join(blockers)}"
+        )
+    return problems
 
 
 LOSS = Transform(

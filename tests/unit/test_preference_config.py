@@ -105,3 +105,15 @@ def test_validate_summarises_the_objective():
     lines = summarize(parse_config(_cfg({"objective": "ipo", "micro_batch_size": 2}, adapter={"type": "none"})))
     training = next(line for line in lines if line.strip().startswith("training"))
     assert "ipo (beta 0.1, reference: precomputed before the first step)" in training and "micro-batch 2 pairs" in training
+
+
+def test_the_plan_refuses_a_model_whose_logits_are_not_the_plain_projection():
+    import torch
+
+    from hone.transforms.base import RunFacts
+    from hone.transforms.planner import PlanError, plan_optimizations
+
+    model = {"preset": "tiny-gemma", "preset_overrides": {"final_logit_softcapping": 30.0}}
+    cfg = parse_config(_cfg({"objective": "orpo"}, model=model))
+    with pytest.raises(PlanError, match="training.objective: orpo sums log-probabilities .* soft-caps its logits"):
+        plan_optimizations(cfg, RunFacts(torch.device("cpu")))
