@@ -31,13 +31,15 @@ def _pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
     return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 8), "rejected_ids": ids(1, 8)} for _ in range(n)]
 
 
-def _run(out: Path, seed: int, world: World, accumulation: int, strategy: str = "ddp") -> torch.nn.Module:
+def _run(out: Path, seed: int, world: World, accumulation: int, strategy: str = "ddp", adapter: str = "lora") -> torch.nn.Module:
     torch.manual_seed(seed)  # PEFT draws LoRA's A matrices from the global generator
-    model = with_random_lora(tiny_llama(seed), seed)
+    model = tiny_llama(seed)
+    if adapter == "lora":
+        model = with_random_lora(model, seed)
     model.config._attn_implementation = "sdpa"
     cfg = tiny_config(
         out,
-        adapter={"type": "lora", "lora_r": 4},
+        adapter={"type": "lora", "lora_r": 4} if adapter == "lora" else {"type": "none"},
         data={"val_set_size": 0.1},
         training={
             "max_steps": 3,
@@ -81,17 +83,19 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rank(rank: int, out: Path, seed: int, strategy: str) -> None:
+def _rank(rank: int, out: Path, seed: int, strategy: str, adapter: str) -> None:
     from hone.train.distributed import init_world
 
-    model = _run(out, seed, init_world("cpu"), accumulation=1, strategy=strategy)
+    model = _run(out, seed, init_world("cpu"), accumulation=1, strategy=strategy, adapter=adapter)
     torch.save(_trainable(model), out / f"weights-rank{rank}.pt")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, strategy):
-    spawn(_rank, 2, tmp_path / "ddp", SEED, strategy, timeout_s=180)
-    reference = _trainable(_run(tmp_path / "one", SEED, SINGLE, accumulation=2))
+@pytest.mark.parametrize("strategy, adapter", [("ddp", "lora"), ("fsdp", "lora"), ("ddp", "none")])
+def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, strategy, adapter):
+    """``adapter: none``: the reference precomputed before the first step, by every rank through DDP."""
+    spawn(_rank, 2, tmp_path / "ddp", SEED, strategy, adapter, timeout_s=180)
+    reference = _trainable(_run(tmp_path / "one", SEED, SINGLE, accumulation=2, adapter=adapter))
+    assert (tmp_path / "ddp" / "reference_logps.safetensors").is_file() == (adapter == "none")
     two, one = read_metrics(tmp_path / "ddp" / "metrics.jsonl"), read_metrics(tmp_path / "one" / "metrics.jsonl")
     assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2, 3, 3]
     for a, b in zip(two, one, strict=True):
