@@ -24,9 +24,10 @@ import torch
 from hone.data.pairs import collate_pairs
 from hone.models.adapters import adapters_off
 from hone.models.attention.layout import layout_for
-from hone.runtime.pair_loss import PairLoss
+from hone.runtime.pair_loss import PairLoss, window_values
 from hone.runtime.step import micro_batch_loss
 from hone.testing import norm_error, tiny_llama, with_random_lora
+from hone.train.setup import step_metric_names
 from hone.train.train_step import pair_divisor, window_share
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -76,19 +77,24 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _hone(model, pairs, objective: str, beta: float, reference=None) -> torch.Tensor:
-    """hone's loss of one window holding the pairs, through the training path; backward done."""
+def _hone(model, pairs, objective: str, beta: float, reference=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """hone's loss of one window holding the pairs, through the training path (backward done),
+    and the metrics the step logs."""
     batch = collate_pairs(pairs, pad_id=0, prompt_nll=objective == "orpo").with_attention(layout_for(model))
     if reference is not None:
         batch.reference_logps = reference
     reference_off = adapters_off(model) if reference is None and objective != "orpo" else None
     sums = micro_batch_loss(model, batch, PairLoss(objective, beta, reference_off=reference_off))
-    loss = window_share(sums, pair_divisor(batch.nll_tokens, batch.pairs, torch.device("cpu")))
+    divisor = pair_divisor(batch.nll_tokens, batch.pairs, torch.device("cpu"))
+    loss = window_share(sums, divisor)
     loss.backward()
-    return loss.detach()
+    values = window_values(sums.detach(), divisor).tolist()
+    names = step_metric_names(objective)
+    metrics = {name: value for name, value in zip(names, values[1:], strict=True) if name is not None}
+    return loss.detach(), metrics
 
 
-def _trl_dpo_loss(model, pairs, loss_type: str, beta: float, reference=None) -> torch.Tensor:
+def _trl_dpo_loss(model, pairs, loss_type: str, beta: float, reference=None) -> tuple[torch.Tensor, dict[str, float]]:
     """TRL's ``DPOTrainer._compute_loss`` on ``model`` (its fused LM head added as TRL's trainer
     adds it); the reference from the adapter-disabled model, or ``reference`` precomputed."""
     outputs = ("log_probs", "entropy", "mean_logits", "is_top1")  # what DPOTrainer.__init__ asks for
@@ -118,10 +124,10 @@ def _trl_dpo_loss(model, pairs, loss_type: str, beta: float, reference=None) -> 
         inputs["ref_chosen_logps"], inputs["ref_rejected_logps"] = reference[:P], reference[P:]
     loss = trl_dpo.DPOTrainer._compute_loss(trainer, model, inputs, False)
     loss.backward()
-    return loss.detach()
+    return loss.detach(), {name: float(values[-1]) for name, values in trainer._metrics["train"].items()}
 
 
-def _trl_orpo_loss(model, pairs, beta: float) -> torch.Tensor:
+def _trl_orpo_loss(model, pairs, beta: float) -> tuple[torch.Tensor, dict[str, float]]:
     """TRL's ``ORPOTrainer.get_batch_loss_metrics`` on ``model`` (its own forward, logits and NLL)."""
     orpo_trainer = trl_orpo.ORPOTrainer
     trainer = types.SimpleNamespace(
@@ -143,13 +149,17 @@ def _trl_orpo_loss(model, pairs, beta: float) -> torch.Tensor:
         batch[f"{name}_input_ids"] = rows["input_ids"][part]
         batch[f"{name}_attention_mask"] = rows["attention_mask"][part]
         batch[f"{name}_labels"] = labels[part]
-    loss, _ = orpo_trainer.get_batch_loss_metrics(trainer, model, batch)
+    loss, metrics = orpo_trainer.get_batch_loss_metrics(trainer, model, batch)
     loss.backward()
-    return loss.detach()
+    return loss.detach(), {name: float(value) for name, value in metrics.items()}
 
 
-def _assert_same(hone_model, trl_model, hone_loss, trl_loss):
+def _assert_same(hone_model, trl_model, hone_out, trl_out):
+    (hone_loss, hone_metrics), (trl_loss, trl_metrics) = hone_out, trl_out
     torch.testing.assert_close(hone_loss, trl_loss, rtol=1e-5, atol=1e-6)
+    assert len(hone_metrics) >= 6
+    for name, value in hone_metrics.items():  # the metrics the step logs, under TRL's names and values
+        assert value == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
     hone_grads, trl_grads = _grads(hone_model), _grads(trl_model)
     assert hone_grads.keys() == trl_grads.keys() and sum(g.abs().sum() for g in trl_grads.values()) > 0
     for name, grad in trl_grads.items():
