@@ -111,7 +111,7 @@ def preference_loss(cfg: HoneConfig, model: nn.Module) -> tuple[LossFn, dict[str
         "precomputed": "precomputed once with the initial weights before the first step",
     }[source]
     why = f"training.objective: {objective}, beta {pref.beta:g}; reference: {reference}"
-    return loss, {"loss": f"{objective} (sequence log-probs, fused)", "why": why, "objective": objective}
+    return loss, {"loss": f"{objective}, per-sequence log-probs", "why": why, "objective": objective}
 
 
 def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:
