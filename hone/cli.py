@@ -417,7 +417,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for title, cfg, processes in configs:
         facts = RunFacts(
             torch.device(args.device),
-            shape_note=PACKED_SHAPES if cfg.data.sample_packing else None,
+            shape_note=PACKED_SHAPES if cfg.packs_documents else None,
             shapes_known=False,
             memory_bytes=budget,
             world=World(0, processes, 0),

@@ -62,22 +62,20 @@ def objective_issues(cfg: HoneConfig) -> list[ConfigIssue]:
     Checked for the commands that train (validate, train), not for ``hone preprocess``,
     which prepares and checks pairs whatever the objective.
     """
-    objective = getattr(cfg.training, "objective", "sft")
-    name = objective if isinstance(objective, str) else str(getattr(objective, "type", "sft"))
+    name = cfg.training.objective
     if cfg.data.is_preference and name not in PREFERENCE_OBJECTIVES:
         return [
             ConfigIssue(
                 "data.datasets.0.type",
-                f"preference needs a preference objective ({', '.join(PREFERENCE_OBJECTIVES)}; issue 28), but this run "
-                f"trains '{name}' (the language-modelling loss on rows); `hone preprocess` prepares and checks the "
-                "pairs meanwhile",
+                f"preference needs a preference objective (training.objective: {' | '.join(PREFERENCE_OBJECTIVES)}), but "
+                f"training.objective is '{name}' (the language-modelling loss on rows)",
             )
         ]
     if not cfg.data.is_preference and name in PREFERENCE_OBJECTIVES:
         return [
             ConfigIssue(
-                "data.datasets.0.type",
-                f"{cfg.data.datasets[0].type} rows cannot train the preference objective '{name}': "
+                "training.objective",
+                f"'{name}' trains on preference pairs, but data.datasets.0.type is {cfg.data.datasets[0].type}: "
                 "it needs datasets of type preference (prompt, chosen, rejected)",
             )
         ]

@@ -24,5 +24,9 @@ TENSORBOARD_DIR = "tensorboard"
 OPTIMIZATIONS_FILE = "optimizations.json"
 """The plan's record: applied and skipped transforms, with the compile counts once training ends."""
 
+REFERENCE_FILE = "reference_logps.safetensors"
+"""DPO/IPO of a full fine-tune: the reference log-probs of every pair, computed once with the
+initial weights before the first step; a resumed run reads them back."""
+
 LOCK_FILE = ".hone.lock"
 """Held (``flock``) by the one ``hone train`` writing the directory; names its pid and host."""

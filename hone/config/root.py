@@ -37,8 +37,23 @@ class HoneConfig(Section):
                 )
         return self
 
+    @property
+    def packs_documents(self) -> bool:
+        """Whether micro-batches hold several documents in a row (``data.sample_packing``, a packed
+        eval split, or a preference objective, which packs each micro-batch's pairs into one row)."""
+        return self.data.sample_packing or self.data.packs_eval or self.training.is_preference
+
     @model_validator(mode="after")
     def _packing_needs_isolating_attention(self) -> "HoneConfig":
+        if self.training.is_preference and not self.model.attention_isolates_packed_documents:
+            from hone.config.attention import BACKENDS
+
+            usable = ", ".join(n for n, b in BACKENDS.items() if b.isolates_packed_documents and b.installed)
+            raise ValueError(
+                f"training.objective: {self.training.objective} packs each micro-batch's chosen and rejected sequences "
+                f"into one row, which needs an attention backend that keeps them apart, but model.attn_implementation "
+                f"'{self.model.attn_implementation}' does not: use one of: {usable}"
+            )
         packs = self.data.sample_packing or self.data.packs_eval
         if packs and not self.model.attention_isolates_packed_documents:
             from hone.config.attention import BACKENDS
@@ -87,6 +102,12 @@ class HoneConfig(Section):
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
+        if self.training.is_preference:
+            raise ValueError(
+                f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but training.objective: "
+                f"{self.training.objective} packs each micro-batch's pairs into a row as wide as they are: turn CUDA "
+                "graphs off (triton.cudagraphs: false, or torch_compile_mode: default / max-autotune-no-cudagraphs)"
+            )
         if self.data.sample_packing:
             raise ValueError(
                 f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "
@@ -105,6 +126,11 @@ class HoneConfig(Section):
         if not chunks:
             return self
         key = f"memory.tiled_layers: {chunks}"
+        if self.training.is_preference:
+            raise ValueError(
+                f"{key} computes causal rows without a mask, but training.objective: {self.training.objective} packs "
+                "each micro-batch's pairs into one row with a document mask: set memory.tiled_layers: off"
+            )
         if self.data.sample_packing or self.data.packs_eval:
             raise ValueError(
                 f"{key} computes causal rows without a mask, but data.sample_packing (or eval_sample_packing) is on: "
@@ -185,6 +211,60 @@ class HoneConfig(Section):
                 "is not a contiguous piece of the sequence): set memory.tiled_layers: off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _preference_composes(self) -> "HoneConfig":
+        """What a preference objective (DPO, IPO, ORPO) does not run with yet, each naming its key."""
+        t = self.training
+        if not t.is_preference:
+            return self
+        key = f"training.objective: {t.objective}"
+        if self.data.explicitly_set("sample_packing") and self.data.sample_packing:
+            raise ValueError(
+                f"data.sample_packing: true does not apply to {key}: each micro-batch packs its own micro_batch_size "
+                "pairs (chosen and rejected sequences) into one row, never pairs of different steps: remove it"
+            )
+        if self.data.explicitly_set("eval_sample_packing") and self.data.eval_sample_packing:
+            raise ValueError(
+                f"data.eval_sample_packing: true does not apply to {key}: eval micro-batches pack their pairs as "
+                "training ones do: remove it"
+            )
+        refusals = (
+            (self.distributed.context_parallel != 1, f"distributed.context_parallel: {self.distributed.context_parallel}"),
+            (
+                self.distributed.expert_parallel not in (1, "auto"),
+                f"distributed.expert_parallel: {self.distributed.expert_parallel}",
+            ),
+            (self.model.dtype == "float16", "model.dtype: float16 (use bfloat16)"),
+        )
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"{what} does not run with {key} yet: remove it, or train sft")
+        if t.preference.reference == "adapter_disabled" and not self.adapter.is_lora:
+            raise ValueError(
+                "training.preference.reference: adapter_disabled needs an adapter to switch off, but adapter.type is "
+                f"'{self.adapter.type}' (full fine-tune): set adapter.type: lora, or reference: auto (precomputed)"
+            )
+        return self
+
+    @property
+    def sequences_per_micro_batch(self) -> int:
+        """Sequences of ``data.sequence_len`` at most in one micro-batch: ``micro_batch_size`` rows,
+        or for a preference objective its pairs' chosen and rejected sequences (twice as many, in
+        one packed row): what the memory model counts a micro-batch's tokens by."""
+        return self.training.micro_batch_size * (2 if self.training.is_preference else 1)
+
+    @property
+    def preference_reference(self) -> str | None:
+        """Where DPO's and IPO's reference log-probs come from: ``adapter_disabled`` or
+        ``precomputed`` (``training.preference.reference``, ``auto`` resolved by the adapter);
+        None without a reference (sft, orpo)."""
+        t = self.training
+        if t.objective in ("sft", "orpo"):
+            return None
+        if t.preference.reference == "auto":
+            return "adapter_disabled" if self.adapter.is_lora else "precomputed"
+        return t.preference.reference
 
     @property
     def tokens_per_step(self) -> int:

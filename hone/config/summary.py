@@ -59,7 +59,15 @@ def _training(cfg: HoneConfig) -> str:
     batch = f"micro-batch {training.micro_batch_size}"
     if training.gradient_accumulation_steps > 1:
         batch += f" x {training.gradient_accumulation_steps} accumulated"
+    if training.is_preference:
+        batch += " pair" if training.micro_batch_size == 1 else " pairs"
     text = f"{length}, {batch}; {optimizer.name} lr {optimizer.learning_rate:g} {optimizer.lr_scheduler}"
+    if training.is_preference:
+        pref = training.preference
+        reference = {None: "reference-free", "adapter_disabled": "reference: the adapter switched off"}.get(
+            cfg.preference_reference, "reference: precomputed before the first step"
+        )
+        text = f"{training.objective} (beta {pref.beta:g}, {reference}); " + text
     every = [f"{what} every {n}" for what, n in (("eval", training.eval_steps), ("save", training.save_steps)) if n]
     return text + (f"; {', '.join(every)} steps" if every else "")
 

@@ -7,6 +7,27 @@ from pydantic import Field, model_validator
 
 from hone.config.base import Section
 
+#: ``training.objective`` values; every one but ``sft`` trains on preference pairs.
+OBJECTIVES: tuple[str, ...] = ("sft", "dpo", "ipo", "orpo")
+
+
+class PreferenceConfig(Section):
+    """The preference objectives' settings (``training.objective: dpo | ipo | orpo``), named as TRL names them."""
+
+    beta: float = Field(0.1, gt=0)
+    """DPO's and IPO's beta (the strength of the pull towards the reference); ORPO's lambda
+    (the weight of its odds-ratio term beside the NLL)."""
+
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """DPO only: conservative DPO's assumed probability that a pair's preference is flipped."""
+
+    reference: Literal["auto", "adapter_disabled", "precomputed"] = "auto"
+    """Where DPO's and IPO's reference log-probabilities come from. ``adapter_disabled``: the
+    same model with its LoRA adapter(s) switched off, in the same micro-batch (no second copy);
+    ``precomputed``: one pass over the pairs with the initial weights before the first step,
+    kept with the run (a full fine-tune); ``auto``: the first with an adapter, else the second.
+    ORPO has no reference."""
+
 
 class TrainingConfig(Section):
     """Batch shape, run length, evaluation, checkpoints and the run directory."""
@@ -61,6 +82,42 @@ class TrainingConfig(Section):
 
     max_consecutive_nonfinite: int = Field(5, ge=1)
     """Skipped steps (non-finite loss or gradient) in a row before the run stops."""
+
+    objective: Literal["sft", "dpo", "ipo", "orpo"] = "sft"
+    """What the run minimises: ``sft`` the language-modelling loss on rows; ``dpo`` (sigmoid
+    loss), ``ipo`` or ``orpo`` (reference-free, odds ratio beside the chosen NLL) on preference
+    pairs (datasets of type ``preference``). A preference micro-batch holds
+    ``micro_batch_size`` pairs."""
+
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    """Settings of the preference objectives (only with ``objective: dpo | ipo | orpo``)."""
+
+    @property
+    def is_preference(self) -> bool:
+        """Whether the run trains a preference objective on pairs."""
+        return self.objective != "sft"
+
+    @model_validator(mode="after")
+    def _preference_keys_fit(self) -> "TrainingConfig":
+        # keys that differ from their defaults (a dumped config writes every key back at its default)
+        default = PreferenceConfig()
+        written = sorted(k for k in PreferenceConfig.model_fields if getattr(self.preference, k) != getattr(default, k))
+        if self.objective == "sft" and written:
+            raise ValueError(
+                f"training.preference.{written[0]} is set but training.objective is sft: set training.objective to "
+                "dpo, ipo or orpo, or remove training.preference"
+            )
+        if self.objective in ("ipo", "orpo") and self.preference.label_smoothing:
+            raise ValueError(
+                f"training.preference.label_smoothing: {self.preference.label_smoothing} applies to dpo only, "
+                f"but training.objective is {self.objective}: remove it or set it to 0"
+            )
+        if self.objective == "orpo" and self.preference.reference != "auto":
+            raise ValueError(
+                f"training.preference.reference: {self.preference.reference} does not apply to orpo, which has no "
+                "reference model: remove it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainingConfig":

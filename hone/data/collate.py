@@ -48,6 +48,22 @@ class MicroBatch:
     attention_inputs: dict[str, Any] = field(default_factory=dict)
     """What a packed batch carries for the run's attention kernel (boundaries or hone's document
     mask), attached once per micro-batch by :meth:`with_attention` on the device."""
+    # Preference pairs (:mod:`hone.data.pairs`); absent (0 / None) for SFT rows.
+    pairs: int = 0
+    """``P``: the pairs of a preference micro-batch (0: SFT rows)."""
+    segments: torch.Tensor | None = None
+    """[B, T] long, the sequence each target position sums into: ``p`` for chosen ``p``, ``P + p``
+    for rejected ``p``, ``2P + p`` for chosen ``p``'s prompt (ORPO's NLL), -1 for none."""
+    completion_tokens: torch.Tensor | None = None
+    """[2P] float32: the chosen then the rejected completions' token counts."""
+    counted: torch.Tensor | None = None
+    """[n] long: the flat positions (over ``B * T``) whose segment is not -1, in order: the only
+    rows of the hidden states the objective projects through the head (found on the host)."""
+    nll_tokens: int = 0
+    """Target tokens of the chosen sequences that ORPO's NLL averages over (0 without pairs)."""
+    reference_logps: torch.Tensor | None = None
+    """[2P] float32: the reference model's summed completion log-probs (chosen, then rejected),
+    once computed (:mod:`hone.runtime.step`)."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The batch on ``device``. To a GPU the tensors go through pinned host memory, so the
@@ -70,6 +86,12 @@ class MicroBatch:
             position_ids=move(self.position_ids),
             cu_seqlens=move(self.cu_seqlens),
             attention_inputs=self.attention_inputs,
+            pairs=self.pairs,
+            segments=move(self.segments),
+            completion_tokens=move(self.completion_tokens),
+            counted=move(self.counted),
+            nll_tokens=self.nll_tokens,
+            reference_logps=move(self.reference_logps),
         )
 
     def with_attention(self, layout: "AttentionLayout") -> "MicroBatch":

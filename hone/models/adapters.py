@@ -19,6 +19,9 @@ factored out of ``x (W + BA)``). Anything else PEFT would map onto expert or rou
 parameters on its own is refused with an explanation.
 """
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
@@ -263,3 +266,14 @@ def is_lora(model: nn.Module) -> bool:
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The module inside a ``torch.compile`` wrapper (its parameter names lack ``_orig_mod``)."""
     return getattr(model, "_orig_mod", model)
+
+
+def adapters_off(model: nn.Module) -> Callable[[], AbstractContextManager]:
+    """A context manager factory that switches every LoRA adapter of ``model`` off and back on:
+    PEFT's public ``PeftModel.disable_adapter``, which reaches every PEFT tuner layer, hone's
+    expert LoRA (:class:`hone.models.experts.lora.HoneExpertsLora`, a PEFT ``ParamWrapper`` that
+    falls back to PEFT's disabled forward) and ``modules_to_save`` copies alike. Preference
+    objectives compute their reference log-probabilities inside it."""
+    if not isinstance(model, PeftModel):
+        raise ModelError(f"{type(model).__name__} has no adapter to switch off (adapter.type: none)")
+    return model.disable_adapter

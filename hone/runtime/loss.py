@@ -63,14 +63,23 @@ def logit_postprocess(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | N
     return post
 
 
-def standard_loss(post: Callable[[torch.Tensor], torch.Tensor] | None = None):
-    """The plain loss: logits from the head, upcast to float32, summed cross entropy."""
+def standard_loss(
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    compile_fn: Callable[[Callable], Callable] | None = None,
+):
+    """The plain loss: logits from the head, upcast to float32, summed cross entropy.
+    ``compile_fn`` compiles its tensor part (``torch.compile``: the logits never written out whole)."""
 
-    def loss_fn(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
         logits = head(hidden)
         if post is not None:
             logits = post(logits)
-        return token_loss_sum(logits, targets), (targets != IGNORE_INDEX).sum()
+        return token_loss_sum(logits, targets)
+
+    inner = compile_fn(token_loss) if compile_fn is not None else token_loss
+
+    def loss_fn(hidden: torch.Tensor, head: nn.Module, batch: MicroBatch) -> torch.Tensor:
+        return inner(hidden, head, batch.targets)
 
     return loss_fn
 

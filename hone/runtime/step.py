@@ -7,11 +7,17 @@ reduction there, FSDP2's root gathers its parameters there. :class:`MicroBatchLo
 one: its ``forward(batch)`` is the micro-batch's sum of token losses. It owns no parameters of
 its own (``model`` is registered as its only child), so wrapping it changes nothing in the
 numbers. A ``wrap_step`` transform returns a :class:`StepModule` around it.
+
+Preference pairs: the loss function returns a vector of sums (:mod:`hone.runtime.pair_loss`),
+and where it has a reference (DPO, IPO under LoRA: :class:`ReferencePass`) the reference's
+log-probabilities are computed first, in the same micro-batch, by the same model with its
+adapter(s) switched off and without gradients (:func:`with_reference`).
 """
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -19,10 +25,22 @@ from torch import nn
 from hone.data.collate import MicroBatch
 from hone.models.structure import causal_lm_parts
 
-#: ``loss_fn(hidden [B, T, H], head, targets [B, T]) -> (sum of token losses, float32 scalar;
-#: trained tokens, a scalar tensor)``. ``head`` is the model's output projection module; targets
-#: are already shifted, -100 where there is no loss.
-LossFn = Callable[[torch.Tensor, nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``loss_fn(hidden [B, T, H], head, batch) -> sums``: float32, the sum of the token losses (a
+#: scalar) for SFT rows, or a preference micro-batch's vector of sums (:mod:`hone.runtime.pair_loss`);
+#: the loop divides them by the window's counts. ``head`` is the model's output projection module;
+#: ``batch.targets`` are already shifted, -100 where there is no loss.
+LossFn = Callable[[torch.Tensor, nn.Module, MicroBatch], torch.Tensor]
+
+
+@runtime_checkable
+class ReferencePass(Protocol):
+    """A loss function that needs the reference model's log-probabilities of each pair micro-batch."""
+
+    reference_off: Callable[[], AbstractContextManager] | None
+    """Switches the model's adapter(s) off (None: the batches bring precomputed ones, or none are needed)."""
+
+    def reference_logps(self, hidden: torch.Tensor, head: nn.Module, batch: MicroBatch) -> torch.Tensor: ...
+
 
 #: ``step_context(batch)`` returns the context manager one micro-batch's forward+backward runs in.
 StepContext = Callable[[MicroBatch], AbstractContextManager]
@@ -39,18 +57,48 @@ def forward_hidden(decoder: nn.Module, batch: MicroBatch, autocast_dtype: torch.
         return decoder(**inputs, use_cache=False).last_hidden_state
 
 
+def _head_context(batch: MicroBatch, autocast_dtype: torch.dtype | None) -> AbstractContextManager:
+    """The head's matmul in the compute dtype under autocast, as the model's own forward does."""
+    if autocast_dtype is None:
+        return nullcontext()
+    return torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype)
+
+
+def with_reference(
+    decoder: nn.Module, head: nn.Module, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None
+) -> MicroBatch:
+    """``batch`` with the reference's completion log-probs attached, where ``loss_fn`` needs them
+    and the batch does not bring them: one forward of the same model with its adapter(s) switched
+    off, under ``torch.no_grad`` (nothing of it is kept for the backward)."""
+    if not batch.pairs or batch.reference_logps is not None or not isinstance(loss_fn, ReferencePass):
+        return batch
+    if loss_fn.reference_off is None:
+        return batch
+    with torch.no_grad(), loss_fn.reference_off():
+        hidden = forward_hidden(decoder, batch, autocast_dtype)
+        with _head_context(batch, autocast_dtype):
+            logps = loss_fn.reference_logps(hidden, head, batch)
+    return replace(batch, reference_logps=logps)
+
+
+def decoder_head_loss(
+    decoder: nn.Module, head: nn.Module, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The loss sums of ``batch`` (see :data:`LossFn`) through ``decoder`` and ``head``: the
+    reference pass first where the loss needs one, then the policy's forward."""
+    batch = with_reference(decoder, head, batch, loss_fn, autocast_dtype)
+    hidden = forward_hidden(decoder, batch, autocast_dtype)
+    with _head_context(batch, autocast_dtype):
+        return loss_fn(hidden, head, batch)
+
+
 def micro_batch_loss(
     model: nn.Module, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Sum of the token losses of ``batch`` (float32 scalar on the device; no host sync)."""
+    """The loss sums of ``batch``: the sum of its token losses (float32 scalar on the device; no
+    host sync), or a pair micro-batch's vector of sums."""
     decoder, head = causal_lm_parts(model)
-    hidden = forward_hidden(decoder, batch, autocast_dtype)
-    if autocast_dtype is None:
-        loss_sum, _ = loss_fn(hidden, head, batch.targets)
-    else:  # the head's matmul in the compute dtype, as the model's own forward does
-        with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-            loss_sum, _ = loss_fn(hidden, head, batch.targets)
-    return loss_sum
+    return decoder_head_loss(decoder, head, batch, loss_fn, autocast_dtype)
 
 
 class MicroBatchLoss(nn.Module):

@@ -6,7 +6,12 @@ abandoned continuation and would otherwise appear twice), rewriting the file ato
 
 Train rows hold ``step, epoch, loss, loss_step, lr, grad_norm, trained_tokens,
 trained_tokens_total, tokens, tokens_per_s, step_time_s, peak_mem_gib, skipped,
-peak_reserved_gib``; eval rows hold ``step, epoch, eval_loss, eval_ppl, eval_tokens``.
+peak_reserved_gib``; eval rows hold ``step, epoch, eval_loss, eval_ppl, eval_tokens``. A
+preference objective (DPO, IPO, ORPO) adds TRL's metrics to train rows (``rewards/chosen``,
+``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``; ORPO also ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``: the step's
+means over its pairs) and, prefixed ``eval_``, to eval rows, which count ``eval_pairs`` and have
+no ``eval_ppl``.
 Non-finite numbers are written as ``null`` (JSON has no NaN), so the file parses with any JSON
 reader. With ``logging.logging_steps`` N a row is written every N steps (and for the last and
 every skipped step). Its ``loss`` is the mean of the finite step losses since the previous train

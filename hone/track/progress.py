@@ -88,8 +88,11 @@ class ProgressDisplay:
             return
         skipped = "  (skipped: non-finite)" if row.get("skipped") else ""
         grad = _fmt(row.get("grad_norm"), ".3f")
+        pairs = ""
+        if "rewards/margins" in row:  # a preference objective: its reward margin and accuracy
+            pairs = f" | margin {_fmt(row.get('rewards/margins'), '.4f')} | acc {_fmt(row.get('rewards/accuracies'), '.2f')}"
         self.console.print(
-            f"step {step}/{self.total} | loss {loss} | lr {lr} | grad {grad} | {tps} tok/s | {mem}"
+            f"step {step}/{self.total} | loss {loss}{pairs} | lr {lr} | grad {grad} | {tps} tok/s | {mem}"
             f" | eta {format_eta(self.eta_s(step, at))}{skipped}",
             highlight=False,
             markup=False,

@@ -7,6 +7,18 @@ interrupted run wrote after the checkpoint, as ``metrics.jsonl`` drops its rows.
 from pathlib import Path
 from typing import Any
 
+#: Preference objectives' metrics, under TRL's names (``eval_`` prefixed in eval rows).
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+)
 #: Metrics row key -> TensorBoard tag.
 TRAIN_TAGS = {
     "loss": "train/loss",
@@ -17,8 +29,9 @@ TRAIN_TAGS = {
     "step_time_s": "train/step_time_s",
     "peak_mem_gib": "train/peak_mem_gib",
     "peak_reserved_gib": "train/peak_reserved_gib",
+    **{name: f"train/{name}" for name in PREFERENCE_METRICS},
 }
-EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
+EVAL_TAGS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", **{f"eval_{name}": f"eval/{name}" for name in PREFERENCE_METRICS}}
 
 
 class TensorBoardLog:

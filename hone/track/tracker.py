@@ -94,6 +94,12 @@ class Tracker:
         self._to_external(row)
         loss, ppl = row.get("eval_loss"), row.get("eval_ppl")
         shown = "nan" if loss is None else f"{loss:.4f} (ppl {ppl:.2f})" if ppl is not None else f"{loss:.4f}"
+        if "eval_rewards/margins" in row:  # a preference objective: over pairs, with its margin and accuracy
+            self.display.print(
+                f"eval at step {row['step']}: loss {shown} over {row.get('eval_pairs', '?')} pairs, reward margin "
+                f"{row['eval_rewards/margins']:.4f}, accuracy {row['eval_rewards/accuracies']:.2f}"
+            )
+            return
         self.display.print(f"eval at step {row['step']}: loss {shown} over {row.get('eval_tokens', '?')} tokens")
 
     def _to_external(self, row: dict[str, Any]) -> None:

@@ -12,6 +12,10 @@ Because each epoch shuffles anew, a different handful of rows sits out each epoc
 ``training.max_steps`` gives the total directly (wrapping into further epochs as needed);
 otherwise ``total = floor(num_epochs * steps_per_epoch)`` (fractions allowed, at least 1).
 
+With a preference objective (``training.objective: dpo | ipo | orpo``) the unit is a **pair**:
+``micro_batch_size`` pairs make a micro-batch, packed into one row (:mod:`hone.data.pairs`), and
+everything above holds with "pairs" for "rows" (sample packing does not apply to pairs).
+
 With ``data.sample_packing`` the unit is a *packed row* instead of a dataset row: the rows
 are packed once into bins of ``sequence_len`` tokens by :mod:`hone.data.packing` (deterministic
 in the seed, saved with the prepared data; this module only reads the bins) and each epoch
@@ -45,6 +49,7 @@ import numpy as np
 from hone.config.training import TrainingConfig
 from hone.data.collate import MicroBatch, collate, collate_packed, rows_at
 from hone.data.packing import Packing
+from hone.data.pairs import collate_pairs, pair_rows_at
 from hone.errors import HoneError
 
 
@@ -76,6 +81,8 @@ class StepPlan:
     world_size: int = 1
     """Data-parallel replicas sharing each step: the processes, or under context parallelism the
     groups of ``N`` ranks that split each sequence; 1 for a single process."""
+    unit: str = "row"
+    """What a step counts, as the console says it: ``row`` (or packed row), ``pair`` for a preference objective."""
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -112,7 +119,7 @@ class StepPlan:
 
     def describe(self) -> str:
         dropped = (
-            f", {self.dropped_per_epoch} row{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "
+            f", {self.dropped_per_epoch} {self.unit}{'s' if self.dropped_per_epoch != 1 else ''} per epoch left "
             "out (less than a full step)"
             if self.dropped_per_epoch
             else ""
@@ -120,7 +127,7 @@ class StepPlan:
         world = f" x {self.world_size} processes" if self.world_size > 1 else ""
         return (
             f"{self.total_steps} optimizer steps ({self.epochs:.3g} epochs of {self.steps_per_epoch} steps; "
-            f"{self.rows_per_step} rows per step = micro_batch_size {self.micro_batch_size} x "
+            f"{self.rows_per_step} {self.unit}s per step = micro_batch_size {self.micro_batch_size} x "
             f"gradient_accumulation_steps {self.accumulation}{world}{dropped})"
         )
 
@@ -129,12 +136,13 @@ def plan_steps(num_rows: int, training: TrainingConfig, world_size: int = 1) -> 
     """Steps per epoch and in total for ``num_rows`` training rows (or packed bins) shared by
     ``world_size`` processes."""
     per_step = training.samples_per_step * world_size
+    unit = "pair" if training.is_preference else "row"
     steps_per_epoch = num_rows // per_step
     if steps_per_epoch == 0:
         world = f" x {world_size} processes" if world_size > 1 else ""
         fewer = " or run on fewer processes" if world_size > 1 else ""
         raise NotEnoughData(
-            f"the training data has {num_rows} row{'s' if num_rows != 1 else ''}, fewer than one optimizer "
+            f"the training data has {num_rows} {unit}{'s' if num_rows != 1 else ''}, fewer than one optimizer "
             f"step uses (training.micro_batch_size {training.micro_batch_size} x "
             f"training.gradient_accumulation_steps {training.gradient_accumulation_steps}{world} = {per_step}): "
             f"add data or lower them{fewer}"
@@ -153,6 +161,7 @@ def plan_steps(num_rows: int, training: TrainingConfig, world_size: int = 1) -> 
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
         world_size=world_size,
+        unit=unit,
     )
 
 
@@ -239,9 +248,34 @@ class PackedBatches:
         return collate_packed(grouped, self.packing.capacity, self.pad_id)
 
 
-def micro_batches(dataset: Any, packing: Packing | None, pad_id: int) -> PaddedBatches | PackedBatches:
+class PairBatches:
+    """Units are preference pairs; a micro-batch packs ``len(indices)`` pairs into one row
+    (``prompt_nll``: ORPO's NLL covers the chosen prompts, see :mod:`hone.data.pairs`)."""
+
+    packing: Packing | None = None
+
+    def __init__(self, dataset: Any, pad_id: int, prompt_nll: bool = False, reference: Any = None):
+        self.dataset = dataset
+        self.pad_id = pad_id
+        self.prompt_nll = prompt_nll
+        self.reference = reference
+        """``[pairs, 2]`` precomputed reference log-probs (chosen, rejected), or None."""
+        self.units = len(dataset)
+
+    def __call__(self, indices: list[int]) -> MicroBatch:
+        reference = self.reference[indices] if self.reference is not None else None
+        return collate_pairs(pair_rows_at(self.dataset, indices), self.pad_id, self.prompt_nll, reference)
+
+
+Batches = PaddedBatches | PackedBatches | PairBatches
+
+
+def micro_batches(dataset: Any, packing: Packing | None, pad_id: int, objective: str = "sft", reference: Any = None) -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
-    :func:`hone.data.packing.packing_for`, never packed here)."""
+    :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``
+    (with their precomputed ``reference`` log-probs, if any)."""
+    if objective != "sft":
+        return PairBatches(dataset, pad_id, prompt_nll=objective == "orpo", reference=reference)
     if packing is None:
         return PaddedBatches(dataset, pad_id)
     return PackedBatches(dataset, packing, pad_id)

@@ -10,6 +10,10 @@ rank the mean one process would compute. Every rank runs the same number of forw
 with one batch fewer repeats its first one and discards it), so an engine that communicates in
 the forward (FSDP2 gathers each layer's weights) never waits for a rank that has finished.
 
+Preference pairs (DPO, IPO, ORPO): the loss is the objective's over the whole split (pair
+terms averaged over its pairs, ORPO's NLL over its chosen tokens), and TRL's metrics
+(``rewards/margins``, ...) are means over its pairs, logged as ``eval_rewards/margins`` etc.
+
 During training, the :class:`Evaluator` decides when: a fresh run with eval data evaluates once
 before the first step (step 0), so the report can compare the final eval loss with the
 untrained model's; then every ``training.eval_steps`` (or ``evals_per_epoch`` times an epoch)
@@ -17,7 +21,7 @@ and after the last step.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +42,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    perplexity: float
+    perplexity: float | None  # None for preference pairs
     tokens: int
+    pairs: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # preference pairs: TRL's metrics, by name
 
 
 def perplexity(loss: float) -> float:
@@ -62,6 +68,8 @@ def evaluate(
     hooks: "RunHooks | None" = None,
     world: World = SINGLE,
     step: nn.Module | None = None,
+    objective: str = "sft",
+    reference: torch.Tensor | None = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
@@ -79,9 +87,9 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = 0
+    tokens, pairs, nll_tokens = 0, 0, 0
     try:
-        batches = micro_batches(dataset, packing, pad_id)
+        batches = micro_batches(dataset, packing, pad_id, objective, reference)
         starts = list(range(0, batches.units, batch_size))
         # context parallelism: the N ranks of a group evaluate the same batches, each its shard
         replica, replicas = world.data_parallel(hooks.context_parallel if hooks is not None else 1)
@@ -98,16 +106,39 @@ def evaluate(
                 continue
             loss_sum = step(batch) if step is not None else micro_batch_loss(model, batch, loss_fn, autocast_dtype)
             if counted and batch.trained_tokens > 0:
-                total += loss_sum.double()
-                tokens += batch.trained_tokens
+                total = total + loss_sum.double()
+                tokens, pairs, nll_tokens = tokens + batch.trained_tokens, pairs + batch.pairs, nll_tokens + batch.nll_tokens
     finally:
         model.train(was_training)
+    if objective != "sft":
+        return _pair_result(total, [tokens, pairs, nll_tokens], objective, world, device)
     if world.distributed:
         both = torch.stack([total, torch.zeros_like(total) + tokens])
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
         total, tokens = both[0], int(both[1].item())
     loss = total.item() / tokens if tokens else math.nan
     return EvalResult(loss=loss, perplexity=perplexity(loss), tokens=tokens)
+
+
+def _pair_result(total: torch.Tensor, counts: list[int], objective: str, world: World, device: torch.device) -> EvalResult:
+    """The split's loss and metrics from the summed pair vectors (:mod:`hone.runtime.pair_loss`)
+    and ``counts`` (trained tokens, pairs, NLL tokens), summed over the ranks in one all-reduce."""
+    from hone.runtime.pair_loss import PAIR_TERMS, metric_names
+
+    names = metric_names(objective)
+    sums = total.reshape(-1) if total.dim() else torch.zeros(PAIR_TERMS + len(names), dtype=torch.float64, device=device)
+    both = torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=device)])
+    if world.distributed:
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    values = both.tolist()
+    tokens, pairs, nll_tokens = (int(v) for v in values[-3:])
+    if not pairs:
+        return EvalResult(loss=math.nan, perplexity=None, tokens=tokens)
+    nll = values[0] / max(nll_tokens, 1)
+    metrics = {name: v / pairs for name, v in zip(names, values[PAIR_TERMS:-3], strict=True)}
+    if objective == "orpo":
+        metrics = {"nll_loss": nll, **metrics}
+    return EvalResult(loss=nll + values[1] / pairs, perplexity=None, tokens=tokens, pairs=pairs, metrics=metrics)
 
 
 class Evaluator:
@@ -128,6 +159,7 @@ class Evaluator:
         hooks: "RunHooks",
         world: World,
         step: nn.Module,
+        reference: torch.Tensor | None = None,
     ):
         self.model = model
         self.dataset = dataset
@@ -135,6 +167,7 @@ class Evaluator:
         self.eval_steps = training.eval_steps
         self.evals_per_epoch = training.evals_per_epoch
         self.batch_size = training.micro_batch_size
+        self.objective = training.objective
         self.plan = plan
         self.tracker = tracker
         self.pad_id = pad_id
@@ -144,6 +177,7 @@ class Evaluator:
         self.hooks = hooks
         self.world = world
         self.step = step
+        self.reference = reference  # DPO/IPO of a full fine-tune: the eval pairs' precomputed reference log-probs
 
     def baseline_due(self, step: int) -> bool:
         """Before the first step of a fresh run: the baseline the final eval is compared with."""
@@ -165,13 +199,18 @@ class Evaluator:
             hooks=self.hooks,
             world=self.world,
             step=self.step,
+            objective=self.objective,
+            reference=self.reference,
         )
-        self.tracker.log_eval(
-            {
-                "step": step,
-                "epoch": round(self.plan.epoch_at(step), 4),
-                "eval_loss": result.loss,
-                "eval_ppl": result.perplexity,
-                "eval_tokens": result.tokens,
-            }
-        )
+        row = {
+            "step": step,
+            "epoch": round(self.plan.epoch_at(step), 4),
+            "eval_loss": result.loss,
+            "eval_ppl": result.perplexity,
+            "eval_tokens": result.tokens,
+        }
+        if self.objective != "sft":
+            del row["eval_ppl"]
+            row["eval_pairs"] = result.pairs
+            row.update({f"eval_{name}": value for name, value in result.metrics.items()})
+        self.tracker.log_eval(row)

@@ -257,6 +257,7 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
         peak_mem_gib=allocated,
         skipped=not result.updated,
         peak_reserved_gib=reserved,
+        metrics=result.metrics,
     )
 
 

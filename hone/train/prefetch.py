@@ -18,7 +18,7 @@ for the data. Only *when* that work happens changes:
 import torch
 
 from hone.runtime.world import World
-from hone.train.batches import BatchStream, PackedBatches, PaddedBatches
+from hone.train.batches import Batches, BatchStream
 from hone.train.train_step import Window, collate_window, with_global_counts
 from hone.transforms.base import RunHooks
 
@@ -26,9 +26,7 @@ from hone.transforms.base import RunHooks
 class WindowFeed:
     """Hands out the windows of ``stream`` in order; :meth:`prefetch` builds the next one early."""
 
-    def __init__(
-        self, stream: BatchStream, batches: PaddedBatches | PackedBatches, device: torch.device, hooks: RunHooks, world: World
-    ):
+    def __init__(self, stream: BatchStream, batches: Batches, device: torch.device, hooks: RunHooks, world: World):
         self.stream = stream
         self.batches = batches
         self.device = device

@@ -22,14 +22,25 @@ import shutil
 from pathlib import Path
 
 from hone.errors import HoneError
-from hone.run_files import CHECKPOINTS_DIR, CONFIG_FILE, FINAL_DIR, METRICS_FILE, OPTIMIZATIONS_FILE, PLOT_FILE, TENSORBOARD_DIR
+from hone.run_files import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    FINAL_DIR,
+    METRICS_FILE,
+    OPTIMIZATIONS_FILE,
+    PLOT_FILE,
+    REFERENCE_FILE,
+    TENSORBOARD_DIR,
+)
 from hone.train.checkpoint_layout import list_checkpoints
 
 #: What a started run leaves behind (config.yml alone is not enough: a run that failed while
 #: loading its data or model wrote it and left nothing else worth protecting).
 RUN_MARKERS = (METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)
 #: Everything ``hone train`` writes at the top of its run directory.
-RUN_FILES = frozenset((CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, PLOT_FILE, TENSORBOARD_DIR, OPTIMIZATIONS_FILE))
+RUN_FILES = frozenset(
+    (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR, PLOT_FILE, TENSORBOARD_DIR, OPTIMIZATIONS_FILE, REFERENCE_FILE)
+)
 #: Hidden leftovers of an interrupted atomic write (``.config.yml.tmp-<pid>``, ``.final.old-<tag>``).
 _LEFTOVER = re.compile(r"^\.[^/]+\.(tmp|old)-[0-9A-Za-z-]+$")
 #: A hidden lock file (the run directory's lock, ``.hone.lock``): kept by an overwrite, never

@@ -359,6 +359,8 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
     CUDA graphs need a single shape)."""
     if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
         return PACKED_SHAPES
+    if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of 64)
+        return "preference pairs are packed into one row per micro-batch, as wide as its pairs' sequences"
     train = getattr(stats, "train", None)
     if train is not None and train.min_length != train.max_length:
         return (

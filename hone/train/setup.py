@@ -22,9 +22,10 @@ from hone.config.recorded import recorded_config
 from hone.config.root import HoneConfig
 from hone.data.packing import packing_for
 from hone.models.experts.parallel import expert_parallel_groups, expert_parallel_params
+from hone.runtime.pair_loss import metric_names
 from hone.runtime.world import World
 from hone.track.tracker import Tracker
-from hone.train.batches import BatchStream, PackedBatches, PaddedBatches, StepPlan, micro_batches, plan_steps
+from hone.train.batches import Batches, BatchStream, StepPlan, micro_batches, plan_steps
 from hone.train.checkpoint_io import checkpoint_io_for
 from hone.train.checkpointer import Checkpointer
 from hone.train.evaluate import Evaluator
@@ -45,7 +46,7 @@ class Trainer:
     state: TrainState
     start_step: int  # 0, or the step resumed from
     resumed_from: Path | None
-    batches: PaddedBatches | PackedBatches
+    batches: Batches
     stream: BatchStream
     parts: StepParts
     device: torch.device
@@ -78,7 +79,7 @@ def set_up(
     output_dir.mkdir(parents=True, exist_ok=True)
     has_eval = eval_data is not None and len(eval_data) > 0
     scaler = loss_scaler(cfg, device)
-    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id)
+    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id, t.objective)
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     replica, replicas = world.data_parallel(cfg.distributed.context_parallel)  # context parallel groups share batches
     plan = plan_steps(batches.units, t, replicas)
@@ -102,6 +103,11 @@ def set_up(
     state = resumed.state if resumed is not None else TrainState()
     stream = BatchStream(plan, t.seed, state.position, rank=replica)
     step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0
+    eval_reference = None
+    if cfg.preference_reference == "precomputed":  # DPO/IPO of a full fine-tune: before the first step
+        eval_reference = _precomputed_reference(
+            cfg, model, step_module.module, hooks, batches, eval_data, pad_id, device, world, resumed
+        )
     tracker = _tracker(cfg, world, console, plan, resumed, trackers)
     evaluator = Evaluator(
         model,
@@ -116,6 +122,7 @@ def set_up(
         hooks=hooks,
         world=world,
         step=step_module.module,
+        reference=eval_reference,
     )
     if batches.packing is not None:
         tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
@@ -132,7 +139,9 @@ def set_up(
         resumed_from=resume_from,
         batches=batches,
         stream=stream,
-        parts=StepParts(step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm, *experts),
+        parts=StepParts(
+            step_module, hooks, optimizer, scheduler, scaler, params, t.max_grad_norm, *experts, step_metric_names(t.objective)
+        ),
         device=device,
         world=world,
         tracker=tracker,
@@ -141,6 +150,35 @@ def set_up(
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
     )
+
+
+def _precomputed_reference(cfg, model, module, hooks, batches, eval_data, pad_id, device, world, resumed):
+    """The reference log-probs of every pair with the initial weights (read back on resume):
+    attached to the training batches; returns the eval split's (:mod:`hone.train.reference`)."""
+    from hone.train.reference import prepare_reference
+
+    return prepare_reference(
+        model,
+        module,
+        hooks,
+        batches,
+        eval_data,
+        output_dir=Path(cfg.training.output_dir),
+        batch_size=cfg.training.micro_batch_size,
+        pad_id=pad_id,
+        objective=cfg.training.objective,
+        device=device,
+        world=world,
+        resuming=resumed is not None,
+    )
+
+
+def step_metric_names(objective: str) -> tuple[str | None, ...]:
+    """The names of a step's values after its loss (:func:`hone.runtime.pair_loss.window_values`:
+    the NLL mean, logged by ORPO only, then the metrics); none for SFT."""
+    if objective == "sft":
+        return ()
+    return ("nll_loss" if objective == "orpo" else None, *metric_names(objective))
 
 
 def _tracker(

@@ -18,14 +18,15 @@ Trainer and Axolotl log: ``loss`` is the mean of the window's finite step losses
 ``tokens_per_s`` the window's real input tokens over its steps' time (one step's rate jumps
 with its batch); the row's own step keeps ``loss_step`` and ``step_time_s``, and ``tokens``,
 ``trained_tokens``, ``grad_norm`` and ``lr`` are its step's. With ``logging.logging_steps: 1``
-both losses are the same. The loss window is part of the run's state
+both losses are the same. A preference objective's metrics (TRL's ``rewards/*``, ``logps/*``)
+are its step's, as ``grad_norm``. The loss window is part of the run's state
 (:class:`~hone.train.state.TrainState`, saved with every checkpoint), so a resumed run logs the
 same means; the tokens/s window starts again in a new process.
 """
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch.profiler import record_function
@@ -52,10 +53,13 @@ class StepMetrics:
     peak_mem_gib: float | None  # CUDA: peak allocated so far; CPU: the process's peak RSS
     skipped: bool
     peak_reserved_gib: float | None = None  # CUDA: peak reserved by the caching allocator; None on CPU
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Preference objectives: TRL's metrics (``rewards/margins``, ...) of this step, means over its pairs."""
 
     def as_row(self) -> dict[str, Any]:
         row = asdict(self)
         row["epoch"] = round(self.epoch, 4)
+        row.update(row.pop("metrics"))
         return row
 
 

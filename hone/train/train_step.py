@@ -32,6 +32,13 @@ rank stops all of them after the same step) and read at the step's one sync. Eve
 the reduced gradients, so the clipping norm and the non-finite decision are the same
 everywhere.
 
+**Preference pairs** (DPO, IPO, ORPO): a micro-batch's loss is a vector of sums
+(:mod:`hone.runtime.pair_loss`): ``[NLL token sum, pair-loss sum, metric sums...]``. The window
+counts its pairs and its chosen NLL tokens beside its tokens (all-reduced together with several
+processes), divides the two loss terms by them (its ``divisor`` is then the vector ``[NLL
+tokens, pairs]``) and the metrics by its pairs, and reads ``[loss, NLL mean, metric means...]``
+at the step's one sync (all-reduced with the stop flag).
+
 Precision: the model arrives in its dtypes (see :mod:`hone.models.precision`). When the
 loader says so (``autocast_dtype``: float32 trainable weights beside bf16/fp16 compute) the
 forward runs under ``torch.autocast``; the loss is always computed outside it, in float32.
@@ -56,9 +63,10 @@ from hone.config.root import HoneConfig
 from hone.data.collate import MicroBatch
 from hone.errors import HoneError
 from hone.parallel.groups import sum_over_replicas
+from hone.runtime.pair_loss import PAIR_TERMS, window_values
 from hone.runtime.step import StepModule
 from hone.runtime.world import World
-from hone.train.batches import BatchStream, DataPosition, PackedBatches, PaddedBatches
+from hone.train.batches import Batches, BatchStream, DataPosition
 from hone.train.grad_norm import global_grad_norm
 from hone.train.signals import StopRequest
 from hone.transforms.base import RunHooks
@@ -105,6 +113,7 @@ class StepResult:
     tokens: int  # real (non-padding) input tokens of the window, over every process
     any_rank_stopping: bool = False  # several processes: a signal seen by any rank, read at the sync
     loss_scale: float | None = None  # float16: the scale the overflow lowered the scaler to
+    metrics: dict[str, float] = field(default_factory=dict)  # preference pairs: TRL's metrics, window means
 
     @property
     def updated(self) -> bool:
@@ -147,6 +156,12 @@ class StepParts:
     sharded: list[nn.Parameter] = field(default_factory=list)  # those of params each rank holds its own block of
     expert_group: dist.ProcessGroup | None = None  # the ranks the blocks are split over (None: every rank)
     expert_replicas: dist.ProcessGroup | None = None  # the ranks holding this rank's blocks too (None: none)
+    metric_names: tuple[str | None, ...] = ()
+    """Preference pairs: the names of the values read after the loss (None: not logged)."""
+
+    def named(self, values: list[float]) -> dict[str, float]:
+        """The step's metrics by name (preference pairs; empty otherwise)."""
+        return {name: value for name, value in zip(self.metric_names, values, strict=False) if name is not None}
 
     def sum_expert_replicas(self) -> None:
         """Sum the expert blocks' gradients over their replicas (expert parallelism over part of
@@ -172,21 +187,21 @@ class Window:
     batches: list[MicroBatch]
     trained_tokens: int  # this rank's
     tokens: int  # this rank's real input tokens
-    divisor: int | torch.Tensor  # the trained tokens every micro-batch's loss sum is divided by
+    divisor: int | torch.Tensor  # the trained tokens every micro-batch's loss sum is divided by (pairs: [NLL tokens, pairs])
     position: DataPosition  # where the data stands after this window: what a checkpoint after its step saves
-    global_counts: torch.Tensor | None = None  # several processes: (trained, real) over all ranks, on the device
+    global_counts: torch.Tensor | None = None  # several processes: (trained, real[, NLL tokens, pairs]) over all ranks
+    pairs: int = 0  # this rank's preference pairs (0: SFT rows)
+    nll_tokens: int = 0  # this rank's chosen tokens that ORPO's NLL averages over
 
 
-def take_window(
-    stream: BatchStream, batches: PaddedBatches | PackedBatches, device: torch.device, hooks: RunHooks, world: World
-) -> Window:
+def take_window(stream: BatchStream, batches: Batches, device: torch.device, hooks: RunHooks, world: World) -> Window:
     """The next window from the seeded data order (advancing ``stream``), with its counts taken
     before any backward. With several processes every rank divides by the global count (0 -> 1:
     the loss stays 0)."""
     return with_global_counts(collate_window(stream, batches, device, hooks), device, world)
 
 
-def collate_window(stream: BatchStream, batches: PaddedBatches | PackedBatches, device: torch.device, hooks: RunHooks) -> Window:
+def collate_window(stream: BatchStream, batches: Batches, device: torch.device, hooks: RunHooks) -> Window:
     """The next window's micro-batches on ``device`` (copies queued, not waited for) with this
     rank's counts; advances ``stream``. Nothing here talks to other ranks, so it may run a step
     ahead of the one that trains it (:mod:`hone.train.prefetch`)."""
@@ -197,7 +212,17 @@ def collate_window(stream: BatchStream, batches: PaddedBatches | PackedBatches, 
         hosts = [batches(rows) for rows in stream.next_window()]
         micro = [hooks.local_batch(host.to(device).with_attention(hooks.layout), host) for host in hosts]
     trained = sum(b.trained_tokens for b in micro)
-    return Window(micro, trained, sum(b.tokens for b in micro), divisor=trained, position=stream.position)
+    pairs, nll_tokens = sum(b.pairs for b in micro), sum(b.nll_tokens for b in micro)
+    divisor = pair_divisor(nll_tokens, pairs, device) if pairs else trained
+    return Window(micro, trained, sum(b.tokens for b in micro), divisor, stream.position, None, pairs, nll_tokens)
+
+
+def pair_divisor(nll_tokens: int, pairs: int, device: torch.device) -> torch.Tensor:
+    """``[NLL tokens, pairs]`` (each at least 1) on ``device``, what a window's pair loss terms divide by."""
+    counts = torch.tensor([max(nll_tokens, 1), max(pairs, 1)], dtype=torch.float32)
+    if device.type == "cuda":
+        counts = counts.pin_memory()
+    return counts.to(device, non_blocking=True)
 
 
 def with_global_counts(window: Window, device: torch.device, world: World) -> Window:
@@ -206,15 +231,19 @@ def with_global_counts(window: Window, device: torch.device, world: World) -> Wi
     every rank issues this collective at the same point."""
     if not world.distributed:
         return window
-    counts = _global_counts(window.trained_tokens, window.tokens, device)
+    if window.pairs:
+        counts = _global_counts([window.trained_tokens, window.tokens, window.nll_tokens, window.pairs], device)
+        return replace(window, divisor=counts[2:].float().clamp(min=1), global_counts=counts)
+    counts = _global_counts([window.trained_tokens, window.tokens], device)
     return replace(window, divisor=counts[0].clamp(min=1), global_counts=counts)
 
 
-def _global_counts(trained: int, real: int, device: torch.device) -> torch.Tensor:
-    """This rank's (trained, real) token counts of the window, all-reduced (SUM) on the device:
-    the global counts every rank divides by. Issued before the first backward; the host reads
-    them only at the step's one sync (pinned memory keeps the copy asynchronous)."""
-    counts = torch.tensor([trained, real], dtype=torch.int64)
+def _global_counts(local: list[int], device: torch.device) -> torch.Tensor:
+    """This rank's counts of the window (trained and real tokens; pairs: NLL tokens and pairs too),
+    all-reduced (SUM) on the device: the global counts every rank divides by. Issued before the
+    first backward; the host reads them only at the step's one sync (pinned memory keeps the copy
+    asynchronous)."""
+    counts = torch.tensor(local, dtype=torch.int64)
     if device.type == "cuda":
         counts = counts.pin_memory()
     counts = counts.to(device, non_blocking=True)
@@ -240,10 +269,18 @@ def forward_backward_step(
     with step.no_sync() if not reduce else nullcontext(), hooks.step_context(batch):
         with record_function("hone: forward + loss"):
             loss_sum = step.module(batch)
-            loss = loss_sum / divisor
+            loss = window_share(loss_sum, divisor)
         with record_function("hone: backward"):
             (scaler.scale(loss) if scaler is not None else loss).backward()
     return loss_sum.detach()
+
+
+def window_share(sums: torch.Tensor, divisor: int | torch.Tensor) -> torch.Tensor:
+    """What one micro-batch's loss sums add to the window's loss: the token-loss sum over the
+    window's trained tokens, or a pair micro-batch's two loss terms over ``[NLL tokens, pairs]``."""
+    if sums.dim() == 0:
+        return sums / divisor
+    return (sums[:PAIR_TERMS] / divisor).sum()
 
 
 def forward_backward(
@@ -254,14 +291,18 @@ def forward_backward(
     scaler: torch.amp.GradScaler | None,
 ) -> torch.Tensor:
     """Forward + backward every micro-batch of a window; returns the window's token-loss sum
-    divided by ``divisor``, as a device tensor (nothing here waits for the device)."""
+    divided by ``divisor``, as a device tensor (nothing here waits for the device); pairs:
+    ``[loss, NLL mean, metric means...]`` (:func:`hone.runtime.pair_loss.window_values`)."""
     total = None
     last = len(batches) - 1
     for i, batch in enumerate(batches):
         loss_sum = forward_backward_step(step, batch, divisor, hooks, scaler, reduce=i == last)
         total = loss_sum if total is None else total + loss_sum
     assert total is not None
-    return total / divisor
+    if total.dim() == 0:
+        return total / divisor
+    assert isinstance(divisor, torch.Tensor)
+    return window_values(total, divisor)
 
 
 def train_step(
@@ -305,7 +346,15 @@ def _plain_step(parts: StepParts, window: Window, stop: StopRequest, meanwhile: 
             parts.optimizer.step()
             parts.scheduler.step()
     grad_norm = read.grad_norm if outcome in (StepOutcome.UPDATED, StepOutcome.NONFINITE_GRAD_NORM) else None
-    return StepResult(outcome, read.loss, grad_norm, read.trained_tokens, read.tokens, read.any_rank_stopping)
+    return StepResult(
+        outcome,
+        read.loss,
+        grad_norm,
+        read.trained_tokens,
+        read.tokens,
+        read.any_rank_stopping,
+        metrics=parts.named(read.values),
+    )
 
 
 def _float16_step(
@@ -331,7 +380,16 @@ def _float16_step(
     elif outcome is StepOutcome.FP16_OVERFLOW:
         scaler.update()  # lowers the loss scale: the scaler's normal recovery
         loss_scale = scaler.get_scale()
-    return StepResult(outcome, read.loss, grad_norm, read.trained_tokens, read.tokens, read.any_rank_stopping, loss_scale)
+    return StepResult(
+        outcome,
+        read.loss,
+        grad_norm,
+        read.trained_tokens,
+        read.tokens,
+        read.any_rank_stopping,
+        loss_scale,
+        parts.named(read.values),
+    )
 
 
 @dataclass(frozen=True)
@@ -343,21 +401,26 @@ class StepReading:
     trained_tokens: int
     tokens: int
     any_rank_stopping: bool
+    values: list[float] = field(default_factory=list)  # preference pairs: what follows the loss (NLL mean, metrics)
 
 
 def read_step(loss: torch.Tensor, grad_norm: torch.Tensor | None, window: Window, stop: StopRequest) -> StepReading:
     """The step's loss and gradient norm on the host: the one device sync of an optimizer step,
     taken before the update so a non-finite step is skipped exactly. With several processes the
-    loss is the global mean, all-reduced with the stop flag, and the global token counts ride along."""
+    loss is the global mean, all-reduced with the stop flag, and the global token counts ride along.
+    ``loss`` is a scalar, or for pairs ``[loss, values...]`` (read, and all-reduced, together)."""
+    flat = loss.reshape(-1)
     if window.global_counts is None:
-        value, norm, _ = read_values(loss, grad_norm)
-        return StepReading(value, norm, window.trained_tokens, window.tokens, False)
-    flag = torch.zeros_like(loss) + float(stop.requested)  # no host-to-device copy
-    both = torch.stack([loss, flag])
-    dist.all_reduce(both, op=dist.ReduceOp.SUM)  # the global mean loss; any rank stopping
+        value, norm, values = read_values(flat[0], grad_norm, flat[1:] if flat.numel() > 1 else None)
+        return StepReading(value, norm, window.trained_tokens, window.tokens, False, values)
+    flag = torch.zeros_like(flat[:1]) + float(stop.requested)  # no host-to-device copy
+    both = torch.cat([flat, flag])
+    dist.all_reduce(both, op=dist.ReduceOp.SUM)  # the global mean loss (and metrics); any rank stopping
+    counts = window.global_counts.numel()
     value, norm, extra = read_values(both[0], grad_norm, torch.cat([window.global_counts.double(), both[1:].double()]))
     trained, real = int(extra[0]), int(extra[1])
-    return StepReading(math.nan if trained == 0 else value, norm, trained, real, extra[2] > 0)
+    values = extra[counts:-1]
+    return StepReading(math.nan if trained == 0 else value, norm, trained, real, extra[-1] > 0, values)
 
 
 def read_values(

@@ -57,11 +57,11 @@ def has_sinks(model: ModelConfig) -> bool:
 
 def attention_why(cfg: HoneConfig) -> str:
     """The attention line of ``hone plan``: the backend, and what hone does with packed rows."""
-    model, data = cfg.model, cfg.data
+    model = cfg.model
     why = f"model.attn_implementation: {model.attn_implementation}"
     if model.attn_implementation in ("sdpa", "flex_attention") and has_sinks(model):
         return why + "; the model has attention sinks: hone's flex sink backend (sdpa would drop them)"
-    if model.attn_implementation == "sdpa" and (data.sample_packing or data.packs_eval):
+    if model.attn_implementation == "sdpa" and cfg.packs_documents:
         why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {model.sdpa_varlen})"
     if model.attn_implementation == "sdpa":
         why += "; causal rows without a prepared mask where the model attends to the whole row"

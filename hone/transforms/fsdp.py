@@ -112,13 +112,9 @@ class ShardedLM(nn.Module):
         self.head = head
 
     def forward(self, batch: MicroBatch, loss_fn: LossFn, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-        from hone.runtime.step import forward_hidden
+        from hone.runtime.step import decoder_head_loss
 
-        hidden = forward_hidden(self.decoder, batch, autocast_dtype)
-        if autocast_dtype is None:
-            return loss_fn(hidden, self.head, batch.targets)[0]
-        with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):
-            return loss_fn(hidden, self.head, batch.targets)[0]
+        return decoder_head_loss(self.decoder, self.head, batch, loss_fn, autocast_dtype)
 
 
 #: model -> its root unit. Kept beside the model, not on it: nothing is added to a

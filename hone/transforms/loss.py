@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hone.config.root import HoneConfig
-from hone.data.collate import IGNORE_INDEX
+from hone.data.collate import IGNORE_INDEX, MicroBatch
 from hone.errors import HoneError
 from hone.models.structure import causal_lm_parts
 from hone.runtime.loss import logit_postprocess, standard_loss
@@ -37,15 +37,13 @@ def fused_linear_ce_loss() -> LossFn:
     computes in bf16, as ``F.linear`` would; the cast's gradient flows back to the float32 weight)."""
     from hone.kernels.cross_entropy import fused_linear_cross_entropy
 
-    def loss_fn(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_fn(hidden: torch.Tensor, head: nn.Module, batch: MicroBatch) -> torch.Tensor:
         weight = head.weight
         if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
             weight = weight.to(hidden.dtype)  # (under autocast the kernel casts both itself)
-        flat_targets = targets.reshape(-1)
-        loss_sum = fused_linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, ignore_index=IGNORE_INDEX
+        return fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, batch.targets.reshape(-1), ignore_index=IGNORE_INDEX
         )
-        return loss_sum, (flat_targets != IGNORE_INDEX).sum()
 
     return loss_fn
 
@@ -89,39 +87,97 @@ def chosen_loss(cfg: HoneConfig, model_config: Any, head: nn.Module | None) -> t
     return decide_loss(asked, blockers)
 
 
+def preference_loss(cfg: HoneConfig, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:
+    """A preference objective as the run's loss (:class:`hone.runtime.pair_loss.PairLoss`): the
+    sequences' log-probabilities from the hidden states chunk by chunk (never the logits), the
+    reference (DPO, IPO) the same model with its adapter(s) switched off."""
+    from hone.models.adapters import adapters_off
+    from hone.runtime.pair_loss import PairLoss
+
+    t = cfg.training
+    objective, pref = t.objective, t.preference
+    blockers = fused_loss_blockers(getattr(model, "config", None), causal_lm_parts(model)[1])
+    if blockers:
+        raise LossError(
+            f"training.objective: {objective} sums log-probabilities from the hidden states and the output head, "
+            f"which cannot be exact for this model: {'; '.join(blockers)}"
+        )
+    source = cfg.preference_reference
+    reference_off = adapters_off(model) if source == "adapter_disabled" else None
+    loss = PairLoss(objective, pref.beta, pref.label_smoothing, reference_off)
+    reference = {
+        None: "none (reference-free)",
+        "adapter_disabled": "the model with its adapter(s) switched off, in each micro-batch",
+        "precomputed": "precomputed once with the initial weights before the first step",
+    }[source]
+    why = f"training.objective: {objective}, beta {pref.beta:g}; reference: {reference}"
+    return loss, {"loss": f"{objective}, per-sequence log-probs", "why": why, "objective": objective}
+
+
 def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:
     """The run's loss function and its record. The standard loss is compiled with the model
     when the run compiles (Inductor then never writes the float32 logits out whole); the fused
-    one is an opaque custom op that compiled code calls as it is."""
+    one is an opaque custom op that compiled code calls as it is. A preference objective is a
+    loss too (:func:`preference_loss`)."""
+    if cfg.training.is_preference:
+        return preference_loss(cfg, model)
     config = getattr(model, "config", None)
     kind, why = chosen_loss(cfg, config, causal_lm_parts(model)[1])
     if kind == "fused_linear_ce":
         return fused_linear_ce_loss(), {"loss": kind, "why": why}
-    loss_fn = standard_loss(logit_postprocess(config))
     compiled = cfg.performance.compiles_on(facts.device.type)
+    compile_fn = None
     if compiled:
-        loss_fn = torch.compile(
-            loss_fn, backend=cfg.performance.torch_compile_backend, dynamic=True if facts.lengths_vary else None
-        )
-    return loss_fn, {"loss": kind, "why": why, "compiled": compiled}
+        backend, dynamic = cfg.performance.torch_compile_backend, True if facts.lengths_vary else None
+
+        def compile_fn(fn):
+            return torch.compile(fn, backend=backend, dynamic=dynamic)
+
+    return standard_loss(logit_postprocess(config), compile_fn), {"loss": kind, "why": why, "compiled": compiled}
 
 
 def loss_decision(cfg: HoneConfig) -> tuple[str, str]:
     """(the loss the run will use, why), by :func:`decide_loss` with what the model's config
     shows before it loads (a bias on the head is only known once it has): what the plan and the
-    memory estimate count on."""
+    memory estimate count on. A preference objective's per-sequence log-probs walk the tokens in
+    chunks as the fused loss does (never the logits)."""
+    if cfg.training.is_preference:
+        return "fused_linear_ce", f"training.objective: {cfg.training.objective} (per-sequence log-probs, chunked)"
     return decide_loss(cfg.performance.loss, fused_loss_blockers(transformers_config(cfg.model), None))
 
 
 def _why(ctx: PlanContext) -> str:
+    if ctx.cfg.training.is_preference:
+        return f"{ctx.cfg.training.objective} (training.objective; per-sequence log-probs from the hidden states)"
     kind, why = loss_decision(ctx.cfg)
     return f"{kind} ({why})"
+
+
+def _check(ctx: PlanContext) -> list[str]:
+    """What a preference objective cannot run with that only the plan's decisions show."""
+    objective = ctx.cfg.training.objective
+    if objective == "sft":
+        return []
+    problems = []
+    if ctx.decided.expert_parallel > 1:
+        problems.append(
+            f"training.objective: {objective} does not run with expert parallelism yet (distributed.expert_parallel "
+            f"resolves to {ctx.decided.expert_parallel}): set distributed.expert_parallel: 1"
+        )
+    blockers = fused_loss_blockers(transformers_config(ctx.cfg.model), None)
+    if blockers:
+        problems.append(
+            f"training.objective: {objective} sums log-probabilities from the hidden states and the output head, "
+            f"which cannot be exact for this model: {'; '.join(blockers)}"
+        )
+    return problems
 
 
 LOSS = Transform(
     name="loss",
     switch="performance.loss",
     wanted=lambda ctx: True,
+    check=_check,
     why=_why,
     loss=lambda model, ctx: build_loss(ctx.cfg, ctx.facts, model),
     label=lambda d: f"loss ({d['loss']})",

@@ -426,7 +426,7 @@ def tiled_layers_blockers(cfg: HoneConfig, device_type: str, strategy: str) -> l
     packing and other backends for an explicit count), on ``device_type`` under the data-parallel
     ``strategy``: the problems of an explicit count, the reason ``auto`` leaves the layers whole."""
     blockers = []
-    if cfg.data.sample_packing or cfg.data.packs_eval:
+    if cfg.packs_documents:
         blockers.append("packed rows carry a document mask, tiled layers compute causal rows without one")
     if cfg.model.attn_implementation != "sdpa":
         blockers.append(f"model.attn_implementation is {cfg.model.attn_implementation}; tiled layers attend through sdpa")

@@ -91,7 +91,7 @@ def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, comp
     ``true`` stops with the reasons.
     """
     choice = cfg.model.sdpa_varlen
-    packs = cfg.data.sample_packing or cfg.data.packs_eval
+    packs = cfg.packs_documents  # packed rows, or preference pairs packed per micro-batch
     if cfg.model.attn_implementation != "sdpa" or not packs or choice is False:
         return None
     blockers = varlen_blockers(model.config, device, compute)

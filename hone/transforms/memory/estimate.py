@@ -201,7 +201,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
     perf = cfg.performance
     split = knobs.context_parallel or cfg.distributed.context_parallel  # one rank's shard of each sequence
     seq = -(-(knobs.sequence_len or cfg.data.sequence_len) // split)
-    mbs = knobs.micro_batch or cfg.training.micro_batch_size
+    mbs = knobs.micro_batch or cfg.sequences_per_micro_batch  # a preference micro-batch: 2 sequences per pair
     compiled = perf.compiles_on(knobs.device) if knobs.compiled is None else knobs.compiled
     chunks = layer_chunks(knobs.tiled_layers, knobs.checkpointing, seq)
     piece = mbs * -(-seq // chunks) if chunks else seq * mbs
