@@ -37,10 +37,21 @@ class Workload(Section):
     gradient_accumulation_steps: int = Field(1, ge=1)
     dtype: Dtype = "bfloat16"
     adapter: BenchAdapter = Field(default_factory=BenchAdapter)
-    data: Literal["random", "lengths"] = "random"
+    data: Literal["random", "lengths", "pairs"] = "random"
     """``random``: full-length rows of random ids, every token trained. ``lengths``: documents
     of random ids with log-normal lengths (see ``length_median``), to compare batching
-    (padded vs ``data.sample_packing``) by trained tokens per second."""
+    (padded vs ``data.sample_packing``) by trained tokens per second. ``pairs``: preference
+    pairs of random words (``prompt_len``, ``completion_len``) trained with ``objective``;
+    ``micro_batch_size`` counts pairs."""
+
+    prompt_len: int = Field(512, ge=2)
+    """``data: pairs``: prompt tokens of every pair (BOS included)."""
+
+    completion_len: int = Field(768, ge=2)
+    """``data: pairs``: tokens of the chosen and of the rejected completion (EOS included)."""
+
+    objective: Literal["dpo", "ipo", "orpo"] = "dpo"
+    """``data: pairs``: the preference objective hone trains (``training.objective``)."""
 
     length_median: int = Field(300, ge=8)
     """``data: lengths``: median document length in tokens."""
@@ -59,8 +70,25 @@ class Workload(Section):
             raise ValueError("workload.layers only applies to presets")
         return self
 
+    @model_validator(mode="after")
+    def _pairs_fit(self) -> "Workload":
+        if self.data == "pairs" and self.prompt_len + self.completion_len > self.sequence_len:
+            raise ValueError(
+                f"data: pairs: prompt_len {self.prompt_len} + completion_len {self.completion_len} is beyond "
+                f"sequence_len {self.sequence_len} (each of a pair's two sequences must fit)"
+            )
+        return self
+
+    @property
+    def pairs_per_step(self) -> int:
+        """``data: pairs``: pairs in one optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
     @property
     def tokens_per_step(self) -> int:
+        """Tokens one step runs through the model (pairs: both sequences of every pair)."""
+        if self.data == "pairs":
+            return 2 * (self.prompt_len + self.completion_len) * self.pairs_per_step
         return self.sequence_len * self.micro_batch_size * self.gradient_accumulation_steps
 
 
@@ -176,6 +204,12 @@ class BenchSpec(Section):
     @model_validator(mode="after")
     def _lengths_are_hone_only(self) -> "BenchSpec":
         refs = [c.name for c in self.conditions if c.reference is not None]
+        if self.workload.data == "pairs" and refs:
+            raise ValueError(
+                f"workload.data 'pairs' trains a preference objective, which the reference step (the language-modelling "
+                f"loss) does not; remove the reference condition(s) {', '.join(refs)} and run the TRL peer "
+                "(benchmarks/peer/trl_dpo.py) in the same device call"
+            )
         if self.workload.data == "lengths" and refs:
             raise ValueError(
                 f"workload.data 'lengths' varies document lengths, which the reference step (full-length "
