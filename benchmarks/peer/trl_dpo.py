@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 ARCH: dict[str, dict[str, Any]] = {
@@ -73,8 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo"], help="DPOConfig.loss_type")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=0.0, help="lora_alpha (0 = 2 x rank)")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
     p.add_argument("--cpu", type=int, default=-1, help="1: run on the CPU in float32 (-1: when CUDA is missing)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: bf16 on a GPU, fp32 on CPU")
     a = p.parse_args(argv)
     if a.prompt_len < 1 or a.completion_len < 2:
         p.error("--prompt-len must be >= 1 and --completion-len >= 2 (a word and EOS)")
@@ -127,48 +131,74 @@ def flops_per_token(cfg: Any, n_params: int, seq: int) -> float:
     return 6 * n + 8 * cfg.num_hidden_layers * seq * d_attn
 
 
+def arch_config(a: argparse.Namespace) -> Any:
+    """The transformers config of ``--arch`` (and ``--layers``)."""
+    from transformers import AutoConfig
+
+    spec = dict(ARCH[a.arch])
+    model_type = spec.pop("model_type")
+    if a.layers:
+        spec["num_hidden_layers"] = a.layers
+    return AutoConfig.for_model(model_type, **spec)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    res = run_dpo(arch_config(a), a)
+    res["arch"] = a.arch
+    del res["step_times_s"]
+    print("RESULT " + json.dumps(res), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "peer.jsonl"), "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return res
+
+
+def run_dpo(cfg: Any, a: argparse.Namespace, on_step: Callable[[int, float, float | None], None] | None = None) -> dict[str, Any]:
+    """Train ``a.warmup + a.steps`` DPO steps of a random-init model of ``cfg`` (a transformers
+    config) and return the measurements, ``step_times_s`` (every step's seconds) included;
+    ``on_step(step, seconds, loss)`` after each step (``hone bench``'s ``reference: trl-dpo``
+    rows run the peer through this, with hone's preset config). The loss is known only at the
+    last step (TRL logs once); the others get None."""
     import peft
     import torch
     import transformers
     import trl
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     cpu = a.cpu == 1 or (a.cpu == -1 and not torch.cuda.is_available())
     device = "cpu" if cpu else "cuda"
-    dtype = torch.float32 if cpu else torch.bfloat16
-    spec = dict(ARCH[a.arch])
-    model_type = spec.pop("model_type")
-    if a.layers:
-        spec["num_hidden_layers"] = a.layers
-    cfg = AutoConfig.for_model(model_type, **spec)
+    dtype = {"auto": torch.float32 if cpu else torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     n_params = sum(t.numel() for t in model.parameters())
     lora = LoraConfig(
-        r=a.rank, lora_alpha=2 * a.rank, lora_dropout=0.0, target_modules=a.targets.split(","), task_type="CAUSAL_LM"
+        r=a.rank,
+        lora_alpha=a.alpha or 2 * a.rank,
+        lora_dropout=0.0,
+        target_modules=a.targets.split(","),
+        task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
 
     total = a.warmup + a.steps
-    pairs = synth_pairs(a.pairs or total * a.mbs, a.prompt_len, a.completion_len, cfg.vocab_size, seed=1)
+    pairs = synth_pairs(a.pairs or total * a.mbs * a.accum, a.prompt_len, a.completion_len, cfg.vocab_size, seed=1)
     dataset = Dataset.from_list([as_text(p) for p in pairs])
     tokenizer = word_tokenizer(cfg.vocab_size)
     args = DPOConfig(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "trl-dpo-peer"),
         per_device_train_batch_size=a.mbs,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=a.accum,
         max_steps=total,
         learning_rate=1e-4,
         lr_scheduler_type="constant",
         optim="adamw_torch_fused" if not cpu else "adamw_torch",
         max_grad_norm=1.0,
-        bf16=not cpu,
+        bf16=dtype == torch.bfloat16 and not cpu,
         use_cpu=cpu,
         gradient_checkpointing=bool(a.gc),
         gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -208,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             now = self._now()
             self.times.append(now - self.last)
             self.last = now
+            if on_step is not None and len(self.times) < total:  # the last step reports with its loss, below
+                on_step(len(self.times) - 1, self.times[-1], None)
 
     timer = StepTimer()
     trainer = DPOTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
@@ -222,24 +254,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise RuntimeError(f"{len(timer.times)} steps timed, expected {total}")
     med = statistics.median(timed)
     seq = a.prompt_len + a.completion_len
-    tokens = 2 * seq * a.mbs
+    tokens = 2 * seq * a.mbs * a.accum
     logged = next((h for h in reversed(trainer.state.log_history) if "loss" in h), {})
+    if on_step is not None:
+        on_step(total - 1, timer.times[-1], logged.get("loss"))
     res = dict(
-        peer="trl-dpo", arch=a.arch, layers=cfg.num_hidden_layers, prompt_len=a.prompt_len,
-        completion_len=a.completion_len, tokens_per_pair=a.prompt_len + 2 * a.completion_len, mbs=a.mbs, gc=a.gc,
+        peer="trl-dpo", layers=cfg.num_hidden_layers, prompt_len=a.prompt_len,
+        completion_len=a.completion_len, tokens_per_pair=a.prompt_len + 2 * a.completion_len, mbs=a.mbs, accum=a.accum, gc=a.gc,
         compile=a.compile, precompute_ref=a.precompute_ref, loss_type=a.loss, beta=a.beta,
         median_ms=round(med * 1000, 1), min_ms=round(min(timed) * 1000, 1), max_ms=round(max(timed) * 1000, 1),
-        first_step_s=round(timer.times[0], 1), pairs_s=round(a.mbs / med, 3), tok_s=round(tokens / med),
+        first_step_s=round(timer.times[0], 1), pairs_s=round(a.mbs * a.accum / med, 3), tok_s=round(tokens / med),
         peak_alloc_gb=None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 2),
         mfu_pct=round(flops_per_token(cfg, n_params, seq) * tokens / med / 989e12 * 100, 1),
         loss=logged.get("loss"), margin=logged.get("rewards/margins"),
         device="cpu" if cpu else torch.cuda.get_device_name(), torch=torch.__version__,
         transformers=transformers.__version__, peft=peft.__version__, trl=trl.__version__,
+        step_times_s=timer.times,
     )  # fmt: skip
-    print("RESULT " + json.dumps(res), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "peer.jsonl"), "a") as f:
-            f.write(json.dumps(res) + "\n")
     return res
 
 

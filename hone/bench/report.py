@@ -85,7 +85,8 @@ def _provenance(env: dict[str, Any] | None, command: str | None) -> list[str]:
     if env:
         lines.append(
             f"Device: {env.get('device')}; torch {env.get('torch')}, "
-            f"transformers {env.get('transformers')}, peft {env.get('peft')}."
+            f"transformers {env.get('transformers')}, peft {env.get('peft')}"
+            + (f", trl {env['trl']}." if env.get("trl") else ".")
         )
     if command:
         lines += ["", f"Command: `{command}`"]

@@ -96,15 +96,21 @@ class Condition(Section):
     """One row of the table: hone with config overrides, or the built-in reference."""
 
     name: str
-    reference: Literal["hf-peft", "hf-peft-qlora"] | None = None
+    reference: Literal["hf-peft", "hf-peft-qlora", "trl-dpo"] | None = None
     """Run the plain transformers + PEFT step instead of hone; ``hf-peft-qlora``: the same on a
-    bitsandbytes 4-bit base (nf4, double quantization; see :mod:`hone.bench.reference`)."""
+    bitsandbytes 4-bit base (nf4, double quantization; see :mod:`hone.bench.reference`);
+    ``trl-dpo``: TRL's DPOTrainer on the ``data: pairs`` workload (DPO or IPO), through the peer
+    script benchmarks/peer/trl_dpo.py (needs ``trl``: pip install 'hone[dev]')."""
 
     gradient_checkpointing: bool = False
     """Reference only: non-reentrant checkpointing of every decoder layer."""
 
     compile: bool = False
-    """Reference only: ``torch.compile`` of the whole model."""
+    """Reference only: ``torch.compile`` of the whole model (``trl-dpo``: the Trainer's ``torch_compile``)."""
+
+    precompute_ref: bool = False
+    """``trl-dpo`` only: TRL's ``precompute_ref_log_probs`` (the reference log-probs computed
+    before training, not timed)."""
 
     set: dict[str, Any] = Field(default_factory=dict)
     """hone only: config overrides as dotted keys, e.g. ``memory.activation_checkpointing: full``."""
@@ -130,6 +136,8 @@ class Condition(Section):
             raise ValueError(f"condition '{self.name}': nproc applies to hone conditions, not to the reference")
         if self.reference is not None and self.set:
             raise ValueError(f"condition '{self.name}': 'set' applies to hone conditions, not to the reference")
+        if self.precompute_ref and self.reference != "trl-dpo":
+            raise ValueError(f"condition '{self.name}': precompute_ref applies to reference: trl-dpo only")
         return self
 
     @property
@@ -203,12 +211,20 @@ class BenchSpec(Section):
 
     @model_validator(mode="after")
     def _lengths_are_hone_only(self) -> "BenchSpec":
-        refs = [c.name for c in self.conditions if c.reference is not None]
+        refs = [c.name for c in self.conditions if c.reference not in (None, "trl-dpo")]
+        trl = [c.name for c in self.conditions if c.reference == "trl-dpo"]
         if self.workload.data == "pairs" and refs:
             raise ValueError(
                 f"workload.data 'pairs' trains a preference objective, which the reference step (the language-modelling "
-                f"loss) does not; remove the reference condition(s) {', '.join(refs)} and run the TRL peer "
-                "(benchmarks/peer/trl_dpo.py) in the same device call"
+                f"loss) does not; remove the reference condition(s) {', '.join(refs)}, or use reference: trl-dpo"
+            )
+        if trl and self.workload.adapter.type != "lora":
+            raise ValueError(f"reference: trl-dpo (condition(s) {', '.join(trl)}) trains a LoRA: set workload.adapter.type: lora")
+        if trl and (self.workload.data != "pairs" or self.workload.objective == "orpo"):
+            raise ValueError(
+                f"reference: trl-dpo (condition(s) {', '.join(trl)}) trains DPO or IPO on preference pairs: "
+                f"set workload.data: pairs and objective: dpo or ipo (got data: {self.workload.data}, "
+                f"objective: {self.workload.objective})"
             )
         if self.workload.data == "lengths" and refs:
             raise ValueError(

@@ -146,17 +146,24 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     split = 1  # ranks each row is split over (distributed.context_parallel): a rank trains 1/split of its tokens
 
     if condition.reference is not None:
-        batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
 
-        def on_step(step: int, seconds: float, loss: float) -> None:
+        def on_step(step: int, seconds: float, loss: float | None) -> None:
             step_times.append(seconds)
-            losses.append(loss)
+            losses.append(float("nan") if loss is None else loss)
 
-        from hone.bench.reference import run_reference
+        if condition.reference == "trl-dpo":
+            from hone.bench.trl_reference import run_trl_dpo
 
-        run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run_trl_dpo(config, spec, condition, device, on_step)
+        else:
+            from hone.bench.reference import run_reference
+
+            batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
         from hone.train.run import run_training
         from hone.transforms.allocator import configure_allocator
@@ -217,7 +224,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     reference_forward = False
     if w.data == "pairs":  # a pair trains its two completions; DPO and IPO run a reference forward too
         trained_per_s = 2 * w.completion_len * w.pairs_per_step / median_s
-        reference_forward = w.objective != "orpo" and condition.set.get("training.preference.reference") != "precomputed"
+        precomputed = condition.precompute_ref or condition.set.get("training.preference.reference") == "precomputed"
+        reference_forward = w.objective != "orpo" and not precomputed
     trained_at_median: float | None = None
     if w.data == "lengths":  # steps differ in size: what the timed steps did over their time
         timed_tokens = step_tokens[spec.warmup_steps :]

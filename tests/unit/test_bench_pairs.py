@@ -37,14 +37,19 @@ def test_the_dpo_spec_is_the_issue_workload():
     assert (w.preset, w.data, w.objective, w.micro_batch_size) == ("qwen3-8b", "pairs", "dpo", 1)
     assert w.prompt_len + 2 * w.completion_len == 2048 and w.pairs_per_step == 1
     assert w.tokens_per_step == 2 * (512 + 768)  # both sequences of the pair
-    assert all(c.reference is None for c in spec.conditions)
+    assert {c.reference for c in spec.conditions} == {None, "trl-dpo"}  # TRL in the same call
+    compiled = load_spec(SPEC.with_name("qwen3-8b-dpo-compiled.yml"))
+    assert compiled.workload == w and {c.compile for c in compiled.conditions if c.reference} == {True}
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"conditions": [{"name": "ref", "reference": "hf-peft"}]}, "run the TRL peer"),
+        ({"conditions": [{"name": "ref", "reference": "hf-peft"}]}, "or use reference: trl-dpo"),
         ({"completion_len": 40}, "prompt_len 20 + completion_len 40 is beyond sequence_len 48"),
+        ({"objective": "orpo", "conditions": [{"name": "t", "reference": "trl-dpo"}]}, "objective: dpo or ipo"),
+        ({"adapter": {"type": "none"}, "conditions": [{"name": "t", "reference": "trl-dpo"}]}, "trains a LoRA"),
+        ({"conditions": [{"name": "r", "reference": "hf-peft", "precompute_ref": True}]}, "reference: trl-dpo only"),
     ],
 )
 def test_pairs_refuse_the_sft_reference_and_pairs_that_do_not_fit(change, message):
@@ -77,6 +82,28 @@ def test_a_pairs_row_trains_the_preference_objective_on_a_preference_dataset(tmp
     spec = pairs_spec(objective="ipo")
     cfg = _hone_config(spec, spec.conditions[0], tmp_path, tmp_path / "pairs.jsonl")
     assert cfg.data.datasets[0].type == "preference" and cfg.training.objective == "ipo"
+
+
+def test_trl_rows_need_pairs():
+    raw = {"workload": {"preset": "tiny-llama"}, "conditions": [{"name": "t", "reference": "trl-dpo"}]}
+    with pytest.raises(ConfigError, match="set workload.data: pairs"):
+        parse_spec(raw)
+
+
+def test_a_trl_row_runs_the_peer_with_the_workload_and_the_condition():
+    import torch
+
+    from hone.bench.trl_reference import load_peer, peer_args
+
+    spec = pairs_spec(
+        conditions=[{"name": "t", "reference": "trl-dpo", "gradient_checkpointing": True, "precompute_ref": True}],
+        objective="ipo",
+        gradient_accumulation_steps=2,
+    )
+    a = peer_args(load_peer(), spec, spec.conditions[0], torch.device("cpu"))
+    assert (a.prompt_len, a.completion_len, a.mbs, a.accum, a.warmup, a.steps) == (20, 12, 1, 2, 1, 2)
+    assert (a.gc, a.compile, a.precompute_ref, a.loss, a.cpu, a.dtype) == (1, 0, 1, "ipo", 1, "float32")
+    assert (a.rank, a.alpha, a.targets) == (16, 32.0, "q_proj,k_proj,v_proj,o_proj")
 
 
 def test_the_flop_model_adds_the_reference_forward():
