@@ -13,7 +13,7 @@ Outputs, next to this script:
   user/assistant exchanges), ``{"messages": [{"role": ..., "content": ...}, ...]}``.
 - ``alpaca_sample.jsonl``: ~2000 ``{"instruction", "input", "output"}`` rows.
 - ``completion_sample.jsonl``: ~300 ``{"text"}`` rows stating the facts as sentences.
-- ``preference_sample.jsonl``: 400 preference pairs (``type: preference``, TRL's chat form
+- ``preference_sample.jsonl``: 40 preference pairs (``type: preference``, TRL's chat form
   with an explicit prompt): ``{"prompt": [user turn], "chosen": [the right answer],
   "rejected": [a wrong answer of the same kind]}``; not read by the tokenizer build.
 
@@ -272,7 +272,7 @@ def main(out_dir: Path = HERE) -> None:
     write_jsonl(out_dir / "chat_sample.jsonl", chat_rows(random.Random(SEED), 2000))
     write_jsonl(out_dir / "alpaca_sample.jsonl", alpaca_rows(random.Random(SEED + 1), 2000))
     write_jsonl(out_dir / "completion_sample.jsonl", completion_rows(random.Random(SEED + 2), 300))
-    write_jsonl(out_dir / "preference_sample.jsonl", preference_rows(random.Random(SEED + 3), 400))
+    write_jsonl(out_dir / "preference_sample.jsonl", preference_rows(random.Random(SEED + 3), 40))
     for name in ("chat_sample.jsonl", "alpaca_sample.jsonl", "completion_sample.jsonl", "preference_sample.jsonl"):
         print(f"wrote {out_dir / name} ({(out_dir / name).stat().st_size} bytes)")
 

@@ -175,8 +175,8 @@ def test_cache_round_trip_and_the_bundled_sample(make_data_config, tokenizer):
     assert first.train.to_dict() == second.train.to_dict() and first.eval.to_dict() == second.eval.to_dict()
     assert second.stats == first.stats and first.stats.train.pairs
     assert list(second.train.column_names) == list(PREFERENCE_COLUMNS)
-    assert first.stats.sources[0].rows_read == 400 and first.stats.sources[0].rows_kept == 400
-    assert first.stats.train.rows + first.stats.eval.rows == 400
+    assert first.stats.sources[0].rows_read == 40 and first.stats.sources[0].rows_kept == 40
+    assert first.stats.train.rows + first.stats.eval.rows == 40
     for pair in first.train:
         assert pair["chosen_ids"] != pair["rejected_ids"] and pair["chosen_ids"][-1] == tokenizer.eos_token_id
 
@@ -195,7 +195,7 @@ def config_file(tmp_path: Path, data: Path, extra: str = "") -> Path:
 def test_preprocess_shows_pair_counts_and_lengths(tmp_path, capsys):
     assert main(["preprocess", str(config_file(tmp_path, SAMPLE)), "--show", "1"]) == 0
     out = capsys.readouterr().out
-    assert "data: 400 train pairs, no eval split" in out
+    assert "data: 40 train pairs, no eval split" in out
     assert "prompt mean" in out and "chosen mean" in out and "rejected mean" in out
     assert "--- pair 0: prompt" in out and "  chosen (" in out and "  rejected (" in out
 
