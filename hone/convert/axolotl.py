@@ -678,7 +678,9 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
                 data["val_set_size"] = number
     for key in ("sample_packing", "eval_sample_packing"):
         value = r.take(key)
-        if isinstance(value, bool):
+        if preference and value is True:
+            notes.append(f"{key}: not needed (a preference objective packs each micro-batch's pairs into one row itself)")
+        elif isinstance(value, bool) and not preference:
             data[key] = value
     prepared = r.take("dataset_prepared_path")
     if prepared:

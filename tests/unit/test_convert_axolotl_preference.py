@@ -67,6 +67,14 @@ def test_rl_and_its_keys_become_the_objective(keys, training):
     assert conversion.untranslated_keys == lost  # trl.beta wins over rl_beta, as in Axolotl
 
 
+def test_sample_packing_is_left_to_the_objective(tmp_path):
+    conversion = _convert(BASE + "rl: dpo\nsample_packing: true\neval_sample_packing: false\n" + ULTRA)
+    assert "sample_packing" not in conversion.config["data"] and "eval_sample_packing" not in conversion.config["data"]
+    assert conversion.untranslated_keys == []
+    assert any(n.startswith("sample_packing: not needed (a preference objective packs") for n in conversion.notes)
+    _parse(conversion, tmp_path, objective=HAS_OBJECTIVE)  # hone refuses data.sample_packing with a preference objective
+
+
 def test_keys_without_a_counterpart_are_listed_and_those_hone_does_itself_noted():
     keys = "rl: ipo\ndpo_label_smoothing: 0.1\ndpo_use_weighting: true\nrpo_alpha: 1.0\ndpo_padding_free: true\n"
     conversion = _convert(BASE + keys + ULTRA)
