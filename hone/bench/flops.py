@@ -9,7 +9,9 @@ and is excluded, the output projection is included (also when tied to the embedd
 MoE only the ``num_experts_per_tok`` routed experts of each layer count. Causal attention costs
 2 * L * s * d_attn per token forward (QK^T and PV over half the sequence on average, two FLOPs
 per multiply-add), twice that backward. Recomputation by checkpointing is not counted: this is
-model FLOP utilisation, not hardware FLOP utilisation.
+model FLOP utilisation, not hardware FLOP utilisation. A preference objective with a reference
+(DPO, IPO) adds the reference's forward, 2 * N_active + 2 * L * s * d_attn, for every token of
+both sequences of a pair.
 """
 
 from typing import Any
@@ -38,14 +40,25 @@ def _moe_layer_count(config: Any) -> int:
     return sum(1 for i in range(config.num_hidden_layers) if (i + 1) % step == 0 and i not in dense)
 
 
-def flops_per_token(config: Any, total_params: int, seq_len: int, full_finetune: bool) -> float:
-    """Model FLOPs for one trained token at sequence length ``seq_len``."""
+def flops_per_token(config: Any, total_params: int, seq_len: int, full_finetune: bool, reference_forward: bool = False) -> float:
+    """Model FLOPs for one trained token at sequence length ``seq_len``; ``reference_forward``:
+    plus a forward of a reference model over the same token (DPO, IPO: 2N + 2 * L * s * d_attn)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     d_attn = config.num_attention_heads * head_dim
     n_active = active_matmul_params(config, total_params)
-    return (6 if full_finetune else 4) * n_active + 6 * config.num_hidden_layers * seq_len * d_attn
+    extra = 2 * n_active + 2 * config.num_hidden_layers * seq_len * d_attn if reference_forward else 0
+    return (6 if full_finetune else 4) * n_active + 6 * config.num_hidden_layers * seq_len * d_attn + extra
 
 
-def mfu(config: Any, total_params: int, seq_len: int, full_finetune: bool, tokens_per_s: float, peak_tflops: float) -> float:
+def mfu(
+    config: Any,
+    total_params: int,
+    seq_len: int,
+    full_finetune: bool,
+    tokens_per_s: float,
+    peak_tflops: float,
+    reference_forward: bool = False,
+) -> float:
     """Model FLOP utilisation as a fraction of ``peak_tflops``."""
-    return flops_per_token(config, total_params, seq_len, full_finetune) * tokens_per_s / (peak_tflops * 1e12)
+    per_token = flops_per_token(config, total_params, seq_len, full_finetune, reference_forward)
+    return per_token * tokens_per_s / (peak_tflops * 1e12)

@@ -154,7 +154,7 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
-    return {
+    env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -162,6 +162,13 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # the peer of reference: trl-dpo rows
+        env["trl"] = version("trl")
+    except PackageNotFoundError:
+        pass
+    return env
 
 
 def record_row(

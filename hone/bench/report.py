@@ -38,6 +38,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 "trained_tokens_per_s_at_median",
                 "tokens_per_s_per_gpu",
                 "scaling",
+                "pairs_per_s",
             ):
                 values = [r[key] for r in ok if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
@@ -48,6 +49,8 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
             entry["tokens_per_s"] = ok[0]["tokens_per_s"] * scale
             entry["trained_tokens_per_s"] = ok[0]["trained_tokens_per_s"] * scale
             entry["mfu_pct"] = ok[0]["mfu_pct"] * scale
+            if ok[0].get("pairs_per_s") is not None:
+                entry["pairs_per_s"] = ok[0]["pairs_per_s"] * scale
             entry["nproc"] = condition.nproc
         else:
             failed = mine[0] if mine else {}
@@ -82,7 +85,8 @@ def _provenance(env: dict[str, Any] | None, command: str | None) -> list[str]:
     if env:
         lines.append(
             f"Device: {env.get('device')}; torch {env.get('torch')}, "
-            f"transformers {env.get('transformers')}, peft {env.get('peft')}."
+            f"transformers {env.get('transformers')}, peft {env.get('peft')}"
+            + (f", trl {env['trl']}." if env.get("trl") else ".")
         )
     if command:
         lines += ["", f"Command: `{command}`"]
@@ -97,21 +101,29 @@ def markdown_table(
         return _lengths_table(spec, summary, env, command)
     base = baseline_of(summary)
     model, adapter = _describe(w)
+    pairs = w.data == "pairs"
+    data = (
+        f"{w.objective.upper()} on pairs of a {w.prompt_len}-token prompt and two {w.completion_len}-token completions "
+        f"({w.prompt_len + 2 * w.completion_len} tokens a pair), micro-batch {w.micro_batch_size} pair(s) x accum "
+        f"{w.gradient_accumulation_steps}; tok/s counts both sequences of a pair"
+        if pairs
+        else f"seq {w.sequence_len}; micro-batch {w.micro_batch_size} x accum {w.gradient_accumulation_steps}"
+    )
     lines = [
         f"### {spec.name}",
         "",
-        f"{model}; seq {w.sequence_len}; micro-batch {w.micro_batch_size} x accum {w.gradient_accumulation_steps}; "
-        f"{w.dtype}; {adapter}; random tokens. Median of {spec.timed_steps} steps after {spec.warmup_steps} warm-up, "
-        f"{spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
+        f"{model}; {data}; {w.dtype}; {adapter}; random tokens. Median of {spec.timed_steps} steps after "
+        f"{spec.warmup_steps} warm-up, {spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
     ]
     lines += _provenance(env, command)
     ref_name = base["condition"] if base else "reference"
     multi = any(c.nproc > 1 for c in spec.conditions)
     lines += [
         "",
-        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | tok/s | peak alloc GiB | estimated GiB | "
+        f"| condition | ms/step (min-max) | speed-up vs {ref_name} | {'pairs/s | ' if pairs else ''}tok/s | peak alloc GiB | "
+        "estimated GiB | "
         "peak host GiB | MFU | first step s | last loss |" + (" GPUs | tok/s per GPU | scaling vs 1 GPU |" if multi else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if multi else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pairs else "") + ("---|---|---|" if multi else ""),
     ]
     if multi:
         lines.insert(
@@ -124,7 +136,8 @@ def markdown_table(
         ratio = f"{base['median_ms'] / s['median_ms']:.2f}x" if base else ""
         lines.append(
             f"| {s['condition']} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {ratio} | "
-            f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | "
+            + (f"{_fmt(s.get('pairs_per_s'), '.2f')} | " if pairs else "")
+            + f"{s['tokens_per_s']:,.0f} | {_fmt(s['peak_alloc_gib'], '.1f')} | {_fmt(s.get('estimated_peak_gib'), '.1f')} | "
             f"{_fmt(s.get('peak_host_gib'), '.1f')} | {_fmt(s['mfu_pct'], '.1f')}% | "
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
             + (

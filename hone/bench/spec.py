@@ -37,10 +37,21 @@ class Workload(Section):
     gradient_accumulation_steps: int = Field(1, ge=1)
     dtype: Dtype = "bfloat16"
     adapter: BenchAdapter = Field(default_factory=BenchAdapter)
-    data: Literal["random", "lengths"] = "random"
+    data: Literal["random", "lengths", "pairs"] = "random"
     """``random``: full-length rows of random ids, every token trained. ``lengths``: documents
     of random ids with log-normal lengths (see ``length_median``), to compare batching
-    (padded vs ``data.sample_packing``) by trained tokens per second."""
+    (padded vs ``data.sample_packing``) by trained tokens per second. ``pairs``: preference
+    pairs of random words (``prompt_len``, ``completion_len``) trained with ``objective``;
+    ``micro_batch_size`` counts pairs."""
+
+    prompt_len: int = Field(512, ge=2)
+    """``data: pairs``: prompt tokens of every pair (BOS included)."""
+
+    completion_len: int = Field(768, ge=2)
+    """``data: pairs``: tokens of the chosen and of the rejected completion (EOS included)."""
+
+    objective: Literal["dpo", "ipo", "orpo"] = "dpo"
+    """``data: pairs``: the preference objective hone trains (``training.objective``)."""
 
     length_median: int = Field(300, ge=8)
     """``data: lengths``: median document length in tokens."""
@@ -59,8 +70,25 @@ class Workload(Section):
             raise ValueError("workload.layers only applies to presets")
         return self
 
+    @model_validator(mode="after")
+    def _pairs_fit(self) -> "Workload":
+        if self.data == "pairs" and self.prompt_len + self.completion_len > self.sequence_len:
+            raise ValueError(
+                f"data: pairs: prompt_len {self.prompt_len} + completion_len {self.completion_len} is beyond "
+                f"sequence_len {self.sequence_len} (each of a pair's two sequences must fit)"
+            )
+        return self
+
+    @property
+    def pairs_per_step(self) -> int:
+        """``data: pairs``: pairs in one optimizer step."""
+        return self.micro_batch_size * self.gradient_accumulation_steps
+
     @property
     def tokens_per_step(self) -> int:
+        """Tokens one step runs through the model (pairs: both sequences of every pair)."""
+        if self.data == "pairs":
+            return 2 * (self.prompt_len + self.completion_len) * self.pairs_per_step
         return self.sequence_len * self.micro_batch_size * self.gradient_accumulation_steps
 
 
@@ -68,15 +96,21 @@ class Condition(Section):
     """One row of the table: hone with config overrides, or the built-in reference."""
 
     name: str
-    reference: Literal["hf-peft", "hf-peft-qlora"] | None = None
+    reference: Literal["hf-peft", "hf-peft-qlora", "trl-dpo"] | None = None
     """Run the plain transformers + PEFT step instead of hone; ``hf-peft-qlora``: the same on a
-    bitsandbytes 4-bit base (nf4, double quantization; see :mod:`hone.bench.reference`)."""
+    bitsandbytes 4-bit base (nf4, double quantization; see :mod:`hone.bench.reference`);
+    ``trl-dpo``: TRL's DPOTrainer on the ``data: pairs`` workload (DPO or IPO), through the peer
+    script benchmarks/peer/trl_dpo.py (needs ``trl``: pip install 'hone[dev]')."""
 
     gradient_checkpointing: bool = False
     """Reference only: non-reentrant checkpointing of every decoder layer."""
 
     compile: bool = False
-    """Reference only: ``torch.compile`` of the whole model."""
+    """Reference only: ``torch.compile`` of the whole model (``trl-dpo``: the Trainer's ``torch_compile``)."""
+
+    precompute_ref: bool = False
+    """``trl-dpo`` only: TRL's ``precompute_ref_log_probs`` (the reference log-probs computed
+    before training, not timed)."""
 
     set: dict[str, Any] = Field(default_factory=dict)
     """hone only: config overrides as dotted keys, e.g. ``memory.activation_checkpointing: full``."""
@@ -102,6 +136,8 @@ class Condition(Section):
             raise ValueError(f"condition '{self.name}': nproc applies to hone conditions, not to the reference")
         if self.reference is not None and self.set:
             raise ValueError(f"condition '{self.name}': 'set' applies to hone conditions, not to the reference")
+        if self.precompute_ref and self.reference != "trl-dpo":
+            raise ValueError(f"condition '{self.name}': precompute_ref applies to reference: trl-dpo only")
         return self
 
     @property
@@ -175,7 +211,21 @@ class BenchSpec(Section):
 
     @model_validator(mode="after")
     def _lengths_are_hone_only(self) -> "BenchSpec":
-        refs = [c.name for c in self.conditions if c.reference is not None]
+        refs = [c.name for c in self.conditions if c.reference not in (None, "trl-dpo")]
+        trl = [c.name for c in self.conditions if c.reference == "trl-dpo"]
+        if self.workload.data == "pairs" and refs:
+            raise ValueError(
+                f"workload.data 'pairs' trains a preference objective, which the reference step (the language-modelling "
+                f"loss) does not; remove the reference condition(s) {', '.join(refs)}, or use reference: trl-dpo"
+            )
+        if trl and self.workload.adapter.type != "lora":
+            raise ValueError(f"reference: trl-dpo (condition(s) {', '.join(trl)}) trains a LoRA: set workload.adapter.type: lora")
+        if trl and (self.workload.data != "pairs" or self.workload.objective == "orpo"):
+            raise ValueError(
+                f"reference: trl-dpo (condition(s) {', '.join(trl)}) trains DPO or IPO on preference pairs: "
+                f"set workload.data: pairs and objective: dpo or ipo (got data: {self.workload.data}, "
+                f"objective: {self.workload.objective})"
+            )
         if self.workload.data == "lengths" and refs:
             raise ValueError(
                 f"workload.data 'lengths' varies document lengths, which the reference step (full-length "

@@ -3,7 +3,8 @@
 The harness starts ``python -m hone.bench.worker SPEC_JSON CONDITION REPLICATE RESULT_JSON``;
 a fresh process per row keeps compile caches, allocator state and CUDA context of one condition
 from leaking into the next. hone conditions go through ``run_training`` (the code path of
-``hone train``), with random-token data written as a ``pretokenized`` dataset.
+``hone train``), with random-token data written as a ``pretokenized`` dataset (``data: pairs``: text pairs of
+one-token words as a ``preference`` dataset, :mod:`hone.bench.pairs`).
 """
 
 import json
@@ -30,6 +31,14 @@ def random_batches(workload: Workload, count: int, vocab_size: int, seed: int, d
     return [torch.randint(1, vocab_size, shape, generator=generator).to(device) for _ in range(count)]
 
 
+def workload_tokenizer(workload: Workload) -> Any:
+    """The tokenizer hone loads for the workload's model (a preset's bundled one, or the directory's)."""
+    from hone.config.model import ModelConfig
+    from hone.models.tokenizer import load_tokenizer
+
+    return load_tokenizer(ModelConfig(preset=workload.preset) if workload.preset is not None else ModelConfig(path=workload.path))
+
+
 def model_config_and_size(workload: Workload) -> tuple[Any, int, int]:
     """The transformers config (as hone builds it), its parameter count (from a meta-device
     model: no memory used) and the exclusive upper bound for random token ids.
@@ -40,17 +49,13 @@ def model_config_and_size(workload: Workload) -> tuple[Any, int, int]:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hone.config.model import ModelConfig
-    from hone.models.tokenizer import load_tokenizer
-
+    tokenizer = workload_tokenizer(workload)
     if workload.preset is not None:
         from hone.models.presets import build_preset_config
 
-        tokenizer = load_tokenizer(ModelConfig(preset=workload.preset))
         overrides = {"num_hidden_layers": workload.layers} if workload.layers else {}
         config = build_preset_config(workload.preset, overrides, vocab_size=len(tokenizer))
     else:
-        tokenizer = load_tokenizer(ModelConfig(path=workload.path))
         config = AutoConfig.from_pretrained(workload.path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -73,7 +78,7 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
     raw = {
         "model": model,
         "data": {
-            "datasets": [{"path": str(data_file), "type": "pretokenized"}],
+            "datasets": [{"path": str(data_file), "type": "preference" if w.data == "pairs" else "pretokenized"}],
             "sequence_len": w.sequence_len,
             "dataset_prepared_path": str(workdir / "cache"),
         },
@@ -89,6 +94,8 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
         "optimizer": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
         "logging": {"tensorboard": False, "plot": False, "progress_bar": False},
     }
+    if w.data == "pairs":
+        raw["training"]["objective"] = w.objective
     return parse_config(apply_overrides(raw, condition.overrides), f"condition '{condition.name}'")
 
 
@@ -139,17 +146,24 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     split = 1  # ranks each row is split over (distributed.context_parallel): a rank trains 1/split of its tokens
 
     if condition.reference is not None:
-        batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
 
-        def on_step(step: int, seconds: float, loss: float) -> None:
+        def on_step(step: int, seconds: float, loss: float | None) -> None:
             step_times.append(seconds)
-            losses.append(loss)
+            losses.append(float("nan") if loss is None else loss)
 
-        from hone.bench.reference import run_reference
+        if condition.reference == "trl-dpo":
+            from hone.bench.trl_reference import run_trl_dpo
 
-        run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run_trl_dpo(config, spec, condition, device, on_step)
+        else:
+            from hone.bench.reference import run_reference
+
+            batches = random_batches(w, total_steps * w.gradient_accumulation_steps, id_limit, seed, device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run_reference(config, w, condition, batches, total_steps, device, seed, on_step)
     else:
         from hone.train.run import run_training
         from hone.transforms.allocator import configure_allocator
@@ -163,6 +177,11 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
 
                 lengths = write_length_mix(data_file, w, id_limit, spec.seed)
                 attention_len = attention_span(lengths)
+            elif w.data == "pairs":
+                from hone.bench.pairs import write_pairs
+
+                write_pairs(data_file, w, workload_tokenizer(w), total_steps * w.pairs_per_step * world_size, seed)
+                attention_len = float(w.prompt_len + w.completion_len)  # the pair's two sequences attend apart
             else:
                 _write_random_dataset(
                     data_file, random_batches(w, total_steps * w.gradient_accumulation_steps * world_size, id_limit, seed, cpu)
@@ -202,6 +221,11 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     median_s = statistics.median(timed)
     tokens = w.tokens_per_step // split  # this rank's: the ranks' rows add up to the tokens trained
     tokens_per_s = trained_per_s = tokens / median_s  # random data: every token is trained
+    reference_forward = False
+    if w.data == "pairs":  # a pair trains its two completions; DPO and IPO run a reference forward too
+        trained_per_s = 2 * w.completion_len * w.pairs_per_step / median_s
+        precomputed = condition.precompute_ref or condition.set.get("training.preference.reference") == "precomputed"
+        reference_forward = w.objective != "orpo" and not precomputed
     trained_at_median: float | None = None
     if w.data == "lengths":  # steps differ in size: what the timed steps did over their time
         timed_tokens = step_tokens[spec.warmup_steps :]
@@ -210,6 +234,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         # the typical step, without one-off stalls (a recompile, an allocator retry) in the sum
         trained_at_median = statistics.mean(t for _, t in timed_tokens) / median_s
     full_ft = w.adapter.type == "none"
+    utilisation = mfu(config, total_params, round(attention_len), full_ft, tokens_per_s, spec.peak_tflops, reference_forward)
     row: dict[str, Any] = {
         "median_ms": round(median_s * 1000, 2),
         "min_ms": round(min(timed) * 1000, 2),
@@ -217,10 +242,12 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         "first_step_s": round(step_times[0], 2),
         "tokens_per_s": round(tokens_per_s, 1),
         "trained_tokens_per_s": round(trained_per_s, 1),
-        "mfu_pct": float(f"{100 * mfu(config, total_params, round(attention_len), full_ft, tokens_per_s, spec.peak_tflops):.3g}"),
+        "mfu_pct": float(f"{100 * utilisation:.3g}"),
         "final_loss": round(losses[-1], 4) if losses else None,
         "total_params": total_params,
     }
+    if w.data == "pairs":
+        row["pairs_per_s"] = round(w.pairs_per_step / median_s, 3)
     if condition.reference is None:
         row["estimated_peak_gib"] = estimated_gib
     if trained_at_median is not None:

@@ -145,9 +145,11 @@ class PreferenceDataset(_DatasetBase):
     the completions' assistant turns (TRL's preference formats; see docs/datasets.md)."""
 
     type: Literal["preference"]
-    field_prompt: str = "prompt"
+    field_prompt: str | None = "prompt"
     """Column of the prompt: a string, or a list of messages; optional for chat rows whose
-    chosen and rejected conversations carry the prompt turns themselves."""
+    chosen and rejected conversations carry the prompt turns themselves. ``null``: never read a
+    prompt column, take the prompt from the turns chosen and rejected share (for data whose
+    prompt column repeats the first user turn as text, e.g. UltraFeedback's)."""
 
     field_chosen: str = "chosen"
     """Column of the preferred completion: a string, or a list of messages."""

@@ -11,7 +11,9 @@ nothing (null, false, an empty string or list) is dropped quietly: leaving it ou
 behaviour. Keys that hone does not need because it does the same thing on its own are listed as
 notes, not as untranslated.
 
-A config whose objective or modality hone does not train (``rl``, reward models, a multimodal
+A preference config (``rl: dpo | ipo | orpo``) becomes hone's preference objective and
+``preference`` datasets (:mod:`hone.convert.axolotl_preference`). A config whose objective or
+modality hone does not train (another ``rl``, reward models, a multimodal
 ``processor_type``, a diffusion or distillation plugin), or whose training datasets all fail to
 convert, is refused (:class:`ConversionRefused`, naming each key and why) instead of being
 converted into a plain language-model run.
@@ -28,6 +30,7 @@ import yaml
 from hone.config.attention import BACKENDS
 from hone.config.data import CHAT_TEMPLATE_NAMES, SUFFIX_FORMATS, looks_like_hub_id
 from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS
+from hone.convert.axolotl_preference import objective, preference_dataset, rl_refusal
 from hone.errors import HoneError
 
 
@@ -489,8 +492,12 @@ def _chat_fields(ds: _Reader, entry: dict[str, Any], messages: str, role: str, c
 _ALPACA_STYLES = ("alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "alpaca_instruct")
 
 
-def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[list[dict[str, Any]], _Reader]:
-    """One Axolotl dataset entry -> hone dataset entries (one per file; none when its type has no match)."""
+def _dataset(
+    raw: Any, index: int, group: str, data: dict[str, Any], preference: bool = False
+) -> tuple[list[dict[str, Any]], _Reader]:
+    """One Axolotl dataset entry -> hone dataset entries (one per file; none when its type has no
+    match). ``preference``: the config trains a preference objective (``rl``), whose dataset
+    types Axolotl reads with its DPO/ORPO strategies."""
     ds = _Reader(raw if isinstance(raw, Mapping) else {}, prefix=f"{group}[{index}].")
     if not isinstance(raw, Mapping):
         ds.untranslated.append(Untranslated(f"{group}[{index}]", "a dataset entry must be a mapping"))
@@ -498,7 +505,10 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[li
     kind = ds.take("type")
     entry: dict[str, Any] = {}
     more_files = _local_path(ds, entry)
-    if kind == "alpaca":
+    if preference:
+        if not _preference_entry(ds, kind, entry, data):
+            return [], ds
+    elif kind == "alpaca":
         entry["type"] = "alpaca"
     elif kind in _ALPACA_STYLES:
         entry["type"] = "alpaca"
@@ -538,12 +548,45 @@ def _dataset(raw: Any, index: int, group: str, data: dict[str, Any]) -> tuple[li
         )
         ds.left.clear()
         return [], ds
+    _finish_dataset(ds)
+    return [entry] + [{**entry, "path": path} for path in more_files], ds
+
+
+def _preference_entry(ds: _Reader, kind: Any, entry: dict[str, Any], data: dict[str, Any]) -> bool:
+    """A preference dataset entry (Axolotl's DPO/ORPO strategies) into ``entry``; False (and the
+    entry listed with the reason) when hone cannot read its rows the same way."""
+    result = preference_dataset(kind, ds.left, ds.prefix)
+    if isinstance(result, str):
+        ds.untranslated.append(Untranslated(ds.prefix.rstrip("."), result))
+        ds.left.clear()
+        return False
+    implied = result.values.pop("chat_template", None)
+    entry.update(result.values)
+    ds.untranslated.extend(Untranslated(key, reason) for key, reason in result.lost)
+    ds.notes.extend(result.notes)
+    template, jinja = ds.take("chat_template"), ds.take("chat_template_jinja")
+    if implied is not None and data.get("chat_template", implied) != implied:
+        ds.untranslated.append(
+            Untranslated(
+                f"{ds.prefix}type",
+                f"renders {implied} turns, but data.chat_template is already {data['chat_template']!r} "
+                "(hone renders every dataset with one template)",
+            )
+        )
+    elif implied is not None:
+        data["chat_template"] = implied
+    elif template is not None or jinja is not None:
+        _chat_template(ds, template, jinja, data, key_prefix=ds.prefix)
+    return True
+
+
+def _finish_dataset(ds: _Reader) -> None:
+    """The keys every dataset entry may carry that hone's entries do not take."""
     ds.drop("split", "hone reads the whole file (a split applies to hub dataset ids)")
     ds.drop("name", "hone reads one file per entry (no dataset configs)")
     ds.drop("revision", "a revision applies to hub dataset ids")
     ds.drop("shards", "hone reads the whole file")
     ds.finish("not a dataset key hone knows how to translate")
-    return [entry] + [{**entry, "path": path} for path in more_files], ds
 
 
 def _chat_template(r: _Reader, template: Any, jinja: Any, data: dict[str, Any], key_prefix: str = "") -> None:
@@ -592,7 +635,7 @@ def _pretraining_entries(raw: Any) -> list[Any]:
     return out
 
 
-def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], notes: list[str]) -> None:
+def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], notes: list[str], preference: bool = False) -> None:
     data["datasets"] = []
     pretraining = r.take("pretraining_dataset")
     groups = [("datasets", "datasets", r.take("datasets")), ("test_datasets", "test_datasets", r.take("test_datasets"))]
@@ -604,7 +647,7 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
         if not isinstance(entries, list):
             entries = [entries]
         for index, raw in enumerate(entries):
-            converted, ds = _dataset(raw, index, group, data)
+            converted, ds = _dataset(raw, index, group, data, preference)
             untranslated.extend(ds.untranslated)
             notes.extend(ds.notes)
             data.setdefault(target, []).extend(converted)
@@ -635,7 +678,9 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
                 data["val_set_size"] = number
     for key in ("sample_packing", "eval_sample_packing"):
         value = r.take(key)
-        if isinstance(value, bool):
+        if preference and value is True:
+            notes.append(f"{key}: not needed (a preference objective packs each micro-batch's pairs into one row itself)")
+        elif isinstance(value, bool) and not preference:
             data[key] = value
     prepared = r.take("dataset_prepared_path")
     if prepared:
@@ -1013,12 +1058,9 @@ _CLASSIFIER = re.compile(r"For(Sequence|Token)Classification$|ForQuestionAnsweri
 def refusals(raw: Mapping[str, Any]) -> list[str]:
     """Why hone cannot train what this config trains (``key: value: why``); empty when it can."""
     out: list[str] = []
-    rl = raw.get("rl")
-    if not _asks_nothing(rl):
-        out.append(
-            f"rl: {rl}: a preference/reinforcement objective; hone trains with the language-modelling loss "
-            "only, and dropping 'rl' would train supervised fine-tuning on the same rows instead"
-        )
+    rl = rl_refusal(raw)
+    if rl is not None:
+        out.append(rl)
     for key in ("reward_model", "process_reward_model"):
         if raw.get(key) is True:
             out.append(f"{key}: true: a reward model (a scalar score head); hone trains causal language models")
@@ -1061,10 +1103,16 @@ def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_ORDER}
     _model(r, sections["model"])
     _attention(r, sections["model"])
-    _data(r, sections["data"], untranslated, notes)
+    preference = not _asks_nothing(raw.get("rl"))
+    _data(r, sections["data"], untranslated, notes, preference)
     kind = _adapter(r, sections["adapter"])
     data = sections["data"]
     has_eval = bool(data.get("val_set_size")) or bool(data.get("test_datasets"))
+    if preference:
+        translated = objective(r.left)
+        sections["training"].update(translated.values)
+        untranslated.extend(Untranslated(key, reason) for key, reason in translated.lost)
+        notes.extend(translated.notes)
     _training(r, sections["training"], has_eval)
     _optimizer(r, sections["optimizer"])
     _memory(r, sections["memory"])

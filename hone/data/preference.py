@@ -89,6 +89,11 @@ class PreferenceFormat(RowFormat):
         chosen, rejected = row.get(cfg.field_chosen), row.get(cfg.field_rejected)
         if isinstance(chosen, list) and isinstance(rejected, list) and not isinstance(prompt, str):
             return self._chat(prompt, chosen, rejected)
+        if cfg.field_prompt is None:
+            raise RowProblem(
+                f"field_prompt is null (the prompt is the turns '{cfg.field_chosen}' and '{cfg.field_rejected}' share), "
+                f"so both must be lists of messages; got {describe(chosen)} and {describe(rejected)}"
+            )
         for name, value in ((cfg.field_prompt, prompt), (cfg.field_chosen, chosen), (cfg.field_rejected, rejected)):
             if not isinstance(value, str):
                 raise RowProblem(
@@ -122,8 +127,8 @@ class PreferenceFormat(RowFormat):
             if not turns:
                 raise RowProblem(
                     f"'{cfg.field_chosen}' and '{cfg.field_rejected}' share no prompt turn and the row has no "
-                    f"'{cfg.field_prompt}' (expected conversations that start with the same prompt messages, "
-                    "or a prompt column)"
+                    f"'{cfg.field_prompt or 'prompt'}' (expected conversations that start with the same prompt "
+                    "messages, or a prompt column)"
                 )
         else:
             turns = self._messages(cfg.field_prompt, prompt)

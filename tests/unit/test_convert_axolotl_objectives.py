@@ -1,5 +1,6 @@
 """``hone convert`` on the Axolotl config shapes that used to convert into another training:
-RL, reward, multimodal and diffusion configs are refused (exit 2, naming the key and why), a
+RL objectives other than DPO/IPO/ORPO (tests/unit/test_convert_axolotl_preference.py), reward,
+multimodal and diffusion configs are refused (exit 2, naming the key and why), a
 config whose datasets all drop is refused naming them; and what now maps: pretraining datasets,
 legacy alpaca prompt styles, hub ``data_files``, low-bit optimizers, per-epoch cadences and named
 chat templates. The configs are written here in the shapes Axolotl documents."""
@@ -20,16 +21,13 @@ learning_rate: 1e-5
 output_dir: ./outputs/out
 """
 
-DPO = (
+KTO = (
     BASE
     + """
-rl: dpo
+rl: kto
 datasets:
   - path: data/prefs.jsonl
-    type: chat_template.default
-    field_messages: conversation
-    field_chosen: chosen
-    field_rejected: rejected
+    type: chatml.intel
 """
 )
 
@@ -93,12 +91,12 @@ def _valid(conversion, tmp_path):
 @pytest.mark.parametrize(
     ("text", "named"),
     [
-        (DPO, ["rl: dpo", "preference"]),
+        (KTO, ["rl: kto", "dpo, ipo, orpo"]),
         (VISION, ["processor_type: AutoProcessor", "multimodal"]),
         (DIFFUSION, ["plugins: axolotl.integrations.diffusion.DiffusionPlugin", "diffusion"]),
         (REWARD, ["reward_model: true", "model_type: AutoModelForSequenceClassification"]),
     ],
-    ids=["dpo", "multimodal", "diffusion", "reward"],
+    ids=["kto", "multimodal", "diffusion", "reward"],
 )
 def test_other_objectives_and_modalities_are_refused_not_converted(text, named, tmp_path, capsys):
     with pytest.raises(ConversionRefused) as info:

@@ -96,6 +96,25 @@ def test_field_names_and_role_map_are_configurable(tmp_path, write_jsonl, make_d
     assert tokenizer.decode(pair["chosen_ids"]) == "4" + tokenizer.eos_token
 
 
+def test_a_null_field_prompt_takes_the_shared_turns_even_beside_a_text_prompt_column(
+    tmp_path, write_jsonl, make_data_config, tokenizer
+):
+    """UltraFeedback's rows repeat the user turn as a text ``prompt`` column: with ``field_prompt:
+    null`` the column is not read and the pair equals the one without it."""
+    row = {
+        "chosen": [user("What color is a lime?"), assistant("green")],
+        "rejected": [user("What color is a lime?"), assistant("red")],
+    }
+    plain = pairs(prepare(make_data_config, tokenizer, write_jsonl(tmp_path, [row], name="plain.jsonl")))
+    with_column = write_jsonl(tmp_path, [{"prompt": "What color is a lime?", **row}], name="ultra.jsonl")
+    with pytest.raises(DataError, match="field 'chosen' is a list"):  # read as text: the prompt is a string
+        prepare(make_data_config, tokenizer, with_column)
+    assert pairs(prepare(make_data_config, tokenizer, with_column, entry={"field_prompt": None})) == plain
+    text = write_jsonl(tmp_path, [{"prompt": "q", "chosen": " a", "rejected": " b"}], name="text.jsonl")
+    with pytest.raises(DataError, match="field_prompt is null"):
+        prepare(make_data_config, tokenizer, text, entry={"field_prompt": None})
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [
