@@ -18,17 +18,6 @@ from hone.models.hub import parse_hub_id
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _needs_objective(paths: list[Path]) -> list:
-    """Examples that train a preference objective skip until training.objective exists (issue 28:
-    the preference objective lands in another branch than its example)."""
-    from hone.config.training import TrainingConfig
-
-    if "objective" in TrainingConfig.model_fields:
-        return paths
-    skip = pytest.mark.skip(reason="needs training.objective")
-    return [pytest.param(p, marks=skip) if re.search(r"^\s*objective: (dpo|ipo|orpo)", p.read_text(), re.M) else p for p in paths]
-
-
 EXAMPLES = sorted((ROOT / "examples").glob("*.yml"))
 PRESET_LINE = re.compile(r"^\s*#\s*preset:\s*(\S+)\s*$", re.MULTILINE)
 
@@ -42,7 +31,7 @@ def at_root(monkeypatch, hub_standins):
     monkeypatch.chdir(ROOT)  # the examples' data paths are relative to the repository root
 
 
-@pytest.mark.parametrize("example", _needs_objective(EXAMPLES), ids=lambda p: p.name)
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_validates(example, at_root, capsys):
     assert main(["validate", str(example.relative_to(ROOT))]) == 0, capsys.readouterr().err
     assert "valid" in capsys.readouterr().out

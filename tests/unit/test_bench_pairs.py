@@ -13,7 +13,6 @@ from hone.bench.pairs import single_token_words, write_pairs
 from hone.bench.report import markdown_table
 from hone.bench.spec import load_spec, parse_spec
 from hone.config import ConfigError
-from hone.config.training import TrainingConfig
 from hone.data.prepare import prepare_data
 
 SPEC = Path(__file__).resolve().parents[2] / "benchmarks" / "specs" / "qwen3-8b-dpo.yml"
@@ -75,7 +74,6 @@ def test_generated_pairs_have_the_asked_lengths_in_hones_own_pipeline(tmp_path, 
     assert again.read_text() == path.read_text()  # seeded: every condition trains the same pairs
 
 
-@pytest.mark.skipif("objective" not in TrainingConfig.model_fields, reason="needs training.objective")
 def test_a_pairs_row_trains_the_preference_objective_on_a_preference_dataset(tmp_path):
     from hone.bench.worker import _hone_config
 

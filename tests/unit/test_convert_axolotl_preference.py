@@ -9,7 +9,6 @@ import yaml
 
 from hone.cli import main
 from hone.config import parse_config
-from hone.config.training import TrainingConfig
 from hone.convert.axolotl import ConversionRefused, convert_axolotl
 
 BASE = """
@@ -27,19 +26,14 @@ lora_target_linear: true
 
 ULTRA = "datasets:\n  - path: data/ultra.jsonl\n    type: chatml.ultra\n"
 
-HAS_OBJECTIVE = "objective" in TrainingConfig.model_fields
-
 
 def _convert(text: str):
     return convert_axolotl(yaml.safe_load(text))
 
 
-def _parse(conversion, tmp_path, objective: bool):
-    """The converted config through hone's loader; without ``objective`` the preference keys
-    are taken out (they need the preference objective's config, issue 28)."""
+def _parse(conversion, tmp_path):
+    """The converted config through hone's loader, its outputs under ``tmp_path``."""
     training = {**conversion.config.get("training", {}), "output_dir": str(tmp_path)}
-    if not objective:
-        training = {k: v for k, v in training.items() if k not in ("objective", "preference")}
     return parse_config(dict(conversion.config, training=training))
 
 
@@ -72,7 +66,7 @@ def test_sample_packing_is_left_to_the_objective(tmp_path):
     assert "sample_packing" not in conversion.config["data"] and "eval_sample_packing" not in conversion.config["data"]
     assert conversion.untranslated_keys == []
     assert any(n.startswith("sample_packing: not needed (a preference objective packs") for n in conversion.notes)
-    _parse(conversion, tmp_path, objective=HAS_OBJECTIVE)  # hone refuses data.sample_packing with a preference objective
+    _parse(conversion, tmp_path)  # hone refuses data.sample_packing with a preference objective
 
 
 def test_keys_without_a_counterpart_are_listed_and_those_hone_does_itself_noted():
@@ -158,7 +152,7 @@ def test_preference_dataset_types_map(dataset, entry, template, tmp_path):
     assert conversion.config["data"]["datasets"] == [{"path": "data/pairs.jsonl", **entry}]
     assert conversion.config["data"].get("chat_template") == template
     assert conversion.untranslated_keys == []
-    cfg = _parse(conversion, tmp_path, objective=False)
+    cfg = _parse(conversion, tmp_path)
     assert cfg.data.datasets[0].type == "preference" and cfg.data.datasets[0].field_prompt == entry.get("field_prompt", "prompt")
 
 
@@ -206,7 +200,7 @@ def test_eval_datasets_map_as_pairs_too(tmp_path):
     assert conversion.config["data"]["test_datasets"] == [
         {"path": "data/held_out.jsonl", "type": "preference", "field_prompt": None}
     ]
-    cfg = _parse(conversion, tmp_path, objective=False)
+    cfg = _parse(conversion, tmp_path)
     assert cfg.data.test_datasets[0].type == "preference"
 
 
@@ -217,17 +211,16 @@ def test_axolotls_documented_dpo_and_orpo_configs_convert_and_validate(tmp_path)
     for text in (dpo, orpo):
         conversion = _convert(text)
         assert conversion.untranslated_keys == []
-        cfg = _parse(conversion, tmp_path, objective=False)
+        cfg = _parse(conversion, tmp_path)
         assert cfg.data.chat_template == "chatml" and cfg.adapter.type == "lora"
 
 
-@pytest.mark.skipif(not HAS_OBJECTIVE, reason="needs training.objective")
 @pytest.mark.parametrize(
     "keys", ["rl: dpo\nrl_beta: 0.2\ndpo_label_smoothing: 0.1\n", "rl: ipo\n", "rl: orpo\norpo_alpha: 0.05\n"]
 )
 def test_converted_preference_configs_validate_with_the_objective(keys, tmp_path, capsys):
     conversion = _convert(BASE + keys + ULTRA)
-    cfg = _parse(conversion, tmp_path, objective=True)
+    cfg = _parse(conversion, tmp_path)
     assert cfg.training.objective == conversion.config["training"]["objective"]
     source, out = tmp_path / "axolotl.yml", tmp_path / "hone.yml"
     source.write_text(BASE + keys + ULTRA)

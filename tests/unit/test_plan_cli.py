@@ -1,7 +1,6 @@
 """``hone plan``: every example config and bench spec plans offline without weights; sizes and
 errors of ``--gpu-memory``; the report's extension point for the planner's transform list."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -14,21 +13,8 @@ from hone.units import GIB
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _needs_objective(paths: list[Path]) -> list:
-    """The files that train a preference objective skip until training.objective exists (issue 28:
-    the preference objective lands in another branch than its example, spec and convert)."""
-    from hone.config.training import TrainingConfig
-
-    missing = "objective" not in TrainingConfig.model_fields
-    marks = pytest.mark.skip(reason="needs training.objective")
-    return [
-        pytest.param(p, marks=marks) if missing and re.search(r"^\s*(objective|data): (dpo|pairs)", p.read_text(), re.M) else p
-        for p in paths
-    ]
-
-
-EXAMPLES = _needs_objective(sorted((ROOT / "examples").glob("*.yml")))
-SPECS = _needs_objective(sorted((ROOT / "benchmarks" / "specs").glob("*.yml")))
+EXAMPLES = sorted((ROOT / "examples").glob("*.yml"))
+SPECS = sorted((ROOT / "benchmarks" / "specs").glob("*.yml"))
 
 
 @pytest.fixture(autouse=True)
