@@ -25,6 +25,8 @@ _TAIL = 1500
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 #: What torch prints after every compile error: it names no cause.
 _TORCH_HINTS = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context")
+#: What torchrun puts before each line a rank writes to stderr (``[rank0]: ValueError: ...``).
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 #: torchrun's own exception when a rank fails: the rank's exception above it is the cause.
 _LAUNCHER_ERROR = "ChildFailedError"
 #: How much of a failed rank's traceback a multi-process row keeps (torchrun's summary follows it).
@@ -37,7 +39,8 @@ def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
     line), without the hint torch appends to every compile error."""
     if "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr:
         return "oom", "out of memory"
-    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip() and not line.strip().startswith(_TORCH_HINTS)]
+    lines = [_RANK_PREFIX.sub("", line.strip()) for line in stderr.strip().splitlines()]
+    lines = [line.strip() for line in lines if line.strip() and not line.strip().startswith(_TORCH_HINTS)]
     raised = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line) and _LAUNCHER_ERROR not in line]
     if raised:
         ends = [i for i, line in enumerate(lines) if i > raised[-1] and line.startswith(("Traceback", "File ", "["))]

@@ -208,7 +208,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
                 losses.append(float(loss) if loss is not None else float("nan"))
                 step_tokens.append((int(get("tokens", 0)), int(get("trained_tokens", 0))))
 
-            run_training(cfg, device=device, step_callback=step_callback)
+            run_training(cfg, device=device, step_callback=step_callback, save_outputs=False)
             if w.data == "lengths" and cfg.data.sample_packing:
                 packing_efficiency = _trained_bins_efficiency(workdir / "cache")
             record = workdir / "run" / "optimizations.json"

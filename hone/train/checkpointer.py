@@ -34,8 +34,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         scaler: torch.amp.GradScaler | None,
+        enabled: bool = True,
     ):
         self.io = io
+        self.enabled = enabled  # off: the run writes no checkpoint (``hone bench``: a 30B full fine-tune's is 180 GB)
         self.output_dir = output_dir
         self.save_steps = training.save_steps
         self.saves_per_epoch = training.saves_per_epoch
@@ -48,6 +50,8 @@ class Checkpointer:
         self.scaler = scaler
 
     def due(self, step: int, last: bool, stopping: bool) -> bool:
+        if not self.enabled:
+            return False
         return self.plan.due(step, self.save_steps, self.saves_per_epoch) or last or stopping
 
     def save(self, state: TrainState, metrics_rows: list[dict[str, Any]]) -> Path:

@@ -113,6 +113,7 @@ def train_loop(
     world: World | None = None,
     trackers: list | None = None,
     before_trackers_close: Callable[[], None] | None = None,
+    save_checkpoints: bool = True,
 ) -> LoopResult:
     """Train ``model`` (already on ``device``, in its dtype, with its trainable parameters set
     and the plan applied) on ``train_data`` (rows of ``input_ids``/``labels``), evaluating on
@@ -128,6 +129,8 @@ def train_loop(
     model loads); without them rank 0 starts those of ``logging.trackers`` here. The loop
     closes them, after ``before_trackers_close()`` (``hone train`` completes
     ``optimizations.json`` with the compile counts there, so the trackers get the whole record).
+
+    ``save_checkpoints=False`` writes no checkpoint, not even the last (``hone bench``).
 
     Outputs go to ``cfg.training.output_dir``: ``metrics.jsonl``, ``tensorboard/``,
     ``checkpoints/``, ``loss.png``. Returns a summary; raises :class:`HoneError` subclasses
@@ -147,6 +150,7 @@ def train_loop(
         resume_from=resume_from,
         autocast_dtype=autocast_dtype,
         trackers=trackers,
+        save_checkpoints=save_checkpoints,
     )
     tally = Tally()
     loop_start = time.perf_counter()

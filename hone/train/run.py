@@ -118,11 +118,15 @@ def run_training(
     device: torch.device | str | None = None,
     console: Console | None = None,
     step_callback: Callable[[StepMetrics], None] | None = None,
+    save_outputs: bool = True,
 ) -> TrainResult:
     """Train the model of ``cfg`` on its data; outputs go to ``cfg.training.output_dir``.
 
     Launched by ``torchrun`` (``WORLD_SIZE`` set), this process is one rank of a data-parallel
-    run: ``device`` is then its local GPU (or the CPU, with ``device="cpu"``)."""
+    run: ``device`` is then its local GPU (or the CPU, with ``device="cpu"``).
+
+    ``save_outputs=False`` writes neither checkpoints nor the final adapter or model (``hone
+    bench`` times steps; a 30B full fine-tune would write 240 GB of both)."""
     # the allocator's settings are read when CUDA initialises: before anything touches the GPU
     configure_allocator(
         cfg, torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -134,7 +138,13 @@ def run_training(
     trackers: list = []  # W&B / MLflow, started on rank 0 before the data and the model
     try:
         return _run_training(
-            cfg, world, device_of(world, device.type) if world.distributed else device, console, step_callback, trackers
+            cfg,
+            world,
+            device_of(world, device.type) if world.distributed else device,
+            console,
+            step_callback,
+            trackers,
+            save_outputs=save_outputs,
         )
     except BaseException:
         abandon_trackers(trackers)  # those the loop did not close: a start-up failure
@@ -150,6 +160,8 @@ def _run_training(
     console: Console | None,
     step_callback: Callable[[StepMetrics], None] | None,
     trackers: list,
+    *,
+    save_outputs: bool = True,
 ) -> TrainResult:
     from hone.train.checkpoint_io import checkpoint_io_for
 
@@ -183,6 +195,7 @@ def _run_training(
             world=world,
             trackers=trackers,
             before_trackers_close=record.write,
+            save_checkpoints=save_outputs,
         )
     finally:
         record.write()  # where the loop failed before it could
@@ -190,7 +203,7 @@ def _run_training(
         console.print(_compile_summary(watch.summary()), highlight=False, markup=False, soft_wrap=True)
 
     final_dir = None
-    if not loop.interrupted:
+    if save_outputs and not loop.interrupted:
         writer = checkpoint_io_for(hooks, world)
         final_dir = Path(writer.save_final(loaded.model, tokenizer, out / FINAL_DIR, cfg.adapter))
     result = _result(loop, out, final_dir)

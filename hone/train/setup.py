@@ -72,8 +72,10 @@ def set_up(
     resume_from: Path | None,
     autocast_dtype: torch.dtype | None,
     trackers: list | None,
+    save_checkpoints: bool = True,
 ) -> Trainer:
-    """Build the run's objects (see the module's docstring for the order, which matters)."""
+    """Build the run's objects (see the module's docstring for the order, which matters).
+    ``save_checkpoints=False``: no checkpoint is written (the bench times steps only)."""
     t = cfg.training
     output_dir = Path(t.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +100,7 @@ def set_up(
         optimizer=optimizer,
         scheduler=scheduler,
         scaler=scaler,
+        enabled=save_checkpoints,
     )
     resumed = resume(checkpointer, resume_from, plan, cfg, scheduler, world) if resume_from is not None else None
     state = resumed.state if resumed is not None else TrainState()

@@ -68,6 +68,18 @@ def test_a_run_leaves_config_metrics_plot_events_checkpoint_and_adapter(tmp_path
         run_training(cfg, device="cpu", console=Console(quiet=True))
 
 
+def test_a_run_without_outputs_writes_no_checkpoint_and_no_final_model(tmp_path):
+    """``hone bench`` times the steps only (a 30B full fine-tune's checkpoint and model filled a disk)."""
+    cfg = _config(tmp_path, save_steps=2)
+    out = io.StringIO()
+    result = run_training(cfg, device="cpu", console=Console(file=out, width=200), save_outputs=False)
+    run = tmp_path / "run"
+    assert (result.steps, result.final_dir, result.last_checkpoint) == (4, None, None)
+    assert not (run / "final").exists() and not (run / "checkpoints").exists()
+    assert [r["step"] for r in read_metrics(result.metrics_path) if "loss" in r] == [1, 2, 3, 4]
+    assert "Finished: step 4/4" in out.getvalue() and "final/" not in out.getvalue()
+
+
 def test_sigterm_stops_with_a_checkpoint_and_resume_finishes_the_run(tmp_path):
     cfg = _config(tmp_path)
     previous = signal.getsignal(signal.SIGTERM)
