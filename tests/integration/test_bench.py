@@ -95,5 +95,8 @@ def test_failure_classification():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\nhone.bench.worker FAILED\n"
     )
     assert classify_failure(1, ranks) == ("error", "RuntimeError: shapes do not match")
+    prefixed = ranks.replace("RuntimeError", "[rank0]: RuntimeError")  # torch's prefix on every rank line
+    prefixed += "Root Cause (first observed failure):\n[0]:\n  exitcode  : 1\n=====\n"
+    assert classify_failure(1, prefixed) == ("error", "RuntimeError: shapes do not match")
     assert failure_log(ranks).startswith('Traceback (most recent call last):\n  File "run.py"') is False
     assert "shapes do not match" in failure_log(ranks) and "FAILED" in failure_log(ranks)
