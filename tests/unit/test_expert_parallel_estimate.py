@@ -101,3 +101,27 @@ def test_auto_follows_the_estimate_where_no_checkpointing_does_not_fit():
         assert over > usable_bytes(48 * GIB)
     one = decide(config(1), facts(1, 80))
     assert one.checkpointing == "selective", one.checkpointing_why
+
+
+def test_the_bench_estimate_is_the_rank_s_step_of_its_world():
+    """``decided_estimate`` (what ``hone bench`` records beside each peak) plans the rank of the
+    world torchrun launched: FSDP2 alone on N GPUs shards the weights over N (a world of one
+    recorded the one-GPU estimate, 70.6 GiB, for the FSDP2 rows), and ``expert_parallel: auto``
+    estimates the experts split as decided."""
+    from hone.transforms.decide import decided_estimate
+
+    fsdp = parse_config(
+        {
+            "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16"},
+            "data": {"datasets": [{"path": "x.jsonl", "type": "pretokenized"}], "sequence_len": 4096},
+            "adapter": {"type": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_modules": TARGETS},
+            "distributed": {"strategy": "fsdp"},
+        }
+    )
+    one = decided_estimate(fsdp, "cuda", host_budget=512 * GIB)
+    two = decided_estimate(fsdp, "cuda", host_budget=512 * GIB, world=World(0, 2, 0))
+    assert (one.param_shards, two.param_shards) == (1, 2)
+    assert two.weights < 0.6 * one.weights
+    auto = config().model_copy(update={"distributed": config().distributed.model_copy(update={"expert_parallel": "auto"})})
+    split = decided_estimate(auto, "cuda", host_budget=512 * GIB, world=World(0, 4, 0), memory_bytes=80 * GIB)
+    assert split.weights == estimate_memory(config(4), Knobs("none", "fused_linear_ce")).weights
