@@ -20,9 +20,11 @@
   but measured H100/H200 peaks of compiled expert-parallel layers (qwen3-30b-a3b, 48 layers,
   seq 4096: 42.5 GiB at N = 2 and 28.7 GiB at N = 4 under selective 0.95 / 0.8, 45.4 GiB at
   N = 2 without checkpointing, benchmarks/2026-11-27-h*-expert-parallel.md) leave no room for
-  ``R`` rows per layer (they would add 12 GiB at N = 2 and 24 GiB at N = 4): the compiled
-  layer rebuilds them from the received rows in its backward. The ``R`` rows of one layer are a
-  transient (:func:`pair_rows_transient`): alive while that layer's forward or backward runs.
+  ``R`` rows per layer (the expert outputs alone would add 12 GiB at N = 2 and 24 GiB at N = 4),
+  so the term counts what the experts can be rebuilt from: the received rows. (Tracing the layer's
+  partition on the CPU, torch 2.13, keeps the expert outputs: the GPU peaks, torch 2.11, are what
+  the term follows.) The ``R`` rows of one layer are a transient (:func:`pair_rows_transient`):
+  alive while that layer's forward or backward runs, once, not per layer.
 """
 
 from typing import Any
