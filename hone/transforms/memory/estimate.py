@@ -35,6 +35,7 @@ from hone.transforms.memory.terms.expert_parallel import (
 )
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
+from hone.transforms.memory.terms.load import drawn_whole_bytes
 from hone.transforms.memory.terms.loss import loss_bytes
 from hone.transforms.memory.terms.offload import host_bytes
 from hone.transforms.memory.terms.optimizer import optimizer_step_transient
@@ -102,6 +103,9 @@ class MemoryEstimate:
     then counts runs); :mod:`hone.transforms.layer_runs`."""
     rebuilt_inputs: int = 0
     """Layer runs: bytes of one run's inner inputs rebuilt in the backward (in ``activations``)."""
+    load: int = 0
+    """The model's load beyond the sharded weights and moments, when the peak is there (FSDP2 on a
+    preset drawn whole first: :mod:`~hone.transforms.memory.terms.load`)."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -112,6 +116,7 @@ class MemoryEstimate:
             ("activations", self.activations),
             ("embeddings / final norm", self.outside_layers),
             ("loss", self.loss),
+            ("model drawn whole (load)", self.load),
             ("workspace", self.workspace),
         ]
 
@@ -143,6 +148,10 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
     step_transient = optimizer_step_transient(cfg, m, step.param_shards)
     phases = step_phases(m, step, kept, recompute + transient, grads, step_transient)
+    # the load, before FSDP2 shards a preset drawn whole (the moments do not exist yet)
+    drawn = drawn_whole_bytes(cfg, training_state(cfg, m, 1)[0], step.param_shards)
+    if drawn > weights + optimizer:
+        phases["model load"] = dict(trainable_state=0, activations=0, outside_layers=0, loss=0, load=drawn - weights - optimizer)
     phase, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
     subtotal = weights + optimizer + sum(parts.values())
     workspace = WORKSPACE_BYTES + int(WORKSPACE_FRACTION * subtotal)
