@@ -21,10 +21,16 @@
   seq 4096: 42.5 GiB at N = 2 and 28.7 GiB at N = 4 under selective 0.95 / 0.8, 45.4 GiB at
   N = 2 without checkpointing, benchmarks/2026-11-27-h*-expert-parallel.md) leave no room for
   ``R`` rows per layer (the expert outputs alone would add 12 GiB at N = 2 and 24 GiB at N = 4),
-  so the term counts what the experts can be rebuilt from: the received rows. (Tracing the layer's
-  partition on the CPU, torch 2.13, keeps the expert outputs: the GPU peaks, torch 2.11, are what
-  the term follows.) The ``R`` rows of one layer are a transient (:func:`pair_rows_transient`):
-  alive while that layer's forward or backward runs, once, not per layer.
+  so the term counts what the experts can be rebuilt from: the received rows. The ``R`` rows of
+  one layer are a transient (:func:`pair_rows_transient`): alive while that layer's forward or
+  backward runs, once, not per layer. **Caveat**: tracing the compiled layer's partition on the
+  CPU (torch 2.13, where the exchange's gradient flows) keeps the expert outputs, ``R`` rows per
+  layer; peaks this low are also what a compiled exchange whose gradient is lost would give (an
+  autograd Function filling ``torch.empty_like`` with ``all_to_all_single``, as
+  :mod:`hone.parallel.exchange` does, differentiated as zero by Dynamo: DeepSpeed PR 8491). The
+  GPU test ``test_two_gpus_compiled_through_the_grouped_kernels_equal_eager`` checks it; if it
+  fails, the measured peaks are of steps without expert gradients and the pair rows must count
+  per layer again (:func:`dispatch_bytes_per_token`).
 """
 
 from typing import Any
