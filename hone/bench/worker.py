@@ -102,10 +102,11 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
 def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
     """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
     every bench checks the estimate. A failing estimate must not cost the measurement."""
+    from hone.runtime.world import world_from_env
     from hone.transforms.decide import decided_estimate
 
-    try:
-        est = decided_estimate(cfg, device.type)
+    try:  # this rank's step: the world torchrun launched it in (FSDP2 shards, expert blocks)
+        est = decided_estimate(cfg, device.type, world=world_from_env())
     except Exception as exc:  # noqa: BLE001 - reported on stderr, the row goes on
         print(f"hone bench: no memory estimate for this row: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None

@@ -18,6 +18,7 @@ only under some of those choices.
 import torch
 
 from hone.config.root import HoneConfig
+from hone.runtime.world import SINGLE, World
 from hone.transforms.allocator import allocator_choice
 from hone.transforms.auto_policy import offload_layers_choice, plan_memory, selective_budget_choice
 from hone.transforms.base import Decisions, RunFacts
@@ -125,13 +126,21 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     )
 
 
-def decided_estimate(cfg: HoneConfig, device: str = "cuda", host_budget: int | None = None) -> MemoryEstimate:
-    """The memory estimate of the step ``cfg`` runs on ``device`` (one process; the card is the
-    local one, the host ``host_budget`` or this machine's RAM), every ``auto`` setting as the plan
-    decides it: the bench records it beside each measured peak, so it must estimate what runs."""
+def decided_estimate(
+    cfg: HoneConfig,
+    device: str = "cuda",
+    host_budget: int | None = None,
+    world: World = SINGLE,
+    memory_bytes: int | None = None,
+) -> MemoryEstimate:
+    """The memory estimate of the step ``cfg`` runs on ``device`` (one process of ``world``: its
+    share of FSDP2's shards, its block of the experts; the card is ``memory_bytes`` or the local
+    one, the host ``host_budget`` or this machine's RAM), every ``auto`` setting as the plan decides it: the
+    bench records it beside each measured peak, so it must estimate what runs (a world of one
+    would estimate FSDP2 alone on N GPUs as one unsharded process)."""
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    facts = RunFacts(torch.device(device), host_memory_bytes=host_budget)
+    facts = RunFacts(torch.device(device), memory_bytes=memory_bytes, host_memory_bytes=host_budget, world=world)
     decided = decide(cfg, facts)
     host_budget = per_rank_facts(cfg, facts).host_memory_bytes  # under context parallelism: one rank's share
     knobs = Knobs(
@@ -145,5 +154,6 @@ def decided_estimate(cfg: HoneConfig, device: str = "cuda", host_budget: int | N
         selective_budget=decided.compiler_memory_budget,
         host_budget=host_budget,
         run_layers=decided.run_layers,
+        param_shards=decided.param_shards,
     )
-    return estimate_memory(cfg, knobs)
+    return estimate_memory(with_expert_parallel(cfg, decided.expert_parallel), knobs)

@@ -31,9 +31,11 @@ from hone.transforms.memory.terms.expert_parallel import (
     expert_parallel_note,
     expert_parallel_size,
     expert_state_saved,
+    pair_rows_transient,
 )
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
+from hone.transforms.memory.terms.load import drawn_whole_bytes
 from hone.transforms.memory.terms.loss import loss_bytes
 from hone.transforms.memory.terms.offload import host_bytes
 from hone.transforms.memory.terms.optimizer import optimizer_step_transient
@@ -101,6 +103,9 @@ class MemoryEstimate:
     then counts runs); :mod:`hone.transforms.layer_runs`."""
     rebuilt_inputs: int = 0
     """Layer runs: bytes of one run's inner inputs rebuilt in the backward (in ``activations``)."""
+    load: int = 0
+    """The model's load beyond the sharded weights and moments, when the peak is there (FSDP2 on a
+    preset drawn whole first: :mod:`~hone.transforms.memory.terms.load`)."""
 
     def components(self) -> list[tuple[str, int]]:
         """(label, bytes) in display order; their sum is ``total``."""
@@ -111,6 +116,7 @@ class MemoryEstimate:
             ("activations", self.activations),
             ("embeddings / final norm", self.outside_layers),
             ("loss", self.loss),
+            ("model drawn whole (load)", self.load),
             ("workspace", self.workspace),
         ]
 
@@ -127,22 +133,25 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES_BY_SPEED)}, got {knobs.checkpointing!r}")
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
-    # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
-    ep, factor = expert_parallel_size(cfg), expert_capacity_factor(cfg)
+    # the layers: what each keeps without checkpointing (expert parallel: the received rows), then under the policy
+    ep = expert_parallel_size(cfg)
     full = [
-        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
-        + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
+        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) + dispatch_bytes_per_token(layer, m, ep) * step.tokens
         for layer in m.layers
     ]
     kept = kept_by_policy(m, step, full)
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
-    # the MLP's backward (tiled: one shard at a time)
-    transient = mlp_backward_transient(m, step)
+    # the MLP's backward (tiled: one shard at a time); expert parallel: one layer's pair rows
+    transient = mlp_backward_transient(m, step) + pair_rows_transient(m, step.tokens, ep, expert_capacity_factor(cfg))
     host, host_total = host_bytes(step, kept.offloaded)
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
     step_transient = optimizer_step_transient(cfg, m, step.param_shards)
     phases = step_phases(m, step, kept, recompute + transient, grads, step_transient)
+    # the load, before FSDP2 shards a preset drawn whole (the moments do not exist yet)
+    drawn = drawn_whole_bytes(cfg, training_state(cfg, m, 1)[0], step.param_shards)
+    if drawn > weights + optimizer:
+        phases["model load"] = dict(trainable_state=0, activations=0, outside_layers=0, loss=0, load=drawn - weights - optimizer)
     phase, parts = max(phases.items(), key=lambda item: sum(item[1].values()))
     subtotal = weights + optimizer + sum(parts.values())
     workspace = WORKSPACE_BYTES + int(WORKSPACE_FRACTION * subtotal)

@@ -132,9 +132,14 @@ def _layer_facts(layer: Any) -> LayerFacts:
     linears: list[LinearFacts] = []
     inside_lora: set[int] = set()
     for name, module in layer.named_modules():
-        # LoRA on the experts' 3-D parameters (ParamWrapper) is no linear layer: its rank-r
-        # factors are small beside the experts, which the MoE terms below account for.
-        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+        # LoRA on the experts' 3-D parameters (ParamWrapper) is no linear layer: its factors are
+        # nn.Linear modules that never run on the tokens (the grouped kernels read their weights;
+        # the rank-r intermediates they keep are small beside the experts' rows, which the MoE
+        # terms account for), so neither they nor their factors are listed as linears.
+        if isinstance(module, ParamWrapper):
+            inside_lora.update(id(m) for factors in (module.lora_A, module.lora_B) for m in factors.modules())
+            continue
+        if isinstance(module, LoraLayer):
             adapter = module.active_adapters[0]
             base = module.get_base_layer()
             dropout = module.lora_dropout[adapter]
