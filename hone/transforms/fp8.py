@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,19 @@ from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
 
 #: float8 matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
 MIN_CAPABILITY = (8, 9)
+
+#: ``HONE_FP8_EMULATE=1``: a float8 full fine-tune on a device without float8 matmuls (the CPU, a
+#: GPU older than Ada) through torchao's emulation.
+EMULATE_ENV = "HONE_FP8_EMULATE"
+
+
+def fp8_emulated() -> bool:
+    """Whether ``HONE_FP8_EMULATE=1`` asks for torchao's emulated float8: every quantization,
+    scale and amax reduction (and FSDP2's float8 all-gather) as on an H100, the matmuls of the
+    dequantized operands in high precision. A check of a float8 full fine-tune's numerics on a
+    machine without float8 matmuls (slow; the CPU tests run ``hone train`` with it); the frozen-base
+    LoRA path has no emulation (hone's kernel is ``torch._scaled_mm``), so it stays refused there."""
+    return os.environ.get(EMULATE_ENV) == "1"
 
 
 # ---------------------------------------------------------------- the frozen-base layer
@@ -239,6 +253,7 @@ def convert_full_finetune(
         "kept_high_precision": linears - converted,
         "kept_bf16_small": small_kept,
         "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+        "emulated": emulate,
     }
 
 
@@ -277,7 +292,8 @@ def fp8_device_problems(device: torch.device, capability: tuple[int, int] | None
 
 def _check(ctx: PlanContext) -> list[str]:
     cfg = ctx.cfg
-    problems = fp8_device_problems(ctx.facts.device)
+    emulated = fp8_emulated() and not cfg.adapter.is_lora
+    problems = [] if emulated else fp8_device_problems(ctx.facts.device)
     if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
         problems.append(
             "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
@@ -322,7 +338,9 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     if ctx.cfg.adapter.is_lora:
         return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
     fsdp = ctx.decided.strategy == "fsdp"
-    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=fsdp, small=perf.fp8_small_linears)
+    details = convert_full_finetune(
+        model, mode, fsdp_float8_all_gather=fsdp, emulate=fp8_emulated(), small=perf.fp8_small_linears
+    )
     if details["fsdp_float8_all_gather"]:
         _PRECOMPUTE.add(model)
     return details
@@ -350,6 +368,7 @@ def fp8_why(cfg: HoneConfig) -> str:
 def _label(d: dict[str, Any]) -> str:
     kind = "frozen base" if d.get("case", "").startswith("frozen") else "torchao training"
     extra = ", float8 all-gather" if d.get("fsdp_float8_all_gather") else ""
+    extra += ", emulated" if d.get("emulated") else ""
     return f"fp8 ({d.get('mode')}, {kind}, {d.get('converted')} linears{extra})"
 
 

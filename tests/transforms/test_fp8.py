@@ -112,6 +112,20 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
     assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
 
 
+def test_hone_fp8_emulate_lets_a_full_finetune_plan_on_cpu_but_not_a_frozen_lora_base(monkeypatch):
+    from hone.transforms.fp8 import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "1")  # this process's environment, as a user would export it
+    plan = plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
+    assert "fp8" in plan.names
+    # hone's frozen-base kernel has no emulation: the device is still checked
+    with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
+        plan_optimizations(cfg(fp8="tensorwise"), RunFacts(torch.device("cpu")))
+    monkeypatch.setenv(EMULATE_ENV, "0")
+    with pytest.raises(PlanError, match=r"this run's device \(cpu\) lacks"):
+        plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
+
+
 @pytest.mark.parametrize(
     "performance, key",
     [
