@@ -307,12 +307,32 @@ def _check(ctx: PlanContext) -> list[str]:
             "(NoValidChoicesError), and a float8 full fine-tune did not finish compiling in 500 s "
             "(docs/quantization.md); remove it, or use fp8: off"
         )
+    problems += _context_parallel_problems(ctx)
     if cfg.adapter.is_lora and ctx.decided.strategy == "fsdp":
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
             "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
         )
     return problems
+
+
+def _context_parallel_problems(ctx: PlanContext) -> list[str]:
+    """Context parallelism gives each rank part of every sequence. A scale taken over a whole
+    tensor's tokens (tensorwise activations and output gradients; the weight gradient's per-column
+    scales over the tokens in torchao's rowwise recipe) would then come from that part only: the
+    run would quantize differently from one process on the whole sequence, which hone does not
+    allow. Per-token scales (the frozen base's rowwise mode) do not depend on the split."""
+    n = ctx.decided.context_parallel
+    perf = ctx.cfg.performance
+    if n <= 1 or (ctx.cfg.adapter.is_lora and perf.fp8 == "rowwise"):
+        return []
+    what = "a frozen LoRA base" if ctx.cfg.adapter.is_lora else "a full fine-tune"
+    return [
+        f"performance.fp8: {perf.fp8} on {what} with distributed.context_parallel: {n}: each rank would scale its "
+        "activations and gradients by the amax of its own part of the sequence, not of the whole, so the run would not "
+        "compute what one process computes; allowed with context parallelism: fp8: rowwise with LoRA (per-token "
+        "scales); else set distributed.context_parallel: 1 or performance.fp8: off"
+    ]
 
 
 def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
