@@ -382,7 +382,9 @@ def fp8_why(cfg: HoneConfig) -> str:
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
         return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
-    return f"performance.fp8: {perf.fp8}; full fine-tune through torchao's float8 training (all linears but the head){narrow}"
+    emulated = f"; emulated ({EMULATE_ENV}=1: float8 rounding, high-precision matmuls)" if fp8_emulated() else ""
+    how = "full fine-tune through torchao's float8 training (all linears but the head)"
+    return f"performance.fp8: {perf.fp8}; {how}{narrow}{emulated}"
 
 
 def _label(d: dict[str, Any]) -> str:

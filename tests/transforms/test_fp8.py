@@ -118,6 +118,10 @@ def test_hone_fp8_emulate_lets_a_full_finetune_plan_on_cpu_but_not_a_frozen_lora
     monkeypatch.setenv(EMULATE_ENV, "1")  # this process's environment, as a user would export it
     plan = plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
     assert "fp8" in plan.names
+    _, _, on, why = next(
+        d for d in decisions(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu"))) if d[0] == "fp8"
+    )
+    assert on and "emulated (HONE_FP8_EMULATE=1" in why
     # hone's frozen-base kernel has no emulation: the device is still checked
     with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
         plan_optimizations(cfg(fp8="tensorwise"), RunFacts(torch.device("cpu")))
