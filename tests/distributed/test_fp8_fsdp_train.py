@@ -35,14 +35,16 @@ STEPS = 10
 SAVE_STEPS = 2
 
 
-def _config(out: Path, name: str, strategy: str, accumulation: int, **training) -> Path:
+def _config(
+    out: Path, name: str, strategy: str, accumulation: int, preset: str = "tiny-llama", expert_parallel: int = 1, **training
+) -> Path:
     data = out / "data.jsonl"
     if not data.exists():
         rng = random.Random(1)
         rows = [{"input_ids": [rng.randint(5, 250) for _ in range(rng.randint(8, 40))]} for _ in range(64)]
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
-        "model": {"preset": "tiny-llama", "dtype": "bfloat16"},  # performance.fp8 needs bfloat16
+        "model": {"preset": preset, "dtype": "bfloat16"},  # performance.fp8 needs bfloat16
         "data": {
             "datasets": [{"path": str(data), "type": "pretokenized"}],
             "sequence_len": 64,
@@ -60,7 +62,7 @@ def _config(out: Path, name: str, strategy: str, accumulation: int, **training) 
             **training,
         },
         "optimizer": {"learning_rate": 5e-3, "fused": False},
-        "distributed": {"strategy": strategy},
+        "distributed": {"strategy": strategy, "expert_parallel": expert_parallel},
         "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
     }
     path = out / f"{name}.yml"
@@ -122,13 +124,17 @@ def test_two_fsdp2_ranks_equal_one_process_with_twice_the_accumulation(runs):
         torch.testing.assert_close(got[name], want[name], rtol=2**-7, atol=1e-6, msg=name)
 
 
-def test_a_killed_float8_fsdp2_run_resumes_to_the_uninterrupted_losses_and_weights(runs, tmp_path):
-    cfg = _config(runs, "killed", "fsdp", 1)
-    done = _kill_after_checkpoint(cfg, SAVE_STEPS)
+def _resume(cfg: Path) -> None:
     resumed = yaml.safe_load(cfg.read_text())
     resumed["training"]["resume"] = "latest"
     cfg.write_text(yaml.safe_dump(resumed))
     spawn(_train, 2, cfg, timeout_s=TIMEOUT_S)
+
+
+def test_a_killed_float8_fsdp2_run_resumes_to_the_uninterrupted_losses_and_weights(runs, tmp_path):
+    cfg = _config(runs, "killed", "fsdp", 1)
+    done = _kill_after_checkpoint(cfg, SAVE_STEPS)
+    _resume(cfg)
     want, got = train_losses(runs / "fsdp"), train_losses(runs / "killed")
     after = list(range(done + 1, STEPS + 1))
     assert after, "the kill came after the last step"
@@ -180,3 +186,19 @@ def test_the_checkpoint_and_the_final_model_hold_plain_tensors_loadable_without_
     dtypes = json.loads(proc.stdout.strip().splitlines()[-1])
     # the weights bfloat16 (model.dtype), AdamW's moments and step float32: no float8 anywhere
     assert dtypes == {"dcp": ["torch.bfloat16", "torch.float32"], "loaded": ["torch.bfloat16"], "final": ["torch.bfloat16"]}
+
+
+def test_a_killed_float8_run_beside_expert_parallelism_resumes_to_the_uninterrupted_losses(tmp_path):
+    """Expert parallelism with FSDP2 and a float8 full fine-tune (tiny qwen3-moe): the experts are
+    no linears and stay bf16, each rank's block checkpointed beside the float8 layers' plain shards."""
+    straight = _config(tmp_path, "ep", "fsdp", 1, preset="tiny-qwen3-moe", expert_parallel=2, max_steps=6)
+    spawn(_train, 2, straight, timeout_s=TIMEOUT_S)
+    applied = json.loads((tmp_path / "ep" / "optimizations.json").read_text())["applied"]
+    assert {"fp8", "expert_parallel", "fsdp"} <= {t["name"] for t in applied}
+    cfg = _config(tmp_path, "ep-killed", "fsdp", 1, preset="tiny-qwen3-moe", expert_parallel=2, max_steps=6)
+    done = _kill_after_checkpoint(cfg, SAVE_STEPS)
+    _resume(cfg)
+    want, got = train_losses(tmp_path / "ep"), train_losses(tmp_path / "ep-killed")
+    after = list(range(done + 1, 7))
+    assert after, "the kill came after the last step"
+    assert [got[s] for s in after] == [want[s] for s in after]
