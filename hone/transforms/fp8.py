@@ -15,7 +15,9 @@ Two cases, one switch:
   and their scales computed for all layers at once after each optimizer step. torchao computes
   the amax of current scaling where the scale is computed (the FSDP pre-all-gather hook reduces
   it over the mesh it is handed), so a converted module holds no process group: it deep-copies
-  and pickles.
+  and pickles. ``HONE_FP8_EMULATE=1`` runs this case through torchao's emulation where the
+  device has no float8 matmuls (the CPU tests of FSDP2 and resume). Context parallelism is
+  refused wherever a scale spans a tensor's tokens (each rank holds part of the sequence).
 
 Why the frozen base keeps its bf16 weight on the GPU: PEFT reads ``base_layer.weight`` outside
 the forward (merging and unmerging adapters, dtype and device look-ups), hone's eval and
