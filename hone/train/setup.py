@@ -103,6 +103,11 @@ def set_up(
         enabled=save_checkpoints,
     )
     resumed = resume(checkpointer, resume_from, plan, cfg, scheduler, world) if resume_from is not None else None
+    if resumed is not None:
+        # the weights were loaded in place: derive again what a transform derives from them after each
+        # step (float8 scales). Loading a sharded optimizer steps it once with zero gradients to create
+        # its state (torch's set_state_dict), which ran the hooks on the weights the checkpoint replaced.
+        hooks.after_optimizer_step()
     state = resumed.state if resumed is not None else TrainState()
     stream = BatchStream(plan, t.seed, state.position, rank=replica)
     step_module = hooks.step_module(model, autocast_dtype)  # DDP: the weights broadcast from rank 0

@@ -73,6 +73,7 @@ from hone.train.checkpoint_layout_change import (
     saved_group_template,
 )
 from hone.train.expert_checkpoint import experts_as_blocks, experts_as_dtensors
+from hone.train.plain_shards import plain_shards
 
 DCP_DIR = "dcp"
 
@@ -129,11 +130,12 @@ def _set_trainable_state(
 
 def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": trainable weights, "optim": optimizer state}`` keyed by parameter names, each
-    rank's shards as DTensors (what DCP saves and loads in place)."""
+    rank's shards as DTensors (what DCP saves and loads in place), plain tensors inside: a float8
+    weight's wrapper is not written (:mod:`hone.train.plain_shards`)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return experts_as_dtensors(model, {"model": model_sd, "optim": optim_sd})
+    return experts_as_dtensors(model, plain_shards({"model": model_sd, "optim": optim_sd}))
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

@@ -15,7 +15,9 @@ Two cases, one switch:
   and their scales computed for all layers at once after each optimizer step. torchao computes
   the amax of current scaling where the scale is computed (the FSDP pre-all-gather hook reduces
   it over the mesh it is handed), so a converted module holds no process group: it deep-copies
-  and pickles.
+  and pickles. ``HONE_FP8_EMULATE=1`` runs this case through torchao's emulation where the
+  device has no float8 matmuls (the CPU tests of FSDP2 and resume). Context parallelism is
+  refused wherever a scale spans a tensor's tokens (each rank holds part of the sequence).
 
 Why the frozen base keeps its bf16 weight on the GPU: PEFT reads ``base_layer.weight`` outside
 the forward (merging and unmerging adapters, dtype and device look-ups), hone's eval and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +54,19 @@ from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
 
 #: float8 matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
 MIN_CAPABILITY = (8, 9)
+
+#: ``HONE_FP8_EMULATE=1``: a float8 full fine-tune on a device without float8 matmuls (the CPU, a
+#: GPU older than Ada) through torchao's emulation.
+EMULATE_ENV = "HONE_FP8_EMULATE"
+
+
+def fp8_emulated() -> bool:
+    """Whether ``HONE_FP8_EMULATE=1`` asks for torchao's emulated float8: every quantization,
+    scale and amax reduction (and FSDP2's float8 all-gather) as on an H100, the matmuls of the
+    dequantized operands in high precision. A check of a float8 full fine-tune's numerics on a
+    machine without float8 matmuls (slow; the CPU tests run ``hone train`` with it); the frozen-base
+    LoRA path has no emulation (hone's kernel is ``torch._scaled_mm``), so it stays refused there."""
+    return os.environ.get(EMULATE_ENV) == "1"
 
 
 # ---------------------------------------------------------------- the frozen-base layer
@@ -239,6 +255,7 @@ def convert_full_finetune(
         "kept_high_precision": linears - converted,
         "kept_bf16_small": small_kept,
         "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+        "emulated": emulate,
     }
 
 
@@ -277,7 +294,8 @@ def fp8_device_problems(device: torch.device, capability: tuple[int, int] | None
 
 def _check(ctx: PlanContext) -> list[str]:
     cfg = ctx.cfg
-    problems = fp8_device_problems(ctx.facts.device)
+    emulated = fp8_emulated() and not cfg.adapter.is_lora
+    problems = [] if emulated else fp8_device_problems(ctx.facts.device)
     if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
         problems.append(
             "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
@@ -291,12 +309,32 @@ def _check(ctx: PlanContext) -> list[str]:
             "(NoValidChoicesError), and a float8 full fine-tune did not finish compiling in 500 s "
             "(docs/quantization.md); remove it, or use fp8: off"
         )
+    problems += _context_parallel_problems(ctx)
     if cfg.adapter.is_lora and ctx.decided.strategy == "fsdp":
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
             "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
         )
     return problems
+
+
+def _context_parallel_problems(ctx: PlanContext) -> list[str]:
+    """Context parallelism gives each rank part of every sequence. A scale taken over a whole
+    tensor's tokens (tensorwise activations and output gradients; the weight gradient's per-column
+    scales over the tokens in torchao's rowwise recipe) would then come from that part only: the
+    run would quantize differently from one process on the whole sequence, which hone does not
+    allow. Per-token scales (the frozen base's rowwise mode) do not depend on the split."""
+    n = ctx.decided.context_parallel
+    perf = ctx.cfg.performance
+    if n <= 1 or (ctx.cfg.adapter.is_lora and perf.fp8 == "rowwise"):
+        return []
+    what = "a frozen LoRA base" if ctx.cfg.adapter.is_lora else "a full fine-tune"
+    return [
+        f"performance.fp8: {perf.fp8} on {what} with distributed.context_parallel: {n}: each rank would scale its "
+        "activations and gradients by the amax of its own part of the sequence, not of the whole, so the run would not "
+        "compute what one process computes; allowed with context parallelism: fp8: rowwise with LoRA (per-token "
+        "scales); else set distributed.context_parallel: 1 or performance.fp8: off"
+    ]
 
 
 def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
@@ -322,7 +360,9 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     if ctx.cfg.adapter.is_lora:
         return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
     fsdp = ctx.decided.strategy == "fsdp"
-    details = convert_full_finetune(model, mode, fsdp_float8_all_gather=fsdp, small=perf.fp8_small_linears)
+    details = convert_full_finetune(
+        model, mode, fsdp_float8_all_gather=fsdp, emulate=fp8_emulated(), small=perf.fp8_small_linears
+    )
     if details["fsdp_float8_all_gather"]:
         _PRECOMPUTE.add(model)
     return details
@@ -344,12 +384,15 @@ def fp8_why(cfg: HoneConfig) -> str:
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
         return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
-    return f"performance.fp8: {perf.fp8}; full fine-tune through torchao's float8 training (all linears but the head){narrow}"
+    emulated = f"; emulated ({EMULATE_ENV}=1: float8 rounding, high-precision matmuls)" if fp8_emulated() else ""
+    how = "full fine-tune through torchao's float8 training (all linears but the head)"
+    return f"performance.fp8: {perf.fp8}; {how}{narrow}{emulated}"
 
 
 def _label(d: dict[str, Any]) -> str:
     kind = "frozen base" if d.get("case", "").startswith("frozen") else "torchao training"
     extra = ", float8 all-gather" if d.get("fsdp_float8_all_gather") else ""
+    extra += ", emulated" if d.get("emulated") else ""
     return f"fp8 ({d.get('mode')}, {kind}, {d.get('converted')} linears{extra})"
 
 

@@ -46,13 +46,19 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 PRELOAD = ["torch.distributed.fsdp", "transformers", "peft", "hone.testing", "hone.train.run", "fsdp_harness"]
 
 
+def start(fn, world_size: int, *args) -> mp.ProcessContext:
+    """Start ``fn(rank, *args)`` on ``world_size`` gloo processes and return at once: the caller
+    joins them (``context.join``) or kills them (``context.processes``; a run killed mid-training)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
+    return mp.start_processes(
+        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="forkserver"
+    )
+
+
 def spawn(fn, world_size: int, *args, timeout_s: float | None = None) -> None:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo processes; raises if any of them fails, or
     kills them all and raises ``TimeoutError`` once they have run ``timeout_s`` (a hang)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
-    context = mp.start_processes(
-        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=False, start_method="forkserver"
-    )
+    context = start(fn, world_size, *args)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if deadline is not None and time.monotonic() > deadline:

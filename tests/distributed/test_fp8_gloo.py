@@ -4,6 +4,7 @@ uint8 bytes, survive DDP's broadcast at wrap time) and sums its LoRA gradients; 
 torchao's float8 all-gather (tensorwise) computes each weight's amax over the whole mesh, so a
 sharded step gives the unsharded step's loss and weights."""
 
+import pytest
 import torch
 from fsdp_harness import full, save, spawn
 from torch import nn
@@ -111,3 +112,77 @@ def test_fsdp2_float8_all_gather_steps_like_the_unsharded_model(tmp_path):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-6)
     for name, param in net.named_parameters():
         torch.testing.assert_close(got["weights"][name.replace("_orig_mod.", "")], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _lopsided_net():
+    """A float8 linear whose weight rows 0-15 (rank 0's shard under FSDP2) are 100x smaller than
+    rows 16-31 (rank 1's), the whole weight's amax 3.0 in rank 1's shard."""
+    torch.manual_seed(2)
+    # with biases: gloo has no float8 type, and float8 weights gathered beside other dtypes go as bytes
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    with torch.no_grad():
+        net[0].weight.uniform_(-1, 1)
+        net[0].weight[:16] *= 0.01
+        net[0].weight[20, 5] = 3.0
+    return net
+
+
+def _amax(rank: int, out) -> None:
+    import copy
+    import pickle
+
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hone.transforms.fp8 import convert_full_finetune, precompute_scales
+
+    net = _lopsided_net()
+    convert_full_finetune(net, "tensorwise", fsdp_float8_all_gather=True, emulate=True)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(net, mesh=mesh)  # the root only: net[0] stays torchao's Float8Linear, its weight a DTensor
+    layer = net[0]
+    shard = layer.weight.to_local()
+    # the scale FSDP2's pre-all-gather hook casts this rank's shard with (the mesh handed at the call)
+    _, (hook_scale,) = shard.fsdp_pre_all_gather(mesh)
+    precompute_scales(net)  # all layers' scales in one all-reduce, as after each optimizer step
+    _, (precomputed,) = shard.fsdp_pre_all_gather(mesh)
+    # the float8 parts hold no process group or mesh: the copy of the sharded layer is torchao's, whole
+    twin = copy.deepcopy(layer)
+    groups = [v for m in (layer, twin) for v in vars(m).values() if isinstance(v, (DeviceMesh, torch.distributed.ProcessGroup))]
+    pickle.loads(pickle.dumps((shard, layer.config)))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    y = net(x)  # the root stays unsharded after its forward: copied above, while sharded
+    if rank == 0:
+        save(
+            {
+                "local_amax": shard.abs().max().item(),
+                "hook_scale": hook_scale.item(),
+                "precomputed": precomputed.item(),
+                "y": y.detach(),
+                "twin": type(twin.weight.to_local()).__name__,
+                "groups": len(groups),
+            },
+            out,
+        )
+
+
+def test_the_amax_of_a_sharded_float8_weight_is_the_whole_weights(tmp_path):
+    """torchao reduces a sharded weight's amax over the mesh FSDP2 hands its hooks (the group that
+    owns the weight), never over a group stored on the module: rank 0, whose shard's amax is
+    ~0.01, casts it with the scale of the whole weight's amax (3.0), so the gathered float8
+    weight is one tensor with one scale and the output is the unsharded layer's. The sharded
+    layer deep-copies, and its float8 parts (the weight's shard, the recipe) pickle: they hold no
+    process group (FSDP2's own state refuses deep copies and pickling of a sharded root, by design)."""
+    from hone.transforms.fp8 import convert_full_finetune
+
+    out = tmp_path / "amax.pt"
+    spawn(_amax, WORLD, out)
+    got = torch.load(out)
+    want_scale = torch.finfo(torch.float8_e4m3fn).max / 3.0
+    assert got["local_amax"] < 0.011  # rank 0's own shard: a local amax would give a scale ~300x larger
+    assert got["hook_scale"] == pytest.approx(want_scale, rel=1e-6)
+    assert got["precomputed"] == pytest.approx(want_scale, rel=1e-6)
+    net = _lopsided_net()
+    convert_full_finetune(net, "tensorwise", emulate=True)
+    torch.testing.assert_close(got["y"], net(torch.randn(4, 64, generator=torch.Generator().manual_seed(7))).detach())
+    assert got["twin"] == "WeightWithDynamicFloat8CastTensor" and got["groups"] == 0

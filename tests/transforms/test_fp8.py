@@ -112,6 +112,54 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
     assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
 
 
+def test_hone_fp8_emulate_lets_a_full_finetune_plan_on_cpu_but_not_a_frozen_lora_base(monkeypatch):
+    from hone.transforms.fp8 import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "1")  # this process's environment, as a user would export it
+    plan = plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
+    assert "fp8" in plan.names
+    _, _, on, why = next(
+        d for d in decisions(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu"))) if d[0] == "fp8"
+    )
+    assert on and "emulated (HONE_FP8_EMULATE=1" in why
+    # hone's frozen-base kernel has no emulation: the device is still checked
+    with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
+        plan_optimizations(cfg(fp8="tensorwise"), RunFacts(torch.device("cpu")))
+    monkeypatch.setenv(EMULATE_ENV, "0")
+    with pytest.raises(PlanError, match=r"this run's device \(cpu\) lacks"):
+        plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
+
+
+def _two_ranks(model: str, adapter: str, fp8: str, distributed: dict):
+    from hone.runtime.world import World
+
+    config = parse_config(
+        {
+            **_RAW,
+            "model": {"preset": model, "dtype": "bfloat16"},
+            "adapter": {"type": adapter},
+            "performance": {"fp8": fp8},
+            "distributed": distributed,
+        }
+    )
+    return plan_optimizations(config, RunFacts(CUDA, world=World(rank=0, world_size=2, local_rank=0)))
+
+
+@pytest.mark.parametrize("adapter, fp8", [("none", "tensorwise"), ("none", "rowwise"), ("lora", "tensorwise")])
+def test_fp8_scaled_over_whole_tensors_is_refused_with_context_parallelism_naming_both_keys(adapter, fp8):
+    what = "a full fine-tune" if adapter == "none" else "a frozen LoRA base"
+    with pytest.raises(PlanError, match=rf"performance.fp8: {fp8} on {what} with distributed.context_parallel: 2: .*own part"):
+        _two_ranks("tiny-qwen3", adapter, fp8, {"context_parallel": 2})
+
+
+def test_fp8_per_token_scales_and_expert_parallel_fsdp2_plan():
+    # the frozen base's rowwise scales are per token: a split sequence quantizes as the whole one
+    assert "context_parallel" in _two_ranks("tiny-qwen3", "lora", "rowwise", {"context_parallel": 2}).names
+    # the converted linears are FSDP2's over the whole world (the experts are no linears: they stay bf16)
+    names = _two_ranks("tiny-qwen3-moe", "none", "tensorwise", {"strategy": "fsdp", "expert_parallel": 2}).names
+    assert {"fp8", "expert_parallel", "fsdp"} <= set(names)
+
+
 @pytest.mark.parametrize(
     "performance, key",
     [

@@ -48,13 +48,16 @@ def _cfg(
     return parse_config(raw)
 
 
-def _saved_bytes_of_layer(cfg, layer_index: int = 1, compile_layers: bool = False) -> int:
+def _saved_bytes_of_layer(cfg, layer_index: int = 1, compile_layers: bool = False, prepare=None) -> int:
     """Bytes autograd saves inside decoder layer ``layer_index`` for one forward of TOKENS
     random tokens, deduplicated by storage, parameters excluded (they are weights, not
-    activations). A middle layer: the first one's input does not require grad."""
+    activations). A middle layer: the first one's input does not require grad. ``prepare(model)``
+    changes the loaded model first (a transform's conversion)."""
     torch.manual_seed(0)
     loaded = load_model(cfg, load_tokenizer(cfg.model), "cpu")
     model = loaded.model
+    if prepare is not None:
+        prepare(model)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
     if compile_layers:
@@ -89,9 +92,11 @@ def _saved_bytes_of_layer(cfg, layer_index: int = 1, compile_layers: bool = Fals
     return total[0]
 
 
-def _formula(cfg, compiled: bool = False) -> int:
+def _formula(cfg, compiled: bool = False, float8: tuple[str, str] | None = None) -> int:
     facts = model_facts(cfg)
-    est = layer_bytes(facts.layers[1], facts, compiled=compiled, attention=cfg.model.attn_implementation, device="cpu")
+    est = layer_bytes(
+        facts.layers[1], facts, compiled=compiled, attention=cfg.model.attn_implementation, device="cpu", float8=float8
+    )
     return est.at(TOKENS, TOKENS)
 
 
@@ -134,6 +139,47 @@ def test_compiled_layer_formula_matches_the_partitioners_choice():
     counted = _saved_bytes_of_layer(cfg, compile_layers=True)
     assert _formula(cfg, compiled=True) == pytest.approx(counted, rel=0.10)
     assert counted < _formula(cfg, compiled=False)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_compiled_float8_full_finetune_layer_formula_matches_the_partitioners_choice(mode):
+    """torchao's Float8Linear saves its bf16 input; compiled, the partitioner recomputes the float8
+    casts from what the layer keeps anyway and saves only the output projection's input, in float8
+    (hone.transforms.memory.terms.fp8.float8_site_bytes). Emulated float8: the same casts and
+    scales, so the same saved tensors, on any CPU."""
+    from hone.transforms.fp8 import convert_full_finetune
+
+    cfg = _cfg("tiny-llama", "bfloat16", {"type": "none"})
+    counted = _saved_bytes_of_layer(
+        cfg, compile_layers=True, prepare=lambda model: convert_full_finetune(model, mode, emulate=True)
+    )
+    formula = _formula(cfg, compiled=True, float8=(mode, "fp8"))
+    assert formula == pytest.approx(counted, rel=0.10)
+    bf16 = _saved_bytes_of_layer(cfg, compile_layers=True)
+    assert counted < 0.8 * bf16 and formula < 0.8 * _formula(cfg, compiled=True)  # the projections' inputs are gone
+    # eager, torchao saves the bf16 input as a bf16 layer does: the rule is for compiled layers only
+    assert _formula(cfg, compiled=False, float8=(mode, "fp8")) == _formula(cfg, compiled=False)
+
+
+# torch.cuda.max_memory_allocated of hone bench rows on an H100, llama3.2-3b full fine-tune, seq 4096
+# mbs 2, compiled, no checkpointing, fused loss (benchmarks/2026-11-26-h100-quantization.md, session 8):
+# (performance.fp8, fp8_small_linears, measured GiB)
+MEASURED_FP8_FULL = [
+    ("off", "fp8", 41.2),
+    ("tensorwise", "fp8", 35.1),
+    ("tensorwise", "bf16", 37.1),
+    ("rowwise", "bf16", 37.1),
+]
+
+
+@pytest.mark.parametrize("row", MEASURED_FP8_FULL, ids=lambda r: f"fp8-{r[0]}-small-{r[1]}")
+def test_float8_full_finetune_estimate_within_five_percent_of_measured_peaks(row):
+    """Before the compiled float8 rule the float8 rows were estimated as the bf16 one (40.4 GiB, +15%)."""
+    fp8, small, measured = row
+    extra = {} if fp8 == "off" else {"performance__fp8": fp8, "performance__fp8_small_linears": small}
+    cfg = _cfg("llama3.2-3b", adapter={"type": "none"}, seq=4096, mbs=2, **extra)
+    est = estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", compiled=True))
+    assert est.total / GIB == pytest.approx(measured, rel=0.05)
 
 
 # torch.cuda.max_memory_allocated of hone bench rows on an H100 (BENCHMARKS.md, issue 11):

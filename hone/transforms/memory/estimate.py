@@ -232,6 +232,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         selective_budget=selective_budget(cfg, knobs) if compiled and perf.torch_compile_backend == "inductor" else None,
         accumulating=cfg.training.gradient_accumulation_steps > 1,
         run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
+        float8=(perf.fp8, perf.fp8_small_linears) if perf.fp8 != "off" and not cfg.adapter.is_lora else None,
     )
 
 

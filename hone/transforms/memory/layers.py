@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hone.transforms.memory.facts import LayerFacts, LinearFacts, ModelFacts
 from hone.transforms.memory.step import Step
+from hone.transforms.memory.terms.fp8 import float8_site_bytes
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,19 @@ class LayerBytes:
 
 
 def _site_bytes(
-    linears: list[LinearFacts], width: int, site: str, m: ModelFacts, compiled: bool, mask_bytes: int
+    linears: list[LinearFacts],
+    width: int,
+    site: str,
+    m: ModelFacts,
+    compiled: bool,
+    mask_bytes: int,
+    float8: tuple[str, str] | None = None,
 ) -> tuple[int, int]:
     """(per-token, fixed) bytes the projections reading one input keep for their backward."""
     c = m.compute_bytes
+    kept = float8_site_bytes(linears, width, site, float8) if compiled else None
+    if kept is not None:
+        return kept, 0
     lora = [lf for lf in linears if lf.lora_rank]
     trained = [lf for lf in linears if lf.trainable]
     per_token = sum(c * lf.lora_rank for lf in lora)  # lora_A's output, for lora_B's gradient
@@ -60,12 +70,20 @@ MLP_SITES = ("mlp_in", "down_in")
 
 
 def layer_bytes(
-    layer: LayerFacts, m: ModelFacts, *, compiled: bool, attention: str, device: str, tiled: bool = False
+    layer: LayerFacts,
+    m: ModelFacts,
+    *,
+    compiled: bool,
+    attention: str,
+    device: str,
+    tiled: bool = False,
+    float8: tuple[str, str] | None = None,
 ) -> LayerBytes:
     """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc).
 
     ``tiled``: the MLP is tiled (:mod:`hone.transforms.tiled_mlp`) and keeps only its input; what
-    it holds while one shard is differentiated is :func:`~hone.transforms.memory.terms.tiled_mlp.tiled_mlp_transient`."""
+    it holds while one shard is differentiated is :func:`~hone.transforms.memory.terms.tiled_mlp.tiled_mlp_transient`.
+    ``float8``: a full fine-tune in torchao's float8 training (:func:`~hone.transforms.memory.terms.fp8.float8_site_bytes`)."""
     c = m.compute_bytes
     h, q_width, kv_width = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     # CUDA's fused dropout keeps a bool mask; elsewhere a mask in the dropout input's dtype
@@ -92,7 +110,7 @@ def layer_bytes(
     for site, group in by_site.items():
         if layer.moe and site == "down_in":
             continue
-        t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes)
+        t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes, float8)
         per_token += 0 if tiled and site in MLP_SITES else t
         fixed += f
     if tiled:
@@ -156,7 +174,9 @@ def selective_bytes(layer: LayerFacts, m: ModelFacts, tiled: bool = False) -> La
 
 def step_layer_bytes(step: Step, layer: LayerFacts, m: ModelFacts) -> LayerBytes:
     """:func:`layer_bytes` of ``layer`` in ``step`` (its compilation, attention, device and MLP tiling)."""
-    return layer_bytes(layer, m, compiled=step.compiled, attention=step.attention, device=step.device, tiled=step.tiled)
+    return layer_bytes(
+        layer, m, compiled=step.compiled, attention=step.attention, device=step.device, tiled=step.tiled, float8=step.float8
+    )
 
 
 def outside_layers_bytes(m: ModelFacts, tokens: int) -> int:

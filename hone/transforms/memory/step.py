@@ -37,6 +37,8 @@ class Step:
     """Gradient accumulation: earlier micro-batches' gradients are alive through the step."""
     run_layers: int = 1
     """``full``/``offload``: layers per run of layer-run checkpointing (1: each layer keeps its input)."""
+    float8: tuple[str, str] | None = None
+    """A full fine-tune in torchao's float8 training: (``performance.fp8``, ``performance.fp8_small_linears``)."""
 
     @property
     def tokens(self) -> int:

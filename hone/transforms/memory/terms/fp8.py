@@ -1,7 +1,8 @@
-"""The float8 copies of a LoRA run on a float8 base (``performance.fp8``)."""
+"""What float8 (``performance.fp8``) changes in the memory: the float8 copies of a LoRA run on a
+float8 base, and what a compiled float8 full fine-tune keeps of its projections' inputs."""
 
 from hone.config.root import HoneConfig
-from hone.transforms.memory.facts import ModelFacts
+from hone.transforms.memory.facts import LinearFacts, ModelFacts
 
 
 def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
@@ -16,3 +17,28 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
         return 0
     shapes = m.lora_base_shapes if perf.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_shapes
     return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, perf.fp8, perf.fp8_small_linears))
+
+
+def float8_site_bytes(linears: list[LinearFacts], width: int, site: str, float8: tuple[str, str] | None) -> int | None:
+    """Per-token bytes the compiled projections reading one input keep for their backward when
+    every one of them is torchao's ``Float8Linear`` (a full fine-tune, ``float8 = (mode, small)``);
+    None where that is not so (the bf16 rule applies).
+
+    torchao's autograd function saves the bf16 input and casts it again in the backward (eager:
+    as much as bf16). Compiled, the min-cut partitioner sees that the backward's float8 operands
+    are pointwise casts (the amax reduction is saved as a scalar scale) of tensors the layer keeps
+    anyway, and recomputes them: the norm output that q/k/v and gate/up read comes back from the
+    norm's saved input and inverse RMS, the down projection's input from the saved gate and up.
+    Only the attention output's 2-D copy, the output projection's input, is kept, in float8 (one
+    byte an element). Counted with ``aot_eager_decomp_partition`` on a tiny llama
+    (tests/unit/test_estimate.py); on llama3.2-3b at 8K tokens it is the 6.1 GiB the H100's
+    float8 row peaks below the bf16 one (benchmarks/2026-11-26-h100-quantization.md, session 8)."""
+    from hone.transforms.fp8_sizes import converts_to_fp8
+
+    if float8 is None or not linears:
+        return None
+    mode, small = float8
+    for lf in linears:
+        if lf.lora_rank or not lf.trainable or not converts_to_fp8(lf.in_features, lf.out_features, mode, small):
+            return None
+    return width if site == "o_in" else 0
