@@ -44,7 +44,7 @@ OptionValue = StrictBool | StrictInt | StrictFloat | StrictStr
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _COMPILE_KEYS = ("torch_compile_scope", "torch_compile_mode", "torch_compile_backend", "torch_compile_options")
 #: Keys that only mean something with ``fp8`` on.
-_FP8_KEYS = ("fp8_base_linears", "fp8_small_linears")
+_FP8_KEYS = ("fp8_base_linears", "fp8_small_linears", "fp8_emulate")
 
 
 class PerformanceConfig(Section):
@@ -101,6 +101,13 @@ class PerformanceConfig(Section):
     fp8_base_linears: Literal["lora_targets", "all"] = "lora_targets"
     """With LoRA and ``fp8`` on: which frozen linears compute in float8. ``lora_targets``: the
     projections LoRA wraps; ``all``: every frozen linear but the output head."""
+
+    fp8_emulate: bool = False
+    """A float8 full fine-tune on a device without float8 matmuls (the CPU, a GPU older than Ada):
+    torchao's emulation does every quantization, scale and amax reduction (and FSDP2's float8
+    all-gather) as on an H100 and the matmuls of the dequantized operands in high precision. For
+    checking a float8 recipe's numerics (slow); a full fine-tune only (hone's float8 LoRA base has
+    no emulation)."""
 
     fp8_small_linears: Literal["fp8", "bf16"] = "fp8"
     """With ``fp8`` on: whether linears too narrow for a float8 matmul to repay the scaling of its

@@ -15,7 +15,7 @@ Two cases, one switch:
   and their scales computed for all layers at once after each optimizer step. torchao computes
   the amax of current scaling where the scale is computed (the FSDP pre-all-gather hook reduces
   it over the mesh it is handed), so a converted module holds no process group: it deep-copies
-  and pickles. ``HONE_FP8_EMULATE=1`` runs this case through torchao's emulation where the
+  and pickles. ``performance.fp8_emulate`` runs this case through torchao's emulation where the
   device has no float8 matmuls (the CPU tests of FSDP2 and resume). Context parallelism is
   refused wherever a scale spans a tensor's tokens (each rank holds part of the sequence).
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -54,20 +53,6 @@ from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
 
 #: float8 matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada) or newer (Hopper: 9.0).
 MIN_CAPABILITY = (8, 9)
-
-#: ``HONE_FP8_EMULATE=1``: a float8 full fine-tune on a device without float8 matmuls (the CPU, a
-#: GPU older than Ada) through torchao's emulation.
-EMULATE_ENV = "HONE_FP8_EMULATE"
-
-
-def fp8_emulated() -> bool:
-    """Whether ``HONE_FP8_EMULATE=1`` asks for torchao's emulated float8: every quantization,
-    scale and amax reduction (and FSDP2's float8 all-gather) as on an H100, the matmuls of the
-    dequantized operands in high precision. A check of a float8 full fine-tune's numerics on a
-    machine without float8 matmuls (slow; the CPU tests run ``hone train`` with it); the frozen-base
-    LoRA path has no emulation (hone's kernel is ``torch._scaled_mm``), so it stays refused there."""
-    return os.environ.get(EMULATE_ENV) == "1"
-
 
 # ---------------------------------------------------------------- the frozen-base layer
 
@@ -294,8 +279,13 @@ def fp8_device_problems(device: torch.device, capability: tuple[int, int] | None
 
 def _check(ctx: PlanContext) -> list[str]:
     cfg = ctx.cfg
-    emulated = fp8_emulated() and not cfg.adapter.is_lora
+    emulated = cfg.performance.fp8_emulate and not cfg.adapter.is_lora
     problems = [] if emulated else fp8_device_problems(ctx.facts.device)
+    if cfg.performance.fp8_emulate and cfg.adapter.is_lora:
+        problems.append(
+            "performance.fp8_emulate: true applies to a full fine-tune (torchao's emulated float8); a LoRA base "
+            "computes through torch._scaled_mm, which has no emulation: set fp8_emulate: false, or adapter.type: none"
+        )
     if not cfg.adapter.is_lora and importlib.util.find_spec("torchao") is None:
         problems.append(
             "performance.fp8 on a full fine-tune uses torchao's float8 training, but the package 'torchao' is not "
@@ -361,7 +351,7 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
         return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
     fsdp = ctx.decided.strategy == "fsdp"
     details = convert_full_finetune(
-        model, mode, fsdp_float8_all_gather=fsdp, emulate=fp8_emulated(), small=perf.fp8_small_linears
+        model, mode, fsdp_float8_all_gather=fsdp, emulate=perf.fp8_emulate, small=perf.fp8_small_linears
     )
     if details["fsdp_float8_all_gather"]:
         _PRECOMPUTE.add(model)
@@ -384,7 +374,7 @@ def fp8_why(cfg: HoneConfig) -> str:
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
         return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
-    emulated = f"; emulated ({EMULATE_ENV}=1: float8 rounding, high-precision matmuls)" if fp8_emulated() else ""
+    emulated = "; emulated (fp8_emulate: float8 rounding, high-precision matmuls)" if perf.fp8_emulate else ""
     how = "full fine-tune through torchao's float8 training (all linears but the head)"
     return f"performance.fp8: {perf.fp8}; {how}{narrow}{emulated}"
 

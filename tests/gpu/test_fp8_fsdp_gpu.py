@@ -85,7 +85,7 @@ def test_a_killed_float8_fsdp2_run_on_two_gpus_resumes_to_the_uninterrupted_loss
         "CUDA_VISIBLE_DEVICES": "0,1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HONE_FP8_EMULATE"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     done = kill_and_resume(_config(tmp_path, "straight"), _config(tmp_path, "killed"), env, kill_after=8, timeout_s=TIMEOUT_S)
     applied = json.loads((tmp_path / "killed" / "optimizations.json").read_text())["applied"]

@@ -112,22 +112,18 @@ def test_the_plan_refuses_fp8_on_cpu_and_hone_plan_shows_it():
     assert not {n: o for n, _, o, _ in decisions(cfg(), RunFacts(CUDA))}["fp8"]
 
 
-def test_hone_fp8_emulate_lets_a_full_finetune_plan_on_cpu_but_not_a_frozen_lora_base(monkeypatch):
-    from hone.transforms.fp8 import EMULATE_ENV
-
-    monkeypatch.setenv(EMULATE_ENV, "1")  # this process's environment, as a user would export it
-    plan = plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
-    assert "fp8" in plan.names
-    _, _, on, why = next(
-        d for d in decisions(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu"))) if d[0] == "fp8"
-    )
-    assert on and "emulated (HONE_FP8_EMULATE=1" in why
-    # hone's frozen-base kernel has no emulation: the device is still checked
-    with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
-        plan_optimizations(cfg(fp8="tensorwise"), RunFacts(torch.device("cpu")))
-    monkeypatch.setenv(EMULATE_ENV, "0")
+def test_fp8_emulate_lets_a_full_finetune_plan_on_cpu_but_not_a_frozen_lora_base():
+    emulated = cfg(adapter="none", fp8="tensorwise", fp8_emulate=True)
+    assert "fp8" in plan_optimizations(emulated, RunFacts(torch.device("cpu"))).names
+    _, _, on, why = next(d for d in decisions(emulated, RunFacts(torch.device("cpu"))) if d[0] == "fp8")
+    assert on and "emulated (fp8_emulate" in why
+    # hone's frozen-base kernel has no emulation: refused, the key named
+    with pytest.raises(PlanError, match=r"performance.fp8_emulate: true applies to a full fine-tune"):
+        plan_optimizations(cfg(fp8="tensorwise", fp8_emulate=True), RunFacts(torch.device("cpu")))
     with pytest.raises(PlanError, match=r"this run's device \(cpu\) lacks"):
         plan_optimizations(cfg(adapter="none", fp8="tensorwise"), RunFacts(torch.device("cpu")))
+    with pytest.raises(ConfigError, match="fp8_emulate: True only applies with fp8 on"):
+        cfg(adapter="none", fp8_emulate=True)
 
 
 def _two_ranks(model: str, adapter: str, fp8: str, distributed: dict):
