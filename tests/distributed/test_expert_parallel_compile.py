@@ -2,12 +2,12 @@
 :func:`~hone.parallel.expert_parallel.expert_parallel_experts` with ``fullgraph=True`` (any graph
 break raises), run its forward and backward, and compare with the same call run eagerly on the
 same rank: ``aot_eager`` bit for bit (the exchanges move the same bytes), Inductor within 1e-5
-(it may reorder float32 sums). Dynamo traces the exchanges (:mod:`hone.parallel.exchange`'s
-autograd Function around ``all_to_all_single``, which it turns into torch's functional
-collective) into one graph: a compiled decoder layer keeps them inside its graph. A capacity
-too small returns the same overflow count compiled. Inductor and gloo work together on the CPU
-(torch 2.13). (Calling the functional collective directly while compiling was tried and
-measured 2.4x slower per expert-parallel step on H200s: see docs/distributed.md.)"""
+(it may reorder float32 sums). The floating-point exchanges are torch's functional
+``all_to_all_single_autograd`` while compiling (:mod:`hone.parallel.exchange`), traced into one
+graph: a compiled decoder layer keeps them inside its graph. A capacity too small returns the
+same overflow count compiled. Inductor and gloo work together on the CPU. With torch 2.11 the
+autograd Function traced before that fix gave every gradient exactly zero; this file fails there
+without the fix (checked in a torch 2.11 environment; CI runs 2.13, which traced it right)."""
 
 import pytest
 import torch
