@@ -58,9 +58,8 @@ class DistributedConfig(Section):
     per layer, as a multiple of the balanced share ``micro_batch_size x sequence_len x k``
     (rounded up to a multiple of 8). Unset (the default): the worst case, every received token's
     choices all on this rank, so nothing can overflow whatever the routing, at up to ``N`` times
-    one process's pair rows for the MoE layer being computed (a transient of one layer: each layer
-    keeps only its received token rows). ``1.25`` or so keeps that memory near one process's; a
-    micro-batch whose routing then overflows stops the run with an error naming
+    the expert-activation memory of one process. ``1.25`` or so keeps that memory near one
+    process's; a micro-batch whose routing then overflows stops the run with an error naming
     this key (a pair is never dropped silently). The exchanges themselves never overflow: a token
     travels at most once to each rank."""
 

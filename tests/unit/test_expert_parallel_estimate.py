@@ -1,17 +1,13 @@
-"""The memory estimate of expert-parallel runs against measured GPU peaks, and the ``auto``
-checkpointing it then decides: the whole qwen3-30b-a3b (48 layers, 128 experts, top-8), LoRA r16
-alpha 32 on q, k, v, o and every expert, seq 4096 per rank, micro-batch 1, bf16, compiled layers,
-the fused loss: the workload of benchmarks/specs/qwen3-30b-a3b-48l-expert-parallel.yml, described
-on the meta device (nothing loads); and its FSDP2-alone rows, whose peak is the preset's load."""
+"""The memory estimate of the expert-parallel workload against measured GPU peaks: the whole
+qwen3-30b-a3b (48 layers, 128 experts, top-8), LoRA r16 alpha 32 on q, k, v, o and every expert,
+seq 4096 per rank, micro-batch 1, bf16, compiled layers, the fused loss: the workload of
+benchmarks/specs/qwen3-30b-a3b-48l-expert-parallel.yml, described on the meta device (nothing
+loads); and its FSDP2-alone rows, whose peak is the preset's load."""
 
 import pytest
-import torch
 
 from hone.config import parse_config
 from hone.runtime.world import World
-from hone.transforms.base import RunFacts
-from hone.transforms.decide import decide
-from hone.transforms.memory.decide import usable_bytes
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs
 from hone.units import GIB
@@ -34,73 +30,22 @@ def config(expert_parallel: int = 1, **memory):
 
 
 # torch.cuda.max_memory_allocated of the fullest rank, hone bench rows:
-# (expert parallel ranks, checkpointing, compiler memory budget, measured GiB)
+# (expert parallel ranks, checkpointing, compiler memory budget, measured GiB). Only one-GPU rows:
+# every expert-parallel row measured so far (2026-11-27) ran a compiled exchange whose gradient
+# torch 2.11 traced as zero (hone/parallel/exchange.py), so its peak lacks the experts' backward.
 MEASURED = [
     # 4 x H100 80GB, one machine (benchmarks/2026-11-27-h100-expert-parallel.md, commit 2ae2853)
     (1, "selective", 0.25, 68.05),
-    (2, "selective", 0.95, 42.54),
-    (4, "selective", 0.8, 28.67),
-    (2, "full", None, 35.8),
-    (4, "full", None, 21.80),
-    # H200s, no checkpointing (benchmarks/2026-11-27-h200-expert-parallel.md; the bytes do not depend on the card)
+    # H200, no checkpointing (benchmarks/2026-11-27-h200-expert-parallel.md; the bytes do not depend on the card)
     (1, "none", None, 88.3),
-    (2, "none", None, 45.4),
 ]
 
 
 @pytest.mark.parametrize("row", MEASURED, ids=lambda r: f"ep{r[0]}-{r[1]}{'' if r[2] is None else r[2]}")
-def test_expert_parallel_estimate_within_ten_percent_of_measured_peaks(row):
+def test_one_gpu_estimate_within_ten_percent_of_measured_peaks(row):
     ranks, policy, budget, measured = row
     est = estimate_memory(config(ranks), Knobs(policy, "fused_linear_ce", compiled=True, selective_budget=budget))
     assert est.total / GIB == pytest.approx(measured, rel=0.10)
-
-
-def test_each_rank_keeps_less_per_layer_than_one_process_without_checkpointing():
-    """A rank keeps its received rows (N x T x hidden) per MoE layer where one process keeps its
-    T x k pair rows (gate/up, activation, expert output): less per layer at N = 2 and 4 with k = 8;
-    the worst-case pair rows of one layer at a time are what grows with N."""
-    knobs = Knobs("none", "fused_linear_ce", compiled=True)
-    one, two, four = (estimate_memory(config(n), knobs) for n in (1, 2, 4))
-    assert two.activations_per_layer < one.activations_per_layer
-    assert two.activations_per_layer < four.activations_per_layer < one.activations_per_layer
-
-
-def facts(processes: int, gib: float) -> RunFacts:
-    return RunFacts(torch.device("cuda"), memory_bytes=int(gib * GIB), host_memory_bytes=512 * GIB, world=World(0, processes, 0))
-
-
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_auto_keeps_every_activation_at_expert_parallel_on_80gb_cards(ranks):
-    """With the experts split, ``activation_checkpointing: auto`` on 80 GB cards picks no
-    checkpointing (the fastest policy), because its estimate fits: measured 45.4 GiB at N = 2 on
-    H200s; selective at 0.95 / 0.8 measured 42.5 / 28.7 GiB on H100s, where the old estimate
-    (71.1 / 68.6 GiB) made ``auto`` recompute."""
-    cfg = config(ranks)
-    decided = decide(cfg, facts(ranks, 80))
-    assert decided.expert_parallel == ranks and decided.strategy == "ddp"
-    assert decided.checkpointing == "none", decided.checkpointing_why
-    est = estimate_memory(cfg, Knobs("none", "fused_linear_ce", compiled=True))
-    assert est.total <= usable_bytes(80 * GIB)
-
-
-def test_auto_follows_the_estimate_where_no_checkpointing_does_not_fit():
-    """The same run on 48 GB cards at N = 2: no checkpointing (about 45 GiB) does not fit 90% of the
-    card, so ``auto`` picks selective with the largest compiler budget that fits; one GPU of 80 GB
-    still needs selective (no checkpointing: about 87 GiB)."""
-    cfg = config(2)
-    none = estimate_memory(cfg, Knobs("none", "fused_linear_ce", compiled=True)).total
-    assert usable_bytes(48 * GIB) < none <= usable_bytes(80 * GIB)
-    decided = decide(cfg, facts(2, 48))
-    assert decided.checkpointing == "selective" and decided.compiler_memory_budget is not None
-    budget = decided.compiler_memory_budget
-    fits = estimate_memory(cfg, Knobs("selective", "fused_linear_ce", compiled=True, selective_budget=budget)).total
-    assert fits <= usable_bytes(48 * GIB)
-    if budget < 1:  # the next larger budget would not fit
-        larger = round(budget + 0.05, 2)
-        over = estimate_memory(cfg, Knobs("selective", "fused_linear_ce", compiled=True, selective_budget=larger)).total
-        assert over > usable_bytes(48 * GIB)
-    one = decide(config(1), facts(1, 80))
-    assert one.checkpointing == "selective", one.checkpointing_why
 
 
 def test_the_bench_estimate_is_the_rank_s_step_of_its_world():

@@ -1,9 +1,8 @@
 """``hone plan`` under expert parallelism: per rank, the experts' weights, LoRA factors,
-gradients and optimizer state are 1/N of one process's, everything else is whole; each MoE layer
-keeps its received token rows (N x T of hidden) instead of one process's pair rows, and one
-layer at a time holds its R pair rows, by default and with a capacity factor. qwen3-30b-a3b
-(128 experts, top-8), 8 of its layers, LoRA r16 on attention and experts, described on the meta
-device."""
+gradients and optimizer state are 1/N of one process's, everything else is whole; the received
+token rows (N x T of hidden per MoE layer) and the experts' pair rows past one process's count
+as activations, by default and with a capacity factor. qwen3-30b-a3b (128 experts, top-8), 8 of its layers, LoRA r16 on
+attention and experts, described on the meta device."""
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from hone.config import parse_config
 from hone.transforms.memory.estimate import estimate_memory, training_state
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs
-from hone.transforms.memory.terms.expert_parallel import pair_rows_transient
 
 LAYERS, R = 8, 16
 E, HIDDEN, MOE_INTER, TOP_K = 128, 2048, 768, 8
@@ -67,38 +65,14 @@ def test_per_rank_expert_bytes_are_1_over_n(n):
 
 
 @pytest.mark.parametrize("factor", [None, 1.25])
-def test_each_layer_keeps_the_received_rows_and_one_layer_at_a_time_holds_the_pair_rows(factor):
-    """Each MoE layer keeps its N x T received rows (hidden, their float32 weights, int64 local
-    ids) and the pair rows' indices, not one process's T x k pair rows; the R pair rows of one
-    layer (the worst case, or the capacity factor's) are alive while that layer runs, once."""
-    from hone.parallel.expert_parallel import expert_capacity
-
+def test_the_received_rows_and_the_pair_rows_count_as_activations(factor):
     m, tokens, c = model_facts(config()), 1024, 2
     one, two = estimate(config(1, tokens)), estimate(config(2, tokens, factor))
     per_pair = c * (3 * MOE_INTER + HIDDEN)  # gate_up, activation, expert output (frozen experts)
-    kept = 2 * (c * HIDDEN + TOP_K * (4 + 8) + TOP_K * (8 + 8 + 1)) - TOP_K * per_pair
-    assert two.activations_per_layer - one.activations_per_layer == tokens * kept
-    rows = expert_capacity(tokens, TOP_K, 2, factor, E // 2)
-    assert rows == (2 * tokens * TOP_K if factor is None else 1.25 * tokens * TOP_K)
-    assert pair_rows_transient(m, tokens, 2, factor) == rows * per_pair
-    assert pair_rows_transient(m, tokens, 1, factor) == 0
-    # full checkpointing: the layer rebuilt in the backward holds its kept bytes and its pair rows
-    full = estimate_memory(config(2, tokens, factor), Knobs("full", "fused_linear_ce", device="cuda", compiled=False))
-    assert full.phase.startswith("backward")
-    grad_stream = 2 * c * tokens * HIDDEN
-    input_bytes = c * tokens * HIDDEN
-    first, last = input_bytes, LAYERS * input_bytes  # backward of the first layer / of the last
-    rebuilt = two.activations_per_layer + rows * per_pair + grad_stream
-    assert full.activations in (first + rebuilt, last + rebuilt)
+    extra_pairs = TOP_K if factor is None else 0.25 * TOP_K  # 2 x min(8, 64) = 16 pair rows per token, or 1.25 x 8
+    per_layer = tokens * int(c * 2 * HIDDEN + extra_pairs * per_pair)  # the 2 x T received rows, the extra pair rows
+    assert two.activations_per_layer - one.activations_per_layer == per_layer
     assert all(layer.moe for layer in m.layers)
-
-
-def test_the_experts_lora_factors_are_no_linear_layers():
-    """PEFT's expert LoRA (ParamWrapper) holds its factors in nn.Linear modules that never run on
-    the tokens: the layer's linears are the attention projections, so no input per factor is
-    counted as a saved activation."""
-    m = model_facts(config())
-    assert {lf.name for lf in m.layers[0].linears} == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
 @pytest.mark.parametrize("n", [2, 4])

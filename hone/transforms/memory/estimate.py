@@ -31,7 +31,6 @@ from hone.transforms.memory.terms.expert_parallel import (
     expert_parallel_note,
     expert_parallel_size,
     expert_state_saved,
-    pair_rows_transient,
 )
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
@@ -133,17 +132,18 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
         raise ValueError(f"checkpointing must be one of {', '.join(POLICIES_BY_SPEED)}, got {knobs.checkpointing!r}")
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
-    # the layers: what each keeps without checkpointing (expert parallel: the received rows), then under the policy
-    ep = expert_parallel_size(cfg)
+    # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
+    ep, factor = expert_parallel_size(cfg), expert_capacity_factor(cfg)
     full = [
-        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len) + dispatch_bytes_per_token(layer, m, ep) * step.tokens
+        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
+        + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
         for layer in m.layers
     ]
     kept = kept_by_policy(m, step, full)
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
-    # the MLP's backward (tiled: one shard at a time); expert parallel: one layer's pair rows
-    transient = mlp_backward_transient(m, step) + pair_rows_transient(m, step.tokens, ep, expert_capacity_factor(cfg))
+    # the MLP's backward (tiled: one shard at a time)
+    transient = mlp_backward_transient(m, step)
     host, host_total = host_bytes(step, kept.offloaded)
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
     step_transient = optimizer_step_transient(cfg, m, step.param_shards)
