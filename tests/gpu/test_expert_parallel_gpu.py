@@ -195,12 +195,10 @@ def _compiled_worker(rank: int, port: int, out: Path) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")
 def test_two_gpus_compiled_through_the_grouped_kernels_equal_eager(tmp_path):
     """Inductor's graph of the exchanges and the grouped kernels on NCCL gives eager's output and
-    every gradient (hidden, routing weights, the experts' LoRA factors; none missing, none zero).
-    The memory estimate follows measured compiled peaks that keep far less per MoE layer than the
-    expert outputs eager saves (hone/transforms/memory/terms/expert_parallel.py): this checks that
-    the compiled step still differentiates through the exchanges on the GPU (an autograd Function
-    filling ``torch.empty_like`` with ``all_to_all_single`` was differentiated as zero by Dynamo in
-    DeepSpeed's Ulysses exchange, DeepSpeed PR 8491; hone's exchange has that shape)."""
+    every gradient (hidden, routing weights, the experts' LoRA factors; none missing, none zero):
+    the compiled step differentiates through the NCCL exchanges (hone's earlier exchange, an
+    autograd Function filling ``torch.empty_like`` with ``all_to_all_single``, was differentiated
+    as zero by torch 2.11, as in DeepSpeed PR 8491; hone/parallel/exchange.py)."""
     mp.start_processes(_compiled_worker, args=(_free_port(), tmp_path), nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"compiled-{rank}.pt")
