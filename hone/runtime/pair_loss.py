@@ -27,22 +27,10 @@ from torch import nn
 
 from hone.data.collate import IGNORE_INDEX, MicroBatch
 from hone.runtime.preference_loss import dpo, ipo, orpo
+from hone.track.preference_metrics import ORPO_METRICS, REWARD_METRICS
 
 #: The loss terms of a pair micro-batch's vector: the NLL token sum and the pair-loss sum.
 PAIR_TERMS = 2
-
-#: TRL's reward metrics, logged by every preference objective (means over the window's pairs).
-REWARD_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-
-#: ORPO's own metrics beside them (TRL's ``ORPOTrainer``; ``nll_loss`` is the window's NLL).
-ORPO_METRICS = ("log_odds_ratio", "log_odds_chosen")
 
 
 def metric_names(objective: str) -> tuple[str, ...]:

@@ -7,18 +7,8 @@ interrupted run wrote after the checkpoint, as ``metrics.jsonl`` drops its rows.
 from pathlib import Path
 from typing import Any
 
-#: Preference objectives' metrics, under TRL's names (``eval_`` prefixed in eval rows).
-PREFERENCE_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "nll_loss",
-    "log_odds_ratio",
-    "log_odds_chosen",
-)
+from hone.track.preference_metrics import PREFERENCE_METRICS
+
 #: Metrics row key -> TensorBoard tag.
 TRAIN_TAGS = {
     "loss": "train/loss",
