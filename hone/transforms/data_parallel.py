@@ -150,8 +150,20 @@ def wrap_ddp(step: StepModule) -> StepModule:
         gradient_as_bucket_view=True,
         **buffers,
     )
+    if "forward_sync_buffers" not in takes:
+        broadcast_buffers_once(module, set(frozen), ddp.process_group)
     ddp.register_comm_hook(state=None, hook=sum_gradients)
     return StepModule(ddp, no_sync=ddp.no_sync)
+
+
+def broadcast_buffers_once(module: nn.Module, ignored: set[str], group: dist.ProcessGroup) -> None:
+    """Rank 0's buffers on every rank, once, as torch >= 2.13's DDP does at construction: before
+    2.13, ``broadcast_buffers=False`` (no sync before each forward) also skips the one at
+    construction, and a buffer that differs per rank (a float8 copy of a weight quantized before
+    the weights were broadcast) would stay different."""
+    for name, buffer in module.named_buffers():
+        if name not in ignored:
+            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
 
 
 def _wrap_step(step: StepModule, ctx: PlanContext) -> tuple[StepModule, dict[str, Any]]:

@@ -186,3 +186,24 @@ def test_the_amax_of_a_sharded_float8_weight_is_the_whole_weights(tmp_path):
     convert_full_finetune(net, "tensorwise", emulate=True)
     torch.testing.assert_close(got["y"], net(torch.randn(4, 64, generator=torch.Generator().manual_seed(7))).detach())
     assert got["twin"] == "WeightWithDynamicFloat8CastTensor" and got["groups"] == 0
+
+
+def _buffers(rank: int, out) -> None:
+    from hone.transforms.data_parallel import broadcast_buffers_once
+
+    module = nn.Module()
+    module.register_buffer("float8_bytes", torch.full((8,), rank + 1, dtype=torch.uint8), persistent=False)
+    module.register_buffer("own", torch.full((3,), float(rank + 1)))
+    broadcast_buffers_once(module, {"own"}, torch.distributed.group.WORLD)
+    save({"float8_bytes": module.float8_bytes.clone(), "own": module.own.clone()}, out / f"{rank}.pt")
+
+
+def test_buffers_are_rank_0_s_once_where_ddp_skips_them_at_construction(tmp_path):
+    """torch < 2.13's DDP with ``broadcast_buffers=False`` never syncs buffers, not even at
+    construction: hone broadcasts them once itself (a float8 copy quantized before the weights
+    were broadcast would otherwise differ per rank); buffers DDP must ignore stay each rank's."""
+    spawn(_buffers, WORLD, tmp_path)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        assert torch.equal(got["float8_bytes"], torch.full((8,), 1, dtype=torch.uint8)), rank
+        assert torch.equal(got["own"], torch.full((3,), float(rank + 1))), rank
