@@ -219,7 +219,13 @@ def collate_window(stream: BatchStream, batches: Batches, device: torch.device, 
 
 def pair_divisor(nll_tokens: int, pairs: int, device: torch.device) -> torch.Tensor:
     """``[NLL tokens, pairs]`` (each at least 1) on ``device``, what a window's pair loss terms divide by."""
-    counts = torch.tensor([max(nll_tokens, 1), max(pairs, 1)], dtype=torch.float32)
+    return _on_device([max(nll_tokens, 1), max(pairs, 1)], torch.float32, device)
+
+
+def _on_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host counts on ``device`` without waiting: through pinned memory to a GPU (from pageable
+    memory the copy would block the host)."""
+    counts = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         counts = counts.pin_memory()
     return counts.to(device, non_blocking=True)
@@ -243,10 +249,7 @@ def _global_counts(local: list[int], device: torch.device) -> torch.Tensor:
     all-reduced (SUM) on the device: the global counts every rank divides by. Issued before the
     first backward; the host reads them only at the step's one sync (pinned memory keeps the copy
     asynchronous)."""
-    counts = torch.tensor(local, dtype=torch.int64)
-    if device.type == "cuda":
-        counts = counts.pin_memory()
-    counts = counts.to(device, non_blocking=True)
+    counts = _on_device(local, torch.int64, device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     return counts
 
