@@ -374,9 +374,12 @@ class _WeightedRows(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(y, weights, row_of_pair, pair_of_row)
         padded = _with_zero_row(y)
-        out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-        for j in range(weights.shape[1]):
-            out += weights[:, j : j + 1] * padded[row_of_pair[:, j]].float()
+        # out of place on purpose: torch 2.11's Dynamo traces a Function whose output is a fresh
+        # buffer filled in place as independent of the inputs, and differentiates it as zero
+        # (see hone/parallel/exchange.py). Same sum, same order as accumulating into zeros.
+        out = weights[:, 0:1] * padded[row_of_pair[:, 0]].float()
+        for j in range(1, weights.shape[1]):
+            out = out + weights[:, j : j + 1] * padded[row_of_pair[:, j]].float()
         return out
 
     @staticmethod

@@ -50,6 +50,7 @@ from hone.config.root import HoneConfig
 from hone.models.experts.mxfp4 import mxfp4_state_names
 from hone.models.experts.parallel import expert_parallel_names
 from hone.runtime.step import StepModule
+from hone.transforms.compile import compile_choice
 from hone.transforms.base import PlanContext, RunFacts, Transform
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import estimate_memory
@@ -124,11 +125,34 @@ def sum_gradients(process_group: dist.ProcessGroup | None, bucket: dist.GradBuck
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap_ddp(step: StepModule) -> StepModule:
+class WholeLayerGraphs(nn.Module):
+    """DDP around regionally compiled layers, with Dynamo's DDP optimizer off while it runs.
+
+    The DDP optimizer (``torch._dynamo.config.optimize_ddp``, on by default) splits every graph
+    compiled inside DDP's forward at DDP's bucket boundaries, so that a *whole-model* graph's
+    backward releases each bucket's gradients early. A decoder layer's graph needs no split: its
+    backward already ends before the previous layer's starts, so the all-reduce of one layer's
+    bucket overlaps the next layer's backward. The split also broke compiling on torch 2.11
+    (H100, a qwen3-30b-a3b expert-parallel layer with hone's grouped kernels: Inductor raised
+    ``TypeError: list indices must be integers or slices, not NoneType`` on the second piece; the
+    CPU version of the same layer raised ``'float' object has no attribute 'meta'``). The switch
+    is Dynamo's documented one, set only around this module's calls."""
+
+    def __init__(self, ddp: nn.Module) -> None:
+        super().__init__()
+        self.ddp = ddp
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return self.ddp(*args, **kwargs)
+
+
+def wrap_ddp(step: StepModule, split_graphs: bool = True) -> StepModule:
     """Wrap the per-micro-batch module in ``DistributedDataParallel`` (weights broadcast from
     rank 0 at construction, so every replica starts identical; MXFP4 experts are left out of the
     broadcast, see :func:`hone.models.experts.mxfp4.mxfp4_state_names`, and expert-parallel
-    blocks out of the broadcast and the all-reduce, see :mod:`hone.models.experts.parallel`)."""
+    blocks out of the broadcast and the all-reduce, see :mod:`hone.models.experts.parallel`).
+    ``split_graphs=False``: the layers are compiled one by one (:class:`WholeLayerGraphs`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     module: nn.Module = step.module
@@ -153,7 +177,7 @@ def wrap_ddp(step: StepModule) -> StepModule:
     if "forward_sync_buffers" not in takes:
         broadcast_buffers_once(module, set(frozen), ddp.process_group)
     ddp.register_comm_hook(state=None, hook=sum_gradients)
-    return StepModule(ddp, no_sync=ddp.no_sync)
+    return StepModule(ddp if split_graphs else WholeLayerGraphs(ddp), no_sync=ddp.no_sync)
 
 
 def broadcast_buffers_once(module: nn.Module, ignored: set[str], group: dist.ProcessGroup) -> None:
@@ -167,13 +191,15 @@ def broadcast_buffers_once(module: nn.Module, ignored: set[str], group: dist.Pro
 
 
 def _wrap_step(step: StepModule, ctx: PlanContext) -> tuple[StepModule, dict[str, Any]]:
-    wrapped = wrap_ddp(step)
+    regional = compile_choice(ctx.cfg, ctx.facts)[0] and ctx.cfg.performance.torch_compile_scope == "regional"
+    wrapped = wrap_ddp(step, split_graphs=not regional)
     details = {
         "why": ctx.decided.strategy_why,
         "processes": ctx.facts.world.world_size,
         "backend": dist.get_backend(),
         "reduction": "sum of gradients (comm hook); losses divided by the global token count",
         "accumulation": "no_sync on all but the window's last micro-batch",
+        "compiled_graphs": "one per layer (Dynamo's DDP optimizer off)" if regional else "split at DDP's buckets where compiled",
     }
     return wrapped, details
 
