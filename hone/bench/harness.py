@@ -19,6 +19,7 @@ from hone.bench.spec import BenchSpec, Condition
 from hone.errors import HoneError
 
 _TAIL = 1500
+_WHOLE_LOG = "_whole_log"  # a failed row's whole stderr, until run_bench writes it out
 
 
 #: The start of a raised exception's line in a traceback (``ValueError: ...``, ``torch._inductor.exc.InductorError: ...``).
@@ -105,11 +106,23 @@ def add_scaling(rows: list[dict[str, Any]]) -> None:
         row["scaling_vs"] = base["condition"]
 
 
+def one_gpu(visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a one-process row: the first visible GPU only. On a host of
+    several GPUs a peer trainer would otherwise spread itself (transformers' ``Trainer`` wraps the
+    model in ``nn.DataParallel``, which TRL's DPOTrainer refuses), and every one-GPU row should
+    measure the same single card."""
+    if visible is None:
+        return "0"
+    return visible.split(",")[0].strip()
+
+
 def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, workdir: Path) -> dict[str, Any]:
     result_file = workdir / f"result-{abs(hash((condition, replicate)))}.json"
     chosen = next(c for c in spec.conditions if c.name == condition)
     cmd = worker_command(spec_file, chosen, replicate, result_file)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if chosen.nproc == 1:
+        env["CUDA_VISIBLE_DEVICES"] = one_gpu(env.get("CUDA_VISIBLE_DEVICES"))
     started = time.perf_counter()
     row: dict[str, Any] = {"spec": spec.name, "condition": condition, "replicate": replicate}
     kind = next(c for c in spec.conditions if c.name == condition).reference or "hone"
@@ -118,11 +131,8 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
         row.update(status="timeout", error=f"no result after {spec.timeout_s:.0f} s")
-        row["log_tail"] = (
-            (exc.stderr or b"")[-_TAIL:].decode(errors="replace")
-            if isinstance(exc.stderr, bytes)
-            else (exc.stderr or "")[-_TAIL:]
-        )
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        row["log_tail"], row[_WHOLE_LOG] = stderr[-_TAIL:], stderr
         row["wall_s"] = round(time.perf_counter() - started, 1)
         return row
     row["wall_s"] = round(time.perf_counter() - started, 1)
@@ -137,7 +147,24 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         return row
     status, reason = classify_failure(proc.returncode, proc.stderr)
     row.update(status=status, error=reason, log_tail=failure_log(proc.stderr))
+    row[_WHOLE_LOG] = proc.stderr
     return row
+
+
+def keep_whole_log(row: dict[str, Any], out_dir: Path) -> None:
+    """A failed row's whole stderr written to ``out_dir/logs/`` (its path in ``log_file``): the
+    row keeps only the head of the first traceback and the end, and a compiler's error is often
+    in between (Inductor's, under a torchrun rank's prefix)."""
+    whole = row.pop(_WHOLE_LOG, None)
+    if not whole:
+        return
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", row["condition"]).strip("-").lower()
+    path = out_dir / "logs" / f"{slug}-{row['replicate']}.log"
+    path.parent.mkdir(exist_ok=True)
+    partial = path.with_suffix(".log.partial")
+    partial.write_text(whole, encoding="utf-8")
+    partial.replace(path)
+    row["log_file"] = str(path)
 
 
 def failure_log(stderr: str) -> str:
@@ -204,6 +231,8 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
         spec_file.write_text(spec.model_dump_json(exclude_unset=True))  # re-validated as written
         for condition in spec.conditions:
             for replicate in range(spec.replicates):
-                record_row(run_one(spec_file, spec, condition.name, replicate, workdir), env, rows, results, on_row)
+                row = run_one(spec_file, spec, condition.name, replicate, workdir)
+                keep_whole_log(row, out_dir)
+                record_row(row, env, rows, results, on_row)
     add_scaling(rows)
     return rows

@@ -50,8 +50,8 @@ from hone.config.root import HoneConfig
 from hone.models.experts.mxfp4 import mxfp4_state_names
 from hone.models.experts.parallel import expert_parallel_names
 from hone.runtime.step import StepModule
-from hone.transforms.compile import compile_choice
 from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.transforms.compile import compile_choice
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs

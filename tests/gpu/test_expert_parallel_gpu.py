@@ -133,8 +133,8 @@ def test_a_run_that_records_the_exchanges_in_cuda_graphs_trains_and_exits(tmp_pa
 
     from dist_launch import TIMEOUT_S, child_env, tiny_moe_train_config, torchrun
 
-    data = tmp_path / "same_length.jsonl"  # one micro-batch shape: graphs record once
-    data.write_text("".join(json.dumps({"text": "red green blue lemon lime fox " * 4}) + "\n" for _ in range(16)))
+    data = tmp_path / "same_length.jsonl"  # one micro-batch shape: graphs record once (18 tokens of the bundled tokenizer)
+    data.write_text("".join(json.dumps({"text": "red green blue lemon lime fox " * 2}) + "\n" for _ in range(16)))
     cfg = tiny_moe_train_config(
         tmp_path,
         {"max_steps": 4, "micro_batch_size": 1},

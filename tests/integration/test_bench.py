@@ -1,6 +1,7 @@
 """`hone bench` end to end on CPU: a tiny preset, reference vs hone, two replicates, a failure."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,10 @@ def test_bench_runs_conditions_and_writes_all_outputs(tmp_path):
         assert row["final_loss"] == pytest.approx(row["final_loss"]) and 0 < row["final_loss"] < 20
     broken = [r for r in rows if r["condition"] == "broken"]
     assert all(r["status"] == "error" and "micro_batch_size" in r["error"] for r in broken)
+    # each failed row's whole stderr is kept beside the results (the row holds only its ends)
+    assert [Path(r["log_file"]).name for r in broken] == ["broken-0.log", "broken-1.log"]
+    assert all("micro_batch_size" in Path(r["log_file"]).read_text() for r in broken)
+    assert not any("log_file" in r or "_whole_log" in r for r in ok)
 
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == 6 and json.loads(lines[0])["condition"] == "reference"

@@ -121,3 +121,12 @@ def test_the_table_shows_pairs_per_second():
     text = markdown_table(spec, [row])
     assert "| pairs/s | tok/s |" in text and "| hone | 500.0 (490.0-510.0) |  | 2.00 | 128 |" in text
     assert "DPO on pairs of a 20-token prompt and two 12-token completions (44 tokens a pair)" in text
+
+
+def test_a_one_process_row_sees_the_first_visible_gpu_only():
+    from hone.bench.harness import one_gpu
+
+    assert one_gpu(None) == "0"
+    assert one_gpu("2,3") == "2"
+    assert one_gpu("1") == "1"
+    assert one_gpu("") == ""  # no GPU stays no GPU

@@ -33,7 +33,8 @@ _NEW = {"new_zeros", "new_empty", "new_full", "new_ones"}
 
 
 def _is_function_class(node: ast.ClassDef) -> bool:
-    return any(isinstance(b, ast.Attribute) and b.attr == "Function" or isinstance(b, ast.Name) and b.id == "Function" for b in node.bases)
+    names = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", None) for b in node.bases]
+    return "Function" in names
 
 
 def _new_buffer(value: ast.expr) -> bool:
