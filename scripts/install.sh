@@ -9,6 +9,10 @@
 #   HONE_TORCH_INDEX   a wheel index for CPU torch, e.g. https://download.pytorch.org/whl/cpu
 #   HONE_TORCH_SPEC    the torch requirement for CPU machines (default torch==2.13.0, whose CPU
 #                      wheel ships with our dev and CI machines)
+#   HONE_TRITON_SPEC   with EXTRAS=dev on a machine without an NVIDIA GPU: the triton installed
+#                      for the kernel tests' interpreter (TRITON_INTERPRET=1). CPU wheels of torch
+#                      bring no triton, and without it the kernel tests skip. Default
+#                      triton==3.7.1 (tested with torch 2.13.0+cpu: every tests/kernels case passes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -34,4 +38,12 @@ fi
 target="."
 [ -n "${EXTRAS:-}" ] && target=".[${EXTRAS}]"
 pip_install -e "$target"
+# the kernel tests run hone's Triton kernels in Triton's interpreter on the CPU: a CPU torch
+# brings no triton, so the dev install adds it (a CUDA torch brings its own, which stays)
+if [[ ",${EXTRAS:-}," == *",dev,"* ]] && ! "$VENV/bin/python" -c 'import triton' >/dev/null 2>&1 \
+  && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  spec="${HONE_TRITON_SPEC:-triton==3.7.1}"
+  echo "hone: no NVIDIA GPU, installing $spec for the kernel tests (Triton's interpreter)"
+  pip_install "$spec"
+fi
 "$VENV/bin/python" -c 'import torch, hone; print(f"hone {hone.__version__} ready (torch {torch.__version__}) in '"$VENV"'")'
