@@ -2,7 +2,7 @@
 VENV ?= .venv
 HONE := $(VENV)/bin/hone
 
-.PHONY: install install-dev quickstart test test-gpu lint format clean
+.PHONY: install install-dev quickstart test test-kernels test-gpu lint format clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -21,6 +21,12 @@ quickstart: install
 TEST_WORKERS ?= 2
 test: install-dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+## The Triton kernels in Triton's interpreter on the CPU (tests/kernels with triton installed;
+## `make test` skips those cases where a CPU torch brought no triton: CI's time budget).
+test-kernels:
+	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=triton==3.7.1 scripts/install.sh
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/kernels
 
 ## Lint and check the formatting (ruff; settings in pyproject.toml). `make format` fixes what it can.
 lint: install-dev

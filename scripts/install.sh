@@ -9,10 +9,10 @@
 #   HONE_TORCH_INDEX   a wheel index for CPU torch, e.g. https://download.pytorch.org/whl/cpu
 #   HONE_TORCH_SPEC    the torch requirement for CPU machines (default torch==2.13.0, whose CPU
 #                      wheel ships with our dev and CI machines)
-#   HONE_TRITON_SPEC   with EXTRAS=dev on a machine without an NVIDIA GPU: the triton installed
-#                      for the kernel tests' interpreter (TRITON_INTERPRET=1). CPU wheels of torch
-#                      bring no triton, and without it the kernel tests skip. Default
-#                      triton==3.7.1 (tested with torch 2.13.0+cpu: every tests/kernels case passes).
+#   HONE_TRITON_SPEC   e.g. triton==3.7.1 (`make test-kernels` sets it): on a machine without an
+#                      NVIDIA GPU, install this triton for the kernel tests' interpreter
+#                      (TRITON_INTERPRET=1). CPU wheels of torch bring no triton, and without it
+#                      tests/kernels skip their kernel cases (3.7.1 with torch 2.13.0+cpu: all pass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -39,11 +39,10 @@ target="."
 [ -n "${EXTRAS:-}" ] && target=".[${EXTRAS}]"
 pip_install -e "$target"
 # the kernel tests run hone's Triton kernels in Triton's interpreter on the CPU: a CPU torch
-# brings no triton, so the dev install adds it (a CUDA torch brings its own, which stays)
-if [[ ",${EXTRAS:-}," == *",dev,"* ]] && ! "$VENV/bin/python" -c 'import triton' >/dev/null 2>&1 \
+# brings no triton, so it is added on request (a CUDA torch brings its own, which stays)
+if [ -n "${HONE_TRITON_SPEC:-}" ] && ! "$VENV/bin/python" -c 'import triton' >/dev/null 2>&1 \
   && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
-  spec="${HONE_TRITON_SPEC:-triton==3.7.1}"
-  echo "hone: no NVIDIA GPU, installing $spec for the kernel tests (Triton's interpreter)"
-  pip_install "$spec"
+  echo "hone: no NVIDIA GPU, installing $HONE_TRITON_SPEC for the kernel tests (Triton's interpreter)"
+  pip_install "$HONE_TRITON_SPEC"
 fi
 "$VENV/bin/python" -c 'import torch, hone; print(f"hone {hone.__version__} ready (torch {torch.__version__}) in '"$VENV"'")'
