@@ -22,8 +22,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
 pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+has_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if has_nvidia_gpu; then
     echo "hone: NVIDIA GPU found, installing the default (CUDA) torch"
   else
     spec="${HONE_TORCH_SPEC:-torch==2.13.0}"
@@ -40,8 +41,7 @@ target="."
 pip_install -e "$target"
 # the kernel tests run hone's Triton kernels in Triton's interpreter on the CPU: a CPU torch
 # brings no triton, so it is added on request (a CUDA torch brings its own, which stays)
-if [ -n "${HONE_TRITON_SPEC:-}" ] && ! "$VENV/bin/python" -c 'import triton' >/dev/null 2>&1 \
-  && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+if [ -n "${HONE_TRITON_SPEC:-}" ] && ! "$VENV/bin/python" -c 'import triton' >/dev/null 2>&1 && ! has_nvidia_gpu; then
   echo "hone: no NVIDIA GPU, installing $HONE_TRITON_SPEC for the kernel tests (Triton's interpreter)"
   pip_install "$HONE_TRITON_SPEC"
 fi

@@ -125,8 +125,7 @@ def run_one(spec_file: Path, spec: BenchSpec, condition: str, replicate: int, wo
         env["CUDA_VISIBLE_DEVICES"] = one_gpu(env.get("CUDA_VISIBLE_DEVICES"))
     started = time.perf_counter()
     row: dict[str, Any] = {"spec": spec.name, "condition": condition, "replicate": replicate}
-    kind = next(c for c in spec.conditions if c.name == condition).reference or "hone"
-    row["kind"] = kind
+    row["kind"] = chosen.reference or "hone"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=spec.timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
@@ -159,7 +158,8 @@ def keep_whole_log(row: dict[str, Any], out_dir: Path) -> None:
     if not whole:
         return
     slug = re.sub(r"[^A-Za-z0-9]+", "-", row["condition"]).strip("-").lower()
-    path = out_dir / "logs" / f"{slug}-{row['replicate']}.log"
+    at_length = f"-{row['sequence_len']}" if "sequence_len" in row else ""  # a length probe (hone.bench.longest)
+    path = out_dir / "logs" / f"{slug}{at_length}-{row['replicate']}.log"
     path.parent.mkdir(exist_ok=True)
     partial = path.with_suffix(".log.partial")
     partial.write_text(whole, encoding="utf-8")
@@ -209,7 +209,8 @@ def record_row(
     on_row: Callable[[dict[str, Any]], None] | None,
 ) -> None:
     """Keep ``row`` (with the environment) and append it to ``results`` at once: a bench cut
-    short keeps every row that finished."""
+    short keeps every row that finished. A failed row's whole log goes beside ``results``."""
+    keep_whole_log(row, results.parent)
     row["env"] = env
     rows.append(row)
     with results.open("a") as f:
@@ -231,8 +232,6 @@ def run_bench(spec: BenchSpec, out_dir: Path, on_row: Callable[[dict[str, Any]],
         spec_file.write_text(spec.model_dump_json(exclude_unset=True))  # re-validated as written
         for condition in spec.conditions:
             for replicate in range(spec.replicates):
-                row = run_one(spec_file, spec, condition.name, replicate, workdir)
-                keep_whole_log(row, out_dir)
-                record_row(row, env, rows, results, on_row)
+                record_row(run_one(spec_file, spec, condition.name, replicate, workdir), env, rows, results, on_row)
     add_scaling(rows)
     return rows

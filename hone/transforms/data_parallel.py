@@ -51,7 +51,6 @@ from hone.models.experts.mxfp4 import mxfp4_state_names
 from hone.models.experts.parallel import expert_parallel_names
 from hone.runtime.step import StepModule
 from hone.transforms.base import PlanContext, RunFacts, Transform
-from hone.transforms.compile import compile_choice
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import estimate_memory
 from hone.transforms.memory.knobs import Knobs
@@ -132,11 +131,12 @@ class WholeLayerGraphs(nn.Module):
     compiled inside DDP's forward at DDP's bucket boundaries, so that a *whole-model* graph's
     backward releases each bucket's gradients early. A decoder layer's graph needs no split: its
     backward already ends before the previous layer's starts, so the all-reduce of one layer's
-    bucket overlaps the next layer's backward. The split also broke compiling on torch 2.11
-    (H100, a qwen3-30b-a3b expert-parallel layer with hone's grouped kernels: Inductor raised
-    ``TypeError: list indices must be integers or slices, not NoneType`` on the second piece; the
-    CPU version of the same layer raised ``'float' object has no attribute 'meta'``). The switch
-    is Dynamo's documented one, set only around this module's calls."""
+    bucket overlaps the next layer's backward. The split also broke compiling on torch 2.11: an
+    expert-parallel layer with hone's grouped kernels (CPU, Triton's interpreter) raised
+    ``'float' object has no attribute 'meta'`` on its first piece. (On H100s the same layer's
+    Inductor error, ``list indices must be integers or slices, not NoneType``, first seen on the
+    second piece, stays without the split: another cause, still open.) The switch is Dynamo's
+    documented one, set only around this module's calls."""
 
     def __init__(self, ddp: nn.Module) -> None:
         super().__init__()
@@ -191,7 +191,7 @@ def broadcast_buffers_once(module: nn.Module, ignored: set[str], group: dist.Pro
 
 
 def _wrap_step(step: StepModule, ctx: PlanContext) -> tuple[StepModule, dict[str, Any]]:
-    regional = compile_choice(ctx.cfg, ctx.facts)[0] and ctx.cfg.performance.torch_compile_scope == "regional"
+    regional = ctx.decided.compile and ctx.cfg.performance.torch_compile_scope == "regional"
     wrapped = wrap_ddp(step, split_graphs=not regional)
     details = {
         "why": ctx.decided.strategy_why,

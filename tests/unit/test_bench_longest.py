@@ -2,6 +2,7 @@
 nothing is run or timed), one process per length (a fake ``run_one``), the table, the specs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,19 @@ def test_lengths_kind_runs_every_length_and_compares_tok_s_to_the_shortest(tmp_p
 def test_peak_host_memory_is_reported():
     peak = peak_host_gib()
     assert peak is None or 0 < peak < 4096
+
+
+def test_a_failed_probe_keeps_its_whole_log_beside_the_results_not_in_them(tmp_path):
+    """Every recorded row goes through ``record_row``: a length probe's whole stderr is written
+    under ``logs/`` (named by its length, so probes do not overwrite each other), never into
+    results.jsonl."""
+    from hone.bench.harness import record_row
+
+    results = tmp_path / "results.jsonl"
+    rows: list[dict] = []
+    for length in (200, 400):
+        row = {"condition": "hone, 1 GPU", "replicate": 0, "sequence_len": length, "status": "oom", "_whole_log": f"log {length}"}
+        record_row(row, {}, rows, results, None)
+    assert [Path(r["log_file"]).name for r in rows] == ["hone-1-gpu-200-0.log", "hone-1-gpu-400-0.log"]
+    assert [Path(r["log_file"]).read_text() for r in rows] == ["log 200", "log 400"]
+    assert "_whole_log" not in results.read_text()
