@@ -164,11 +164,28 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> Send
     """The send buffer's layout for ``top_k_index [T, k]`` (global expert ids), ``slots`` (``S``
     >= ``T``) per destination: each token once per rank holding any of its experts, in token
     order (its position from the running count of the tokens before it). No host sync: every
-    shape follows from ``T``, ``k``, ``N`` and ``S``."""
-    n_tokens, k = top_k_index.shape
+    shape follows from ``T``, ``k``, ``N`` and ``S``.
+
+    It runs as one opaque op (``hone::expert_parallel_plan_send``): torch 2.11's Inductor fails
+    to generate code when it fuses the slot arithmetic (an ``arange`` beside the running count)
+    into its scan kernel (``TypeError: list indices must be integers or slices, not NoneType``
+    in ``get_block_shape``, on the H100 at 4096 tokens over 2 ranks). The plan is integer
+    bookkeeping with no gradient, a few small kernels per layer, so keeping it out of Inductor's
+    fusion costs nothing measurable and no compiler version can miscompile it."""
+    n_tokens, _ = top_k_index.shape
     if slots < n_tokens:
         raise ValueError(f"{slots} token slots per rank cannot hold the {n_tokens} tokens routed here")
-    ids, device, size, count = top_k_index.long(), top_k_index.device, shard.size, shard.local_count
+    source, local_ids, slot = _plan_send_op(top_k_index, shard.size, shard.local_count, slots)
+    return SendPlan(source=source, local_ids=local_ids, slot=slot)
+
+
+@torch.library.custom_op("hone::expert_parallel_plan_send", mutates_args=())
+def _plan_send_op(
+    top_k_index: torch.Tensor, size: int, count: int, slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`plan_send` for ``size`` ranks of ``count`` experts each: ``(source, local_ids, slot)``."""
+    n_tokens, k = top_k_index.shape
+    ids, device = top_k_index.long(), top_k_index.device
     dest = torch.div(ids, count, rounding_mode="floor")  # [T, k]
     present = torch.zeros(n_tokens, size, dtype=torch.bool, device=device).scatter_(1, dest, True)
     position = torch.cumsum(present.long(), 0) - 1
@@ -183,7 +200,14 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> Send
     local = torch.where(here, (ids - dest * count).unsqueeze(1), count)  # [T, N, k]
     local_ids = torch.full((n_slots + 1, k), count, dtype=torch.int64, device=device)
     local_ids.index_put_((slot.reshape(-1),), local.reshape(-1, k))
-    return SendPlan(source=source[:n_slots], local_ids=local_ids[:n_slots], slot=slot)
+    return source[:n_slots].clone(), local_ids[:n_slots].clone(), slot
+
+
+@_plan_send_op.register_fake
+def _(top_k_index: torch.Tensor, size: int, count: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_tokens, k = top_k_index.shape
+    new = lambda *shape: top_k_index.new_empty(shape, dtype=torch.int64)  # noqa: E731
+    return new(size * slots), new(size * slots, k), new(n_tokens, size)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -33,6 +33,22 @@ def test_each_token_goes_once_to_each_rank_holding_one_of_its_experts():
     assert plan.slot.tolist() == [[0, 4], [1, 5], [8, 6]]  # 8 = N * S: t2 has nothing on rank 0
 
 
+def test_the_plan_is_one_opaque_op_that_compiles_to_the_eager_plan():
+    """The plan runs as a custom op (Inductor must not fuse its slot arithmetic: see
+    :func:`plan_send`): its fake shapes, schema and aliasing pass ``opcheck``, and a compiled
+    caller gets the eager plan on fresh random routing."""
+    from hone.parallel.expert_parallel import _plan_send_op
+
+    gen = torch.Generator().manual_seed(7)
+    routing = torch.rand(12, 8, generator=gen).argsort(dim=1)[:, :3]
+    torch.library.opcheck(_plan_send_op, (routing, 2, 4, 12))
+    shard = ExpertShard(size=2, rank=1, num_experts=8)
+    eager = plan_send(routing, shard, slots=12)
+    compiled = torch.compile(lambda r: plan_send(r, shard, 12), fullgraph=True, backend="inductor")(routing)
+    for name in ("source", "local_ids", "slot"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+
+
 def test_token_slots_must_hold_every_token():
     with pytest.raises(ValueError, match="2 token slots per rank cannot hold the 3 tokens"):
         plan_send(ROUTING, ExpertShard(size=2, rank=0, num_experts=4), slots=2)
