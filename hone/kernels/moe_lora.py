@@ -350,6 +350,7 @@ def _moe_lora_linear(
     lora_a: torch.Tensor | None,
     lora_b: torch.Tensor | None,
     scaling: float,
+    readers: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [S, out], xa [S, r] or empty): see :func:`moe_lora_linear`. ``xa`` is returned (not
     differentiable) so the backward reuses it for ``dB`` instead of recomputing ``x A^T``."""
@@ -362,7 +363,7 @@ def _moe_lora_linear(
 
 
 @_moe_lora_linear.register_fake
-def _(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling):
+def _(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling, readers):
     s = rows.shape[0] if rows is not None else x.shape[0]
     n_out = weight.shape[2] if transposed else weight.shape[1]
     y = x.new_empty(s, n_out)
@@ -371,7 +372,7 @@ def _(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling = inputs
+    x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling, readers = inputs
     _, xa = output
     ctx.transposed = transposed
     ctx.scaling = scaling
@@ -380,7 +381,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
     ctx.has_lora = lora_a is not None and lora_b is not None
     ctx.mark_non_differentiable(xa)
-    ctx.save_for_backward(x, rows, ends, weight, lora_a, lora_b, xa)
+    ctx.save_for_backward(x, rows, ends, weight, lora_a, lora_b, xa, readers)
 
 
 def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
@@ -388,13 +389,27 @@ def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
 
 
+def gather_rows_sum(sorted_rows: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
+    """``[X, H]`` float32: row ``i`` is the sum over ``j`` (in order) of ``sorted_rows[readers[i, j]]``,
+    index ``S`` (one past the last sorted row) reading zero. The transpose of ``x[rows]`` as a
+    gather: no float32 buffer to zero, no atomics (the same sum on every run), and sorted rows
+    that no input row names (an expert-parallel caller's capacity rows past the real pairs, left
+    unwritten by the kernels) are never read."""
+    padded = torch.cat([sorted_rows, sorted_rows.new_zeros(1, sorted_rows.shape[1])])
+    out = padded[readers[:, 0]].float()
+    for j in range(1, readers.shape[1]):
+        out = out + padded[readers[:, j]].float()
+    return out
+
+
 def projection_backward(
-    ctx, dy: torch.Tensor, x, rows, ends, lora_a, lora_b, xa, bias_dtype: torch.dtype, input_grad
+    ctx, dy: torch.Tensor, x, rows, ends, lora_a, lora_b, xa, bias_dtype: torch.dtype, input_grad, readers=None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dX, dA, dB, dbias) of an expert projection op whose inputs are ``(x, rows, ends, <weight>,
     <weight>, bias, lora_a, lora_b, scaling)`` (the bf16 op and :mod:`hone.kernels.moe_mxfp4`'s):
     every gradient but the weight's, which never reads ``W``, so both ops share it.
-    ``input_grad(dxa, a_t)`` gives the rows' ``dY W_e^T`` with ``dxa a_t`` in the epilogue."""
+    ``input_grad(dxa, a_t)`` gives the rows' ``dY W_e^T`` with ``dxa a_t`` in the epilogue;
+    ``readers``: see :func:`moe_lora_linear`."""
     need = ctx.needs_input_grad
     need_a, need_b = (need[6], need[7]) if ctx.has_lora else (False, False)
     d_x = d_a = d_b = d_bias = None
@@ -405,7 +420,9 @@ def projection_backward(
     if need[0]:
         # dX = dY W_e^T + dxa A_e: the base kernel with A as the epilogue's "B".
         dx_rows = input_grad(dxa, None if dxa is None else lora_a.transpose(1, 2))
-        if ctx.has_rows:
+        if ctx.has_rows and readers is not None:
+            d_x = gather_rows_sum(dx_rows, readers).to(dy.dtype)
+        elif ctx.has_rows:
             # Each token's k rows summed back (float32 accumulate, then x's dtype).
             d_x = torch.zeros(ctx.x_shape, dtype=torch.float32, device=dy.device)
             d_x.index_add_(0, rows, dx_rows.float())
@@ -426,14 +443,16 @@ def projection_backward(
 
 
 def _backward(ctx, grad_y, _grad_xa):
-    x, rows, ends, weight, lora_a, lora_b, xa = ctx.saved_tensors
+    x, rows, ends, weight, lora_a, lora_b, xa, readers = ctx.saved_tensors
     dy = grad_y.contiguous()
     w_in_out = weight if ctx.transposed else weight.transpose(1, 2)
 
     def input_grad(dxa, a_t):  # the same kernel, W read transposed
         return grouped_mm(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0)
 
-    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, weight.dtype, input_grad)
+    d_x, d_a, d_b, d_bias = projection_backward(
+        ctx, dy, x, rows, ends, lora_a, lora_b, xa, weight.dtype, input_grad, readers
+    )
     d_w = None
     if ctx.needs_input_grad[3]:
         # Written straight in the parameter's layout: [E, in, out] = x^T dY, [E, out, in] = dY^T x.
@@ -441,7 +460,7 @@ def _backward(ctx, grad_y, _grad_xa):
             d_w = grouped_wgrad(x, dy, rows, ctx.has_rows, False, ends, 1.0, weight.dtype)
         else:
             d_w = grouped_wgrad(dy, x, rows, False, ctx.has_rows, ends, 1.0, weight.dtype)
-    return d_x, None, None, d_w, None, d_bias, d_a, d_b, None
+    return d_x, None, None, d_w, None, d_bias, d_a, d_b, None, None
 
 
 _moe_lora_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -456,6 +475,7 @@ def moe_lora_linear(
     bias: torch.Tensor | None = None,
     lora: LoraFactors | None = None,
     scaling: float = 1.0,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert projection for rows sorted by expert: ``y [S, out]`` with, for the rows of
     expert ``e`` (``ends[e-1]:ends[e]``), ``y = x[rows] W_e (+ bias_e) + s (x[rows] A_e^T) B_e^T``.
@@ -466,14 +486,19 @@ def moe_lora_linear(
     already in sorted order). Every floating input is cast to the weight's dtype first
     (differentiably: float32 LoRA factors get float32 gradients). Differentiable w.r.t. ``x``,
     ``weight``, ``bias`` and both factors; only what requires grad is computed.
+
+    ``readers`` (with ``rows``): ``[X, k]`` int64, for each row of ``x`` the sorted rows that read
+    it (``S``: none). The backward then gathers ``dX`` (:func:`gather_rows_sum`) instead of
+    adding every sorted row's gradient into a float32 buffer atomically; callers whose ``rows``
+    name one padding row many times (expert parallelism's capacity rows) need it to keep those
+    rows out of the sum.
     """
     dtype = weight.dtype
     lora_a = lora_b = None
     if lora is not None:
         lora_a, lora_b = lora[0].to(dtype), lora[1].to(dtype)
-    y, _ = _moe_lora_linear(
-        x.to(dtype), rows, ends, weight, transposed, None if bias is None else bias.to(dtype), lora_a, lora_b, float(scaling)
-    )
+    bias = None if bias is None else bias.to(dtype)
+    y, _ = _moe_lora_linear(x.to(dtype), rows, ends, weight, transposed, bias, lora_a, lora_b, float(scaling), readers)
     return y
 
 

@@ -100,6 +100,7 @@ def _moe_mxfp4_lora_linear(
     lora_a: torch.Tensor | None,
     lora_b: torch.Tensor | None,
     scaling: float,
+    readers: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [S, out], xa [S, r] or empty): see :func:`moe_mxfp4_linear`; ``xa`` is kept for ``dB``."""
     if lora_a is None or lora_b is None:
@@ -109,14 +110,14 @@ def _moe_mxfp4_lora_linear(
 
 
 @_moe_mxfp4_lora_linear.register_fake
-def _(x, rows, ends, blocks, scales, bias, lora_a, lora_b, scaling):
+def _(x, rows, ends, blocks, scales, bias, lora_a, lora_b, scaling, readers):
     s = rows.shape[0] if rows is not None else x.shape[0]
     xa = x.new_empty(s, lora_a.shape[1]) if lora_a is not None and lora_b is not None else x.new_empty(0)
     return x.new_empty(s, blocks.shape[1]), xa
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, rows, ends, blocks, scales, bias, lora_a, lora_b, scaling = inputs
+    x, rows, ends, blocks, scales, bias, lora_a, lora_b, scaling, readers = inputs
     _, xa = output
     ctx.scaling = scaling
     ctx.x_shape = x.shape
@@ -124,19 +125,19 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_bias = bias is not None
     ctx.has_lora = lora_a is not None and lora_b is not None
     ctx.mark_non_differentiable(xa)
-    ctx.save_for_backward(x, rows, ends, blocks, scales, bias, lora_a, lora_b, xa)
+    ctx.save_for_backward(x, rows, ends, blocks, scales, bias, lora_a, lora_b, xa, readers)
 
 
 def _backward(ctx, grad_y, _grad_xa):
-    x, rows, ends, blocks, scales, bias, lora_a, lora_b, xa = ctx.saved_tensors
+    x, rows, ends, blocks, scales, bias, lora_a, lora_b, xa, readers = ctx.saved_tensors
     dy = grad_y.contiguous()
 
     def input_grad(dxa, a_t):  # dY W_e: the MXFP4 tile read along ``in``
         return mxfp4_grouped_mm(dy, None, ends, blocks, scales, False, None, dxa, a_t, 1.0)
 
     bias_dtype = bias.dtype if bias is not None else dy.dtype
-    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, bias_dtype, input_grad)
-    return d_x, None, None, None, None, d_bias, d_a, d_b, None
+    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, bias_dtype, input_grad, readers)
+    return d_x, None, None, None, None, d_bias, d_a, d_b, None, None
 
 
 _moe_mxfp4_lora_linear.register_autograd(_backward, setup_context=_setup_context)
@@ -162,12 +163,14 @@ def moe_mxfp4_linear(
     lora: LoraFactors | None = None,
     scaling: float = 1.0,
     dtype: torch.dtype | None = None,
+    readers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One MXFP4 expert projection for rows sorted by expert: ``y [S, out]`` with, for the rows of
     expert ``e``, ``y = x[rows] W_e^T (+ bias_e) + s (x[rows] A_e^T) B_e^T``, ``W`` the
     ``[E, out, in]`` weight of ``weight = (blocks, scales)`` (frozen), ``lora = (A [E, r, in],
     B [E, out, r])``. Computes in ``dtype`` (default ``x``'s): every floating input is cast to it
-    first, differentiably. Differentiable w.r.t. ``x``, ``bias`` and both factors."""
+    first, differentiably. Differentiable w.r.t. ``x``, ``bias`` and both factors. ``readers``:
+    as :func:`hone.kernels.moe_lora.moe_lora_linear`'s."""
     blocks, scales = weight
     check_mxfp4_experts(blocks, scales, x.shape[-1])
     dtype = dtype or x.dtype
@@ -175,7 +178,7 @@ def moe_mxfp4_linear(
     if lora is not None:
         lora_a, lora_b = lora[0].to(dtype), lora[1].to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    y, _ = _moe_mxfp4_lora_linear(x.to(dtype), rows, ends, blocks, scales, bias, lora_a, lora_b, float(scaling))
+    y, _ = _moe_mxfp4_lora_linear(x.to(dtype), rows, ends, blocks, scales, bias, lora_a, lora_b, float(scaling), readers)
     return y
 
 

@@ -202,10 +202,53 @@ def check_opcheck() -> dict:
             (
                 "moe_lora_linear",
                 _moe_lora_linear,
-                (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5),
+                (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5, None),
+            ),
+            (
+                "moe_lora_linear_readers",
+                _moe_lora_linear,
+                (x.clone().requires_grad_(True), rows, ends, w, False, None, a, b, 0.5, readers_of(perm, 2, 8)),
             ),
         )
     )
+
+
+def readers_of(perm: torch.Tensor, k: int, n_x: int) -> torch.Tensor:
+    """``[n_x, k]``: for token ``t``, the sorted rows of its ``k`` pairs (``perm[i]`` = pair at row ``i``)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0])
+    return inverse.view(n_x, k)
+
+
+def check_readers() -> dict:
+    """The gathered input gradient (``readers``) against the atomic scatter (none), as expert
+    parallelism calls it: the sorted pairs' rows past the real ones (capacity) read a padding
+    row appended to ``x``, the kernels leave their rows unwritten, and the padding row's
+    gradient is dropped. Output and every gradient must agree (float32)."""
+    from hone.kernels.moe_lora import moe_lora_linear, route
+
+    gen = torch.Generator().manual_seed(11)
+    n_x, k, hidden, out_dim, experts, rank, spare = 10, 3, 16, 20, 4, 4, 7
+    index, _ = skewed_routing(n_x, k, experts, 1, gen)
+    perm, ends = route(index, experts)
+    n_pairs = n_x * k + spare  # capacity past the real pairs: rows name the padding row n_x
+    rows = torch.cat([perm // k, torch.full((spare,), n_x)])
+    readers = torch.cat([readers_of(perm, k, n_x), torch.full((1, k), n_pairs)])
+    x = torch.cat([torch.randn(n_x, hidden, generator=gen), torch.zeros(1, hidden)])
+    w = torch.randn(experts, out_dim, hidden, generator=gen) * 0.3
+    a = torch.randn(experts, rank, hidden, generator=gen) * 0.3
+    b = torch.randn(experts, out_dim, rank, generator=gen) * 0.3
+    grad = torch.randn(n_pairs, out_dim, generator=gen)
+    grad[n_x * k :] = 0.0  # the capacity rows' outputs are unwritten and never read downstream
+
+    def run_with(readers_arg):
+        leaves = [t.clone().requires_grad_(True) for t in (x, a, b)]
+        y = moe_lora_linear(leaves[0], rows, ends, w, False, None, (leaves[1], leaves[2]), 0.5, readers_arg)
+        (y[: n_x * k] * grad[: n_x * k]).sum().backward()
+        return {"y": y[: n_x * k].detach(), "x": leaves[0].grad[:n_x], "A": leaves[1].grad, "B": leaves[2].grad}
+
+    got, expected = run_with(readers), run_with(None)
+    return {"errors": compare(got, expected)}
 
 
 def check_autotune() -> dict:
@@ -223,6 +266,8 @@ if __name__ == "__main__":
         out = check_compile()
     elif which == "opcheck":
         out = check_opcheck()
+    elif which == "readers":
+        out = check_readers()
     else:
         out = check(which)
     print("RESULT " + json.dumps(out))

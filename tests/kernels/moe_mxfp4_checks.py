@@ -173,6 +173,7 @@ def check_opcheck() -> dict:
                     inp["A"].clone().requires_grad_(True),
                     inp["B"].clone().requires_grad_(True),
                     0.5,
+                    None,
                 ),
             ),
         )

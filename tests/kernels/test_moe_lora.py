@@ -60,4 +60,16 @@ def test_the_interpreter_tries_exactly_one_autotune_config_per_kernel():
 
 
 def test_ops_pass_opcheck():
-    assert _interpreted("opcheck") == {"grouped_mm": "ok", "grouped_wgrad": "ok", "moe_lora_linear": "ok"}
+    assert _interpreted("opcheck") == {
+        "grouped_mm": "ok",
+        "grouped_wgrad": "ok",
+        "moe_lora_linear": "ok",
+        "moe_lora_linear_readers": "ok",
+    }
+
+
+def test_gathered_input_gradient_equals_the_atomic_scatter():
+    """``readers`` (expert parallelism's gather of dX) gives the scatter's output and gradients."""
+    errors = _interpreted("readers")["errors"]
+    bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-6}
+    assert not bad, errors
