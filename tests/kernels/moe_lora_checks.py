@@ -202,7 +202,18 @@ def check_opcheck() -> dict:
             (
                 "moe_lora_linear",
                 _moe_lora_linear,
-                (x.clone().requires_grad_(True), rows, ends, w, False, None, a.requires_grad_(True), b.requires_grad_(True), 0.5, None),
+                (
+                    x.clone().requires_grad_(True),
+                    rows,
+                    ends,
+                    w,
+                    False,
+                    None,
+                    a.requires_grad_(True),
+                    b.requires_grad_(True),
+                    0.5,
+                    None,
+                ),
             ),
             (
                 "moe_lora_linear_readers",
