@@ -450,9 +450,7 @@ def _backward(ctx, grad_y, _grad_xa):
     def input_grad(dxa, a_t):  # the same kernel, W read transposed
         return grouped_mm(dy, None, ends, w_in_out.transpose(1, 2), None, dxa, a_t, 1.0)
 
-    d_x, d_a, d_b, d_bias = projection_backward(
-        ctx, dy, x, rows, ends, lora_a, lora_b, xa, weight.dtype, input_grad, readers
-    )
+    d_x, d_a, d_b, d_bias = projection_backward(ctx, dy, x, rows, ends, lora_a, lora_b, xa, weight.dtype, input_grad, readers)
     d_w = None
     if ctx.needs_input_grad[3]:
         # Written straight in the parameter's layout: [E, in, out] = x^T dY, [E, out, in] = dY^T x.
