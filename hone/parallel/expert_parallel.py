@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from hone.errors import HoneError
-from hone.kernels.moe_lora import moe_lora_linear, moe_triton_available, route
+from hone.kernels.moe_lora import gather_rows_sum, moe_lora_linear, moe_triton_available, route
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, expert_projection, gated_activation
 from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
 from hone.kernels.moe_mxfp4_reference import dequantized
@@ -226,16 +226,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (slot,) = ctx.saved_tensors
-        return _sum_slots(_with_zero_row(grad), slot).to(grad.dtype), None, None
-
-
-def _sum_slots(rows: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """``[T, H]`` float32: for each token, the sum over destinations ``d`` (in order) of
-    ``rows[slot[t, d]]``; ``rows`` ends with the zero row that a missing slot reads."""
-    out = rows[slot[:, 0]].float()
-    for d in range(1, slot.shape[1]):
-        out = out + rows[slot[:, d]].float()
-    return out
+        return gather_rows_sum(grad, slot).to(grad.dtype), None, None
 
 
 @dataclass(frozen=True)
@@ -491,7 +482,7 @@ def combine(partials: torch.Tensor, plan: SendPlan, shard: ExpertShard) -> torch
     ranks they came from, then each token's partials (one per rank holding any of its experts)
     summed in float32, in rank order."""
     back = exchange(partials, shard.size, shard.group)  # block d holds rank d's partials for our slots
-    return _sum_slots(_with_zero_row(back), plan.slot)
+    return gather_rows_sum(back, plan.slot)
 
 
 def expert_parallel_experts(
