@@ -90,6 +90,15 @@ def _rank(rank: int, out: Path, seed: int, strategy: str, adapter: str) -> None:
     torch.save(_trainable(model), out / f"weights-rank{rank}.pt")
 
 
+def _reward_rounding(row: dict, key: str, beta: float = 0.5) -> float:
+    """The absolute tolerance of a reward metric: rewards are beta x differences of summed
+    log-probs, so their rounding scales with the log-probs, not with the small, cancelling
+    difference (a random seed moved a margin of 0.0257 by 1.2e-6 between 2 ranks and 1)."""
+    prefix = key[: -len("rewards/margins")]
+    logps = [abs(row[f"{prefix}logps/{side}"]) for side in ("chosen", "rejected") if f"{prefix}logps/{side}" in row]
+    return max(1e-6, 1e-5 * beta * max(logps, default=0.0))
+
+
 @pytest.mark.parametrize("strategy, adapter", [("ddp", "lora"), ("fsdp", "lora"), ("ddp", "none")])
 def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, strategy, adapter):
     """``adapter: none``: the reference precomputed before the first step, by every rank through DDP."""
@@ -101,7 +110,8 @@ def test_dpo_on_two_ranks_equals_one_rank_with_twice_the_accumulation(tmp_path, 
     for a, b in zip(two, one, strict=True):
         for key in ("loss", "eval_loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "eval_rewards/margins"):
             if key in b:
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (b["step"], key, f"seed {SEED}")
+                tolerance = _reward_rounding(b, key) if key.endswith("rewards/margins") else 1e-6
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=tolerance), (b["step"], key, f"seed {SEED}")
         assert a.get("eval_pairs") == b.get("eval_pairs")
     rank0 = torch.load(tmp_path / "ddp" / "weights-rank0.pt")
     rank1 = torch.load(tmp_path / "ddp" / "weights-rank1.pt")
