@@ -17,16 +17,20 @@ quickstart: install
 	$(HONE) generate runs/quickstart --prompt "What color is a plum?" --prompt "Which country has Kelmport as its capital?" --prompt "Translate 'house' into Velish."
 
 ## The test suite (CPU; GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist;
-## each test file in one of them). pytest's exit 5 (no tests) fails too.
+## each test file in one of them), with the Triton kernels in Triton's interpreter: on a machine
+## without an NVIDIA GPU the install adds $(TRITON_SPEC) (a CPU torch brings none). Tests marked
+## `long` (minutes of training under the interpreter) are left out: `make test-kernels` runs them.
+## pytest's exit 5 (no tests) fails too.
 TEST_WORKERS ?= 2
-test: install-dev
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+TRITON_SPEC ?= triton==3.7.1
+test:
+	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=$(TRITON_SPEC) scripts/install.sh
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long"
 
-## The Triton kernels in Triton's interpreter on the CPU (tests/kernels with triton installed;
-## `make test` skips those cases where a CPU torch brought no triton: CI's time budget).
+## The Triton kernels alone in Triton's interpreter on the CPU, the `long` cases included.
 test-kernels:
-	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=triton==3.7.1 scripts/install.sh
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/kernels
+	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=$(TRITON_SPEC) scripts/install.sh
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/kernels tests/integration/test_expert_lora.py
 
 ## Lint and check the formatting (ruff; settings in pyproject.toml). `make format` fixes what it can.
 lint: install-dev

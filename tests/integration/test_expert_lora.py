@@ -41,6 +41,7 @@ def test_gpt_oss_expert_lora_in_its_own_layout_equals_peft_and_round_trips():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch)")
+@pytest.mark.long  # ~4 minutes of training under the interpreter: make test-kernels
 def test_tiny_gpt_oss_learns_the_sample_task_with_hone_experts_as_with_eager():
     """A short ``run_training`` (tiny-gpt-oss, LoRA on attention and every expert, attention
     through hone's sink backend) with hone's experts under the interpreter and with the eager
