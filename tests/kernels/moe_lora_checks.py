@@ -231,15 +231,24 @@ def readers_of(perm: torch.Tensor, k: int, n_x: int) -> torch.Tensor:
     return inverse.view(n_x, k)
 
 
-def check_readers() -> dict:
+def check_readers(
+    n_x: int = 10,
+    k: int = 3,
+    hidden: int = 16,
+    out_dim: int = 20,
+    experts: int = 4,
+    rank: int = 4,
+    spare: int = 7,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """The gathered input gradient (``readers``) against the atomic scatter (none), as expert
     parallelism calls it: the sorted pairs' rows past the real ones (capacity) read a padding
     row appended to ``x``, the kernels leave their rows unwritten, and the padding row's
-    gradient is dropped. Output and every gradient must agree (float32)."""
+    gradient is dropped. Output and every gradient must agree (relative errors returned)."""
     from hone.kernels.moe_lora import moe_lora_linear, route
 
     gen = torch.Generator().manual_seed(11)
-    n_x, k, hidden, out_dim, experts, rank, spare = 10, 3, 16, 20, 4, 4, 7
     index, _ = skewed_routing(n_x, k, experts, 1, gen)
     perm, ends = route(index, experts)
     n_pairs = n_x * k + spare  # capacity past the real pairs: rows name the padding row n_x
@@ -249,14 +258,16 @@ def check_readers() -> dict:
     w = torch.randn(experts, out_dim, hidden, generator=gen) * 0.3
     a = torch.randn(experts, rank, hidden, generator=gen) * 0.3
     b = torch.randn(experts, out_dim, rank, generator=gen) * 0.3
-    grad = torch.randn(n_pairs, out_dim, generator=gen)
-    grad[n_x * k :] = 0.0  # the capacity rows' outputs are unwritten and never read downstream
+    grad = torch.randn(n_x * k, out_dim, generator=gen)  # the capacity rows' outputs are never read
+    rows, ends, readers, grad = (t.to(device) for t in (rows, ends.to(device), readers, grad))
+    x, w, a, b = (t.to(device, dtype) for t in (x, w, a, b))
 
     def run_with(readers_arg):
         leaves = [t.clone().requires_grad_(True) for t in (x, a, b)]
         y = moe_lora_linear(leaves[0], rows, ends, w, False, None, (leaves[1], leaves[2]), 0.5, readers_arg)
-        (y[: n_x * k] * grad[: n_x * k]).sum().backward()
-        return {"y": y[: n_x * k].detach(), "x": leaves[0].grad[:n_x], "A": leaves[1].grad, "B": leaves[2].grad}
+        (y[: n_x * k].float() * grad).sum().backward()
+        grads = {"x": leaves[0].grad[:n_x], "A": leaves[1].grad, "B": leaves[2].grad}
+        return {"y": y[: n_x * k].detach().float(), **{name: g.float() for name, g in grads.items()}}
 
     got, expected = run_with(readers), run_with(None)
     return {"errors": compare(got, expected)}
