@@ -1,9 +1,11 @@
 """Parity checks of the grouped MoE kernels against the float32 reference, one case per run.
 
 Run as ``python tests/kernels/moe_lora_checks.py CASE`` with ``TRITON_INTERPRET=1`` in the
-environment (it must be set before triton is imported, hence a subprocess per case from
-tests/kernels/test_moe_lora.py); prints ``RESULT {json}`` with the measured relative errors,
-which the test asserts on. The GPU tests import :func:`make_case` and :func:`compare` too.
+environment (it must be set before triton is imported, hence another process:
+tests/kernels/test_moe_lora.py runs each case in the interpreter process of
+tests/interpreted.py); prints ``RESULT {json}`` with the measured relative errors, which the
+test asserts on. The GPU tests import :func:`make_case`, :func:`compare` and
+:func:`check_readers` too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Checks of the MXFP4 grouped expert kernels (hone.kernels.moe_mxfp4), one case per run.
 
 Run as ``python tests/kernels/moe_mxfp4_checks.py CASE`` with ``TRITON_INTERPRET=1`` set (before
-triton is imported, hence a subprocess per case from tests/kernels/test_moe_mxfp4.py); prints
+triton is imported, hence another process: tests/interpreted.py's, from tests/kernels/test_moe_mxfp4.py); prints
 ``RESULT {json}``. The GPU tests import :func:`random_mxfp4` and :func:`mx_case` too.
 """
 

@@ -5,8 +5,9 @@ biases; uneven loads with empty experts, top-k 1, 2 and 8, both layouts (qwen3_m
 concatenated gate/up; gpt_oss transposed, interleaved, biased, clamped SwiGLU). Plus
 ``torch.compile(fullgraph=True)`` through the ops and torch.library's opcheck.
 
-``TRITON_INTERPRET=1`` must be set before triton is imported, so each case runs in its own
-subprocess (tests/kernels/moe_lora_checks.py) that reports measured errors as JSON. Skipped
+``TRITON_INTERPRET=1`` must be set before triton is imported, so each case
+(tests/kernels/moe_lora_checks.py) runs in the interpreter process of tests/interpreted.py and
+reports measured errors as JSON. Skipped
 where triton is not installed (CPU-only torch wheels do not bring it)."""
 
 import importlib.util
