@@ -2,13 +2,17 @@
 VENV ?= .venv
 HONE := $(VENV)/bin/hone
 
-.PHONY: install install-dev quickstart test test-kernels test-gpu lint format clean
+.PHONY: install install-dev install-test quickstart test test-kernels test-gpu lint format clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
 
 install-dev:
 	VENV=$(VENV) EXTRAS=dev scripts/install.sh
+
+## install-dev, plus triton for the kernel tests' interpreter where no NVIDIA GPU brings one.
+install-test:
+	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=$(TRITON_SPEC) scripts/install.sh
 
 ## Fine-tune a tiny model on the bundled sample data on CPU (a few minutes), then use it.
 quickstart: install
@@ -23,13 +27,11 @@ quickstart: install
 ## pytest's exit 5 (no tests) fails too.
 TEST_WORKERS ?= 2
 TRITON_SPEC ?= triton==3.7.1
-test:
-	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=$(TRITON_SPEC) scripts/install.sh
+test: install-test
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long"
 
 ## The Triton kernels alone in Triton's interpreter on the CPU, the `long` cases included.
-test-kernels:
-	VENV=$(VENV) EXTRAS=dev HONE_TRITON_SPEC=$(TRITON_SPEC) scripts/install.sh
+test-kernels: install-test
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/kernels tests/integration/test_expert_lora.py
 
 ## Lint and check the formatting (ruff; settings in pyproject.toml). `make format` fixes what it can.

@@ -9,7 +9,7 @@
 #   HONE_TORCH_INDEX   a wheel index for CPU torch, e.g. https://download.pytorch.org/whl/cpu
 #   HONE_TORCH_SPEC    the torch requirement for CPU machines (default torch==2.13.0, whose CPU
 #                      wheel ships with our dev and CI machines)
-#   HONE_TRITON_SPEC   e.g. triton==3.7.1 (`make test-kernels` sets it): on a machine without an
+#   HONE_TRITON_SPEC   e.g. triton==3.7.1 (`make test` sets it): on a machine without an
 #                      NVIDIA GPU, install this triton for the kernel tests' interpreter
 #                      (TRITON_INTERPRET=1). CPU wheels of torch bring no triton, and without it
 #                      tests/kernels skip their kernel cases (3.7.1 with torch 2.13.0+cpu: all pass).

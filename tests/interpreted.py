@@ -21,10 +21,11 @@ import tempfile
 import threading
 from pathlib import Path
 
+from interpreted_worker import REPLY
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "RESULT "
 WORKER = Path(__file__).with_name("interpreted_worker.py")
-REPLY = "\x00hone-interpreted-reply "  # interpreted_worker.REPLY (not imported: it is a script)
 
 
 class _Worker:

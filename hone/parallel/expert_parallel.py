@@ -170,8 +170,8 @@ def plan_send(top_k_index: torch.Tensor, shard: ExpertShard, slots: int) -> Send
     to generate code when it fuses the slot arithmetic (an ``arange`` beside the running count)
     into its scan kernel (``TypeError: list indices must be integers or slices, not NoneType``
     in ``get_block_shape``, on the H100 at 4096 tokens over 2 ranks). The plan is integer
-    bookkeeping with no gradient, a few small kernels per layer, so keeping it out of Inductor's
-    fusion costs nothing measurable and no compiler version can miscompile it."""
+    bookkeeping with no gradient, a few small eager kernels per layer (not profiled on their own
+    since the running count was made contiguous), and no compiler version can miscompile it."""
     n_tokens, _ = top_k_index.shape
     if slots < n_tokens:
         raise ValueError(f"{slots} token slots per rank cannot hold the {n_tokens} tokens routed here")

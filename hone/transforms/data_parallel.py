@@ -135,7 +135,8 @@ class WholeLayerGraphs(nn.Module):
     expert-parallel layer with hone's grouped kernels (CPU, Triton's interpreter) raised
     ``'float' object has no attribute 'meta'`` on its first piece. (On H100s the same layer's
     Inductor error, ``list indices must be integers or slices, not NoneType``, first seen on the
-    second piece, stays without the split: another cause, still open.) The switch is Dynamo's
+    second piece, stayed without the split: its cause was the expert-parallel send plan, now an
+    opaque op, see :func:`hone.parallel.expert_parallel.plan_send`.) The switch is Dynamo's
     documented one, set only around this module's calls."""
 
     def __init__(self, ddp: nn.Module) -> None:

@@ -7,8 +7,8 @@ concatenated gate/up; gpt_oss transposed, interleaved, biased, clamped SwiGLU). 
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so each case
 (tests/kernels/moe_lora_checks.py) runs in the interpreter process of tests/interpreted.py and
-reports measured errors as JSON. Skipped
-where triton is not installed (CPU-only torch wheels do not bring it)."""
+reports measured errors as JSON. Skipped where triton is not installed (CPU-only torch wheels
+do not bring it)."""
 
 import importlib.util
 from pathlib import Path
