@@ -254,6 +254,14 @@ class HoneConfig(Section):
         one packed row): what the memory model counts a micro-batch's tokens by."""
         return self.training.micro_batch_size * (2 if self.training.is_preference else 1)
 
+    def micro_batch_tokens_per_rank(self, sequence_len: int | None = None) -> int:
+        """Tokens one rank computes outside attention in a micro-batch of rows ``sequence_len``
+        wide (default ``data.sequence_len``): under ``distributed.context_parallel: N`` its shard
+        of each row, ``ceil(sequence_len / N)`` (inside attention it holds the whole sequence for
+        ``1/N`` of the heads: the same bytes)."""
+        shard = -(-(sequence_len or self.data.sequence_len) // self.distributed.context_parallel)
+        return shard * self.sequences_per_micro_batch
+
     @property
     def preference_reference(self) -> str | None:
         """Where DPO's and IPO's reference log-probs come from: ``adapter_disabled`` or

@@ -83,7 +83,7 @@ def allocator_choice(cfg: HoneConfig, device_type: str) -> AllocatorChoice:
         )
     if asked != "auto":
         return AllocatorChoice(bool(asked), f"memory.expandable_segments: {_word(asked)}")
-    tokens = cfg.data.sequence_len * cfg.sequences_per_micro_batch
+    tokens = cfg.micro_batch_tokens_per_rank()
     if tokens >= LONG_CONTEXT_TOKENS:
         return AllocatorChoice(
             True,

@@ -62,7 +62,7 @@ def _budget(device: Any, budget: int | None) -> tuple[str, int, str]:
 
 def auto_shards(cfg: HoneConfig, sequence_len: int | None = None) -> int:
     """The shard count ``tiled_mlp: auto`` uses for ``cfg`` (about ``hidden_size`` tokens each)."""
-    tokens = (sequence_len or cfg.data.sequence_len) * cfg.sequences_per_micro_batch
+    tokens = cfg.micro_batch_tokens_per_rank(sequence_len)
     return auto_tiled_shards(tokens, model_facts(cfg).hidden)
 
 
@@ -242,7 +242,7 @@ def offload_layers_choice(
     else:
         source = f"{host_budget / GIB:.0f} GiB of host memory"
     facts = model_facts(cfg)
-    tokens = (sequence_len or cfg.data.sequence_len) * cfg.sequences_per_micro_batch
+    tokens = cfg.micro_batch_tokens_per_rank(sequence_len)
     input_bytes = facts.compute_bytes * tokens * facts.hidden
     layers -= 0 if facts.embedding_trainable else 1
     count = offload_split(layers, input_bytes, "auto", host_budget)

@@ -49,24 +49,16 @@ from hone.transforms.memory.facts import transformers_config
 
 
 def per_rank_config(cfg: HoneConfig) -> HoneConfig:
-    """``cfg`` as one rank's memory sees it: ``data.sequence_len`` the tokens it computes outside
-    attention (its shard, ``ceil(sequence_len / N)``) and no context parallelism left to divide by:
-    what the ``auto`` memory decisions (checkpointing, tiled MLP shards, the offload split) are
-    made on, with tiled layers off (``auto`` never picks what context parallelism refuses).
-    Inside attention a rank holds the whole sequence for ``1/N`` of the heads: the same bytes as
-    its shard for every head. (The estimate divides by itself where the config says ``N``:
-    :class:`~hone.transforms.memory.knobs.Knobs`.)"""
-    n = cfg.distributed.context_parallel
-    if n <= 1:
+    """``cfg`` as the ``auto`` memory decisions (checkpointing, tiled MLP shards, the offload
+    split) see it under context parallelism: tiled layers off (``auto`` never picks what context
+    parallelism refuses). The config keeps ``N``: each decision counts one rank's shard of the
+    tokens (:meth:`~hone.config.root.HoneConfig.micro_batch_tokens_per_rank`, and the estimate's
+    :class:`~hone.transforms.memory.knobs.Knobs`), and the estimate adds what the exchanges
+    around attention keep (a compiled layer saves every collective's output whatever its memory
+    budget: :class:`~hone.transforms.memory.step.Step`)."""
+    if cfg.distributed.context_parallel <= 1:
         return cfg
-    shard = -(-cfg.data.sequence_len // n)
-    return cfg.model_copy(
-        update={
-            "data": cfg.data.model_copy(update={"sequence_len": shard}),
-            "distributed": cfg.distributed.model_copy(update={"context_parallel": 1}),
-            "memory": cfg.memory.model_copy(update={"tiled_layers": "off"}),  # refused beside context parallelism
-        }
-    )
+    return cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"tiled_layers": "off"})})
 
 
 def per_rank_facts(cfg: HoneConfig, facts: RunFacts) -> RunFacts:

@@ -91,7 +91,36 @@ def test_unpacked_rows_are_padded_at_the_end_to_a_multiple_of_n_without_a_traine
 
 def test_the_memory_is_decided_for_one_ranks_shard(tmp_path):
     cfg = _cfg(tmp_path, data={"sequence_len": 1000})
-    assert per_rank_config(cfg).data.sequence_len == 500
-    assert per_rank_config(cfg).distributed.context_parallel == 1  # nothing left for the estimate to divide by
-    assert per_rank_config(_cfg(tmp_path, {"context_parallel": 3}, data={"sequence_len": 1000})).data.sequence_len == 334
-    assert per_rank_config(tiny_config(tmp_path)).data.sequence_len == 64
+    assert cfg.micro_batch_tokens_per_rank() == 500 * cfg.training.micro_batch_size
+    assert cfg.micro_batch_tokens_per_rank(2000) == 1000 * cfg.training.micro_batch_size
+    three = _cfg(tmp_path, {"context_parallel": 3}, data={"sequence_len": 1000})
+    assert three.micro_batch_tokens_per_rank() == 334 * three.training.micro_batch_size
+    assert tiny_config(tmp_path).micro_batch_tokens_per_rank() == 64 * cfg.training.micro_batch_size
+    # the decisions see the config's N (the estimate divides by it and counts the exchanges), tiled layers off
+    ranked = per_rank_config(_cfg(tmp_path, data={"sequence_len": 1000}, memory={"tiled_layers": "auto"}))
+    assert ranked.distributed.context_parallel == 2 and ranked.data.sequence_len == 1000
+    assert ranked.memory.tiled_layers == "off"
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.2, 0.5])
+def test_a_compiled_layer_keeps_the_exchanged_attention_tensors_whatever_its_budget(tmp_path, budget):
+    """Inductor's partitioner never recomputes a collective: under context parallelism each layer
+    keeps the exchanged q, k, v and attention output beside its input, and the budget applies to
+    the rest only (a qwen3-8b 128K row over 4 H100s estimated without them at 52 GiB ran out of 80)."""
+    from hone.transforms.memory.estimate import estimate_memory, resolve_step
+    from hone.transforms.memory.facts import model_facts
+    from hone.transforms.memory.knobs import Knobs
+
+    knobs = Knobs("selective", "fused_linear_ce", compiled=True, selective_budget=budget)
+    split, whole = _cfg(tmp_path, data={"sequence_len": 1024}), tiny_config(tmp_path, data={"sequence_len": 512})
+    m = model_facts(split)
+    step = resolve_step(split, knobs, m)
+    exchanged = m.compute_bytes * 2 * (m.heads + m.kv_heads) * m.head_dim
+    assert step.exchanged_per_token == exchanged and step.tokens == 512 * split.training.micro_batch_size
+    assert resolve_step(whole, knobs, model_facts(whole)).exchanged_per_token == 0
+    kept = estimate_memory(split, knobs).activations_per_layer
+    alone = estimate_memory(whole, knobs).activations_per_layer  # the same tokens on one rank, nothing exchanged
+    forced = exchanged * step.tokens
+    assert kept == pytest.approx(alone + (1 - budget) * forced, rel=1e-6, abs=8)
+    if budget == 0.0:
+        assert kept == step.input_bytes + forced

@@ -233,6 +233,8 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         accumulating=cfg.training.gradient_accumulation_steps > 1,
         run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
         float8=(perf.fp8, perf.fp8_small_linears) if perf.fp8 != "off" and not cfg.adapter.is_lora else None,
+        # Ulysses: q, k, v to the rank's heads over the whole sequence, the output back (same bytes as one shard's)
+        exchanged_per_token=m.compute_bytes * 2 * (m.heads + m.kv_heads) * m.head_dim if split > 1 else 0,
     )
 
 

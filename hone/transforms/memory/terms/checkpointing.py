@@ -60,8 +60,11 @@ def _selective(m: ModelFacts, step: Step, full: list[int]) -> Kept:
         # the compiler's activation memory budget: each layer keeps about that fraction of what
         # it keeps unbudgeted (above its input, which it always holds), recomputing the rest
         # inside its own backward (calibrated on H100 rows: qwen3-8b at 0.2 and 0.5, llama3-8b
-        # at 0.15 to 0.4)
-        each = tuple(step.input_bytes + int(budget * max(f - step.input_bytes, 0)) for f in full)
+        # at 0.15 to 0.4). A collective's output is always kept (the partitioner never recomputes
+        # one): under context parallelism, 36 x 640 MiB at 128K over 4 ranks, which the budget
+        # alone missed (a qwen3-8b row estimated at 52 GiB ran out of 80 on the H100)
+        forced = step.input_bytes + step.exchanged_per_token * step.tokens
+        each = tuple(forced + int(budget * max(f - forced, 0)) for f in full)
         return Kept(each, int((1 - budget) * max(full)))
     each = tuple(selective_bytes(layer, m, step.tiled).at(step.tokens, step.sequence_len) for layer in m.layers)
     return Kept(each, max(full))
