@@ -389,16 +389,23 @@ def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
 
 
-def gather_rows_sum(sorted_rows: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
-    """``[X, H]`` float32: row ``i`` is the sum over ``j`` (in order) of ``sorted_rows[readers[i, j]]``,
-    index ``S`` (one past the last sorted row) reading zero. The transpose of ``x[rows]`` as a
-    gather: no float32 buffer to zero, no atomics (the same sum on every run), and sorted rows
-    that no input row names (an expert-parallel caller's capacity rows past the real pairs, left
-    unwritten by the kernels) are never read."""
+def gather_rows_sum(sorted_rows: torch.Tensor, readers: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``[X, H]`` float32: row ``i`` is the sum over ``j`` (in order) of ``sorted_rows[readers[i, j]]``
+    (times ``weights[i, j]`` where given, float32 ``[X, k]``), index ``S`` (one past the last
+    sorted row) reading zero. The transpose of ``x[rows]`` as a gather: no float32 buffer to
+    zero, no atomics (the same sum on every run), and sorted rows that no input row names (an
+    expert-parallel caller's capacity rows past the real pairs, left unwritten by the kernels)
+    are never read. Written out of place (torch 2.11's Dynamo differentiates a Function output
+    filled in place as zero: hone/parallel/exchange.py)."""
     padded = torch.cat([sorted_rows, sorted_rows.new_zeros(1, sorted_rows.shape[1])])
-    out = padded[readers[:, 0]].float()
+
+    def term(j: int) -> torch.Tensor:
+        row = padded[readers[:, j]].float()
+        return row if weights is None else weights[:, j : j + 1] * row
+
+    out = term(0)
     for j in range(1, readers.shape[1]):
-        out = out + padded[readers[:, j]].float()
+        out = out + term(j)
     return out
 
 

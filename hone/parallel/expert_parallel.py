@@ -390,14 +390,7 @@ class _WeightedRows(torch.autograd.Function):
         ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, pair_of_row: torch.Tensor
     ) -> torch.Tensor:
         ctx.save_for_backward(y, weights, row_of_pair, pair_of_row)
-        padded = _with_zero_row(y)
-        # out of place on purpose: torch 2.11's Dynamo traces a Function whose output is a fresh
-        # buffer filled in place as independent of the inputs, and differentiates it as zero
-        # (see hone/parallel/exchange.py). Same sum, same order as accumulating into zeros.
-        out = weights[:, 0:1] * padded[row_of_pair[:, 0]].float()
-        for j in range(1, weights.shape[1]):
-            out = out + weights[:, j : j + 1] * padded[row_of_pair[:, j]].float()
-        return out
+        return gather_rows_sum(y, row_of_pair, weights)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
