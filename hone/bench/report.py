@@ -113,7 +113,8 @@ def markdown_table(
         f"### {spec.name}",
         "",
         f"{model}; {data}; {w.dtype}; {adapter}; random tokens. Median of {spec.timed_steps} steps after "
-        f"{spec.warmup_steps} warm-up, {spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
+        f"{spec.warmup_steps} warm-up{' (the first step timed, compilation included)' if not spec.warmup_steps else ''}, "
+        f"{spec.replicates} process(es) per condition; MFU vs {spec.peak_tflops:g} TFLOP/s.",
     ]
     lines += _provenance(env, command)
     ref_name = base["condition"] if base else "reference"

@@ -192,8 +192,10 @@ class BenchSpec(Section):
 
     workload: Workload
     conditions: list[Condition] = Field(min_length=1)
-    warmup_steps: int = Field(4, ge=1)
-    """Steps run before timing starts (compilation, autotuning, allocator warm-up)."""
+    warmup_steps: int = Field(4, ge=0)
+    """Steps run before timing starts (compilation, autotuning, allocator warm-up). 0 times the
+    first step too, compilation included: for steps of many minutes, where one optimizer step is
+    all a device session affords (the longest sequences)."""
 
     timed_steps: int = Field(12, ge=1)
     """Steps whose times give the median, min and max."""

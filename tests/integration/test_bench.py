@@ -105,3 +105,16 @@ def test_failure_classification():
     assert classify_failure(1, prefixed) == ("error", "RuntimeError: shapes do not match")
     assert failure_log(ranks).startswith('Traceback (most recent call last):\n  File "run.py"') is False
     assert "shapes do not match" in failure_log(ranks) and "FAILED" in failure_log(ranks)
+
+
+def test_a_spec_may_time_the_first_step_for_the_longest_runs():
+    """``warmup_steps: 0`` (one step of many minutes is all a session affords at the longest
+    lengths) times the first step and says so in the table; a negative count is refused."""
+    from hone.bench.report import markdown_table
+
+    spec = tiny_spec(warmup_steps=0, timed_steps=1)
+    assert spec.warmup_steps == 0
+    assert "after 0 warm-up (the first step timed, compilation included)" in markdown_table(spec, [])
+    assert "(the first step timed" not in markdown_table(tiny_spec(), [])
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        tiny_spec(warmup_steps=-1)
