@@ -4,6 +4,7 @@ goes up, held-out accuracy above chance), its metrics reach metrics.jsonl and Te
 run that dies mid-way resumes exactly."""
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -56,9 +57,30 @@ def _config(tmp_path: Path, name: str, objective: str = "dpo", **training):
     )
 
 
+def _rephrased(tmp_path: Path) -> Path:
+    """Every fifth pair of the sample with its question asked another way: held-out prompts
+    whose preferred answer the training pairs teach. (A held-out pair about a fact no training
+    pair holds is a coin toss for this 0.4M-parameter random model: 0.5, 0.25 and 0.125 accuracy
+    over 8 such pairs with seeds 0, 1 and 2, so it cannot show that DPO learned anything.)"""
+    path = tmp_path / "rephrased.jsonl"
+    rows = [json.loads(line) for line in _sample(tmp_path).read_text().splitlines()[::5]]
+    for row in rows:
+        row["prompt"] = [dict(row["prompt"][0], content="Please answer: " + row["prompt"][0]["content"])]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def test_a_dpo_run_moves_the_reward_margin_up_and_beats_chance_on_held_out_pairs(tmp_path):
     out = io.StringIO()
-    result = run_training(_config(tmp_path, "dpo"), device="cpu", console=Console(file=out, width=250))
+    cfg = _config(tmp_path, "dpo")
+    held_out = cfg.data.model_copy(
+        update={
+            "val_set_size": 0.0,
+            "test_datasets": [cfg.data.datasets[0].model_copy(update={"path": str(_rephrased(tmp_path))})],
+        }
+    )
+    cfg = parse_config({**cfg.model_dump(), "data": held_out.model_dump()})
+    result = run_training(cfg, device="cpu", console=Console(file=out, width=250))
     rows = read_metrics(result.metrics_path)
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -66,7 +88,10 @@ def test_a_dpo_run_moves_the_reward_margin_up_and_beats_chance_on_held_out_pairs
     margins = [r["rewards/margins"] for r in train]
     assert sum(margins[-25:]) / 25 > sum(margins[:25]) / 25 + 0.2  # the margin went up
     assert evals[0]["eval_rewards/margins"] == 0.0 and evals[0]["eval_loss"] == pytest.approx(0.693147, abs=1e-6)
-    assert evals[-1]["eval_rewards/margins"] > 0 and evals[-1]["eval_rewards/accuracies"] > 0.5  # held-out, above chance
+    # held out, over the evaluations after training began (8 pairs each: one pair moves accuracy by 1/8)
+    trained = evals[1:]
+    assert sum(e["eval_rewards/margins"] for e in trained) > 0
+    assert sum(e["eval_rewards/accuracies"] for e in trained) / len(trained) > 0.5  # above chance
     assert evals[-1]["eval_pairs"] == 8
     for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert name in train[-1] and f"eval_{name}" in evals[-1]
