@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
 from hone.kernels.moe_lora_triton import INTERPRET, grouped_mm_kernel, grouped_wgrad_kernel, rows_bucket, triton
@@ -469,6 +470,24 @@ def _backward(ctx, grad_y, _grad_xa):
 
 
 _moe_lora_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def projection_flops(rows: int, k_in: int, n_out: int, rank: int = 0) -> int:
+    """Multiply-adds x 2 of ``rows`` through a ``k_in -> n_out`` projection with a rank-``rank``
+    LoRA beside it: what a grouped projection op costs the compiler's recompute planner."""
+    return 2 * rows * (k_in * n_out + rank * (k_in + n_out))
+
+
+@register_flop_formula(torch.ops.hone.moe_lora_linear)
+def _moe_lora_linear_flops(x, rows, ends, weight, transposed, bias, lora_a, lora_b, scaling, readers, **kwargs) -> int:
+    """The op's FLOPs from its arguments' shapes (rows: capacity rows included, an upper bound).
+    Without a formula torch's flop counter counts an opaque op as 0, and Inductor's memory-budget
+    partitioner, which weighs what to recompute by counted FLOPs, took the grouped GEMMs for free
+    and recomputed them in the backward first (:func:`hone.transforms.checkpointing.memory_budget_context`)."""
+    n_rows = rows[0] if rows is not None else x[0]
+    k_in, n_out = (weight[1], weight[2]) if transposed else (weight[2], weight[1])
+    rank = lora_a[1] if lora_a is not None and lora_b is not None else 0
+    return projection_flops(n_rows, k_in, n_out, rank)
 
 
 def moe_lora_linear(

@@ -26,6 +26,7 @@ projections in MXFP4; :mod:`hone.kernels.moe_mxfp4_reference` is the plain-PyTor
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from hone.kernels.moe_lora import (
     MxWeight,
@@ -34,6 +35,7 @@ from hone.kernels.moe_lora import (
     mm_launch,
     moe_triton_available,
     projection_backward,
+    projection_flops,
     route,
 )
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, gated_activation
@@ -141,6 +143,15 @@ def _backward(ctx, grad_y, _grad_xa):
 
 
 _moe_mxfp4_lora_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.hone.moe_mxfp4_lora_linear)
+def _moe_mxfp4_lora_linear_flops(x, rows, ends, blocks, scales, bias, lora_a, lora_b, scaling, readers, **kwargs) -> int:
+    """The op's FLOPs for the compiler's recompute planner (see :func:`hone.kernels.moe_lora.projection_flops`):
+    ``blocks`` is ``[E, out, ...]``, the input width ``x``'s."""
+    n_rows = rows[0] if rows is not None else x[0]
+    rank = lora_a[1] if lora_a is not None and lora_b is not None else 0
+    return projection_flops(n_rows, x[-1], blocks[1], rank)
 
 
 def check_mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, in_dim: int, name: str = "MXFP4 experts") -> None:

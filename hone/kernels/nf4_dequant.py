@@ -30,6 +30,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from hone.kernels.nf4_dequant_triton import nf4_dequantize_triton, triton_available
 
@@ -150,6 +151,20 @@ def _nf4_linear_op(
 @_nf4_linear_op.register_fake
 def _(x, packed, scalers, factors, mean, block_size, scaler_block_size, out_features, in_features):
     return x.new_empty((*x.shape[:-1], out_features), dtype=factors.dtype)
+
+
+@register_flop_formula(torch.ops.hone.nf4_linear)
+def _nf4_linear_flops(
+    x, packed, scalers, factors, mean, block_size, scaler_block_size, out_features, in_features, **kwargs
+) -> int:
+    """``x @ W.T``'s FLOPs (the dequantization's are a rounding error beside them): without a
+    formula torch's flop counter counts the opaque op as 0 and Inductor's memory-budget
+    partitioner recomputed the frozen 4-bit projections first, as if free
+    (:func:`hone.transforms.checkpointing.memory_budget_context`)."""
+    rows = 1
+    for size in x[:-1]:
+        rows *= size
+    return 2 * rows * in_features * out_features
 
 
 @torch.library.custom_op("hone::nf4_linear_input_grad", mutates_args=())

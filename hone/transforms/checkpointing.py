@@ -180,10 +180,21 @@ def memory_budget_context(budget: float) -> AbstractContextManager[None]:
     activation memory budget (``torch._functorch.config.activation_memory_budget``, the
     compile-time form of selective checkpointing), so the layers compiled on the first step are
     partitioned to keep at most ``budget`` of their activations, recomputing the cheapest ops.
-    Scoped to the micro-batch: nothing else in the process compiles under it."""
+    Scoped to the micro-batch: nothing else in the process compiles under it.
+
+    hone's own ops (the grouped expert projections, the 4-bit linear) are opaque to the
+    partitioner: its min-cut stages took them for free to recompute, like a pointwise op, and
+    recomputed a layer's grouped GEMMs in the backward before anything else (a probe at a budget
+    of 0.25: both projections of an MoE block run again; tests/kernels/moe_lora_checks.py).
+    ``is_non_builtin_to_include`` keeps them out of the min-cut's free recomputation, as torch's
+    own matmuls are, and leaves them to the budget's knapsack, which weighs them by the FLOPs
+    their formulas count (:func:`hone.kernels.moe_lora.projection_flops`)."""
     import torch._functorch.config as functorch_config
 
-    return functorch_config.patch(activation_memory_budget=budget)
+    options: dict[str, object] = {"activation_memory_budget": budget}
+    if hasattr(functorch_config, "is_non_builtin_to_include"):  # a torch without it recomputes them as before
+        options["is_non_builtin_to_include"] = True
+    return functorch_config.patch(**options)
 
 
 def offloader_for(model: nn.Module) -> OffloadActivations | None:

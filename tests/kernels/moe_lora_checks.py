@@ -275,6 +275,66 @@ def check_readers(
     return {"errors": compare(got, expected)}
 
 
+def check_recompute(budget: float = 0.35) -> dict:
+    """How many grouped projections Inductor's memory-budget partitioner recomputes in the
+    backward of a small MoE block (a matmul standing for attention, the gate/up projection, a
+    chain of pointwise ops, the down projection), under hone's budget context (the ops' FLOP
+    formulas weighed by the knapsack) and under the bare budget (the ops taken for free)."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from hone.kernels.moe_lora import moe_lora_linear, route
+    from hone.transforms.checkpointing import memory_budget_context
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden, inter, experts, k, rank = 64, 32, 48, 4, 2, 4
+    w_gu, w_dn = (
+        torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1,
+        torch.randn(experts, hidden, inter, generator=gen) * 0.1,
+    )
+    factors = [
+        torch.randn(*shape, generator=gen).requires_grad_() for shape in ((experts, rank, hidden), (experts, 2 * inter, rank))
+    ]
+    factors += [
+        torch.randn(*shape, generator=gen).requires_grad_() for shape in ((experts, rank, inter), (experts, hidden, rank))
+    ]
+    mix = torch.randn(hidden, hidden, generator=gen).requires_grad_()
+    index = torch.randint(0, experts, (tokens, k), generator=gen)
+
+    def block(x):
+        x = x + torch.tanh(x @ mix)
+        perm, ends = route(index, experts)
+        gate, up = moe_lora_linear(x, perm // k, ends, w_gu, False, None, (factors[0], factors[1]), 2.0).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up
+        h = torch.tanh(h) * torch.sigmoid(h) + h.exp().clamp(max=5)
+        return moe_lora_linear(h, None, ends, w_dn, False, None, (factors[2], factors[3]), 2.0).sum() + x.sum()
+
+    def recomputed(context) -> int:
+        graphs = {}
+
+        def keep(name):
+            def compiler(gm, example_inputs):
+                graphs[name] = gm
+                return gm
+
+            return compiler
+
+        backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=min_cut_rematerialization_partition)
+        torch._dynamo.reset()
+        with context:
+            torch.compile(block, backend=backend, fullgraph=True)(
+                torch.randn(tokens, hidden, generator=gen).requires_grad_()
+            ).backward()
+        return sum(n.target is torch.ops.hone.moe_lora_linear.default for n in graphs["bw"].graph.nodes)
+
+    return {
+        "hone": recomputed(memory_budget_context(budget)),
+        "bare": recomputed(functorch_config.patch(activation_memory_budget=budget)),
+        "unbudgeted": recomputed(functorch_config.patch(activation_memory_budget=1.0)),
+    }
+
+
 def check_autotune() -> dict:
     """How many autotune configs each kernel carries here (one under the interpreter)."""
     from hone.kernels.moe_lora_triton import grouped_mm_kernel, grouped_wgrad_kernel
@@ -292,6 +352,8 @@ if __name__ == "__main__":
         out = check_opcheck()
     elif which == "readers":
         out = check_readers()
+    elif which == "recompute":
+        out = check_recompute()
     else:
         out = check(which)
     print("RESULT " + json.dumps(out))

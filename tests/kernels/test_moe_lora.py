@@ -56,6 +56,16 @@ def test_compile_fullgraph_traces_forward_and_backward():
     assert all(not isinstance(e, str) and e <= 1e-6 for e in errors.values()), errors
 
 
+def test_the_memory_budget_weighs_the_grouped_projections_by_their_flops():
+    """Taken for free (no FLOP formula, no ban), both grouped projections of an MoE block ran
+    again in the backward at a budget of 0.35; weighed by their FLOPs, the knapsack recomputes
+    cheaper work first. Unbudgeted, neither runs again."""
+    counts = _interpreted("recompute")
+    assert counts["unbudgeted"] == 0, counts
+    assert counts["bare"] == 2, counts  # the toy reproduces what the fix is for
+    assert counts["hone"] < counts["bare"], counts
+
+
 def test_the_interpreter_tries_exactly_one_autotune_config_per_kernel():
     assert _interpreted("autotune") == {"grouped_mm": 1, "grouped_wgrad": 1}
 
