@@ -27,6 +27,7 @@ backward would undo the 4-bit saving). What autograd saves is the 4-bit componen
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -161,10 +162,7 @@ def _nf4_linear_flops(
     formula torch's flop counter counts the opaque op as 0 and Inductor's memory-budget
     partitioner recomputed the frozen 4-bit projections first, as if free
     (:func:`hone.transforms.checkpointing.memory_budget_context`)."""
-    rows = 1
-    for size in x[:-1]:
-        rows *= size
-    return 2 * rows * in_features * out_features
+    return 2 * math.prod(x[:-1]) * in_features * out_features
 
 
 @torch.library.custom_op("hone::nf4_linear_input_grad", mutates_args=())

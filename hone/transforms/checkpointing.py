@@ -191,10 +191,7 @@ def memory_budget_context(budget: float) -> AbstractContextManager[None]:
     their formulas count (:func:`hone.kernels.moe_lora.projection_flops`)."""
     import torch._functorch.config as functorch_config
 
-    options: dict[str, object] = {"activation_memory_budget": budget}
-    if hasattr(functorch_config, "is_non_builtin_to_include"):  # a torch without it recomputes them as before
-        options["is_non_builtin_to_include"] = True
-    return functorch_config.patch(**options)
+    return functorch_config.patch(activation_memory_budget=budget, is_non_builtin_to_include=True)
 
 
 def offloader_for(model: nn.Module) -> OffloadActivations | None:
