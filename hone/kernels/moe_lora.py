@@ -390,6 +390,12 @@ def expert_of_rows(ends: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(n_rows, device=ends.device, dtype=ends.dtype), right=True)
 
 
+def with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    """``[t; 0]``: a 2-D tensor with one zero row appended, the row that sentinel indices
+    (one past the last real row) read."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
+
 def gather_rows_sum(sorted_rows: torch.Tensor, readers: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``[X, H]`` float32: row ``i`` is the sum over ``j`` (in order) of ``sorted_rows[readers[i, j]]``
     (times ``weights[i, j]`` where given, float32 ``[X, k]``), index ``S`` (one past the last
@@ -398,7 +404,7 @@ def gather_rows_sum(sorted_rows: torch.Tensor, readers: torch.Tensor, weights: t
     expert-parallel caller's capacity rows past the real pairs, left unwritten by the kernels)
     are never read. Written out of place (torch 2.11's Dynamo differentiates a Function output
     filled in place as zero: hone/parallel/exchange.py)."""
-    padded = torch.cat([sorted_rows, sorted_rows.new_zeros(1, sorted_rows.shape[1])])
+    padded = with_zero_row(sorted_rows)
 
     def term(j: int) -> torch.Tensor:
         row = padded[readers[:, j]].float()

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from hone.errors import HoneError
-from hone.kernels.moe_lora import gather_rows_sum, moe_lora_linear, moe_triton_available, route
+from hone.kernels.moe_lora import gather_rows_sum, moe_lora_linear, moe_triton_available, route, with_zero_row
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, expert_projection, gated_activation
 from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
 from hone.kernels.moe_mxfp4_reference import dequantized
@@ -221,7 +221,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, source: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(slot)
-        return _with_zero_row(hidden)[source]
+        return with_zero_row(hidden)[source]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -247,7 +247,7 @@ def dispatch(
     ``hidden`` and ``top_k_weights``."""
     plan = plan_send(top_k_index, shard, slots)
     send = _GatherRows.apply(hidden, plan.source, plan.slot)
-    weights = _with_zero_row(top_k_weights.float())
+    weights = with_zero_row(top_k_weights.float())
     send_weights = torch.where(plan.local_ids < shard.local_count, weights[plan.source], 0.0)
     group, size = shard.group, shard.size
     return Dispatched(
@@ -332,12 +332,6 @@ def local_experts(
     return _local_experts_grouped(rows, local_ids, weights, experts, down_scaling, capacity)
 
 
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    """``[t; 0]``: a 2-D tensor with one zero row appended, the row that sentinel indices
-    (one past the last real row) read."""
-    return torch.cat([t, t.new_zeros(1, t.shape[1])])
-
-
 def _overflow(local_ids: torch.Tensor, count: int, capacity: int | None) -> torch.Tensor:
     """Local pairs past ``capacity``, as an int64 on the device."""
     real = (local_ids < count).sum()
@@ -400,8 +394,8 @@ class _WeightedRows(torch.autograd.Function):
         # pair_of_row is S' * k (one past the last pair: a zero weight) on rows holding no pair
         flat_weights = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
         token = torch.div(pair_of_row, k, rounding_mode="floor")
-        d_y = flat_weights[pair_of_row].unsqueeze(1) * _with_zero_row(grad)[token]
-        padded = _with_zero_row(y)
+        d_y = flat_weights[pair_of_row].unsqueeze(1) * with_zero_row(grad)[token]
+        padded = with_zero_row(y)
         d_w = torch.empty_like(weights)
         for j in range(k):
             d_w[:, j] = (padded[row_of_pair[:, j]].float() * grad).sum(dim=1)
@@ -431,7 +425,7 @@ def _local_experts_grouped(
     position = torch.arange(n_pairs, device=rows.device)
     real = position < ends[-1]
     token = torch.where(real, torch.div(perm, k, rounding_mode="floor"), n_rows)
-    padded = _with_zero_row(rows)
+    padded = with_zero_row(rows)
     # y's rows past the real pairs are left unwritten by the kernels and never read: every pair
     # that is not a computed row reads the zero row past y (forward), and gets no gradient.
     row_of_pair = torch.full((n_rows * k,), n_pairs, dtype=torch.int64, device=rows.device)
