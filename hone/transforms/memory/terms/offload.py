@@ -23,10 +23,19 @@ HOST_BASE_BYTES = 2 * GIB
 #: tokens, of which 2.2, 17.5 and 70 GiB pinned blocks).
 HOST_INPUTS_BEYOND_PINNED = 4
 
+#: The same with tiled layers, whose backward rebuilds a layer one chunk at a time: half a layer
+#: input, calibrated on the two tiled ``offload`` rows measured on an H100 machine (qwen3-8b, peak
+#: RSS 73.1 GiB at 256K tokens in 8 chunks with 70 GiB pinned; 70.0 GiB at 512K in 16 chunks,
+#: runs of two, with 68 GiB pinned). How many inputs may go to the host (:func:`offload_split`)
+#: still reserves the untiled figure: one 512K row is too little to give that margin away.
+HOST_INPUTS_BEYOND_PINNED_TILED = 0.5
 
-def host_process_bytes(input_bytes: int) -> int:
-    """The process's host memory besides its pinned blocks, for layer inputs of ``input_bytes``."""
-    return HOST_BASE_BYTES + HOST_INPUTS_BEYOND_PINNED * input_bytes
+
+def host_process_bytes(input_bytes: int, tiled_layers: bool = False) -> int:
+    """The process's host memory besides its pinned blocks, for layer inputs of ``input_bytes``
+    (``tiled_layers``: the layers are computed in chunks)."""
+    beyond = HOST_INPUTS_BEYOND_PINNED_TILED if tiled_layers else HOST_INPUTS_BEYOND_PINNED
+    return HOST_BASE_BYTES + int(beyond * input_bytes)
 
 
 #: The share of the host's memory an offload split may not use (the page cache, other
@@ -60,4 +69,5 @@ def host_bytes(step: Step, offloaded: int) -> tuple[int, int]:
     """The term: (pinned blocks, the process's host memory with them) of ``step`` when
     ``offloaded`` layers' inputs are on the host."""
     pinned = offloaded * pinned_block(step.input_bytes)
-    return pinned, host_process_bytes(step.input_bytes if step.policy == "offload" else 0) + pinned
+    process = host_process_bytes(step.input_bytes if step.policy == "offload" else 0, tiled_layers=step.chunks > 0)
+    return pinned, process + pinned
