@@ -68,6 +68,17 @@ def test_a_split_moves_memory_from_the_host_to_the_gpu():
     )
 
 
+def test_tiled_layers_count_half_an_input_beside_the_pinned_blocks():
+    # calibrated on H100 rows: untiled offload holds ~4 inputs beside its pinned blocks, tiled ~0.5
+    cfg = _cfg(seq=8192, layers=6)
+    one_input = 2 * 8192 * 64
+    whole = estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce"))
+    tiled = estimate_memory(cfg, Knobs(checkpointing="offload", loss="fused_linear_ce", tiled_layers=4))
+    assert tiled.tiled_layers == 4 and whole.tiled_layers == 0 and tiled.host == whole.host > 0
+    assert tiled.host_total == host_process_bytes(one_input, tiled_layers=True) + tiled.host
+    assert whole.host_total - tiled.host_total == int(3.5 * one_input)
+
+
 def test_auto_split_follows_the_host_budget():
     cfg = _cfg(seq=8192)
     block = pinned_block(2 * 8192 * 64)
