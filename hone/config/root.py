@@ -68,10 +68,10 @@ class HoneConfig(Section):
 
     @model_validator(mode="after")
     def _varlen_needs_packing(self) -> "HoneConfig":
-        if self.model.sdpa_varlen is True and not (self.data.sample_packing or self.data.packs_eval):
+        if self.model.sdpa_varlen is True and not self.packs_documents:
             raise ValueError(
-                "model.sdpa_varlen: true only changes packed rows, but data.sample_packing is off: "
-                "set data.sample_packing: true, or remove sdpa_varlen"
+                "model.sdpa_varlen: true only changes packed rows, but data.sample_packing is off (and the objective "
+                "is sft): set data.sample_packing: true, or remove sdpa_varlen"
             )
         return self
 

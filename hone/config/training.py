@@ -28,6 +28,14 @@ class PreferenceConfig(Section):
     kept with the run (a full fine-tune); ``auto``: the first with an adapter, else the second.
     ORPO has no reference."""
 
+    share_prompt: bool | Literal["auto"] = "auto"
+    """Compute a pair's prompt once: its row holds the prompt, then the chosen and the rejected
+    completion, each attending to the prompt but not to the other (a tree mask), instead of the
+    prompt twice. The same log-probabilities (only rounding differs) from fewer tokens: a pair of a
+    512-token prompt and two 768-token completions is 2,049 tokens instead of 2,560. ``auto``: on
+    wherever the attention can take that mask (sdpa or flex_attention, every layer attending to
+    the whole row); ``true`` stops where it cannot; ``false``: the prompt in both sequences."""
+
 
 class TrainingConfig(Section):
     """Batch shape, run length, evaluation, checkpoints and the run directory."""

@@ -64,6 +64,10 @@ class MicroBatch:
     reference_logps: torch.Tensor | None = None
     """[2P] float32: the reference model's summed completion log-probs (chosen, then rejected),
     once computed (:mod:`hone.runtime.step`)."""
+    branches: torch.Tensor | None = None
+    """[B, T] long, shared-prompt pairs only (:mod:`hone.data.pairs`): 0 for a prompt's shared
+    trunk (and padding), 1 and 2 for its chosen and rejected branches, which attend to the trunk
+    and to themselves only."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The batch on ``device``. To a GPU the tensors go through pinned host memory, so the
@@ -92,6 +96,7 @@ class MicroBatch:
             counted=move(self.counted),
             nll_tokens=self.nll_tokens,
             reference_logps=move(self.reference_logps),
+            branches=move(self.branches),
         )
 
     def with_attention(self, layout: "AttentionLayout") -> "MicroBatch":
@@ -99,7 +104,7 @@ class MicroBatch:
         every layer). Call it after :meth:`to`, so masks are built on the device."""
         if not self.packed or self.position_ids is None:
             return self
-        return replace(self, attention_inputs=layout.packed_inputs(self.position_ids, self.boundaries()))
+        return replace(self, attention_inputs=layout.packed_inputs(self.position_ids, self.boundaries(), self.branches))
 
     @property
     def packed(self) -> bool:

@@ -17,6 +17,17 @@ segment with :func:`hone.kernels.sequence_logprobs.sequence_logprobs`, over the 
 ``counted`` only (found here, on the host): the prompts' and the padding's hidden states never
 go through the output head.
 
+**Shared prompts** (``share_prompt``, :data:`BRANCHES`): each pair's prompt is computed once.
+Its row part is ``prompt[:-1]`` (the shared trunk), then ``prompt[-1] + chosen`` (branch 1),
+then ``prompt[-1] + rejected`` (branch 2); both branches continue the trunk's positions
+(``len(prompt) - 1`` onwards) and attend to the trunk and to themselves only, never to each
+other (the attention reads ``branches``: :mod:`hone.models.attention.packed_mask`). The prompt's
+last token opens each branch so that the hidden state predicting each completion's first token
+sits in its own branch: every target position still has one segment. A pair is then
+``len(prompt) + len(chosen) + len(rejected) + 1`` tokens instead of ``2 len(prompt) + ...``;
+the log-probabilities are the unshared ones (only rounding differs: the same tokens see the same
+keys at the same positions).
+
 A batch carries its pair count and token counts (host integers and a small tensor), so the
 training loop divides by the window's pairs and tokens without a device sync.
 """
@@ -33,6 +44,11 @@ ALIGN = 64
 #: The columns a pair row is read with.
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
+#: ``MicroBatch.branches`` values of a shared-prompt row: the trunk (and padding), the chosen
+#: branch, the rejected branch.
+TRUNK, CHOSEN_BRANCH, REJECTED_BRANCH = 0, 1, 2
+BRANCHES = (TRUNK, CHOSEN_BRANCH, REJECTED_BRANCH)
+
 
 def pair_width(lengths: Sequence[int], align: int = ALIGN) -> int:
     """The row width for sequences of ``lengths``: their total rounded up to a multiple of ``align``."""
@@ -41,13 +57,23 @@ def pair_width(lengths: Sequence[int], align: int = ALIGN) -> int:
 
 
 def collate_pairs(
-    rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool = False, reference: torch.Tensor | None = None
+    rows: Sequence[Mapping[str, Sequence[int]]],
+    pad_id: int,
+    prompt_nll: bool = False,
+    reference: torch.Tensor | None = None,
+    share_prompt: bool = False,
 ) -> MicroBatch:
     """One packed micro-batch of the ``len(rows)`` pairs (module docstring); ``prompt_nll``:
     the chosen prompts' tokens are targets too, in segments ``2P .. 3P - 1`` (ORPO);
-    ``reference``: the pairs' precomputed reference log-probs, ``[P, 2]`` (chosen, rejected)."""
+    ``reference``: the pairs' precomputed reference log-probs, ``[P, 2]`` (chosen, rejected);
+    ``share_prompt``: each prompt once, with two branches (module docstring)."""
     if not rows:
         raise ValueError("collate_pairs needs at least one pair")
+    if share_prompt:
+        batch = _collate_shared(rows, pad_id, prompt_nll)
+        if reference is not None:
+            batch.reference_logps = torch.cat([reference[:, 0], reference[:, 1]]).float()
+        return batch
     pairs = len(rows)
     docs: list[dict[str, list[int]]] = []
     spans: list[tuple[int, int, int, bool]] = []  # (prompt length, completion length, pair index, chosen)
@@ -86,6 +112,72 @@ def collate_pairs(
     batch.nll_tokens = nll_tokens
     if reference is not None:
         batch.reference_logps = torch.cat([reference[:, 0], reference[:, 1]]).float()
+    return batch
+
+
+def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool) -> MicroBatch:
+    """The shared-prompt micro-batch: per pair the trunk ``prompt[:-1]``, then the two branches
+    ``prompt[-1] + completion``, continuing the trunk's positions (module docstring)."""
+    pairs = len(rows)
+    parts: list[tuple[list[int], int, int, int]] = []  # (tokens, first position, pair, branch)
+    for p, row in enumerate(rows):
+        prompt = list(row["prompt_ids"])
+        chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
+        if not prompt or not chosen or not rejected:
+            raise ValueError(f"pair {p}: empty prompt, chosen_ids or rejected_ids")
+        trunk = len(prompt) - 1
+        parts.append((prompt[:-1], 0, p, TRUNK))
+        parts.append((prompt[-1:] + chosen, trunk, p, CHOSEN_BRANCH))
+        parts.append((prompt[-1:] + rejected, trunk, p, REJECTED_BRANCH))
+    total = sum(len(tokens) for tokens, *_ in parts)
+    width = pair_width([total])
+    input_ids = torch.full((1, width), pad_id, dtype=torch.long)
+    targets = torch.full((1, width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((1, width), dtype=torch.long)
+    branches = torch.zeros((1, width), dtype=torch.long)
+    segments = torch.full((1, width), -1, dtype=torch.long)
+    completion_tokens = torch.zeros(2 * pairs, dtype=torch.float32)
+    nll_tokens, at = 0, 0
+    for tokens, first, p, branch in parts:
+        n = len(tokens)
+        if n:
+            input_ids[0, at : at + n] = torch.as_tensor(tokens, dtype=torch.long)
+            position_ids[0, at : at + n] = torch.arange(first, first + n)
+            branches[0, at : at + n] = branch
+        if branch == TRUNK:
+            trunk_at, trunk_len = at, n
+        else:
+            # the target at a position is the next token of the same sequence: inside the branch,
+            # and at the trunk's last position (for the chosen sequence) the branch's first token
+            slot = p if branch == CHOSEN_BRANCH else pairs + p
+            targets[0, at : at + n - 1] = input_ids[0, at + 1 : at + n]
+            segments[0, at : at + n - 1] = slot
+            completion_tokens[slot] = n - 1
+            if branch == CHOSEN_BRANCH:
+                nll_tokens += n - 1
+                if prompt_nll and trunk_len:
+                    targets[0, trunk_at : trunk_at + trunk_len] = input_ids[0, trunk_at + 1 : trunk_at + trunk_len + 1]
+                    segments[0, trunk_at : trunk_at + trunk_len] = 2 * pairs + p
+                    nll_tokens += trunk_len
+        at += n
+    if at < width:  # the padding tail: a document of its own (positions from 0), no targets
+        position_ids[0, at:] = torch.arange(width - at)
+    starts = torch.nonzero(position_ids[0] == 0).squeeze(1).to(torch.int32)  # each pair's first token, the padding's
+    batch = MicroBatch(
+        input_ids=input_ids,
+        attention_mask=None,
+        targets=targets,
+        trained_tokens=int((targets != IGNORE_INDEX).sum()),
+        tokens=at,
+        position_ids=position_ids,
+        cu_seqlens=torch.cat([starts, starts.new_tensor([width])]),
+        branches=branches,
+    )
+    batch.pairs = pairs
+    batch.segments = segments
+    batch.counted = torch.nonzero(segments.reshape(-1) >= 0).squeeze(1)
+    batch.completion_tokens = completion_tokens
+    batch.nll_tokens = nll_tokens
     return batch
 
 

@@ -254,28 +254,39 @@ class PairBatches:
 
     packing: Packing | None = None
 
-    def __init__(self, dataset: Any, pad_id: int, prompt_nll: bool = False, reference: Any = None):
+    def __init__(self, dataset: Any, pad_id: int, prompt_nll: bool = False, reference: Any = None, share_prompt: bool = False):
         self.dataset = dataset
         self.pad_id = pad_id
         self.prompt_nll = prompt_nll
         self.reference = reference
         """``[pairs, 2]`` precomputed reference log-probs (chosen, rejected), or None."""
+        self.share_prompt = share_prompt
+        """Each prompt once, chosen and rejected as its two branches (the plan's decision)."""
         self.units = len(dataset)
 
     def __call__(self, indices: list[int]) -> MicroBatch:
         reference = self.reference[indices] if self.reference is not None else None
-        return collate_pairs(pair_rows_at(self.dataset, indices), self.pad_id, self.prompt_nll, reference)
+        rows = pair_rows_at(self.dataset, indices)
+        return collate_pairs(rows, self.pad_id, self.prompt_nll, reference, share_prompt=self.share_prompt)
 
 
 Batches = PaddedBatches | PackedBatches | PairBatches
 
 
-def micro_batches(dataset: Any, packing: Packing | None, pad_id: int, objective: str = "sft", reference: Any = None) -> Batches:
+def micro_batches(
+    dataset: Any,
+    packing: Packing | None,
+    pad_id: int,
+    objective: str = "sft",
+    reference: Any = None,
+    share_prompt: bool = False,
+) -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
     :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``
-    (with their precomputed ``reference`` log-probs, if any)."""
+    (with their precomputed ``reference`` log-probs, if any; ``share_prompt``: each prompt once,
+    as the run's attention layout says)."""
     if objective != "sft":
-        return PairBatches(dataset, pad_id, prompt_nll=objective == "orpo", reference=reference)
+        return PairBatches(dataset, pad_id, prompt_nll=objective == "orpo", reference=reference, share_prompt=share_prompt)
     if packing is None:
         return PaddedBatches(dataset, pad_id)
     return PackedBatches(dataset, packing, pad_id)

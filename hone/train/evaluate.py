@@ -89,7 +89,7 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens, pairs, nll_tokens = 0, 0, 0
     try:
-        batches = micro_batches(dataset, packing, pad_id, objective, reference)
+        batches = micro_batches(dataset, packing, pad_id, objective, reference, share_prompt=layout.shares_prompt)
         starts = list(range(0, batches.units, batch_size))
         # context parallelism: the N ranks of a group evaluate the same batches, each its shard
         replica, replicas = world.data_parallel(hooks.context_parallel if hooks is not None else 1)

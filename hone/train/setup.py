@@ -81,7 +81,9 @@ def set_up(
     output_dir.mkdir(parents=True, exist_ok=True)
     has_eval = eval_data is not None and len(eval_data) > 0
     scaler = loss_scaler(cfg, device)
-    batches = micro_batches(train_data, packing_for(train_data, cfg, "train"), pad_id, t.objective)
+    batches = micro_batches(
+        train_data, packing_for(train_data, cfg, "train"), pad_id, t.objective, share_prompt=hooks.layout.shares_prompt
+    )
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     replica, replicas = world.data_parallel(cfg.distributed.context_parallel)  # context parallel groups share batches
     plan = plan_steps(batches.units, t, replicas)

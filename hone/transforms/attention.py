@@ -21,22 +21,23 @@ from hone.models.hub import local_model_dir
 from hone.models.model_dir import read_causal_lm_config
 from hone.models.precision import precision_for
 from hone.models.presets import get_preset
-from hone.transforms.base import PlanContext, Transform
+from hone.transforms.base import Decisions, PlanContext, Transform
+from hone.transforms.prompt_sharing import sharing_problems
 
 
 def _check(ctx: PlanContext) -> list[str]:
-    return attention_problems(ctx.cfg.model, ctx.facts.device)
+    return attention_problems(ctx.cfg.model, ctx.facts.device) + sharing_problems(ctx.cfg)
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     cfg = ctx.cfg
     compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
-    kernel = select_attention_kernel(model, cfg, ctx.facts.device, compute)
+    kernel = select_attention_kernel(model, cfg, ctx.facts.device, compute, shared_prompt=ctx.decided.share_prompt_kernel)
     return {"implementation": cfg.model.attn_implementation, "kernel": kernel}
 
 
 def _layout(model: nn.Module, ctx: PlanContext) -> AttentionLayout:
-    return layout_for(model)
+    return layout_for(model, shares_prompt=ctx.decided.share_prompt)
 
 
 def _label(details: dict[str, Any]) -> str:
@@ -55,12 +56,17 @@ def has_sinks(model: ModelConfig) -> bool:
         return False
 
 
-def attention_why(cfg: HoneConfig) -> str:
-    """The attention line of ``hone plan``: the backend, and what hone does with packed rows."""
+def attention_why(cfg: HoneConfig, decided: Decisions | None = None) -> str:
+    """The attention line of ``hone plan``: the backend, and what hone does with packed rows
+    (preference pairs: whether they share their prompt, as ``decided``)."""
     model = cfg.model
     why = f"model.attn_implementation: {model.attn_implementation}"
     if model.attn_implementation in ("sdpa", "flex_attention") and has_sinks(model):
         return why + "; the model has attention sinks: hone's flex sink backend (sdpa would drop them)"
+    if decided is not None and cfg.training.is_preference:
+        why += f"; {decided.share_prompt_why}"
+        if decided.share_prompt:
+            return why
     if model.attn_implementation == "sdpa" and cfg.packs_documents:
         why += f"; packed rows through torch's varlen kernel where it runs (model.sdpa_varlen: {model.sdpa_varlen})"
     if model.attn_implementation == "sdpa":
@@ -72,7 +78,7 @@ ATTENTION = Transform(
     name="attention",
     switch="model.attn_implementation",
     wanted=lambda ctx: True,
-    why=lambda ctx: attention_why(ctx.cfg),
+    why=lambda ctx: attention_why(ctx.cfg, ctx.decided),
     check=_check,
     stage="base",
     model=_apply,

@@ -134,6 +134,11 @@ class Decisions:
     """Layer-run checkpointing: one saved input per run of this many decoder layers (1: one per layer;
     ``memory.checkpoint_run_layers``; ``offload_layers`` then counts runs)."""
     run_layers_why: str = "memory.checkpoint_run_layers: 1"
+    share_prompt: bool = False
+    """Preference pairs compute each prompt once (``training.preference.share_prompt``)."""
+    share_prompt_kernel: str | None = None
+    """Through which attention: ``flex`` (a block mask) or ``mask`` (sdpa, a dense mask)."""
+    share_prompt_why: str = "training.objective: sft trains no pairs"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs
+from hone.transforms.prompt_sharing import share_prompt_choice
 from hone.transforms.tiled_layers import decide_chunks
 
 
@@ -59,6 +60,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
     experts, experts_why = experts_choice(cfg, facts, expert_parallel)
+    share_prompt, prompt_kernel, share_prompt_why = share_prompt_choice(cfg, facts, compiles)
     strategy, strategy_why = resolve_strategy(cfg, facts, expert_parallel)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     memory = plan_memory(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards)
@@ -123,6 +125,9 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         context_parallel=context_parallel,
         run_layers=runs.layers,
         run_layers_why=runs.why,
+        share_prompt=share_prompt,
+        share_prompt_kernel=prompt_kernel,
+        share_prompt_why=share_prompt_why,
     )
 
 

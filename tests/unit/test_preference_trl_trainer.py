@@ -77,10 +77,11 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _hone(model, pairs, objective: str, beta: float, reference=None) -> tuple[torch.Tensor, dict[str, float]]:
+def _hone(model, pairs, objective: str, beta: float, reference=None, share=False) -> tuple[torch.Tensor, dict[str, float]]:
     """hone's loss of one window holding the pairs, through the training path (backward done),
-    and the metrics the step logs."""
-    batch = collate_pairs(pairs, pad_id=0, prompt_nll=objective == "orpo").with_attention(layout_for(model))
+    and the metrics the step logs (``share``: each prompt once, the two completions as branches)."""
+    batch = collate_pairs(pairs, pad_id=0, prompt_nll=objective == "orpo", share_prompt=share)
+    batch = batch.with_attention(layout_for(model, shares_prompt=share))
     if reference is not None:
         batch.reference_logps = reference
     reference_off = adapters_off(model) if reference is None and objective != "orpo" else None
@@ -174,22 +175,29 @@ def _assert_same(hone_model, trl_model, hone_out, trl_out):
         assert norm_error(hone_grads[name], grad) < 3e-5, (name, norm_error(hone_grads[name], grad))
 
 
+SHARE = pytest.mark.parametrize("share", [False, True], ids=["prompt-twice", "prompt-shared"])
+
+
+@SHARE
 @pytest.mark.parametrize("objective, loss_type, beta", [("dpo", "sigmoid", 0.5), ("ipo", "ipo", 0.3)])
-def test_lora_dpo_and_ipo_with_the_adapter_switched_off_equal_trl(objective, loss_type, beta):
+def test_lora_dpo_and_ipo_with_the_adapter_switched_off_equal_trl(objective, loss_type, beta, share):
     ours, theirs = _models(lora=True)
     pairs = _pairs(SEED + 2)
-    _assert_same(ours, theirs, _hone(ours, pairs, objective, beta), _trl_dpo_loss(theirs, pairs, loss_type, beta))
+    _assert_same(ours, theirs, _hone(ours, pairs, objective, beta, share=share), _trl_dpo_loss(theirs, pairs, loss_type, beta))
 
 
-def test_full_fine_tune_dpo_with_given_reference_log_probs_equals_trl():
+@SHARE
+def test_full_fine_tune_dpo_with_given_reference_log_probs_equals_trl(share):
     ours, theirs = _models(lora=False)
     pairs = _pairs(SEED + 3)
     reference = -30 - 5 * torch.rand(2 * P, generator=torch.Generator().manual_seed(SEED))
-    _assert_same(ours, theirs, _hone(ours, pairs, "dpo", 0.2, reference), _trl_dpo_loss(theirs, pairs, "sigmoid", 0.2, reference))
+    hone = _hone(ours, pairs, "dpo", 0.2, reference, share=share)
+    _assert_same(ours, theirs, hone, _trl_dpo_loss(theirs, pairs, "sigmoid", 0.2, reference))
 
 
+@SHARE
 @pytest.mark.parametrize("lora", [True, False])
-def test_orpo_equals_trl(lora):
+def test_orpo_equals_trl(lora, share):
     ours, theirs = _models(lora=lora)
     pairs = _pairs(SEED + 4)
-    _assert_same(ours, theirs, _hone(ours, pairs, "orpo", 0.4), _trl_orpo_loss(theirs, pairs, 0.4))
+    _assert_same(ours, theirs, _hone(ours, pairs, "orpo", 0.4, share=share), _trl_orpo_loss(theirs, pairs, 0.4))

@@ -30,22 +30,38 @@ class AttentionLayout:
     """``boundaries``: ``cu_seq_lens``/``max_length`` kwargs; ``block_mask``: a flex BlockMask;
     ``dense_mask``: a [B, 1, T, T] boolean mask; ``transformers``: leave it to the model."""
 
-    def packed_inputs(self, position_ids: torch.Tensor, boundaries: dict[str, Any]) -> dict[str, Any]:
-        """The extra forward kwargs of a packed micro-batch under this layout."""
+    shares_prompt: bool = False
+    """Preference pairs are built with each prompt once and two branches
+    (:mod:`hone.data.pairs`), which only hone's masks express."""
+
+    def __post_init__(self) -> None:
+        if self.shares_prompt and self.kind not in ("block_mask", "dense_mask"):
+            raise ValueError(f"shared-prompt pairs need hone's mask (sdpa or flex attention), not the {self.kind} layout")
+
+    def packed_inputs(
+        self, position_ids: torch.Tensor, boundaries: dict[str, Any], branches: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """The extra forward kwargs of a packed micro-batch under this layout (``branches``: a
+        shared-prompt batch's, which the masks keep apart)."""
+        if branches is not None and self.kind not in ("block_mask", "dense_mask"):
+            raise ValueError(
+                f"a shared-prompt micro-batch reached the {self.kind} attention layout, which cannot isolate its branches"
+            )
         if self.kind == "boundaries":
             return boundaries
         if self.kind == "block_mask":
-            return {"attention_mask": document_block_mask(position_ids)}
+            return {"attention_mask": document_block_mask(position_ids, branches)}
         if self.kind == "dense_mask":
-            return {"attention_mask": document_dense_mask(position_ids)}
+            return {"attention_mask": document_dense_mask(position_ids, branches)}
         return {}
 
 
-def layout_for(model: Any) -> AttentionLayout:
-    """The layout of ``model`` as its attention backend now stands (after kernel selection)."""
+def layout_for(model: Any, shares_prompt: bool = False) -> AttentionLayout:
+    """The layout of ``model`` as its attention backend now stands (after kernel selection);
+    ``shares_prompt``: the plan builds shared-prompt pairs (it chose a backend with hone's mask)."""
     if takes_document_boundaries(model):
-        return AttentionLayout("boundaries")
+        return AttentionLayout("boundaries", shares_prompt)
     if uses_own_document_mask(model):
         kind = "block_mask" if inner_implementation(model.config._attn_implementation) == "flex_attention" else "dense_mask"
-        return AttentionLayout(kind)
-    return AttentionLayout("transformers")
+        return AttentionLayout(kind, shares_prompt)
+    return AttentionLayout("transformers", shares_prompt)

@@ -59,8 +59,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).to(torch.int32), dim=1)
 
 
-def document_block_mask(position_ids: torch.Tensor):
-    """A causal, document-isolating flex ``BlockMask`` for packed rows."""
+def document_block_mask(position_ids: torch.Tensor, branches: torch.Tensor | None = None):
+    """A causal, document-isolating flex ``BlockMask`` for packed rows; with ``branches``
+    (shared-prompt pairs, :mod:`hone.data.pairs`) a branch also never sees the other branch:
+    a token attends to an earlier key of its document that is in the trunk (0) or its own branch."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids(position_ids)
@@ -69,12 +71,19 @@ def document_block_mask(position_ids: torch.Tensor):
     def same_document_causal(b, h, q, kv):
         return (docs[b, q] == docs[b, kv]) & (q >= kv)
 
-    return create_block_mask(same_document_causal, batch, None, width, width, device=position_ids.device)
+    def same_branch_causal(b, h, q, kv):
+        return same_document_causal(b, h, q, kv) & ((branches[b, kv] == 0) | (branches[b, kv] == branches[b, q]))
+
+    mask_mod = same_document_causal if branches is None else same_branch_causal
+    return create_block_mask(mask_mod, batch, None, width, width, device=position_ids.device)
 
 
-def document_dense_mask(position_ids: torch.Tensor) -> torch.Tensor:
+def document_dense_mask(position_ids: torch.Tensor, branches: torch.Tensor | None = None) -> torch.Tensor:
     """The same mask as a [B, 1, T, T] boolean tensor (True = attend), as sdpa takes it."""
     docs = document_ids(position_ids)
     width = docs.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=docs.device).tril()
-    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+    mask = (docs[:, :, None] == docs[:, None, :]) & causal
+    if branches is not None:
+        mask &= (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
+    return mask[:, None]

@@ -36,16 +36,26 @@ def attention_problems(model_cfg: ModelConfig, device: torch.device, training: b
     return []
 
 
-def select_attention_kernel(model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype) -> str | None:
+def select_attention_kernel(
+    model: Any, cfg: HoneConfig, device: torch.device, compute: torch.dtype, shared_prompt: str | None = None
+) -> str | None:
     """The kernel an ``sdpa`` training run uses, in one line (None: transformers' sdpa as it is).
 
     Packed rows go through the varlen kernel where it runs (:func:`select_packed_kernel`);
     otherwise a model whose layers all attend causally to the whole row trains through
     :data:`~hone.models.attention.causal.CAUSAL_SDPA`: the same sdpa kernel, with no mask
-    prepared by transformers and so no host sync in the forward.
+    prepared by transformers and so no host sync in the forward. Shared-prompt pairs
+    (``shared_prompt``, the plan's kernel for them: :mod:`hone.transforms.prompt_sharing`) need
+    hone's tree mask: flex attention (``flex``) or sdpa with a dense mask (``mask``).
     """
     if has_attention_sinks(model.config):
         return select_sink_kernel(model, cfg)
+    if shared_prompt == "flex":
+        if model.config._attn_implementation != "flex_attention":
+            model.set_attn_implementation("flex_attention")
+        return "pairs share their prompt: flex attention with a tree block mask"
+    if shared_prompt == "mask":
+        return "pairs share their prompt: sdpa with a tree mask"
     packed = select_packed_kernel(model, cfg, device, compute)
     if packed is not None or cfg.model.attn_implementation != "sdpa":
         return packed

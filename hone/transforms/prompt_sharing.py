@@ -1,0 +1,90 @@
+"""Whether preference pairs compute their prompt once (``training.preference.share_prompt``),
+and through which attention, decided once per plan.
+
+A shared-prompt pair (:mod:`hone.data.pairs`) needs a mask that lets each completion see the
+prompt but not the other completion: a tree, which document boundaries (varlen kernels, flash
+attention) cannot say. hone's own masks can: sdpa with a dense mask, or flex attention with a
+block mask that skips the blocks nobody attends to. ``auto`` shares wherever one of them runs
+the model as configured (sdpa or flex_attention, every layer attending to the whole row, no
+attention sinks); on a GPU with compiled layers it takes flex attention (compiled, it computes
+only the blocks the tree keeps, where sdpa's masked kernel computes every block), elsewhere
+sdpa with the dense mask (flex attention uncompiled materialises the scores).
+"""
+
+from typing import Literal
+
+from hone.config.root import HoneConfig
+from hone.models.attention.setup import causal_blockers
+from hone.transforms.base import RunFacts
+
+#: How a shared-prompt row reaches the attention: flex attention with a block mask, or sdpa with
+#: a dense boolean mask.
+PromptKernel = Literal["flex", "mask"]
+
+#: The backends a shared-prompt row can run through (both take hone's mask).
+SHARING_BACKENDS = ("sdpa", "flex_attention")
+
+
+def _model_blockers(cfg: HoneConfig) -> list[str]:
+    """What in the model's own attention a tree mask cannot serve (empty where its config cannot
+    be read here: the loader says why)."""
+    from hone.transforms.memory.facts import transformers_config
+
+    try:
+        config = transformers_config(cfg.model)
+    except Exception:  # noqa: BLE001 -- a plan line never fails on an unreadable model config
+        return []
+    return [f"the model has {what}" for what in causal_blockers(config)]
+
+
+def sharing_blockers(cfg: HoneConfig) -> list[str]:
+    """Why this run's pairs cannot share their prompt (empty: they can)."""
+    blockers = []
+    name = cfg.model.attn_implementation
+    if name not in SHARING_BACKENDS:
+        blockers.append(
+            f"model.attn_implementation: {name} cannot take the tree mask a shared prompt needs (sdpa or flex_attention can)"
+        )
+    if cfg.model.sdpa_varlen is True:
+        blockers.append("model.sdpa_varlen: true asks for document boundaries, which cannot say a tree")
+    return blockers + _model_blockers(cfg)
+
+
+def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tuple[bool, PromptKernel | None, str]:
+    """(shares, kernel, why) of ``training.preference.share_prompt`` on this run (module
+    docstring). ``true`` where the pairs cannot share is a problem of the attention transform's
+    check (:func:`sharing_problems`), not decided here."""
+    t = cfg.training
+    key = "training.preference.share_prompt"
+    if not t.is_preference:
+        return False, None, f"training.objective: {t.objective} trains no pairs"
+    if t.preference.share_prompt is False:
+        return False, None, f"{key}: false: the prompt computed with each completion"
+    blockers = sharing_blockers(cfg)
+    if blockers:
+        return False, None, f"{key}: {str(t.preference.share_prompt).lower()}: off, " + "; ".join(blockers)
+    dropout = cfg.model.attn_implementation == "sdpa" and _attention_dropout(cfg)
+    if cfg.model.attn_implementation == "flex_attention" or (facts.device.type == "cuda" and compiles and not dropout):
+        return True, "flex", f"{key}: each prompt once, flex attention with a tree block mask (compiled)"
+    return True, "mask", f"{key}: each prompt once, sdpa with a tree mask"
+
+
+def _attention_dropout(cfg: HoneConfig) -> bool:
+    """Whether the model drops attention probabilities (flex attention has no dropout)."""
+    from hone.transforms.memory.facts import transformers_config
+
+    try:
+        return bool(getattr(transformers_config(cfg.model), "attention_dropout", 0.0))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def sharing_problems(cfg: HoneConfig) -> list[str]:
+    """``share_prompt: true`` where the pairs cannot share: each reason, naming the key."""
+    if not cfg.training.is_preference or cfg.training.preference.share_prompt is not True:
+        return []
+    return [
+        f"training.preference.share_prompt: true, but {why}: set share_prompt: auto (the prompt then goes with each "
+        "completion), or change what is named"
+        for why in sharing_blockers(cfg)
+    ]
