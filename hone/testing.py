@@ -191,6 +191,25 @@ def random_rows(
     return Dataset.from_dict({"input_ids": ids, "labels": labels})
 
 
+def random_pairs(n: int, seed: int, vocab: int = VOCAB, shortest_prompt: int = 2) -> list[dict[str, list[int]]]:
+    """``n`` preference pairs of random ids (as a ``preference`` split's rows): prompts of
+    ``shortest_prompt``-9 tokens, completions of 1-8, a pair's two never equal."""
+    import random
+
+    gen = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [gen.randrange(1, vocab) for _ in range(gen.randint(low, high))]
+
+    pairs = []
+    for _ in range(n):
+        chosen, rejected = ids(1, 8), ids(1, 8)
+        while rejected == chosen:
+            rejected = ids(1, 8)
+        pairs.append({"prompt_ids": ids(shortest_prompt, 9), "chosen_ids": chosen, "rejected_ids": rejected})
+    return pairs
+
+
 def random_documents(lengths: Sequence[int], seed: int) -> list[dict[str, list[int]]]:
     """Documents of random token ids with ``lengths``, labelled as prepared rows are (a
     document's first token has nothing before it to be predicted from)."""

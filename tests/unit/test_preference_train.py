@@ -16,26 +16,10 @@ from hone.models.attention.layout import layout_for
 from hone.models.structure import causal_lm_parts
 from hone.runtime.pair_loss import PairLoss
 from hone.runtime.step import forward_hidden
-from hone.testing import VOCAB, plan_hooks, tiny_config, tiny_llama, with_random_lora
+from hone.testing import plan_hooks, random_pairs, tiny_config, tiny_llama, with_random_lora
 from hone.train.loop import train_loop
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
-
-
-def random_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[int]]]:
-    """``n`` pairs of random ids: prompts of 2-9 tokens, completions of 1-8 (never equal)."""
-    gen = random.Random(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return [gen.randrange(1, vocab) for _ in range(gen.randint(low, high))]
-
-    pairs = []
-    for _ in range(n):
-        chosen, rejected = ids(1, 8), ids(1, 8)
-        while rejected == chosen:
-            rejected = ids(1, 8)
-        pairs.append({"prompt_ids": ids(2, 9), "chosen_ids": chosen, "rejected_ids": rejected})
-    return pairs
 
 
 @pytest.mark.parametrize("prompt_nll", [False, True])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from hone import testing
 from hone.data.collate import IGNORE_INDEX
 from hone.data.pairs import ALIGN, CHOSEN_BRANCH, REJECTED_BRANCH, TRUNK, collate_pairs
 from hone.models.attention.layout import AttentionLayout, layout_for
@@ -26,20 +27,10 @@ from hone.transforms.prompt_sharing import share_prompt_choice, sharing_problems
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 
 
-def random_pairs(n: int, seed: int, vocab: int = VOCAB, shortest_prompt: int = 1) -> list[dict[str, list[int]]]:
-    """``n`` pairs of random ids: prompts of ``shortest_prompt``-9 tokens, completions of 1-8 (never equal)."""
-    gen = random.Random(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return [gen.randrange(1, vocab) for _ in range(gen.randint(low, high))]
-
-    pairs = []
-    for _ in range(n):
-        chosen, rejected = ids(1, 8), ids(1, 8)
-        while rejected == chosen:
-            rejected = ids(1, 8)
-        pairs.append({"prompt_ids": ids(shortest_prompt, 9), "chosen_ids": chosen, "rejected_ids": rejected})
-    pairs[0]["prompt_ids"] = pairs[0]["prompt_ids"][:1]  # a one-token prompt: no shared trunk at all
+def random_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[int]]]:
+    """``n`` random pairs, the first with a one-token prompt (no shared trunk at all)."""
+    pairs = testing.random_pairs(n, seed, vocab, shortest_prompt=1)
+    pairs[0]["prompt_ids"] = pairs[0]["prompt_ids"][:1]
     return pairs
 
 
