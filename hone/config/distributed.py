@@ -63,6 +63,13 @@ class DistributedConfig(Section):
     this key (a pair is never dropped silently). The exchanges themselves never overflow: a token
     travels at most once to each rank."""
 
+    expert_parallel_chunks: int | Literal["auto"] = "auto"
+    """Expert parallelism: each MoE layer exchanges its tokens in this many consecutive chunks,
+    every chunk's dispatch issued first and each chunk's way back right after its experts, so the
+    exchanges of one chunk can run while another chunk's experts compute. Exact (each token's rows
+    are the unchunked ones; only the order of the expert gradients' sums differs). ``auto``: 1,
+    one exchange each way, until ``hone bench`` shows chunks paying for their smaller GEMMs."""
+
     context_parallel: int = 1
     """Context parallelism: each sequence is split along its length over ``N`` consecutive ranks
     (DeepSpeed-Ulysses: every rank runs the projections, MLP, norms and loss on its contiguous
@@ -111,6 +118,14 @@ class DistributedConfig(Section):
             raise ValueError(
                 f"distributed.expert_capacity_factor: {factor} sizes the exchanges of expert parallelism, which is off "
                 "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_capacity_factor"
+            )
+        chunks = self.expert_parallel_chunks
+        if chunks != "auto" and chunks < 1:
+            raise ValueError(f"distributed.expert_parallel_chunks: {chunks} must be at least 1 (or auto)")
+        if chunks != "auto" and chunks > 1 and self.expert_parallel == 1:
+            raise ValueError(
+                f"distributed.expert_parallel_chunks: {chunks} splits the exchanges of expert parallelism, which is off "
+                "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_parallel_chunks"
             )
         if ep != "auto" and ep > 1 and self.strategy == "none":
             raise ValueError(

@@ -80,6 +80,7 @@ __all__ = [
     "expert_parallel_experts",
     "local_experts",
     "plan_send",
+    "token_chunks",
 ]
 
 #: Capacities are rounded up to this many rows (tile- and vector-friendly buffer blocks).
@@ -487,6 +488,7 @@ def expert_parallel_experts(
     capacity: int | None = None,
     use_kernels: bool | None = None,
     max_tokens: int | None = None,
+    chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], overflow [])``: the routed experts of ``hidden [T, H]`` (``top_k_index`` in
     global expert ids, ``top_k_weights [T, k]``) computed by the ranks holding them; ``out`` in
@@ -497,7 +499,14 @@ def expert_parallel_experts(
     route as many tokens). MXFP4 experts: ``gate_up_local`` / ``down_local`` are ``(blocks,
     scales)`` blocks (:class:`LocalExperts`). ``capacity``: the pair rows of :func:`expert_capacity` (None: the worst
     case, nothing can overflow). ``overflow`` (int64, on the device) counts this rank's pairs
-    that did not fit; the caller must refuse a step where any rank's is > 0."""
+    that did not fit; the caller must refuse a step where any rank's is > 0.
+
+    ``chunks``: the tokens go in this many consecutive chunks (:func:`token_chunks`), every chunk's
+    exchanges issued before the first chunk's experts run and each chunk's combine right after its
+    experts, so that the exchanges of one chunk can run while another computes (overlap, where
+    the collectives are asynchronous: compiled, or NCCL). The same function: each token's rows,
+    choices and partials are the unchunked ones, only the order of the expert gradients' sums
+    differs. A capacity is split evenly over the chunks (rounded up to a multiple of 8)."""
     n_tokens, k = top_k_index.shape
     if hidden.dim() != 2 or hidden.shape[0] != n_tokens or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
@@ -515,9 +524,36 @@ def expert_parallel_experts(
     experts = LocalExperts(
         gate_up_local, down_local, layout, gate_up_bias, down_bias, gate_up_lora, down_lora, scaling, down_scaling
     )
-    sent = dispatch(hidden, top_k_index, top_k_weights, shard, max_tokens or n_tokens)
-    partials = local_experts(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
-    return combine(partials.rows, sent.plan, shard).to(hidden.dtype), partials.overflow
+    if chunks == 1:
+        sent = dispatch(hidden, top_k_index, top_k_weights, shard, max_tokens or n_tokens)
+        partials = local_experts(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
+        return combine(partials.rows, sent.plan, shard).to(hidden.dtype), partials.overflow
+    bounds, slots = token_chunks(n_tokens, max_tokens or n_tokens, chunks)
+    per_chunk = None
+    if capacity is not None:  # an even share, rounded up to whole blocks of rows
+        share = -(-capacity // chunks)
+        per_chunk = -(-share // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    # every chunk's exchanges first, then each chunk's experts and at once its way back
+    sent = [dispatch(hidden[a:b], top_k_index[a:b], top_k_weights[a:b], shard, slots) for a, b in bounds]
+    outs, overflow = [], None
+    for chunk in sent:
+        partials = local_experts(chunk.rows, chunk.local_ids, chunk.weights, experts, per_chunk, use_kernels)
+        outs.append(combine(partials.rows, chunk.plan, shard))
+        overflow = partials.overflow if overflow is None else overflow + partials.overflow
+    return torch.cat(outs).to(hidden.dtype), overflow
+
+
+def token_chunks(n_tokens: int, max_tokens: int, chunks: int) -> tuple[list[tuple[int, int]], int]:
+    """``([(start, end)] * chunks, slots)``: ``n_tokens`` split into ``chunks`` consecutive ranges
+    of at most ``slots = ceil(max_tokens / chunks)`` tokens each, the same ``slots`` on every rank
+    (``max_tokens`` is), so that the ranks' exchanges of chunk ``i`` match whatever each routes;
+    a rank routing fewer than ``max_tokens`` may have short or empty last chunks."""
+    if chunks < 1:
+        raise ValueError(f"expert parallel: {chunks} token chunks; at least 1")
+    if n_tokens > max_tokens:
+        raise ValueError(f"{n_tokens} tokens routed here, more than the {max_tokens} the exchanges are sized for")
+    slots = max(1, -(-max_tokens // chunks))
+    return [(min(i * slots, n_tokens), min((i + 1) * slots, n_tokens)) for i in range(chunks)], slots
 
 
 class ExpertCapacityError(HoneError):

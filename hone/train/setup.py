@@ -81,9 +81,7 @@ def set_up(
     output_dir.mkdir(parents=True, exist_ok=True)
     has_eval = eval_data is not None and len(eval_data) > 0
     scaler = loss_scaler(cfg, device)
-    batches = micro_batches(
-        train_data, packing_for(train_data, cfg, "train"), pad_id, t.objective, share_prompt=hooks.layout.shares_prompt
-    )
+    batches = _train_batches(train_data, cfg, pad_id, hooks)
     eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     replica, replicas = world.data_parallel(cfg.distributed.context_parallel)  # context parallel groups share batches
     plan = plan_steps(batches.units, t, replicas)
@@ -160,6 +158,13 @@ def set_up(
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
     )
+
+
+def _train_batches(train_data, cfg: HoneConfig, pad_id: int, hooks: RunHooks):
+    """The training split's micro-batch builder: packed where ``data.sample_packing`` packs, pairs
+    with their prompts shared where the plan's attention layout takes them."""
+    packing = packing_for(train_data, cfg, "train")
+    return micro_batches(train_data, packing, pad_id, cfg.training.objective, share_prompt=hooks.layout.shares_prompt)
 
 
 def _precomputed_reference(cfg, model, module, hooks, batches, eval_data, pad_id, device, world, resumed):

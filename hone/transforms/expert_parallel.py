@@ -193,6 +193,12 @@ def _capacity(ctx: PlanContext) -> int | None:
     return expert_capacity(_max_tokens(ctx), facts.top_k, _size(ctx), factor, facts.experts // _size(ctx))
 
 
+def _chunks(ctx: PlanContext) -> int:
+    """The token chunks each layer's exchanges run in (``expert_parallel_chunks``; ``auto``: 1)."""
+    chunks = ctx.cfg.distributed.expert_parallel_chunks
+    return 1 if chunks == "auto" else chunks
+
+
 def _groups(ctx: PlanContext) -> ExpertGroups:
     """This rank's groups: every rank of the job where ``N`` is the world size (the default
     group), else its ``N`` consecutive ranks and its block's replicas (created once)."""
@@ -204,9 +210,10 @@ def _groups(ctx: PlanContext) -> ExpertGroups:
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     groups, capacity, max_tokens = _groups(ctx), _capacity(ctx), _max_tokens(ctx)
-    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups)
+    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups, _chunks(ctx))
     rule = "worst case: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
     details = {"ranks": groups.size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
+    details["chunks"] = _chunks(ctx)
     if groups.replica_count > 1:
         details["replicas"] = f"{groups.replica_count} (expert gradients summed over them once per step)"
     return details
@@ -243,7 +250,7 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups)
+            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups, _chunks(ctx))
         return None  # split in place: the module stays
 
     return keep_block

@@ -11,7 +11,18 @@ refuses the step together. The cases live in expert_parallel_cases.py (the 2-GPU
 
 import pytest
 import torch
-from expert_parallel_cases import CASES, SMALL_CAPACITY, TOKENS, TOP_K, WORLD, compare, make_case, rank_results, reference
+from expert_parallel_cases import (
+    CASES,
+    CHUNKED,
+    SMALL_CAPACITY,
+    TOKENS,
+    TOP_K,
+    WORLD,
+    compare,
+    make_case,
+    rank_results,
+    reference,
+)
 from fsdp_harness import save, spawn
 
 from hone.kernels.moe_lora_reference import GPT_OSS
@@ -31,6 +42,14 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_rank_gets_the_reference_output_and_gradients(ranks, name):
     assert compare(ranks, name, tolerance=1e-5) == []
+
+
+@pytest.mark.parametrize("chunks", list(CHUNKED))
+@pytest.mark.parametrize("name", list(CASES))
+def test_tokens_exchanged_in_chunks_give_the_same_outputs_and_gradients(ranks, name, chunks):
+    """Every chunk's exchanges first, then each chunk's experts and combine: the same function
+    (three uneven chunks; four of which two are empty where the exchanges are sized for more tokens)."""
+    assert compare(ranks, f"{name}/{chunks}", tolerance=1e-5) == []
 
 
 def test_skewed_routing_leaves_rank_0_idle_and_empty_experts(ranks):

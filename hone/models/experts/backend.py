@@ -42,6 +42,8 @@ EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
 #: The pair rows a rank's experts hold per layer, set by ``distributed.expert_capacity_factor`` (an
 #: int, computed once: no float reaches a compiled forward); None: the worst case, no overflow.
 EXPERT_CAPACITY_ATTR = "hone_expert_capacity"
+#: The consecutive token chunks its exchanges run in (``distributed.expert_parallel_chunks``; 1: one).
+EXPERT_CHUNKS_ATTR = "hone_expert_chunks"
 #: With a capacity factor: the module's buffer counting the pairs over capacity on the device,
 #: summed over its forwards until the run reads and clears it (once per micro-batch).
 EXPERT_OVERFLOW_BUFFER = "hone_expert_overflow"
@@ -220,6 +222,7 @@ def expert_parallel_forward(
         down_scaling=lora_scaling.get("down_proj", 1.0),
         capacity=capacity,
         max_tokens=max_tokens,
+        chunks=getattr(module, EXPERT_CHUNKS_ATTR, 1),
     )
     if capacity is not None:
         getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)
