@@ -1,0 +1,72 @@
+"""Shared-prompt DPO on CUDA through the plan: ``share_prompt: auto`` takes flex attention with
+the tree block mask in compiled layers (its backward exists on the GPU only) and trains as the
+unshared pairs do (the varlen kernel in bf16, sdpa's mask in fp32). Skipped without a GPU."""
+
+import random
+
+import pytest
+import torch
+from rich.console import Console
+
+from hone.testing import tiny_config, tiny_llama, with_random_lora
+from hone.track.metrics import read_metrics
+from hone.train.loop import train_loop
+from hone.transforms.base import RunFacts
+from hone.transforms.planner import plan_optimizations
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda")
+
+
+def _pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """Pairs long enough for flex attention's full kernels (rows of 300-500 tokens)."""
+    gen = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [gen.randrange(1, 97) for _ in range(gen.randint(low, high))]
+
+    return [{"prompt_ids": ids(100, 200), "chosen_ids": ids(60, 140), "rejected_ids": ids(60, 140)} for _ in range(n)]
+
+
+def _run(tmp_path, share: bool, dtype: str, pairs, seed: int):
+    cfg = tiny_config(
+        tmp_path / f"{dtype}-{share}",
+        model={"preset": "tiny-llama", "dtype": dtype},
+        data={"datasets": [{"path": "unused.jsonl", "type": "preference"}], "sequence_len": 384},
+        adapter={"type": "lora", "lora_r": 4},
+        training={"micro_batch_size": 2, "max_steps": 3, "objective": "dpo", "preference": {"beta": 0.5, "share_prompt": share}},
+        optimizer={"learning_rate": 1e-2, "adam_epsilon": 1e-3},
+        performance={"torch_compile": True},
+    )
+    facts = RunFacts(CUDA, shape_note="pairs", lengths_vary=True)
+    plan = plan_optimizations(cfg, facts)
+    torch.manual_seed(seed)
+    base = tiny_llama(seed).to(CUDA)
+    base.config._attn_implementation = "sdpa"
+    plan.apply(base, "base", cfg, facts)
+    model = with_random_lora(base, seed + 2).to(CUDA)
+    plan.apply(model, "adapted", cfg, facts)
+    hooks = plan.hooks(model, cfg, facts)
+    assert hooks.layout.shares_prompt is share
+    if share:
+        assert hooks.layout.kind == "block_mask" and model.config._attn_implementation == "flex_attention"
+    autocast = torch.bfloat16 if dtype == "bfloat16" else None
+    train_loop(model, pairs, None, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), hooks=hooks, autocast_dtype=autocast)
+    rows = [r for r in read_metrics(cfg.training.output_dir / "metrics.jsonl") if "loss" in r]
+    return rows, {n: p.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dtype,rel", [("float32", 1e-3), ("bfloat16", 3e-2)])
+def test_shared_prompts_train_through_compiled_flex_as_the_unshared_pairs(tmp_path, dtype, rel):
+    seed = random.randrange(10_000)
+    pairs = _pairs(6, seed)
+    torch._dynamo.reset()
+    plain, plain_weights = _run(tmp_path, False, dtype, pairs, seed)
+    torch._dynamo.reset()
+    shared, weights = _run(tmp_path, True, dtype, pairs, seed)
+    for a, b in zip(plain, shared, strict=True):
+        for name in ("loss", "logps/chosen", "logps/rejected"):
+            assert b[name] == pytest.approx(a[name], rel=rel, abs=rel), (name, seed)
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=rel, atol=rel * 0.1)
