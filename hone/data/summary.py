@@ -84,6 +84,15 @@ def _pair_table(stats: DataStats) -> list[str]:
             f"{split.chosen_tokens / count:>13.1f}{split.max_chosen:>7}"
             f"{split.rejected_tokens / count:>15.1f}{split.max_rejected:>7}"
         )
+    train = stats.train
+    if train.rows:
+        # training.preference.share_prompt: the prompt once (and its last token again in the second branch)
+        shared = (train.prompt_tokens + train.chosen_tokens + train.rejected_tokens + train.rows) / train.rows
+        twice = (2 * train.prompt_tokens + train.chosen_tokens + train.rejected_tokens) / train.rows
+        rows.append(
+            f"  a train pair is {shared:.1f} tokens with its prompt shared (training.preference.share_prompt), "
+            f"{twice:.1f} with the prompt in both sequences ({1 - shared / twice:.0%} fewer)"
+        )
     return rows
 
 

@@ -197,6 +197,7 @@ def test_preprocess_shows_pair_counts_and_lengths(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "data: 40 train pairs, no eval split" in out
     assert "prompt mean" in out and "chosen mean" in out and "rejected mean" in out
+    assert "tokens with its prompt shared (training.preference.share_prompt)" in out and "fewer)" in out
     assert "--- pair 0: prompt" in out and "  chosen (" in out and "  rejected (" in out
 
 
