@@ -146,7 +146,11 @@ def expert_capacity(
         return worst
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor {capacity_factor!r} must be a positive number (or None: no overflow)")
-    rows = min(math.ceil(capacity_factor * num_tokens * top_k), worst)
+    return _whole_blocks(min(math.ceil(capacity_factor * num_tokens * top_k), worst))
+
+
+def _whole_blocks(rows: int) -> int:
+    """``rows`` rounded up to a multiple of :data:`CAPACITY_MULTIPLE`."""
     return -(-rows // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
@@ -529,10 +533,7 @@ def expert_parallel_experts(
         partials = local_experts(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
         return combine(partials.rows, sent.plan, shard).to(hidden.dtype), partials.overflow
     bounds, slots = token_chunks(n_tokens, max_tokens or n_tokens, chunks)
-    per_chunk = None
-    if capacity is not None:  # an even share, rounded up to whole blocks of rows
-        share = -(-capacity // chunks)
-        per_chunk = -(-share // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    per_chunk = None if capacity is None else _whole_blocks(-(-capacity // chunks))  # an even share
     # every chunk's exchanges first, then each chunk's experts and at once its way back
     sent = [dispatch(hidden[a:b], top_k_index[a:b], top_k_weights[a:b], shard, slots) for a, b in bounds]
     outs, overflow = [], None

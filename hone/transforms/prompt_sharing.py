@@ -11,7 +11,7 @@ only the blocks the tree keeps, where sdpa's masked kernel computes every block)
 sdpa with the dense mask (flex attention uncompiled materialises the scores).
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from hone.config.root import HoneConfig
 from hone.models.attention.setup import causal_blockers
@@ -25,20 +25,20 @@ PromptKernel = Literal["flex", "mask"]
 SHARING_BACKENDS = ("sdpa", "flex_attention")
 
 
-def _model_blockers(cfg: HoneConfig) -> list[str]:
-    """What in the model's own attention a tree mask cannot serve (empty where its config cannot
-    be read here: the loader says why)."""
+def _model_config(cfg: HoneConfig) -> Any:
+    """The model's transformers config, read once per decision (None where it cannot be read
+    here: the loader says why; a plan line never fails on it)."""
     from hone.transforms.memory.facts import transformers_config
 
     try:
-        config = transformers_config(cfg.model)
-    except Exception:  # noqa: BLE001 -- a plan line never fails on an unreadable model config
-        return []
-    return [f"the model has {what}" for what in causal_blockers(config)]
+        return transformers_config(cfg.model)
+    except Exception:  # noqa: BLE001
+        return None
 
 
-def sharing_blockers(cfg: HoneConfig) -> list[str]:
-    """Why this run's pairs cannot share their prompt (empty: they can)."""
+def sharing_blockers(cfg: HoneConfig, config: Any = None) -> list[str]:
+    """Why this run's pairs cannot share their prompt (empty: they can); ``config``: the model's
+    transformers config (:func:`_model_config`), whose own attention a tree mask may not serve."""
     blockers = []
     name = cfg.model.attn_implementation
     if name not in SHARING_BACKENDS:
@@ -47,7 +47,7 @@ def sharing_blockers(cfg: HoneConfig) -> list[str]:
         )
     if cfg.model.sdpa_varlen is True:
         blockers.append("model.sdpa_varlen: true asks for document boundaries, which cannot say a tree")
-    return blockers + _model_blockers(cfg)
+    return blockers + ([f"the model has {what}" for what in causal_blockers(config)] if config is not None else [])
 
 
 def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tuple[bool, PromptKernel | None, str]:
@@ -60,23 +60,15 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
         return False, None, f"training.objective: {t.objective} trains no pairs"
     if t.preference.share_prompt is False:
         return False, None, f"{key}: false: the prompt computed with each completion"
-    blockers = sharing_blockers(cfg)
+    config = _model_config(cfg)
+    blockers = sharing_blockers(cfg, config)
     if blockers:
         return False, None, f"{key}: {str(t.preference.share_prompt).lower()}: off, " + "; ".join(blockers)
-    dropout = cfg.model.attn_implementation == "sdpa" and _attention_dropout(cfg)
+    # flex attention has no dropout: a model that drops attention probabilities keeps sdpa
+    dropout = cfg.model.attn_implementation == "sdpa" and bool(getattr(config, "attention_dropout", 0.0))
     if cfg.model.attn_implementation == "flex_attention" or (facts.device.type == "cuda" and compiles and not dropout):
         return True, "flex", f"{key}: each prompt once, flex attention with a tree block mask (compiled)"
     return True, "mask", f"{key}: each prompt once, sdpa with a tree mask"
-
-
-def _attention_dropout(cfg: HoneConfig) -> bool:
-    """Whether the model drops attention probabilities (flex attention has no dropout)."""
-    from hone.transforms.memory.facts import transformers_config
-
-    try:
-        return bool(getattr(transformers_config(cfg.model), "attention_dropout", 0.0))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def sharing_problems(cfg: HoneConfig) -> list[str]:
@@ -86,5 +78,5 @@ def sharing_problems(cfg: HoneConfig) -> list[str]:
     return [
         f"training.preference.share_prompt: true, but {why}: set share_prompt: auto (the prompt then goes with each "
         "completion), or change what is named"
-        for why in sharing_blockers(cfg)
+        for why in sharing_blockers(cfg, _model_config(cfg))
     ]

@@ -22,6 +22,8 @@ from hone.models.attention.packed_mask import (
 from hone.models.attention.wrapped import inner_implementation
 
 Kind = Literal["boundaries", "block_mask", "dense_mask", "transformers"]
+#: The layouts whose masks hone builds, the only ones that can keep a shared prompt's branches apart.
+OWN_MASKS = ("block_mask", "dense_mask")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class AttentionLayout:
     (:mod:`hone.data.pairs`), which only hone's masks express."""
 
     def __post_init__(self) -> None:
-        if self.shares_prompt and self.kind not in ("block_mask", "dense_mask"):
+        if self.shares_prompt and self.kind not in OWN_MASKS:
             raise ValueError(f"shared-prompt pairs need hone's mask (sdpa or flex attention), not the {self.kind} layout")
 
     def packed_inputs(
@@ -43,7 +45,7 @@ class AttentionLayout:
     ) -> dict[str, Any]:
         """The extra forward kwargs of a packed micro-batch under this layout (``branches``: a
         shared-prompt batch's, which the masks keep apart)."""
-        if branches is not None and self.kind not in ("block_mask", "dense_mask"):
+        if branches is not None and self.kind not in OWN_MASKS:
             raise ValueError(
                 f"a shared-prompt micro-batch reached the {self.kind} attention layout, which cannot isolate its branches"
             )
