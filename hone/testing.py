@@ -146,14 +146,18 @@ def sdpa_llama(tokenizer, adapter: str, *, seed: int, layers: int, hidden: int, 
 VOCAB = 97
 
 
-def tiny_llama(seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freeze_embeddings: bool = True) -> PreTrainedModel:
+def tiny_llama(
+    seed: int = 0, *, vocab: int = VOCAB, dropout: float = 0.0, freeze_embeddings: bool = True, head_dim: int = 8
+) -> PreTrainedModel:
     """A 2-layer float32 Llama with random weights drawn from ``seed``.
 
     ``freeze_embeddings`` leaves the input embedding frozen, so the trainable set is a strict
     subset of the weights (as with adapters) and checkpoints must restore only that subset.
     """
     # the tiny-llama preset, narrower still: loop tests build hundreds of these
-    overrides = dict(hidden_size=32, intermediate_size=64, head_dim=8, max_position_embeddings=128, attention_dropout=dropout)
+    overrides = dict(
+        hidden_size=32, intermediate_size=64, head_dim=head_dim, max_position_embeddings=128, attention_dropout=dropout
+    )
     config = build_preset_config("tiny-llama", overrides, vocab)
     config.pad_token_id = 0
     model = _seeded_model(config, seed)

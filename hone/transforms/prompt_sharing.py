@@ -24,6 +24,21 @@ PromptKernel = Literal["flex", "mask"]
 #: The backends a shared-prompt row can run through (both take hone's mask).
 SHARING_BACKENDS = ("sdpa", "flex_attention")
 
+#: Inductor's flex attention kernels refuse heads narrower than this ("embedding dimension of
+#: the query, key, and value must be at least 16"); such a model keeps sdpa's dense tree mask.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def _head_dim(config: Any) -> int | None:
+    """The width of one attention head (None where the config cannot say)."""
+    if config is None:
+        return None
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    heads = getattr(config, "num_attention_heads", None)
+    return int(config.hidden_size) // int(heads) if heads and getattr(config, "hidden_size", None) else None
+
 
 def _model_config(cfg: HoneConfig) -> Any:
     """The model's transformers config, read once per decision (None where it cannot be read
@@ -66,8 +81,14 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
         return False, None, f"{key}: {str(t.preference.share_prompt).lower()}: off, " + "; ".join(blockers)
     # flex attention has no dropout: a model that drops attention probabilities keeps sdpa
     dropout = cfg.model.attn_implementation == "sdpa" and bool(getattr(config, "attention_dropout", 0.0))
-    if cfg.model.attn_implementation == "flex_attention" or (facts.device.type == "cuda" and compiles and not dropout):
+    head_dim = _head_dim(config)
+    narrow = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+    compiled_gpu = facts.device.type == "cuda" and compiles
+    if cfg.model.attn_implementation == "flex_attention" or (compiled_gpu and not dropout and not narrow):
         return True, "flex", f"{key}: each prompt once, flex attention with a tree block mask (compiled)"
+    if narrow and compiled_gpu:
+        narrow_why = f"heads of {head_dim} < {FLEX_MIN_HEAD_DIM}, too narrow for compiled flex attention"
+        return True, "mask", f"{key}: each prompt once, sdpa with a tree mask ({narrow_why})"
     return True, "mask", f"{key}: each prompt once, sdpa with a tree mask"
 
 

@@ -22,7 +22,7 @@ from hone.runtime.step import forward_hidden
 from hone.testing import VOCAB, plan_hooks, tiny_config, tiny_llama, tiny_model, tiny_tokenizer, with_random_lora
 from hone.train.loop import train_loop
 from hone.transforms.base import RunFacts
-from hone.transforms.prompt_sharing import share_prompt_choice, sharing_problems
+from hone.transforms.prompt_sharing import FLEX_MIN_HEAD_DIM, share_prompt_choice, sharing_problems
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 
@@ -184,6 +184,14 @@ def test_auto_shares_through_flex_on_a_compiling_gpu_and_sdpa_s_mask_elsewhere()
     off, kernel, why = share_prompt_choice(_cfg(training={"preference": {"share_prompt": False}}), GPU, compiles=True)
     assert (off, kernel) == (False, None) and "share_prompt: false" in why
     assert share_prompt_choice(tiny_config(Path("unused")), GPU, compiles=True)[:2] == (False, None)  # sft: no pairs
+
+
+def test_heads_too_narrow_for_compiled_flex_keep_sdpa_s_mask_on_the_gpu():
+    narrow = _cfg(model={"attn_implementation": "sdpa", "preset_overrides": {"head_dim": FLEX_MIN_HEAD_DIM // 2}})
+    shares, kernel, why = share_prompt_choice(narrow, GPU, compiles=True)
+    assert (shares, kernel) == (True, "mask") and f"heads of {FLEX_MIN_HEAD_DIM // 2}" in why
+    wide = _cfg(model={"attn_implementation": "sdpa", "preset_overrides": {"head_dim": FLEX_MIN_HEAD_DIM}})
+    assert share_prompt_choice(wide, GPU, compiles=True)[:2] == (True, "flex")
 
 
 @pytest.mark.parametrize(
