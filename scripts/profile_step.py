@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py --preset qwen3-8b --seq 2048 --set performance.torch_compile=true \
         --out profile.md [--trace trace.json]
+    python scripts/profile_step.py --preset qwen3-8b --pairs 512,768 --out dpo.md   # a DPO step on pairs
 
 Runs ``run_training`` (the code path of ``hone train``) on random tokens, records steps
 ``warmup+1 .. warmup+active`` with ``torch.profiler`` and writes a markdown table: kernels
@@ -29,6 +30,20 @@ ATTENTION = re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)
 GEMM = re.compile(r"gemm|cutlass|sm90_xmma|nvjet|wgmma|_mm_|matmul|cublas", re.I)
 
 
+def _pair_workload(pairs: str | None) -> dict:
+    """The workload keys of ``--pairs PROMPT,COMPLETION`` (DPO; each sequence prompt + completion)."""
+    if not pairs:
+        return {}
+    prompt, completion = (int(n) for n in pairs.split(","))
+    return {
+        "data": "pairs",
+        "prompt_len": prompt,
+        "completion_len": completion,
+        "objective": "dpo",
+        "sequence_len": prompt + completion,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen3-8b")
@@ -38,7 +53,14 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--full", action="store_true", help="a full fine-tune (no adapter; --targets is unused)")
+    p.add_argument(
+        "--pairs",
+        default=None,
+        metavar="PROMPT,COMPLETION",
+        help="profile DPO on preference pairs of these token lengths (as the bench's `data: pairs`; --seq is unused)",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself on a tiny preset")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--active", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("profile.md"))
@@ -50,8 +72,9 @@ def main() -> None:
     p.add_argument("--stacks", action="store_true", help="record Python stacks too (slows the host: for where, not how much)")
     args = p.parse_args()
 
+    from hone.bench.pairs import write_pairs
     from hone.bench.spec import parse_spec
-    from hone.bench.worker import _hone_config, _write_random_dataset, model_config_and_size, random_batches
+    from hone.bench.worker import _hone_config, _write_random_dataset, model_config_and_size, random_batches, workload_tokenizer
     from hone.train.run import run_training
 
     spec = parse_spec(
@@ -61,6 +84,7 @@ def main() -> None:
                 "preset": args.preset,
                 **({"layers": args.layers} if args.layers else {}),
                 "sequence_len": args.seq,
+                **_pair_workload(args.pairs),
                 "micro_batch_size": args.mbs,
                 "gradient_accumulation_steps": args.accum,
                 "adapter": {"type": "none"}
@@ -80,19 +104,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = work / "random.jsonl"
-        _write_random_dataset(
-            data,
-            random_batches(
-                spec.workload, steps * args.accum * int(os.environ.get("WORLD_SIZE", "1")), id_limit, 0, torch.device("cpu")
-            ),
-        )
+        count = steps * args.accum * int(os.environ.get("WORLD_SIZE", "1"))
+        if args.pairs:
+            write_pairs(data, spec.workload, workload_tokenizer(spec.workload), count * spec.workload.pairs_per_step, 0)
+        else:
+            _write_random_dataset(data, random_batches(spec.workload, count, id_limit, 0, torch.device("cpu")))
         cfg = _hone_config(spec, cond, work, data)
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
             schedule=sched,
             with_stack=args.stacks,
         ) as prof:
-            run_training(cfg, device=torch.device("cuda"), step_callback=lambda m: prof.step())
+            run_training(cfg, device=torch.device(args.device), step_callback=lambda m: prof.step())
     rank = int(os.environ.get("RANK", "0"))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
@@ -126,13 +149,15 @@ def main() -> None:
             sync_callers[f"{evt.name} <- {' <- '.join(chain) or '?'}"] += 1
         elif evt.device_type != torch.autograd.DeviceType.CUDA and evt.name == "cudaMemcpyAsync":
             syncs["cudaMemcpyAsync (any direction)"] += 1
-    total = sum(v[0] for v in by_name.values())
+    total = sum(v[0] for v in by_name.values()) or 1.0  # a CPU dry run records no device time
+    shape = f"DPO pairs {args.pairs}" if args.pairs else f"seq {args.seq}"
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     attn = sum(v[0] for k, v in by_name.items() if ATTENTION.search(k))
     gemm = sum(v[0] for k, v in by_name.items() if GEMM.search(k) and not ATTENTION.search(k))
     lines = [
-        f"# profile: {args.preset} seq {args.seq} mbs {args.mbs}, {' '.join(args.overrides) or 'defaults'}",
+        f"# profile: {args.preset} {shape} mbs {args.mbs}, {' '.join(args.overrides) or 'defaults'}",
         "",
-        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.active} steps profiled; "
+        f"device {device_name}, torch {torch.__version__}; {args.active} steps profiled; "
         f"device time per step {total / args.active / 1000:.1f} ms",
         "",
         f"GEMM {100 * gemm / total:.1f}% | attention {100 * attn / total:.1f}% | "
