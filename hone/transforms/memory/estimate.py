@@ -21,7 +21,7 @@ from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED, SELECTIVE
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs
-from hone.transforms.memory.layers import outside_layers_bytes, step_layer_bytes
+from hone.transforms.memory.layers import outside_layers_bytes, per_layer, step_layer_bytes
 from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.checkpointing import Kept, kept_by_policy
 from hone.transforms.memory.terms.expert_parallel import (
@@ -134,11 +134,13 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     step = resolve_step(cfg, knobs, m)
     # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
     ep, factor = expert_parallel_size(cfg), expert_capacity_factor(cfg)
-    full = [
-        step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
-        + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
-        for layer in m.layers
-    ]
+    full = per_layer(
+        m,
+        lambda layer: (
+            step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
+            + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
+        ),
+    )
     kept = kept_by_policy(m, step, full)
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute

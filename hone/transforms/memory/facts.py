@@ -6,7 +6,7 @@ numbers are those of the run. Their dtypes follow :func:`hone.models.precision.p
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from hone.config.root import HoneConfig
@@ -98,6 +98,13 @@ class ModelFacts:
     mxfp4_weights: int = 0
     """Expert weights held in MXFP4 (an MXFP4 checkpoint, or ``model.quantize: mxfp4``), counted at
     :data:`~hone.models.experts.mxfp4.MXFP4_BYTES_PER_WEIGHT` instead of ``model.dtype``'s bytes."""
+
+    @cached_property
+    def distinct_layers(self) -> tuple[LayerFacts, ...]:
+        """The layers without repeats, in order (most models repeat one layer throughout): a term
+        that is equal for equal layers is computed once for each. The longest-sequence searches
+        estimate thousands of steps; computing every layer's bytes anew was most of `hone plan`."""
+        return tuple(dict.fromkeys(self.layers))
 
 
 def _elem_bytes(dtype: Any) -> int:

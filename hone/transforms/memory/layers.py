@@ -12,7 +12,9 @@ inputs in the compute dtype, one copy of a shared LoRA input, the activation rec
 separately, checked against ``aot_eager_decomp_partition``.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hone.transforms.memory.facts import LayerFacts, LinearFacts, ModelFacts
 from hone.transforms.memory.step import Step
@@ -170,6 +172,15 @@ def selective_bytes(layer: LayerFacts, m: ModelFacts, tiled: bool = False) -> La
     elif layer.moe:
         per_token += c * m.top_k * (2 * m.expert_intermediate + m.hidden) + 4 * m.experts
     return LayerBytes(per_token)
+
+
+T = TypeVar("T")
+
+
+def per_layer(m: ModelFacts, value: Callable[[LayerFacts], T]) -> list[T]:
+    """``value`` of every layer of ``m``, in order, computed once for each distinct layer."""
+    values = {layer: value(layer) for layer in m.distinct_layers}
+    return [values[layer] for layer in m.layers]
 
 
 def step_layer_bytes(step: Step, layer: LayerFacts, m: ModelFacts) -> LayerBytes:

@@ -11,7 +11,7 @@ keeping the others on the GPU; two are on the GPU while the backward walks the o
 from dataclasses import dataclass
 
 from hone.transforms.memory.facts import ModelFacts
-from hone.transforms.memory.layers import selective_bytes
+from hone.transforms.memory.layers import per_layer, selective_bytes
 from hone.transforms.memory.step import Step
 from hone.transforms.memory.terms.layer_runs import kept_in_runs
 from hone.transforms.memory.terms.offload import offload_split
@@ -66,7 +66,7 @@ def _selective(m: ModelFacts, step: Step, full: list[int]) -> Kept:
         forced = step.input_bytes + step.exchanged_per_token * step.tokens
         each = tuple(forced + int(budget * max(f - forced, 0)) for f in full)
         return Kept(each, int((1 - budget) * max(full)))
-    each = tuple(selective_bytes(layer, m, step.tiled).at(step.tokens, step.sequence_len) for layer in m.layers)
+    each = tuple(per_layer(m, lambda layer: selective_bytes(layer, m, step.tiled).at(step.tokens, step.sequence_len)))
     return Kept(each, max(full))
 
 

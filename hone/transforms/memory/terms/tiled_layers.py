@@ -46,5 +46,5 @@ def rebuilt_chunk_bytes(m: ModelFacts, step: Step) -> int:
     """The term (replaces the policy's recompute when the layers are tiled): the layer rebuilt in
     the backward holds one chunk's activations and the whole sequence's key/value state
     (:func:`tiled_layer_state_bytes`)."""
-    chunk = max(step_layer_bytes(step, layer, m).at(step.piece, step.sequence_len) for layer in m.layers)
+    chunk = max(step_layer_bytes(step, layer, m).at(step.piece, step.sequence_len) for layer in m.distinct_layers)
     return chunk + tiled_layer_state_bytes(m, step.tokens)

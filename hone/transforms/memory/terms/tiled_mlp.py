@@ -58,5 +58,5 @@ def mlp_backward_transient(m: ModelFacts, step: Step) -> int:
     of its intermediate activation (:func:`~hone.transforms.memory.layers.mlp_backward_bytes_per_token`)."""
     if step.tiled:
         kwargs = {"compiled": step.compiled, "attention": step.attention, "device": step.device}
-        return max(tiled_mlp_transient(layer, m, step.piece, step.shards, **kwargs) for layer in m.layers)
-    return max(mlp_backward_bytes_per_token(layer, m) for layer in m.layers) * step.piece
+        return max(tiled_mlp_transient(layer, m, step.piece, step.shards, **kwargs) for layer in m.distinct_layers)
+    return max(mlp_backward_bytes_per_token(layer, m) for layer in m.distinct_layers) * step.piece
