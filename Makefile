@@ -2,7 +2,7 @@
 VENV ?= .venv
 HONE := $(VENV)/bin/hone
 
-.PHONY: install install-dev install-test quickstart test test-kernels test-gpu lint format clean
+.PHONY: install install-dev install-test quickstart test test-all test-kernels test-gpu lint format clean
 
 install:
 	VENV=$(VENV) scripts/install.sh
@@ -23,12 +23,17 @@ quickstart: install
 ## The test suite (CPU; GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist;
 ## each test file in one of them), with the Triton kernels in Triton's interpreter: on a machine
 ## without an NVIDIA GPU the install adds $(TRITON_SPEC) (a CPU torch brings none). Tests marked
-## `long` (minutes of training under the interpreter) are left out: `make test-kernels` runs them.
+## `long` (minutes on two cores: training under the interpreter, multi-process runs that another test
+## covers in part) are left out, to keep CI under 20 minutes: `make test-all` runs them too.
 ## pytest's exit 5 (no tests) fails too.
 TEST_WORKERS ?= 2
 TRITON_SPEC ?= triton==3.7.1
 test: install-test
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long"
+
+## Every CPU test, the `long` ones included.
+test-all: install-test
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 ## The Triton kernels alone in Triton's interpreter on the CPU, the `long` cases included.
 test-kernels: install-test

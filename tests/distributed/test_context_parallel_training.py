@@ -136,7 +136,7 @@ COMPOSED = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~90 s on 2 cores; tests/distributed/test_context_parallel_compile.py compiles the split attention in CI
 def test_context_parallelism_composes_with_regional_compile_and_checkpointing(tmp_path):
     kind = dict(packed=True, adapter="lora", **COMPOSED)
     hone_train_forked(_config(tmp_path, "one", context_parallel=1, **kind), processes=1)

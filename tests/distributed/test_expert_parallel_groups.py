@@ -165,7 +165,7 @@ def test_a_full_fine_tune_over_2_of_4_ranks_equals_one_process_and_resumes(full_
     _assert_resumes(full_runs, FULL_CASE, tmp_path / "resume")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 4 compiling ranks on 2 cores, ~100 s; compiled expert parallelism over 2 ranks runs in CI
 def test_lora_over_2_of_4_ranks_composes_with_regional_compile_and_checkpointing(composed_runs, tmp_path):
     _assert_one_process_run(composed_runs, COMPOSED_CASE, tmp_path)
 

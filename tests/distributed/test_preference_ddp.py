@@ -150,7 +150,7 @@ def _killed_config(tmp_path: Path, name: str) -> Path:
     return path
 
 
-@pytest.mark.slow  # two torchrun launches (~35 s on 2 cores); tests/integration/test_preference_run.py resumes a crash in-process
+@pytest.mark.long  # two torchrun launches (~70 s on 2 cores); tests/integration/test_preference_run.py resumes a crash in-process
 def test_a_killed_two_process_dpo_run_resumes_to_the_uninterrupted_losses(tmp_path):
     """``hone train --nproc-per-node 2`` of DPO, SIGKILLed once a checkpoint is complete, resumed
     with ``training.resume: latest`` (tests/distributed/killed_run.py, as for SFT)."""

@@ -123,7 +123,7 @@ def test_two_pairs_in_one_micro_batch_train_as_two_micro_batches_of_one(tmp_path
         torch.testing.assert_close(weights_1x2[name], weight, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("checkpointing", ["full", pytest.param("selective", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("checkpointing", ["full", pytest.param("selective", marks=pytest.mark.long)])
 def test_dpo_with_regional_compile_and_checkpointing_trains_as_the_plain_run(tmp_path, checkpointing):
     """The reference pass switches the adapter off inside compiled, checkpointed layers: the
     compiled run (aot_eager on the CPU) recompiles for the switch and trains as the plain one."""
