@@ -84,6 +84,8 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
     head_dim = _head_dim(config)
     narrow = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     compiled_gpu = facts.device.type == "cuda" and compiles
+    if cfg.model.attn_implementation == "sdpa" and cfg.model.sdpa_varlen is False:
+        return True, "mask", f"{key}: each prompt once, sdpa with a tree mask (model.sdpa_varlen: false: always the mask)"
     if cfg.model.attn_implementation == "flex_attention" or (compiled_gpu and not dropout and not narrow):
         return True, "flex", f"{key}: each prompt once, flex attention with a tree block mask (compiled)"
     if narrow and compiled_gpu:

@@ -186,6 +186,13 @@ def test_auto_shares_through_flex_on_a_compiling_gpu_and_sdpa_s_mask_elsewhere()
     assert share_prompt_choice(tiny_config(Path("unused")), GPU, compiles=True)[:2] == (False, None)  # sft: no pairs
 
 
+def test_sdpa_varlen_false_keeps_sdpa_s_tree_mask_on_a_compiling_gpu():
+    shares, kernel, why = share_prompt_choice(
+        _cfg(model={"attn_implementation": "sdpa", "sdpa_varlen": False}), GPU, compiles=True
+    )
+    assert (shares, kernel) == (True, "mask") and "model.sdpa_varlen: false" in why
+
+
 def test_heads_too_narrow_for_compiled_flex_keep_sdpa_s_mask_on_the_gpu():
     narrow = _cfg(model={"attn_implementation": "sdpa", "preset_overrides": {"head_dim": FLEX_MIN_HEAD_DIM // 2}})
     shares, kernel, why = share_prompt_choice(narrow, GPU, compiles=True)
