@@ -19,7 +19,9 @@ routed experts run in three steps, none of which waits on the host:
    (token, choice) pairs are sorted by local expert, non-local choices last, and hone's grouped
    kernels (:func:`hone.kernels.moe_lora.moe_lora_linear`) run the first ``R`` of them with
    ``ends`` covering the real experts only: the sentinel pairs are skipped, not computed and
-   masked. Each received token's local pairs are then weighted and summed in float32 into one
+   masked; the gated activation between them reads and writes the real pairs' rows only
+   (:func:`~hone.kernels.gated_rows.gated_rows`, the count on the device). Each received
+   token's local pairs are then weighted and summed in float32 into one
    row (a *partial* output), rounded to the hidden dtype for the way back. Where the kernels
    cannot run (a CPU) the plain-PyTorch reference computes the same function.
 3. **Combine** (:func:`combine`): the reverse all-to-all brings each partial row back to the
@@ -59,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from hone.errors import HoneError
+from hone.kernels.gated_rows import gated_rows
 from hone.kernels.moe_lora import gather_rows_sum, moe_lora_linear, moe_triton_available, route, with_zero_row
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, expert_projection, gated_activation
 from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
@@ -442,7 +445,8 @@ def _local_experts_grouped(
     gate_up = _grouped_linear(
         padded, token, ends, experts.gate_up, layout, experts.gate_up_bias, experts.gate_up_lora, experts.scaling, readers
     )
-    h = gated_activation(gate_up, layout)
+    # the activation of the real pairs only: the capacity's other rows are never read
+    h = gated_rows(gate_up, ends[-1:], layout)
     y = _grouped_linear(h, None, ends, experts.down, layout, experts.down_bias, experts.down_lora, down_scaling)
     pair_of_row = torch.where(real, perm, n_rows * k)
     out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k), pair_of_row)

@@ -1,0 +1,25 @@
+"""The gated activation over a buffer's first rows at expert parallelism's shapes on the GPU:
+qwen3-moe's 768-wide experts (4 ranks: 131,072 capacity rows, a quarter of them real) and
+gpt-oss's 2,880, bf16 and float32, against the float32 reference on the counted rows."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from gated_rows_checks import kernel_errors  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize(
+    "layout,inter,rows,count",
+    [("qwen", 768, 131_072, 32_768), ("qwen", 768, 65_536, 65_536), ("gptoss", 2_880, 16_384, 9_001)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_the_reference_at_expert_parallel_shapes(layout, inter, rows, count, dtype):
+    errors = kernel_errors(layout, dtype, rows, inter, count, seed=rows + count, device="cuda")
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert errors["out"] <= tolerance and errors["grad"] <= tolerance, errors
