@@ -66,6 +66,7 @@ from hone.kernels.moe_lora import gather_rows_sum, moe_lora_linear, moe_triton_a
 from hone.kernels.moe_lora_reference import ExpertsLayout, LoraFactors, as_in_out, expert_projection, gated_activation
 from hone.kernels.moe_mxfp4 import MxExperts, moe_mxfp4_linear
 from hone.kernels.moe_mxfp4_reference import dequantized
+from hone.kernels.scaled_rows import scaled_rows
 from hone.parallel.exchange import exchange
 
 __all__ = [
@@ -383,31 +384,33 @@ class _WeightedRows(torch.autograd.Function):
     deterministic gather per choice, no atomics); pairs not among the computed rows read a zero
     row. Each computed row holds exactly one pair (``pair_of_row``; rows past the real pairs
     hold none), so the backward gathers its gradient ``w * grad`` from that pair's token instead
-    of scattering every pair into a float32 buffer of all rows. Saves only ``y``, the indices
+    of scattering every pair into a float32 buffer of all rows, and forms it for the first
+    ``count`` rows only (the computed pairs: :func:`~hone.kernels.scaled_rows.scaled_rows`). Saves only ``y``, the indices
     and the weights (a plain gather would keep ``k`` float32 copies of ``y`` for the weights'
     gradient)."""
 
     @staticmethod
     def forward(
-        ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, pair_of_row: torch.Tensor
+        ctx, y: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, pair_of_row: torch.Tensor, count: torch.Tensor
     ) -> torch.Tensor:
-        ctx.save_for_backward(y, weights, row_of_pair, pair_of_row)
+        ctx.save_for_backward(y, weights, row_of_pair, pair_of_row, count)
         return gather_rows_sum(y, row_of_pair, weights)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        y, weights, row_of_pair, pair_of_row = ctx.saved_tensors
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        y, weights, row_of_pair, pair_of_row, count = ctx.saved_tensors
         grad = grad.float()
         k = weights.shape[1]
         # pair_of_row is S' * k (one past the last pair: a zero weight) on rows holding no pair
         flat_weights = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
         token = torch.div(pair_of_row, k, rounding_mode="floor")
-        d_y = flat_weights[pair_of_row].unsqueeze(1) * with_zero_row(grad)[token]
+        # the rows of computed pairs only (the first ``count``): the others are never read
+        d_y = scaled_rows(grad, token, flat_weights[pair_of_row], count, y.dtype)
         padded = with_zero_row(y)
         d_w = torch.empty_like(weights)
         for j in range(k):
             d_w[:, j] = (padded[row_of_pair[:, j]].float() * grad).sum(dim=1)
-        return d_y.to(y.dtype), d_w, None, None
+        return d_y, d_w, None, None, None
 
 
 def _local_experts_grouped(
@@ -449,7 +452,7 @@ def _local_experts_grouped(
     h = gated_rows(gate_up, ends[-1:], layout)
     y = _grouped_linear(h, None, ends, experts.down, layout, experts.down_bias, experts.down_lora, down_scaling)
     pair_of_row = torch.where(real, perm, n_rows * k)
-    out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k), pair_of_row)
+    out = _WeightedRows.apply(y, weights, row_of_pair.view(n_rows, k), pair_of_row, ends[-1:])
     overflow = (ends_all[count - 1].long() - n_pairs).clamp(min=0)
     return Partials(out.to(rows.dtype), overflow)
 

@@ -1,6 +1,7 @@
-"""The gated activation over a buffer's first rows at expert parallelism's shapes on the GPU:
-qwen3-moe's 768-wide experts (4 ranks: 131,072 capacity rows, a quarter of them real) and
-gpt-oss's 2,880, bf16 and float32, against the float32 reference on the counted rows."""
+"""The capacity-row kernels of expert parallelism at its shapes on the GPU, against their float32
+references on the counted rows: the gated activation (qwen3-moe's 768-wide experts at 4 ranks,
+131,072 capacity rows of which a quarter real; gpt-oss's 2,880) and the scaled row gather of the
+weighted pairs' backward (hidden 2,048), bf16 and float32."""
 
 import sys
 from pathlib import Path
@@ -23,3 +24,13 @@ def test_kernel_equals_the_reference_at_expert_parallel_shapes(layout, inter, ro
     errors = kernel_errors(layout, dtype, rows, inter, count, seed=rows + count, device="cuda")
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     assert errors["out"] <= tolerance and errors["grad"] <= tolerance, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_rows_equal_the_reference_at_expert_parallel_shapes(dtype):
+    """The weighted pairs' backward at qwen3-moe's hidden 2,048: 16,384 received tokens, 131,072 capacity rows."""
+    from scaled_rows_checks import kernel_error
+
+    assert kernel_error(dtype, 16_384, 131_072, 2_048, 40_000, seed=5, device="cuda") <= (
+        1e-6 if dtype == torch.float32 else 1e-2
+    )
