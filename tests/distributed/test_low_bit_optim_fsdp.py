@@ -57,7 +57,7 @@ def _run_on(tmp, world: int, run_dir, resume=None):
     return torch.load(out)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~30 s on 2 cores (a one-process run, then two ranks); the resume beside it runs in CI
 def test_a_one_process_low_bit_checkpoint_is_refused_on_two_fsdp_ranks(tmp_path):
     """Its quantized moments cannot be split into shards; loading them dequantized would train on
     with full-precision moments, unasked: the resume is refused, saying what works."""
