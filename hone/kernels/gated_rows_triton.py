@@ -28,6 +28,21 @@ if triton is not None:
         return cols, cols, cols + inter
 
     @triton.jit
+    def _counted_gate_and_up(
+        gate_up_ptr, count_ptr, inter, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr
+    ):
+        """This program's rows and columns, the mask of those below the count, and their gate and
+        up values in float32 (zero where masked)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols, gate_cols, up_cols = _columns(tl.program_id(1), inter, INTERLEAVED, BLOCK_I)
+        count = tl.load(count_ptr).to(tl.int64)
+        mask = (rows[:, None] < count) & (cols[None, :] < inter)
+        base = gate_up_ptr + rows[:, None] * (2 * inter)
+        gate = tl.load(base + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return rows, cols, gate_cols, up_cols, mask, gate, up
+
+    @triton.jit
     def _gated_rows_forward_kernel(
         gate_up_ptr,
         out_ptr,
@@ -40,13 +55,9 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         BLOCK_I: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols, gate_cols, up_cols = _columns(tl.program_id(1), inter, INTERLEAVED, BLOCK_I)
-        count = tl.load(count_ptr).to(tl.int64)
-        mask = (rows[:, None] < count) & (cols[None, :] < inter)
-        base = gate_up_ptr + rows[:, None] * (2 * inter)
-        gate = tl.load(base + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, cols, gate_cols, up_cols, mask, gate, up = _counted_gate_and_up(
+            gate_up_ptr, count_ptr, inter, INTERLEAVED, BLOCK_R, BLOCK_I
+        )
         if CLAMPED:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -69,13 +80,9 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         BLOCK_I: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols, gate_cols, up_cols = _columns(tl.program_id(1), inter, INTERLEAVED, BLOCK_I)
-        count = tl.load(count_ptr).to(tl.int64)
-        mask = (rows[:, None] < count) & (cols[None, :] < inter)
-        base = gate_up_ptr + rows[:, None] * (2 * inter)
-        gate = tl.load(base + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + up_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, cols, gate_cols, up_cols, mask, gate, up = _counted_gate_and_up(
+            gate_up_ptr, count_ptr, inter, INTERLEAVED, BLOCK_R, BLOCK_I
+        )
         grad = tl.load(grad_ptr + rows[:, None] * inter + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if CLAMPED:
             # torch.clamp passes the gradient where the input lies within its bounds, ends included
