@@ -144,7 +144,8 @@ class ModelConfig(Section):
 
     attn_implementation: AttnImplementation = "sdpa"
     """Attention backend (transformers' ``AttentionInterface``): ``eager``, ``sdpa``,
-    ``flex_attention`` (skips the blocks between packed documents; trains on CUDA only),
+    ``flex_attention`` (skips the blocks between packed documents; trains on CUDA only; compiled
+    by Inductor, heads at least 16 wide),
     ``flash_attention_2`` / ``flash_attention_3`` (CUDA, bf16/fp16, need the flash-attn package).
     Every one isolates packed documents; see docs/packing.md. Models with attention sinks
     (gpt_oss) train through hone's flex attention with sinks under ``sdpa`` or ``flex_attention``;

@@ -22,11 +22,27 @@ from hone.models.model_dir import read_causal_lm_config
 from hone.models.precision import precision_for
 from hone.models.presets import get_preset
 from hone.transforms.base import Decisions, PlanContext, Transform
-from hone.transforms.prompt_sharing import sharing_problems
+from hone.transforms.prompt_sharing import FLEX_MIN_HEAD_DIM, head_dim_of, model_config_of, sharing_problems
+
+
+def _narrow_flex_problems(ctx: PlanContext) -> list[str]:
+    """flex_attention compiled by Inductor on a GPU with heads narrower than it takes: refused
+    here, before the model loads, rather than inside the first compiled layer."""
+    cfg = ctx.cfg
+    compiles_flex = ctx.decided.compile and cfg.performance.torch_compile_backend == "inductor"
+    if cfg.model.attn_implementation != "flex_attention" or ctx.facts.device.type != "cuda" or not compiles_flex:
+        return []
+    head_dim = head_dim_of(model_config_of(cfg))
+    if head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM:
+        return []
+    return [
+        f"model.attn_implementation: flex_attention compiled by Inductor needs heads of at least {FLEX_MIN_HEAD_DIM}, "
+        f"but this model's are {head_dim} wide: use sdpa, or performance.torch_compile: false"
+    ]
 
 
 def _check(ctx: PlanContext) -> list[str]:
-    return attention_problems(ctx.cfg.model, ctx.facts.device) + sharing_problems(ctx.cfg)
+    return attention_problems(ctx.cfg.model, ctx.facts.device) + sharing_problems(ctx.cfg) + _narrow_flex_problems(ctx)
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:

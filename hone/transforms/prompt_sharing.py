@@ -29,7 +29,7 @@ SHARING_BACKENDS = ("sdpa", "flex_attention")
 FLEX_MIN_HEAD_DIM = 16
 
 
-def _head_dim(config: Any) -> int | None:
+def head_dim_of(config: Any) -> int | None:
     """The width of one attention head (None where the config cannot say)."""
     if config is None:
         return None
@@ -40,7 +40,7 @@ def _head_dim(config: Any) -> int | None:
     return int(config.hidden_size) // int(heads) if heads and getattr(config, "hidden_size", None) else None
 
 
-def _model_config(cfg: HoneConfig) -> Any:
+def model_config_of(cfg: HoneConfig) -> Any:
     """The model's transformers config, read once per decision (None where it cannot be read
     here: the loader says why; a plan line never fails on it)."""
     from hone.transforms.memory.facts import transformers_config
@@ -53,7 +53,7 @@ def _model_config(cfg: HoneConfig) -> Any:
 
 def sharing_blockers(cfg: HoneConfig, config: Any = None) -> list[str]:
     """Why this run's pairs cannot share their prompt (empty: they can); ``config``: the model's
-    transformers config (:func:`_model_config`), whose own attention a tree mask may not serve."""
+    transformers config (:func:`model_config_of`), whose own attention a tree mask may not serve."""
     blockers = []
     name = cfg.model.attn_implementation
     if name not in SHARING_BACKENDS:
@@ -75,13 +75,13 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
         return False, None, f"training.objective: {t.objective} trains no pairs"
     if t.preference.share_prompt is False:
         return False, None, f"{key}: false: the prompt computed with each completion"
-    config = _model_config(cfg)
+    config = model_config_of(cfg)
     blockers = sharing_blockers(cfg, config)
     if blockers:
         return False, None, f"{key}: {str(t.preference.share_prompt).lower()}: off, " + "; ".join(blockers)
     # flex attention has no dropout: a model that drops attention probabilities keeps sdpa
     dropout = cfg.model.attn_implementation == "sdpa" and bool(getattr(config, "attention_dropout", 0.0))
-    head_dim = _head_dim(config)
+    head_dim = head_dim_of(config)
     narrow = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     compiled_gpu = facts.device.type == "cuda" and compiles
     if cfg.model.attn_implementation == "sdpa" and cfg.model.sdpa_varlen is False:
@@ -101,5 +101,5 @@ def sharing_problems(cfg: HoneConfig) -> list[str]:
     return [
         f"training.preference.share_prompt: true, but {why}: set share_prompt: auto (the prompt then goes with each "
         "completion), or change what is named"
-        for why in sharing_blockers(cfg, _model_config(cfg))
+        for why in sharing_blockers(cfg, model_config_of(cfg))
     ]

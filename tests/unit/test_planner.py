@@ -86,6 +86,20 @@ def test_attention_the_device_cannot_run_is_refused_by_the_plan():
         )
 
 
+def test_compiled_flex_attention_with_heads_narrower_than_16_is_refused_on_the_gpu():
+    def flex(head_dim, **performance):
+        model = {"preset": "tiny-llama", "attn_implementation": "flex_attention", "preset_overrides": {"head_dim": head_dim}}
+        return parse_config({**_RAW, "model": model, "performance": performance})
+
+    gpu = RunFacts(torch.device("cuda"))
+    with pytest.raises(
+        PlanError, match=r"flex_attention compiled by Inductor needs heads of at least 16, but this model's are 8"
+    ):
+        plan_optimizations(flex(8), gpu)
+    for fine in (flex(16), flex(8, torch_compile=False), flex(8, torch_compile_backend="aot_eager")):
+        plan_optimizations(fine, gpu)
+
+
 def test_cudagraphs_need_cuda_and_one_shape():
     options = {"triton.cudagraphs": True}
     with pytest.raises(PlanError, match="need a CUDA device"):
