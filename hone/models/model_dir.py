@@ -322,6 +322,17 @@ def context_length(config: PreTrainedConfig | dict[str, Any]) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def attention_head_dim(config: PreTrainedConfig) -> int | None:
+    """The width of one attention head: ``head_dim``, else ``hidden_size / num_attention_heads``
+    (None where the config says neither)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "head_dim", None)
+    if value:
+        return int(value)
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    return int(hidden) // int(heads) if heads and hidden else None
+
+
 def rope_scaling_type(config: PreTrainedConfig | dict[str, Any]) -> str | None:
     """The RoPE scaling the model config sets (``linear``, ``yarn``, ...), or None for plain RoPE."""
     if isinstance(config, dict):

@@ -15,14 +15,14 @@ from torch import nn
 from hone.config.model import ModelConfig
 from hone.config.root import HoneConfig
 from hone.models.attention.layout import AttentionLayout, layout_for
-from hone.models.attention.setup import attention_problems, select_attention_kernel
+from hone.models.attention.setup import FLEX_MIN_HEAD_DIM, attention_problems, select_attention_kernel
 from hone.models.attention.sinks import has_attention_sinks
 from hone.models.hub import local_model_dir
-from hone.models.model_dir import read_causal_lm_config
+from hone.models.model_dir import attention_head_dim, read_causal_lm_config
 from hone.models.precision import precision_for
 from hone.models.presets import get_preset
 from hone.transforms.base import Decisions, PlanContext, Transform
-from hone.transforms.prompt_sharing import FLEX_MIN_HEAD_DIM, head_dim_of, model_config_of, sharing_problems
+from hone.transforms.prompt_sharing import model_config_of, sharing_problems
 
 
 def _narrow_flex_problems(ctx: PlanContext) -> list[str]:
@@ -32,7 +32,8 @@ def _narrow_flex_problems(ctx: PlanContext) -> list[str]:
     compiles_flex = ctx.decided.compile and cfg.performance.torch_compile_backend == "inductor"
     if cfg.model.attn_implementation != "flex_attention" or ctx.facts.device.type != "cuda" or not compiles_flex:
         return []
-    head_dim = head_dim_of(model_config_of(cfg))
+    config = model_config_of(cfg)
+    head_dim = None if config is None else attention_head_dim(config)
     if head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM:
         return []
     return [

@@ -14,7 +14,8 @@ sdpa with the dense mask (flex attention uncompiled materialises the scores).
 from typing import Any, Literal
 
 from hone.config.root import HoneConfig
-from hone.models.attention.setup import causal_blockers
+from hone.models.attention.setup import FLEX_MIN_HEAD_DIM, causal_blockers
+from hone.models.model_dir import attention_head_dim
 from hone.transforms.base import RunFacts
 
 #: How a shared-prompt row reaches the attention: flex attention with a block mask, or sdpa with
@@ -23,21 +24,6 @@ PromptKernel = Literal["flex", "mask"]
 
 #: The backends a shared-prompt row can run through (both take hone's mask).
 SHARING_BACKENDS = ("sdpa", "flex_attention")
-
-#: Inductor's flex attention kernels refuse heads narrower than this ("embedding dimension of
-#: the query, key, and value must be at least 16"); such a model keeps sdpa's dense tree mask.
-FLEX_MIN_HEAD_DIM = 16
-
-
-def head_dim_of(config: Any) -> int | None:
-    """The width of one attention head (None where the config cannot say)."""
-    if config is None:
-        return None
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim:
-        return int(head_dim)
-    heads = getattr(config, "num_attention_heads", None)
-    return int(config.hidden_size) // int(heads) if heads and getattr(config, "hidden_size", None) else None
 
 
 def model_config_of(cfg: HoneConfig) -> Any:
@@ -81,7 +67,7 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
         return False, None, f"{key}: {str(t.preference.share_prompt).lower()}: off, " + "; ".join(blockers)
     # flex attention has no dropout: a model that drops attention probabilities keeps sdpa
     dropout = cfg.model.attn_implementation == "sdpa" and bool(getattr(config, "attention_dropout", 0.0))
-    head_dim = head_dim_of(config)
+    head_dim = None if config is None else attention_head_dim(config)
     narrow = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     compiled_gpu = facts.device.type == "cuda" and compiles
     if cfg.model.attn_implementation == "sdpa" and cfg.model.sdpa_varlen is False:

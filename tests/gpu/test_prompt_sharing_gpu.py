@@ -8,12 +8,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from hone.models.attention.setup import FLEX_MIN_HEAD_DIM
 from hone.testing import tiny_config, tiny_llama, with_random_lora
 from hone.track.metrics import read_metrics
 from hone.train.loop import train_loop
 from hone.transforms.base import RunFacts
 from hone.transforms.planner import plan_optimizations
-from hone.transforms.prompt_sharing import FLEX_MIN_HEAD_DIM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -16,13 +16,14 @@ from hone.data.collate import IGNORE_INDEX
 from hone.data.pairs import ALIGN, CHOSEN_BRANCH, REJECTED_BRANCH, TRUNK, collate_pairs
 from hone.models.attention.layout import AttentionLayout, layout_for
 from hone.models.attention.packed_mask import document_dense_mask
+from hone.models.attention.setup import FLEX_MIN_HEAD_DIM
 from hone.models.structure import causal_lm_parts
 from hone.runtime.pair_loss import PairLoss
 from hone.runtime.step import forward_hidden
 from hone.testing import VOCAB, plan_hooks, tiny_config, tiny_llama, tiny_model, tiny_tokenizer, with_random_lora
 from hone.train.loop import train_loop
 from hone.transforms.base import RunFacts
-from hone.transforms.prompt_sharing import FLEX_MIN_HEAD_DIM, share_prompt_choice, sharing_problems
+from hone.transforms.prompt_sharing import share_prompt_choice, sharing_problems
 
 SEED = int(os.environ.get("HONE_TEST_SEED", random.randrange(10_000)))  # fresh each session; fix it to reproduce
 

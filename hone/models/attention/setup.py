@@ -18,6 +18,10 @@ from hone.models.attention.sinks import SINK_ATTENTION, has_attention_sinks, sin
 from hone.models.attention.varlen import fused_kernel_runs, register_varlen_sdpa
 from hone.models.errors import ModelError
 
+#: Inductor's flex attention kernels refuse heads narrower than this ("embedding dimension of
+#: the query, key, and value must be at least 16").
+FLEX_MIN_HEAD_DIM = 16
+
 
 def attention_problems(model_cfg: ModelConfig, device: torch.device, training: bool = True) -> list[str]:
     """Why ``model.attn_implementation`` cannot run (or train) on ``device`` (empty: it can)."""

@@ -10,6 +10,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from hone.config.root import HoneConfig
+from hone.models.model_dir import attention_head_dim
 from hone.models.structure import decoder_layers
 
 #: LoRA/linear inputs are grouped by what they read: q/k/v read the attention norm's output,
@@ -314,7 +315,7 @@ def _facts_cached(model_json: str, adapter_json: str) -> ModelFacts:
         hidden=text.hidden_size,
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        head_dim=attention_head_dim(text),
         intermediate=getattr(text, "intermediate_size", 0) or 0,
         vocab=text.vocab_size,
         max_positions=getattr(text, "max_position_embeddings", None),
