@@ -12,6 +12,7 @@ of the process's stderr, and the next check starts a new process.
 """
 
 import atexit
+import importlib.util
 import json
 import os
 import queue
@@ -21,10 +22,16 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pytest
 from interpreted_worker import REPLY
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "RESULT "
+
+#: Skips a test of a Triton kernel where triton is not installed (a CPU-only torch brings none).
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
+)
 WORKER = Path(__file__).with_name("interpreted_worker.py")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hone.kernels.moe_lora import with_zero_row
 from hone.kernels.scaled_rows_triton import scaled_rows_triton, triton_available
 
 __all__ = ["scaled_rows", "scaled_rows_reference"]
@@ -27,8 +28,7 @@ def scaled_rows_reference(
     """``scale[r] * source[index[r]]`` for every row, in float32, then ``dtype``; an index equal
     to ``len(source)`` reads a zero row."""
     del count
-    padded = torch.cat([source.float(), source.new_zeros(1, source.shape[1], dtype=torch.float32)])
-    return (scale.float().unsqueeze(1) * padded[index]).to(dtype)
+    return (scale.float().unsqueeze(1) * with_zero_row(source.float())[index]).to(dtype)
 
 
 @torch.library.custom_op("hone::scaled_rows", mutates_args=())

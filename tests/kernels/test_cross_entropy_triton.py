@@ -3,14 +3,10 @@ Triton's interpreter. ``TRITON_INTERPRET=1`` must be set before triton is import
 checks run in one subprocess that reports its measured differences as JSON; skipped where
 triton is not installed (CPU-only torch wheels do not bring it)."""
 
-import importlib.util
-
 import pytest
-from interpreted import run_interpreted
+from interpreted import needs_triton, run_interpreted
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
-)
+pytestmark = needs_triton
 
 _CHECKS = r"""
 import json

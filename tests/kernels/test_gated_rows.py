@@ -6,20 +6,16 @@ opcheck and ``torch.compile(fullgraph=True)``. Kernel cases run under Triton's i
 another process (tests/kernels/gated_rows_checks.py), skipped without triton; tests/gpu covers
 the GPU. Without the interpreter the op computes every row with the reference, checked here."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import needs_triton, run_interpreted
 
 from hone.kernels.gated_rows import gated_rows, gated_rows_reference
 from hone.kernels.moe_lora_reference import GPT_OSS, QWEN3_MOE, ExpertsLayout
 
 CHECKS = Path(__file__).with_name("gated_rows_checks.py")
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
-)
 
 
 @needs_triton

@@ -10,15 +10,12 @@ concatenated gate/up; gpt_oss transposed, interleaved, biased, clamped SwiGLU). 
 reports measured errors as JSON. Skipped where triton is not installed (CPU-only torch wheels
 do not bring it)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from interpreted import run_interpreted
+from interpreted import needs_triton, run_interpreted
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
-)
+pytestmark = needs_triton
 
 CHECKS = Path(__file__).with_name("moe_lora_checks.py")
 

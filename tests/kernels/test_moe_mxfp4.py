@@ -8,20 +8,16 @@ one projection with two experts of four empty, and whole experts in both layouts
 ``TRITON_INTERPRET=1`` must be set before triton is imported); skipped without triton.
 tests/gpu/test_moe_mxfp4_gpu.py checks bf16 at gpt-oss-20b's shapes."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import needs_triton, run_interpreted
 
 from hone.kernels.moe_lora import route
 from hone.kernels.moe_mxfp4 import moe_mxfp4_linear
 
 CHECKS = Path(__file__).with_name("moe_mxfp4_checks.py")
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
-)
 
 
 def _interpreted(case: str) -> dict:

@@ -4,19 +4,14 @@ the count at 0, mid-block, a block's edge and every row, indices reading the zer
 source; opcheck. Kernel cases run under Triton's interpreter in another process
 (tests/kernels/scaled_rows_checks.py), skipped without triton; tests/gpu covers the GPU."""
 
-import importlib.util
 from pathlib import Path
 
-import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import needs_triton, run_interpreted
 
 from hone.kernels.scaled_rows import scaled_rows, scaled_rows_reference
 
 CHECKS = Path(__file__).with_name("scaled_rows_checks.py")
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (CPU-only torch); the GPU tests cover it"
-)
 
 
 @needs_triton
