@@ -155,10 +155,12 @@ class ModelConfig(Section):
     """Packed rows under ``sdpa``: ``auto`` runs them through torch's per-document varlen kernel
     (FlashAttention-2; computes each document's causal triangle only, no mask) where it can run:
     CUDA, bfloat16/float16, a model without sliding-window layers, attention dropout or logit
-    soft-capping; elsewhere through hone's block-diagonal mask. ``false``: always the mask (also
-    for preference pairs sharing their prompt, which otherwise take flex attention on a compiling
-    GPU). ``true``: the kernel or a clear error before training. Read with ``sample_packing`` and
-    with ``training.preference.share_prompt``."""
+    soft-capping; elsewhere through hone's block-diagonal mask. Preference pairs sharing their
+    prompt take the same kernel (their rejected branch a segment with the prompt's keys gathered
+    again) where it runs. ``false``: always the mask (for shared prompts too, which then take
+    flex attention on a compiling GPU only with ``attn_implementation: flex_attention``: sdpa's
+    tree mask otherwise). ``true``: the kernel or a clear error before training. Read with
+    ``sample_packing`` and with ``training.preference.share_prompt``."""
 
     experts_implementation: ExpertsImplementation = "auto"
     """How mixture-of-experts layers compute their experts (transformers' experts interface):

@@ -36,6 +36,21 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
+@dataclass(frozen=True)
+class TreeBoundaries:
+    """Shared-prompt pairs as varlen segments (:mod:`hone.data.pairs`): each pair's trunk and
+    chosen branch are one causal segment; its rejected branch is a segment of queries whose keys
+    are the trunk's, then its own (the trunk's keys gathered again, ``key_index``). Built on the
+    host with the batch, so the attention needs no device sync to find them."""
+
+    queries: torch.Tensor  # [segments + 1] int32 boundaries over the flattened batch
+    keys: torch.Tensor  # [segments + 1] int32 boundaries over the gathered keys
+    key_index: torch.Tensor  # [keys] long: the flat token each gathered key is
+
+    def to(self, move: Any) -> "TreeBoundaries":
+        return TreeBoundaries(move(self.queries), move(self.keys), move(self.key_index))
+
+
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T] long
@@ -68,6 +83,8 @@ class MicroBatch:
     """[B, T] long, shared-prompt pairs only (:mod:`hone.data.pairs`): 0 for a prompt's shared
     trunk (and padding), 1 and 2 for its chosen and rejected branches, which attend to the trunk
     and to themselves only."""
+    tree: TreeBoundaries | None = None
+    """Shared-prompt pairs only: the same branches as varlen segments, for the varlen kernel."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         """The batch on ``device``. To a GPU the tensors go through pinned host memory, so the
@@ -97,6 +114,7 @@ class MicroBatch:
             nll_tokens=self.nll_tokens,
             reference_logps=move(self.reference_logps),
             branches=move(self.branches),
+            tree=None if self.tree is None else self.tree.to(move),
         )
 
     def with_attention(self, layout: "AttentionLayout") -> "MicroBatch":
@@ -139,8 +157,20 @@ class MicroBatch:
         """
         if self.cu_seqlens is None:
             raise ValueError("boundaries() is for packed micro-batches (collate_packed)")
-        torch._dynamo.maybe_mark_dynamic(self.cu_seqlens, 0)
         width = self.input_ids.shape[1]
+        if self.tree is not None:  # shared-prompt pairs: the keys' own segments and order
+            from hone.models.attention.varlen import TREE_KEYS
+
+            for t in (self.tree.queries, self.tree.keys, self.tree.key_index):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return {
+                "cu_seq_lens_q": self.tree.queries,
+                "cu_seq_lens_k": self.tree.keys,
+                "max_length_q": width,
+                "max_length_k": width,
+                TREE_KEYS: self.tree.key_index,
+            }
+        torch._dynamo.maybe_mark_dynamic(self.cu_seqlens, 0)
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": width, "max_length_k": width}
 
 

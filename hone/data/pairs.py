@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hone.data.collate import IGNORE_INDEX, MicroBatch, collate_packed
+from hone.data.collate import IGNORE_INDEX, MicroBatch, TreeBoundaries, collate_packed
 
 #: Pair rows are packed to a multiple of this many tokens.
 ALIGN = 64
@@ -138,8 +138,10 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
     segments = torch.full((1, width), -1, dtype=torch.long)
     completion_tokens = torch.zeros(2 * pairs, dtype=torch.float32)
     nll_tokens, at = 0, 0
+    spans: list[tuple[int, int]] = []  # (start, length) of each part, in ``parts`` order
     for tokens, first, p, branch in parts:
         n = len(tokens)
+        spans.append((at, n))
         if n:
             input_ids[0, at : at + n] = torch.as_tensor(tokens, dtype=torch.long)
             position_ids[0, at : at + n] = torch.arange(first, first + n)
@@ -172,6 +174,7 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
         position_ids=position_ids,
         cu_seqlens=torch.cat([starts, starts.new_tensor([width])]),
         branches=branches,
+        tree=tree_boundaries(spans, width),
     )
     batch.pairs = pairs
     batch.segments = segments
@@ -179,6 +182,28 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
     batch.completion_tokens = completion_tokens
     batch.nll_tokens = nll_tokens
     return batch
+
+
+def tree_boundaries(spans: Sequence[tuple[int, int]], width: int) -> TreeBoundaries:
+    """The varlen segments of a shared-prompt row whose parts (trunk, chosen, rejected per pair,
+    in order) start and run as ``spans``; the padding from the last part to ``width`` is one
+    more segment. Queries stay in row order: per pair, trunk + chosen is one segment (keys: the
+    same tokens), rejected another (keys: the trunk's tokens, then its own), so the kernel's
+    bottom-right causal alignment gives each rejected token the whole trunk and its own prefix."""
+    queries, keys, key_index = [0], [0], []
+    for (trunk, t), (chosen, c), (rejected, r) in zip(spans[0::3], spans[1::3], spans[2::3]):
+        if chosen != trunk + t or rejected != chosen + c:
+            raise ValueError(f"shared-prompt parts must lie trunk, chosen, rejected in a row, got {spans}")
+        key_index += [range(trunk, trunk + t + c), range(trunk, trunk + t), range(rejected, rejected + r)]
+        queries += [queries[-1] + t + c, queries[-1] + t + c + r]
+        keys += [keys[-1] + t + c, keys[-1] + t + c + t + r]
+    end = queries[-1]
+    if end < width:
+        key_index.append(range(end, width))
+        queries.append(width)
+        keys.append(keys[-1] + width - end)
+    index = torch.tensor([i for part in key_index for i in part], dtype=torch.long)
+    return TreeBoundaries(torch.tensor(queries, dtype=torch.int32), torch.tensor(keys, dtype=torch.int32), index)
 
 
 def pair_rows_at(dataset, indices: Sequence[int]) -> list[dict[str, list[int]]]:

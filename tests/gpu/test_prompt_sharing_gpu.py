@@ -1,6 +1,8 @@
-"""Shared-prompt DPO on CUDA through the plan: ``share_prompt: auto`` takes flex attention with
-the tree block mask in compiled layers (its backward exists on the GPU only) and trains as the
-unshared pairs do (the varlen kernel in bf16, sdpa's mask in fp32). Skipped without a GPU."""
+"""Shared-prompt DPO on CUDA through the plan: ``share_prompt: auto`` takes torch's varlen kernel
+with the tree boundaries in bf16, flex attention with the tree block mask in compiled fp32 layers
+(its backward exists on the GPU only), and trains as the unshared pairs do (the varlen kernel in
+bf16, sdpa's mask in fp32); the varlen kernel on the tree against its reference at a real
+model's shapes. Skipped without a GPU."""
 
 import random
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from hone.data.pairs import collate_pairs
 from hone.models.attention.setup import FLEX_MIN_HEAD_DIM
+from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, varlen_attention
 from hone.testing import tiny_config, tiny_llama, with_random_lora
 from hone.track.metrics import read_metrics
 from hone.train.loop import train_loop
@@ -51,7 +55,8 @@ def _run(tmp_path, share: bool, dtype: str, pairs, seed: int):
     hooks = plan.hooks(model, cfg, facts)
     assert hooks.layout.shares_prompt is share
     if share:
-        assert hooks.layout.kind == "block_mask" and model.config._attn_implementation == "flex_attention"
+        kind, backend = ("tree_boundaries", VARLEN_SDPA) if dtype == "bfloat16" else ("block_mask", "flex_attention")
+        assert hooks.layout.kind == kind and model.config._attn_implementation == backend
     autocast = torch.bfloat16 if dtype == "bfloat16" else None
     train_loop(model, pairs, None, cfg, device=CUDA, pad_id=0, console=Console(quiet=True), hooks=hooks, autocast_dtype=autocast)
     rows = [r for r in read_metrics(cfg.training.output_dir / "metrics.jsonl") if "loss" in r]
@@ -59,7 +64,7 @@ def _run(tmp_path, share: bool, dtype: str, pairs, seed: int):
 
 
 @pytest.mark.parametrize("dtype,rel", [("float32", 1e-3), ("bfloat16", 3e-2)])
-def test_shared_prompts_train_through_compiled_flex_as_the_unshared_pairs(tmp_path, dtype, rel):
+def test_shared_prompts_train_through_the_plan_s_kernel_as_the_unshared_pairs(tmp_path, dtype, rel):
     """fp32: every step's loss and log-probs and the final weights. bf16: the first step's
     log-probs only (the same weights in both runs): a DPO loss is a difference of sums of a few
     hundred log-probs, each run rounds them in its own order, and after one Adam step at this
@@ -81,3 +86,27 @@ def test_shared_prompts_train_through_compiled_flex_as_the_unshared_pairs(tmp_pa
     if dtype == "float32":
         for name, weight in plain_weights.items():
             torch.testing.assert_close(weights[name], weight, rtol=rel, atol=rel * 0.1)
+
+
+def test_the_varlen_kernel_on_the_tree_equals_its_reference_at_qwen3_8b_shapes():
+    """Two pairs of a 512-token prompt and 768-token completions, 32 query and 8 key/value heads
+    of 128, bf16: output and the three input gradients against the fp32 reference."""
+    gen = random.Random(0)
+    pairs = [
+        {
+            k: [gen.randrange(1, 97) for _ in range(n)]
+            for k, n in (("prompt_ids", 512), ("chosen_ids", 768), ("rejected_ids", 768))
+        }
+    ] * 2
+    batch = collate_pairs(pairs, pad_id=0, share_prompt=True).to(CUDA)
+    tree, width = batch.tree, batch.input_ids.shape[1]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(width, heads, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for heads in (32, 8, 8))
+    grad = torch.randn(width, 32, 128, device=CUDA, dtype=torch.bfloat16)
+    out = varlen_attention(q, k[tree.key_index], v[tree.key_index], tree.queries, width, 128**-0.5, tree.keys, width)
+    fused = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference_varlen_attention(q32, k32[tree.key_index], v32[tree.key_index], tree.queries, 128**-0.5, tree.keys)
+    expected = [ref, *torch.autograd.grad(ref, (q32, k32, v32), grad.float())]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), fused, expected, strict=True):
+        assert (a.float() - b).abs().max() <= 2e-2 * b.abs().max(), name

@@ -17,6 +17,7 @@ from hone.data.pairs import ALIGN, CHOSEN_BRANCH, REJECTED_BRANCH, TRUNK, collat
 from hone.models.attention.layout import AttentionLayout, layout_for
 from hone.models.attention.packed_mask import document_dense_mask
 from hone.models.attention.setup import FLEX_MIN_HEAD_DIM
+from hone.models.attention.varlen import TREE_KEYS, VARLEN_SDPA, reference_varlen_attention, register_varlen_sdpa
 from hone.models.structure import causal_lm_parts
 from hone.runtime.pair_loss import PairLoss
 from hone.runtime.step import forward_hidden
@@ -84,6 +85,26 @@ def test_the_tree_mask_lets_a_branch_see_the_trunk_and_itself_only():
     )
 
 
+def test_the_varlen_tree_gives_each_branch_the_trunk_and_itself_as_the_mask_does():
+    """The rejected branch as a segment whose keys are the trunk's gathered again, under the
+    kernel's bottom-right causal alignment, against sdpa with the dense tree mask (fp32)."""
+    batch = collate_pairs(random_pairs(4, SEED + 5), pad_id=0, share_prompt=True)
+    tree, width = batch.tree, batch.input_ids.shape[1]
+    assert tree.queries[-1] == width and tree.keys[-1] == len(tree.key_index)
+    gen = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(width, heads, 8, generator=gen) for heads in (4, 2, 2))  # grouped key/value heads
+    out = reference_varlen_attention(q, k[tree.key_index], v[tree.key_index], tree.queries, 0.3, tree.keys)
+    mask = document_dense_mask(batch.position_ids, batch.branches)[0]  # [1, T, T]
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=mask,
+        scale=0.3,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
 def _logps(model, pairs, objective: str, share: bool, layout: AttentionLayout) -> torch.Tensor:
     batch = collate_pairs(pairs, pad_id=0, prompt_nll=objective == "orpo", share_prompt=share).with_attention(layout)
     decoder, head = causal_lm_parts(model)
@@ -101,6 +122,20 @@ def test_shared_log_probs_equal_the_unshared_ones(preset, objective):
     shared = _logps(model, pairs, objective, True, layout_for(model, shares_prompt=True))
     assert plain.shape == shared.shape == (3 * len(pairs) if objective == "orpo" else 2 * len(pairs),)
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_hone_s_varlen_backend_reads_the_tree_boundaries(objective):
+    """Through the model: transformers hands the tree's boundaries and key order to hone's varlen
+    backend (its reference on the CPU), whose log-probs are the unshared pairs'."""
+    model = tiny_model("tiny-qwen3", tiny_tokenizer(), seed=SEED)
+    pairs = random_pairs(3, SEED + 6, vocab=model.config.vocab_size)
+    model.config._attn_implementation = "sdpa"
+    plain = _logps(model, pairs, objective, False, layout_for(model))
+    model.set_attn_implementation(register_varlen_sdpa())
+    tree = layout_for(model, shares_prompt=True)
+    assert tree.kind == "tree_boundaries" and layout_for(model).kind == "boundaries"
+    torch.testing.assert_close(_logps(model, pairs, objective, True, tree), plain, rtol=1e-5, atol=1e-5)
 
 
 def test_flex_attention_reads_the_tree_as_a_block_mask():
@@ -121,11 +156,19 @@ def test_a_layout_of_document_boundaries_refuses_branches():
     batch = collate_pairs(random_pairs(2, SEED), pad_id=0, share_prompt=True)
     with pytest.raises(ValueError, match="branches"):
         AttentionLayout("boundaries").packed_inputs(batch.position_ids, batch.boundaries(), batch.branches)
+    assert TREE_KEYS in AttentionLayout("tree_boundaries", True).packed_inputs(
+        batch.position_ids, batch.boundaries(), batch.branches
+    )
+    plain_boundaries = {k: v for k, v in batch.boundaries().items() if k != TREE_KEYS}
+    with pytest.raises(ValueError, match="tree boundaries"):
+        AttentionLayout("tree_boundaries", True).packed_inputs(batch.position_ids, plain_boundaries, batch.branches)
 
 
-def _run(tmp_path: Path, objective: str, share: bool, adapter: bool, pairs) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def _run(
+    tmp_path: Path, objective: str, share: bool, adapter: bool, pairs, attention: str = "sdpa"
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
     cfg = tiny_config(
-        tmp_path / f"{objective}-{share}-{adapter}",
+        tmp_path / f"{objective}-{share}-{adapter}-{attention}",
         adapter={"type": "lora", "lora_r": 4} if adapter else {"type": "none"},
         training={
             "micro_batch_size": 2,
@@ -139,7 +182,7 @@ def _run(tmp_path: Path, objective: str, share: bool, adapter: bool, pairs) -> t
     torch.manual_seed(SEED)
     model = tiny_llama(SEED, freeze_embeddings=adapter)
     model = with_random_lora(model, SEED + 2) if adapter else model
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attention
     hooks = plan_hooks(model, cfg)
     assert hooks.layout.shares_prompt is share
     train_loop(model, pairs, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True), hooks=hooks)
@@ -150,13 +193,21 @@ def _run(tmp_path: Path, objective: str, share: bool, adapter: bool, pairs) -> t
 
 
 @pytest.mark.parametrize(
-    "objective,adapter",
-    [("dpo", True), ("ipo", True), ("orpo", True), ("orpo", False), pytest.param("dpo", False, marks=pytest.mark.slow)],
+    "objective,adapter,attention",
+    [
+        ("dpo", True, "sdpa"),
+        ("dpo", True, VARLEN_SDPA),  # the tree boundaries, through the varlen backend's reference
+        ("ipo", True, "sdpa"),
+        ("orpo", True, "sdpa"),
+        ("orpo", False, "sdpa"),
+        pytest.param("dpo", False, "sdpa", marks=pytest.mark.slow),
+    ],
 )
-def test_training_on_shared_prompts_gives_the_losses_and_weights_of_the_unshared_pairs(tmp_path, objective, adapter):
+def test_training_on_shared_prompts_gives_the_losses_and_weights_of_the_unshared_pairs(tmp_path, objective, adapter, attention):
+    register_varlen_sdpa()
     pairs = random_pairs(8, SEED + 3)
-    plain_rows, plain_weights = _run(tmp_path, objective, False, adapter, pairs)
-    rows, weights = _run(tmp_path, objective, True, adapter, pairs)
+    plain_rows, plain_weights = _run(tmp_path, objective, False, adapter, pairs, attention)
+    rows, weights = _run(tmp_path, objective, True, adapter, pairs, attention)
     names = ["loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"]
     for a, b in zip(plain_rows, rows, strict=True):
         reward_abs = 1e-5 * 0.5 * max(abs(a["logps/chosen"]), abs(a["logps/rejected"]))  # as test_preference_train
@@ -187,6 +238,23 @@ def test_auto_shares_through_flex_on_a_compiling_gpu_and_sdpa_s_mask_elsewhere()
     assert share_prompt_choice(tiny_config(Path("unused")), GPU, compiles=True)[:2] == (False, None)  # sft: no pairs
 
 
+def test_auto_shares_through_the_varlen_kernel_where_it_runs():
+    """bf16 on a GPU: torch's varlen kernel with the tree boundaries, compiled or not; float32
+    (which the kernel does not take) keeps flex attention; ``sdpa_varlen: true`` asks for it."""
+    bf16 = _cfg(model={"attn_implementation": "sdpa", "dtype": "bfloat16"})
+    for compiles in (True, False):
+        shares, kernel, why = share_prompt_choice(bf16, GPU, compiles=compiles)
+        assert (shares, kernel) == (True, "varlen") and "varlen kernel" in why
+    assert share_prompt_choice(bf16, CPU, compiles=False)[:2] == (True, "mask")
+    assert share_prompt_choice(_cfg(model={"attn_implementation": "sdpa"}), GPU, compiles=True)[:2] == (True, "flex")
+    assert share_prompt_choice(_cfg(model={"sdpa_varlen": True, "dtype": "bfloat16"}), GPU, compiles=False)[:2] == (
+        True,
+        "varlen",
+    )
+    gemma = _cfg(model={"preset": "tiny-gemma", "dtype": "bfloat16", "attn_implementation": "sdpa"})
+    assert share_prompt_choice(gemma, GPU, compiles=True)[:2] == (False, None)  # sliding windows: no tree at all
+
+
 def test_sdpa_varlen_false_keeps_sdpa_s_tree_mask_on_a_compiling_gpu():
     shares, kernel, why = share_prompt_choice(
         _cfg(model={"attn_implementation": "sdpa", "sdpa_varlen": False}), GPU, compiles=True
@@ -207,7 +275,6 @@ def test_heads_too_narrow_for_compiled_flex_keep_sdpa_s_mask_on_the_gpu():
     [
         ({"attn_implementation": "eager"}, "model.attn_implementation: eager"),
         ({"preset": "tiny-gemma"}, "sliding-window layers"),
-        ({"sdpa_varlen": True, "dtype": "bfloat16"}, "model.sdpa_varlen: true"),
     ],
 )
 def test_auto_leaves_the_prompt_in_both_sequences_where_the_mask_cannot_run_and_true_stops(model, blocker):

@@ -19,37 +19,45 @@ from hone.models.attention.packed_mask import (
     takes_document_boundaries,
     uses_own_document_mask,
 )
+from hone.models.attention.varlen import TREE_KEYS, VARLEN_SDPA
 from hone.models.attention.wrapped import inner_implementation
 
-Kind = Literal["boundaries", "block_mask", "dense_mask", "transformers"]
-#: The layouts whose masks hone builds, the only ones that can keep a shared prompt's branches apart.
-OWN_MASKS = ("block_mask", "dense_mask")
+Kind = Literal["boundaries", "tree_boundaries", "block_mask", "dense_mask", "transformers"]
+#: The layouts that can keep a shared prompt's branches apart: hone's masks, and hone's varlen
+#: backend given the branches as segments with their keys' order (``tree_boundaries``).
+SHARING_KINDS = ("tree_boundaries", "block_mask", "dense_mask")
 
 
 @dataclass(frozen=True)
 class AttentionLayout:
     kind: Kind
-    """``boundaries``: ``cu_seq_lens``/``max_length`` kwargs; ``block_mask``: a flex BlockMask;
+    """``boundaries``: ``cu_seq_lens``/``max_length`` kwargs; ``tree_boundaries``: the same for
+    hone's varlen backend, shared-prompt pairs as segments with their gathered keys
+    (:class:`~hone.data.collate.TreeBoundaries`); ``block_mask``: a flex BlockMask;
     ``dense_mask``: a [B, 1, T, T] boolean mask; ``transformers``: leave it to the model."""
 
     shares_prompt: bool = False
     """Preference pairs are built with each prompt once and two branches
-    (:mod:`hone.data.pairs`), which only hone's masks express."""
+    (:mod:`hone.data.pairs`), which only hone's masks and its varlen backend express."""
 
     def __post_init__(self) -> None:
-        if self.shares_prompt and self.kind not in OWN_MASKS:
-            raise ValueError(f"shared-prompt pairs need hone's mask (sdpa or flex attention), not the {self.kind} layout")
+        if self.shares_prompt and self.kind not in SHARING_KINDS:
+            raise ValueError(
+                f"shared-prompt pairs need hone's mask (sdpa or flex attention) or its varlen backend, not the {self.kind} layout"
+            )
 
     def packed_inputs(
         self, position_ids: torch.Tensor, boundaries: dict[str, Any], branches: torch.Tensor | None = None
     ) -> dict[str, Any]:
         """The extra forward kwargs of a packed micro-batch under this layout (``branches``: a
         shared-prompt batch's, which the masks keep apart)."""
-        if branches is not None and self.kind not in OWN_MASKS:
+        if branches is not None and self.kind not in SHARING_KINDS:
             raise ValueError(
                 f"a shared-prompt micro-batch reached the {self.kind} attention layout, which cannot isolate its branches"
             )
-        if self.kind == "boundaries":
+        if self.kind == "tree_boundaries" and branches is not None and TREE_KEYS not in boundaries:
+            raise ValueError("a shared-prompt micro-batch reached the varlen layout without its tree boundaries")
+        if self.kind in ("boundaries", "tree_boundaries"):
             return boundaries
         if self.kind == "block_mask":
             return {"attention_mask": document_block_mask(position_ids, branches)}
@@ -62,7 +70,8 @@ def layout_for(model: Any, shares_prompt: bool = False) -> AttentionLayout:
     """The layout of ``model`` as its attention backend now stands (after kernel selection);
     ``shares_prompt``: the plan builds shared-prompt pairs (it chose a backend with hone's mask)."""
     if takes_document_boundaries(model):
-        return AttentionLayout("boundaries", shares_prompt)
+        hones = inner_implementation(model.config._attn_implementation) == VARLEN_SDPA
+        return AttentionLayout("tree_boundaries" if shares_prompt and hones else "boundaries", shares_prompt)
     if uses_own_document_mask(model):
         kind = "block_mask" if inner_implementation(model.config._attn_implementation) == "flex_attention" else "dense_mask"
         return AttentionLayout(kind, shares_prompt)

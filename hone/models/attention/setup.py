@@ -50,10 +50,19 @@ def select_attention_kernel(
     :data:`~hone.models.attention.causal.CAUSAL_SDPA`: the same sdpa kernel, with no mask
     prepared by transformers and so no host sync in the forward. Shared-prompt pairs
     (``shared_prompt``, the plan's kernel for them: :mod:`hone.transforms.prompt_sharing`) need
-    hone's tree mask: flex attention (``flex``) or sdpa with a dense mask (``mask``).
+    the varlen kernel with their tree boundaries (``varlen``) or hone's tree mask: flex attention
+    (``flex``) or sdpa with a dense mask (``mask``).
     """
     if has_attention_sinks(model.config):
         return select_sink_kernel(model, cfg)
+    if shared_prompt == "varlen":
+        if select_packed_kernel(model, cfg, device, compute) is None:
+            raise ModelError(
+                "training.preference.share_prompt: the plan chose torch's varlen kernel for shared prompts, but it cannot "
+                f"run this model here: {'; '.join(varlen_blockers(model.config, device, compute))}. Set "
+                "model.sdpa_varlen: false (sdpa with a tree mask) or training.preference.share_prompt: false"
+            )
+        return "pairs share their prompt: torch's varlen kernel, the prompt's keys gathered for each rejected branch"
     if shared_prompt == "flex":
         if model.config._attn_implementation != "flex_attention":
             model.set_attn_implementation("flex_attention")

@@ -35,6 +35,9 @@ except ImportError:  # torch < 2.10
 
 #: The name the backend is registered under with transformers.
 VARLEN_SDPA = "hone_sdpa_varlen"
+#: The forward keyword of shared-prompt pairs' key order (:func:`tree_boundaries`), which only
+#: this backend reads.
+TREE_KEYS = "hone_tree_keys"
 
 _HALF = (torch.bfloat16, torch.float16)
 # Read once at import, not while a compiled layer is traced: torch 2.10 says is_causal=True,
@@ -50,28 +53,48 @@ def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def reference_varlen_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each segment of ``cu_seqlens``: [N, Hq, D] x [N, Hkv, D] -> [N, Hq, D]."""
+    """Causal attention within each segment: [N, Hq, D] x [M, Hkv, D] -> [N, Hq, D]. Query
+    segment ``i`` attends to key segment ``i`` (``cu_seqlens_k``; default the query's), its last
+    query aligned with its last key, as the flash kernel aligns them (a segment with more keys
+    than queries: every query sees the extra keys in front, then its own causal prefix)."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = torch.empty_like(query)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, n, D]
-            out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    q_bounds = cu_seqlens.tolist()
+    k_bounds = q_bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(q_bounds[:-1], q_bounds[1:]), zip(k_bounds[:-1], k_bounds[1:])):
+        if q1 > q0:
+            q = query[q0:q1].transpose(0, 1)  # [H, n, D]
+            k, v = (t[k0:k1].transpose(0, 1) for t in (key, value))
+            # query i sees keys up to i + (keys - queries): bottom-right alignment
+            visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=query.device).tril(k1 - k0 - (q1 - q0))
+            out[q0:q1] = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale).transpose(0, 1)
     return out
 
 
 def varlen_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_length: int,
+    scale: float | None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_length_k: int | None = None,
 ) -> torch.Tensor:
-    """Per-document causal attention over flattened tokens [N, H, D]: the fused kernel where it
-    runs, the reference otherwise."""
+    """Per-segment causal attention over flattened tokens [N, H, D] (keys [M, H, D] in their own
+    segments ``cu_seqlens_k`` where given, as :func:`reference_varlen_attention` aligns them):
+    the fused kernel where it runs, the reference otherwise."""
     if not fused_kernel_runs(query.device, query.dtype):
-        return reference_varlen_attention(query, key, value, cu_seqlens, scale)
+        return reference_varlen_attention(query, key, value, cu_seqlens, scale, cu_seqlens_k)
     groups = query.shape[1] // key.shape[1]
     extra: dict[str, Any] = dict(_CAUSAL)
     if groups > 1:
@@ -79,7 +102,9 @@ def varlen_attention(
             extra["enable_gqa"] = True
         else:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    return _FUSED_KERNEL(query, key, value, cu_seqlens, cu_seqlens, max_length, max_length, scale=scale, **extra)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_length if max_length_k is None else max_length_k
+    return _FUSED_KERNEL(query, key, value, cu_seqlens, cu_k, max_length, max_k, scale=scale, **extra)
 
 
 def _autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -116,7 +141,9 @@ def varlen_sdpa_attention(
 
     Boundaries come from ``cu_seq_lens_q`` / ``max_length_q`` (hone's packed micro-batches), or,
     for a caller that passes packed ``position_ids`` and no mask, from the positions. Anything
-    else (a padding mask, a KV cache) is transformers' sdpa.
+    else (a padding mask, a KV cache) is transformers' sdpa. Shared-prompt pairs also pass
+    :data:`TREE_KEYS` (:func:`tree_boundaries`): the keys and values are gathered in that order
+    and segmented by ``cu_seq_lens_k``.
     """
     cu_seqlens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     batch, heads, width, dim = query.shape
@@ -130,8 +157,14 @@ def varlen_sdpa_attention(
             f"{VARLEN_SDPA} computes plain causal attention per document; this layer asks for "
             f"dropout {dropout}, sliding_window {kwargs.get('sliding_window')}, softcap {kwargs.get('softcap')}"
         )
-    flat = [t.transpose(1, 2).reshape(batch * width, t.shape[1], dim) for t in _autocast_inputs(query, key, value)]
-    out = varlen_attention(*flat, cu_seqlens, int(max_length or width), scaling)
+    q, k, v = (t.transpose(1, 2).reshape(batch * width, t.shape[1], dim) for t in _autocast_inputs(query, key, value))
+    tree_keys = kwargs.get(TREE_KEYS)
+    if tree_keys is None:
+        out = varlen_attention(q, k, v, cu_seqlens, int(max_length or width), scaling)
+    else:
+        k, v = k[tree_keys], v[tree_keys]
+        max_k = int(kwargs.get("max_length_k") or width)
+        out = varlen_attention(q, k, v, cu_seqlens, int(max_length or width), scaling, kwargs["cu_seq_lens_k"], max_k)
     return out.view(batch, width, heads, dim), None
 
 
