@@ -21,7 +21,8 @@ go through the output head.
 Its row part is ``prompt[:-1]`` (the shared trunk), then ``prompt[-1] + chosen`` (branch 1),
 then ``prompt[-1] + rejected`` (branch 2); both branches continue the trunk's positions
 (``len(prompt) - 1`` onwards) and attend to the trunk and to themselves only, never to each
-other (the attention reads ``branches``: :mod:`hone.models.attention.packed_mask`). The prompt's
+other (hone's masks read ``branches``: :mod:`hone.models.attention.packed_mask`; the varlen
+kernel reads the same tree as segments, ``tree``: :func:`tree_boundaries`). The prompt's
 last token opens each branch so that the hidden state predicting each completion's first token
 sits in its own branch: every target position still has one segment. A pair is then
 ``len(prompt) + len(chosen) + len(rejected) + 1`` tokens instead of ``2 len(prompt) + ...``;
