@@ -70,6 +70,15 @@ class DistributedConfig(Section):
     are the unchunked ones; only the order of the expert gradients' sums differs). ``auto``: 1,
     one exchange each way, until ``hone bench`` shows chunks paying for their smaller GEMMs."""
 
+    expert_parallel_recompute: bool = False
+    """Expert parallelism: recompute each MoE layer's local experts (the grouped GEMMs on the rows
+    a rank received, between its two exchanges) in the backward instead of keeping their buffers
+    from the forward. Those buffers are sized by the capacity: by default the worst case,
+    ``N x T x min(k, E / N)`` pair rows a layer, up to ``N`` times one process's, and at ``N = 4``
+    they make most of a rank's peak. Only the received rows are kept, and the exchanges are not
+    repeated. It costs one more forward of the local experts a layer. Exact: the recomputed rows
+    are the forward's. ``false`` (the default) until it is measured on GPUs."""
+
     context_parallel: int = 1
     """Context parallelism: each sequence is split along its length over ``N`` consecutive ranks
     (DeepSpeed-Ulysses: every rank runs the projections, MLP, norms and loss on its contiguous
@@ -126,6 +135,11 @@ class DistributedConfig(Section):
             raise ValueError(
                 f"distributed.expert_parallel_chunks: {chunks} splits the exchanges of expert parallelism, which is off "
                 "(distributed.expert_parallel: 1): set expert_parallel, or remove expert_parallel_chunks"
+            )
+        if self.expert_parallel_recompute and self.expert_parallel == 1:
+            raise ValueError(
+                "distributed.expert_parallel_recompute: true recomputes the local experts of expert parallelism, which "
+                "is off (distributed.expert_parallel: 1): set expert_parallel, or remove expert_parallel_recompute"
             )
         if ep != "auto" and ep > 1 and self.strategy == "none":
             raise ValueError(

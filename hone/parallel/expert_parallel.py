@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from hone.errors import HoneError
 from hone.kernels.gated_rows import gated_rows
@@ -500,6 +501,7 @@ def expert_parallel_experts(
     use_kernels: bool | None = None,
     max_tokens: int | None = None,
     chunks: int = 1,
+    recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [T, H], overflow [])``: the routed experts of ``hidden [T, H]`` (``top_k_index`` in
     global expert ids, ``top_k_weights [T, k]``) computed by the ranks holding them; ``out`` in
@@ -517,7 +519,10 @@ def expert_parallel_experts(
     experts, so that the exchanges of one chunk can run while another computes (overlap, where
     the collectives are asynchronous: compiled, or NCCL). The same function: each token's rows,
     choices and partials are the unchunked ones, only the order of the expert gradients' sums
-    differs. A capacity is split evenly over the chunks (rounded up to a multiple of 8)."""
+    differs. A capacity is split evenly over the chunks (rounded up to a multiple of 8).
+
+    ``recompute``: the local experts run again in the backward (:func:`_recomputed`), so the
+    capacity-sized buffers between the exchanges are not kept."""
     n_tokens, k = top_k_index.shape
     if hidden.dim() != 2 or hidden.shape[0] != n_tokens or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
@@ -535,9 +540,10 @@ def expert_parallel_experts(
     experts = LocalExperts(
         gate_up_local, down_local, layout, gate_up_bias, down_bias, gate_up_lora, down_lora, scaling, down_scaling
     )
+    run = _recomputed if recompute else local_experts
     if chunks == 1:
         sent = dispatch(hidden, top_k_index, top_k_weights, shard, max_tokens or n_tokens)
-        partials = local_experts(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
+        partials = run(sent.rows, sent.local_ids, sent.weights, experts, capacity, use_kernels)
         return combine(partials.rows, sent.plan, shard).to(hidden.dtype), partials.overflow
     bounds, slots = token_chunks(n_tokens, max_tokens or n_tokens, chunks)
     per_chunk = None if capacity is None else _whole_blocks(-(-capacity // chunks))  # an even share
@@ -545,10 +551,32 @@ def expert_parallel_experts(
     sent = [dispatch(hidden[a:b], top_k_index[a:b], top_k_weights[a:b], shard, slots) for a, b in bounds]
     outs, overflow = [], None
     for chunk in sent:
-        partials = local_experts(chunk.rows, chunk.local_ids, chunk.weights, experts, per_chunk, use_kernels)
+        partials = run(chunk.rows, chunk.local_ids, chunk.weights, experts, per_chunk, use_kernels)
         outs.append(combine(partials.rows, chunk.plan, shard))
         overflow = partials.overflow if overflow is None else overflow + partials.overflow
     return torch.cat(outs).to(hidden.dtype), overflow
+
+
+def _recomputed(
+    rows: torch.Tensor,
+    local_ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: LocalExperts,
+    capacity: int | None,
+    use_kernels: bool | None,
+) -> Partials:
+    """:func:`local_experts` under activation checkpointing: the backward keeps the received
+    ``rows``, ids and weights only, and runs the experts' forward again before its own, with the
+    same kernels on the same rows, so the gradients are those of the kept run. The exchanges stay
+    outside: nothing travels twice. The experts' weights and LoRA factors are read from
+    ``experts`` (a closure), which the checkpoint sees through."""
+
+    def run(rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        partials = local_experts(rows, local_ids, weights, experts, capacity, use_kernels)
+        return partials.rows, partials.overflow
+
+    out, overflow = checkpoint(run, rows, local_ids, weights, use_reentrant=False)
+    return Partials(out, overflow)
 
 
 def token_chunks(n_tokens: int, max_tokens: int, chunks: int) -> tuple[list[tuple[int, int]], int]:

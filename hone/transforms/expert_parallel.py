@@ -210,10 +210,13 @@ def _groups(ctx: PlanContext) -> ExpertGroups:
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     groups, capacity, max_tokens = _groups(ctx), _capacity(ctx), _max_tokens(ctx)
-    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups, _chunks(ctx))
+    recompute = ctx.cfg.distributed.expert_parallel_recompute
+    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups, _chunks(ctx), recompute)
     rule = "worst case: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
     details = {"ranks": groups.size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
     details["chunks"] = _chunks(ctx)
+    if recompute:
+        details["recompute"] = "the local experts, in the backward"
     if groups.replica_count > 1:
         details["replicas"] = f"{groups.replica_count} (expert gradients summed over them once per step)"
     return details
@@ -250,7 +253,8 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups, _chunks(ctx))
+            recompute = ctx.cfg.distributed.expert_parallel_recompute
+            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups, _chunks(ctx), recompute)
         return None  # split in place: the module stays
 
     return keep_block

@@ -52,6 +52,7 @@ class Case:
     fsdp: bool = False  # FSDP2 beside expert parallelism (distributed.strategy: fsdp), else DDP
     quantize: str = "none"  # model.quantize (mxfp4: the experts in MXFP4, LoRA only)
     chunks: int = 1  # distributed.expert_parallel_chunks
+    recompute: bool = False  # distributed.expert_parallel_recompute
 
     @property
     def name(self) -> str:
@@ -60,6 +61,7 @@ class Case:
         extra += "-fsdp" if self.fsdp else ""
         extra += f"-{self.quantize}" if self.quantize != "none" else ""
         extra += f"-chunks-{self.chunks}" if self.chunks != 1 else ""
+        extra += "-recompute" if self.recompute else ""
         return f"{self.adapter}-{'packed' if self.packed else 'padded'}{extra}"
 
 
@@ -70,8 +72,9 @@ GPT_OSS = Case("full", False, "tiny-gpt-oss")
 #: at most 24 tokens (48 pairs), so none overflows however skewed the tiny router is (it is).
 CAPPED = Case("lora", False, capacity_factor=1.0)
 #: Compiled and checkpointed; the LoRA case exchanges its tokens in two chunks (the traced
-#: functional collectives of each chunk), the full one in one.
-SLOW_CASES = [Case("lora", True, composed=True, chunks=2), Case("full", True, composed=True, fsdp=True)]
+#: functional collectives of each chunk) and recomputes its local experts in the backward (a
+#: checkpoint traced inside the compiled layer), the full one in one chunk, kept.
+SLOW_CASES = [Case("lora", True, composed=True, chunks=2, recompute=True), Case("full", True, composed=True, fsdp=True)]
 #: FSDP2 shards everything outside the experts (attention, router, norms, embeddings, head).
 FSDP_CASES = [Case("lora", True, fsdp=True), Case("full", False, fsdp=True)]
 
@@ -110,6 +113,7 @@ def make_config(
             "expert_parallel": expert_parallel,
             "expert_capacity_factor": case.capacity_factor,
             "expert_parallel_chunks": case.chunks,
+            "expert_parallel_recompute": case.recompute,
             **({"strategy": "fsdp"} if case.fsdp else {}),
         },
         **(COMPOSED if case.composed else {}),

@@ -26,7 +26,11 @@ EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gu_
 SMALL_CAPACITY = 8  # pair rows: the skewed case's 64 pairs, all on rank 1, do not fit
 #: Token chunks the cases also run in (name suffix): 3 of 6, 6 and 4 tokens; 4 of 10 slots each
 #: with exchanges sized for 40 tokens (a rank routing fewer than the most: two empty chunks).
-CHUNKED = {"chunks=3": (3, None), "chunks=4,max=40": (4, 40)}
+CHUNKED = {"chunks=3": {"chunks": 3}, "chunks=4,max=40": {"chunks": 4, "max_tokens": 40}}
+#: The local experts recomputed in the backward (``recompute``), whole and in chunks.
+RECOMPUTED = {"recompute": {"recompute": True}, "chunks=3,recompute": {"chunks": 3, "recompute": True}}
+#: Every variant a case also runs as (``case/suffix``).
+VARIANTS = {**CHUNKED, **RECOMPUTED}
 
 
 def make_case(name: str) -> dict:
@@ -99,19 +103,19 @@ def rank_results(rank: int, device: str = "cpu", use_kernels: bool | None = None
         t = leaves(case, lambda key, v: v[tokens] if key in ("hidden", "weights") else shard.local(v), device)
         index = case["index"][tokens].to(device)
 
-        def run(capacity=None, chunks=1, max_tokens=None, t=t, case=case, index=index):
+        def run(capacity=None, t=t, case=case, index=index, **variant):
             return expert_parallel_experts(
                 t["hidden"], index, t["weights"], t["gate_up_proj"], t["down_proj"], case["layout"], shard,
                 biases=(t["gate_up_bias"], t["down_bias"]), lora=lora_of(t), scaling=SCALING, down_scaling=DOWN_SCALING,
-                capacity=capacity, use_kernels=use_kernels, chunks=chunks, max_tokens=max_tokens,
+                capacity=capacity, use_kernels=use_kernels, **variant,
             )  # fmt: skip
 
         got, overflow = run()
         (got * case["cotangent"][tokens].to(device)).sum().backward()
         results[name] = {"out": got.detach().cpu(), "overflow": overflow.item(), "grads": grads_of(t)}
-        for suffix, (chunks, max_tokens) in CHUNKED.items():
+        for suffix, variant in VARIANTS.items():
             t = leaves(case, lambda key, v: v[tokens] if key in ("hidden", "weights") else shard.local(v), device)
-            got, overflow = run(chunks=chunks, max_tokens=max_tokens, t=t)
+            got, overflow = run(t=t, **variant)
             (got * case["cotangent"][tokens].to(device)).sum().backward()
             results[f"{name}/{suffix}"] = {"out": got.detach().cpu(), "overflow": overflow.item(), "grads": grads_of(t)}
         if name.endswith("skewed"):
@@ -139,7 +143,7 @@ def reference(name: str) -> tuple[torch.Tensor, dict]:
 
 def compare(ranks: list[dict], name: str, tolerance: float) -> list[str]:
     """What differs (relative error in norm above ``tolerance``) between the ranks' results and the
-    reference (``name``: a case, or a case run in chunks, ``case/chunks=...``)."""
+    reference (``name``: a case, or a case run as a variant, ``case/suffix``: :data:`VARIANTS`)."""
     want, want_grads = reference(name.split("/")[0])
     per_expert = EXPERTS // WORLD
     problems = []

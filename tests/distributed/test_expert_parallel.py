@@ -14,6 +14,7 @@ import torch
 from expert_parallel_cases import (
     CASES,
     CHUNKED,
+    RECOMPUTED,
     SMALL_CAPACITY,
     TOKENS,
     TOP_K,
@@ -50,6 +51,14 @@ def test_tokens_exchanged_in_chunks_give_the_same_outputs_and_gradients(ranks, n
     """Every chunk's exchanges first, then each chunk's experts and combine: the same function
     (three uneven chunks; four of which two are empty where the exchanges are sized for more tokens)."""
     assert compare(ranks, f"{name}/{chunks}", tolerance=1e-5) == []
+
+
+@pytest.mark.parametrize("variant", list(RECOMPUTED))
+@pytest.mark.parametrize("name", list(CASES))
+def test_local_experts_recomputed_in_the_backward_give_the_same_outputs_and_gradients(ranks, name, variant):
+    """``recompute``: the backward keeps the received rows only and runs the local experts again
+    (whole, and in three chunks)."""
+    assert compare(ranks, f"{name}/{variant}", tolerance=1e-5) == []
 
 
 def test_skewed_routing_leaves_rank_0_idle_and_empty_experts(ranks):

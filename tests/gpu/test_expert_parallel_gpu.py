@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from expert_parallel_cases import CASES, SMALL_CAPACITY, TOKENS, TOP_K, WORLD, compare, rank_results  # noqa: E402
+from expert_parallel_cases import CASES, RECOMPUTED, SMALL_CAPACITY, TOKENS, TOP_K, WORLD, compare, rank_results  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from expert_local_checks import local_case, relative_errors  # noqa: E402
@@ -115,7 +115,8 @@ def _nccl_worker(rank: int, port: int, out: Path) -> None:
 def test_two_gpus_through_the_grouped_kernels_equal_the_reference(tmp_path):
     mp.start_processes(_nccl_worker, args=(_free_port(), tmp_path), nprocs=WORLD, start_method="spawn")
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(WORLD)]
-    problems = [problem for name in CASES for problem in compare(ranks, name, tolerance=1e-4)]
+    names = [*CASES, *(f"{name}/{variant}" for name in CASES for variant in RECOMPUTED)]
+    problems = [problem for name in names for problem in compare(ranks, name, tolerance=1e-4)]
     assert problems == []
     every_pair = WORLD * TOKENS * TOP_K  # all on rank 1
     assert [results["qwen3_moe-skewed"]["small_overflow"] for results in ranks] == [0, every_pair - SMALL_CAPACITY]

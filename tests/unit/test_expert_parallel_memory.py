@@ -16,7 +16,14 @@ LAYERS, R = 8, 16
 E, HIDDEN, MOE_INTER, TOP_K = 128, 2048, 768, 8
 
 
-def config(expert_parallel: int = 1, seq: int = 1024, factor: float | None = None, layers: int = LAYERS, lora: bool = True):
+def config(
+    expert_parallel: int = 1,
+    seq: int = 1024,
+    factor: float | None = None,
+    layers: int = LAYERS,
+    lora: bool = True,
+    recompute: bool = False,
+):
     cfg = parse_config(
         {
             "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16", "preset_overrides": {"num_hidden_layers": layers}},
@@ -32,7 +39,9 @@ def config(expert_parallel: int = 1, seq: int = 1024, factor: float | None = Non
         }
     )
     # the key distributed.expert_parallel may not be in this config schema yet: set it as the run reads it
-    distributed = cfg.distributed.model_copy(update={"expert_parallel": expert_parallel, "expert_capacity_factor": factor})
+    distributed = cfg.distributed.model_copy(
+        update={"expert_parallel": expert_parallel, "expert_capacity_factor": factor, "expert_parallel_recompute": recompute}
+    )
     return cfg.model_copy(update={"distributed": distributed})
 
 
@@ -73,6 +82,20 @@ def test_the_received_rows_and_the_pair_rows_count_as_activations(factor):
     per_layer = tokens * int(c * 2 * HIDDEN + extra_pairs * per_pair)  # the 2 x T received rows, the extra pair rows
     assert two.activations_per_layer - one.activations_per_layer == per_layer
     assert all(layer.moe for layer in m.layers)
+
+
+def test_recomputed_local_experts_keep_only_the_received_rows():
+    """``expert_parallel_recompute``: no pair row is kept (not even one process's k per token);
+    one layer's worst-case pair rows exist while its backward rebuilds them."""
+    tokens, c, n = 1024, 2, 4
+    one, kept, recomputed = (
+        estimate(config(size, tokens, recompute=size > 1 and r)) for size, r in ((1, False), (n, False), (n, True))
+    )
+    per_pair = c * (3 * MOE_INTER + HIDDEN)
+    assert recomputed.activations_per_layer - one.activations_per_layer == tokens * (c * n * HIDDEN - TOP_K * per_pair)
+    layer_pairs = tokens * n * TOP_K * per_pair  # 4 x min(8, 32) pair rows a token, one layer
+    # every layer's kept pair rows go, one layer's come back in its backward (the workspace scales with them)
+    assert 0.9 * (LAYERS - 1) * layer_pairs <= kept.total - recomputed.total <= 1.1 * LAYERS * layer_pairs
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -39,6 +39,7 @@ def config(model=None, adapter="none", **distributed):
         (MOE, {"expert_parallel": 2, "strategy": "none"}, "runs on several processes, which distributed.strategy: none refuses"),
         (MOE, {"expert_parallel": 2, "expert_capacity_factor": 0}, "expert_capacity_factor: 0.0 must be a positive"),
         (MOE, {"expert_capacity_factor": 1.25}, "sizes the exchanges of expert parallelism, which is off"),
+        (MOE, {"expert_parallel_recompute": True}, "expert_parallel_recompute: true recomputes the local experts"),
         ({**MOE, "experts_implementation": "grouped_mm"}, {"expert_parallel": 2}, "model.experts_implementation is 'grouped_mm'"),
     ],
 )

@@ -44,6 +44,8 @@ EXPERT_TOKENS_ATTR = "hone_expert_max_tokens"
 EXPERT_CAPACITY_ATTR = "hone_expert_capacity"
 #: The consecutive token chunks its exchanges run in (``distributed.expert_parallel_chunks``; 1: one).
 EXPERT_CHUNKS_ATTR = "hone_expert_chunks"
+#: Whether its local experts are recomputed in the backward (``distributed.expert_parallel_recompute``).
+EXPERT_RECOMPUTE_ATTR = "hone_expert_recompute"
 #: With a capacity factor: the module's buffer counting the pairs over capacity on the device,
 #: summed over its forwards until the run reads and clears it (once per micro-batch).
 EXPERT_OVERFLOW_BUFFER = "hone_expert_overflow"
@@ -223,6 +225,7 @@ def expert_parallel_forward(
         capacity=capacity,
         max_tokens=max_tokens,
         chunks=getattr(module, EXPERT_CHUNKS_ATTR, 1),
+        recompute=getattr(module, EXPERT_RECOMPUTE_ATTR, False),
     )
     if capacity is not None:
         getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)

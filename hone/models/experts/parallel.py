@@ -33,6 +33,7 @@ from hone.models.experts.backend import (
     EXPERT_CAPACITY_ATTR,
     EXPERT_CHUNKS_ATTR,
     EXPERT_OVERFLOW_BUFFER,
+    EXPERT_RECOMPUTE_ATTR,
     EXPERT_SHARD_ATTR,
     EXPERT_TOKENS_ATTR,
     experts_modules,
@@ -59,14 +60,15 @@ def shard_module(
     capacity: int | None = None,
     groups: ExpertGroups | None = None,
     chunks: int = 1,
+    recompute: bool = False,
 ) -> bool:
     """Keep, in the experts module ``module``, this ``rank``'s block of experts out of ``size``
     ranks (new Parameters, cloned, with the same ``requires_grad``), and mark it with its shard
     (over every rank: the default process group, and the model stays picklable; ``groups``: an
     expert-parallel group smaller than the job, and the replicas of the block), the most tokens a
     forward routes per rank and the expert pair rows (None: the worst case; else a buffer
-    counts the pairs over capacity) and the token chunks its exchanges run in. False where it was
-    split already (idempotent)."""
+    counts the pairs over capacity), the token chunks its exchanges run in and whether its local
+    experts are recomputed in the backward. False where it was split already (idempotent)."""
     if expert_shard(module) is not None:
         return False
     names = [n for n in SHARDED_TENSORS if isinstance(getattr(module, n, None), nn.Parameter)]
@@ -86,6 +88,7 @@ def shard_module(
     setattr(module, EXPERT_TOKENS_ATTR, max_tokens)
     setattr(module, EXPERT_CAPACITY_ATTR, capacity)
     setattr(module, EXPERT_CHUNKS_ATTR, chunks)
+    setattr(module, EXPERT_RECOMPUTE_ATTR, recompute)
     if capacity is not None:
         device = getattr(module, names[0]).device
         # split on the meta device (an MXFP4 checkpoint's loader): a real counter, moved to the device with the buffers
@@ -103,11 +106,12 @@ def shard_experts(
     capacity: int | None = None,
     groups: ExpertGroups | None = None,
     chunks: int = 1,
+    recompute: bool = False,
 ) -> int:
     """:func:`shard_module` on every experts module of ``model``; returns how many it holds."""
     modules = experts_modules(model)
     for _, module in modules:
-        shard_module(module, size, rank, max_tokens, capacity, groups, chunks)
+        shard_module(module, size, rank, max_tokens, capacity, groups, chunks, recompute)
     return len(modules)
 
 

@@ -29,8 +29,10 @@ from hone.transforms.memory.terms.expert_parallel import (
     expert_blocks_beside_fsdp,
     expert_capacity_factor,
     expert_parallel_note,
+    expert_parallel_recompute,
     expert_parallel_size,
     expert_state_saved,
+    recomputed_experts_bytes,
 )
 from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
 from hone.transforms.memory.terms.fsdp import sharded_state
@@ -133,19 +135,19 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     m = model_facts(cfg)
     step = resolve_step(cfg, knobs, m)
     # the layers: what each keeps without checkpointing (expert parallel: the exchanged rows), then under the policy
-    ep, factor = expert_parallel_size(cfg), expert_capacity_factor(cfg)
+    ep, factor, ep_recompute = expert_parallel_size(cfg), expert_capacity_factor(cfg), expert_parallel_recompute(cfg)
     full = per_layer(
         m,
         lambda layer: (
             step_layer_bytes(step, layer, m).at(step.tokens, step.sequence_len)
-            + dispatch_bytes_per_token(layer, m, ep, factor) * step.tokens
+            + dispatch_bytes_per_token(layer, m, ep, factor, ep_recompute) * step.tokens
         ),
     )
     kept = kept_by_policy(m, step, full)
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
     # the MLP's backward (tiled: one shard at a time)
-    transient = mlp_backward_transient(m, step)
+    transient = mlp_backward_transient(m, step) + recomputed_experts_bytes(cfg, m, step.tokens)
     host, host_total = host_bytes(step, kept.offloaded)
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
     step_transient = optimizer_step_transient(cfg, m, step.param_shards)

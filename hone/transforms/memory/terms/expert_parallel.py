@@ -13,7 +13,9 @@
   backward) where one process holds ``T x k``: ``R = N x T x min(k, E / N)`` by default (nothing
   can overflow), ``f x T x k`` with ``distributed.expert_capacity_factor f``
   (:func:`hone.parallel.expert_parallel.expert_capacity`). Sentinel rows are skipped by the
-  kernels' compute, not their storage.
+  kernels' compute, not their storage. With ``distributed.expert_parallel_recompute`` the pair
+  rows are not kept (the local experts run again in the backward), and one layer's pair rows
+  exist at a time while its backward runs.
 """
 
 from typing import Any
@@ -58,17 +60,49 @@ def expert_capacity_factor(cfg: Any) -> float | None:
     return getattr(cfg.distributed, "expert_capacity_factor", None)
 
 
-def dispatch_bytes_per_token(layer: LayerFacts, m: ModelFacts, size: int, capacity_factor: float | None = None) -> int:
+def expert_parallel_recompute(cfg: Any) -> bool:
+    """``distributed.expert_parallel_recompute``, read like the size."""
+    return bool(getattr(cfg.distributed, "expert_parallel_recompute", False))
+
+
+def _pair_rows(m: ModelFacts, size: int, capacity_factor: float | None) -> float:
+    """Pair rows per token a rank's grouped kernels hold (one process: ``k``)."""
+    k = m.top_k
+    return size * min(k, max(m.experts // size, 1)) if capacity_factor is None else capacity_factor * k
+
+
+def _bytes_per_pair(layer: LayerFacts, m: ModelFacts) -> int:
+    """What a pair row of the grouped path keeps for the backward (gate/up output, activation,
+    expert output; the inputs too where the experts train)."""
+    c, h, im = m.compute_bytes, m.hidden, m.expert_intermediate
+    return c * (3 * im + h) + (c * (h + im) if layer.experts_trainable else 0)
+
+
+def dispatch_bytes_per_token(
+    layer: LayerFacts, m: ModelFacts, size: int, capacity_factor: float | None = None, recompute: bool = False
+) -> int:
     """Bytes per token of the micro-batch that one MoE layer keeps beyond one process's under
     expert parallelism over ``size`` ranks: the received token rows (``N`` per token) and the
     pair rows past one process's ``k`` per token (``N x min(k, E / N)`` by default, ``f x k``
-    with a capacity factor ``f``)."""
+    with a capacity factor ``f``). With ``recompute`` no pair row is kept, not even one
+    process's ``k``, so the result can be negative."""
     if size <= 1 or not layer.moe:
         return 0
-    c, k, h, im = m.compute_bytes, m.top_k, m.hidden, m.expert_intermediate
-    pairs = size * min(k, max(m.experts // size, 1)) if capacity_factor is None else capacity_factor * k
-    per_pair = c * (3 * im + h) + (c * (h + im) if layer.experts_trainable else 0)
-    return int(c * size * h + max(pairs - k, 0.0) * per_pair)
+    received = m.compute_bytes * size * m.hidden
+    pairs = _pair_rows(m, size, capacity_factor)
+    kept = -m.top_k if recompute else max(pairs - m.top_k, 0.0)
+    return int(received + kept * _bytes_per_pair(layer, m))
+
+
+def recomputed_experts_bytes(cfg: Any, m: ModelFacts, tokens: int) -> int:
+    """Under ``expert_parallel_recompute``: the pair rows of the one layer whose local experts are
+    rebuilt for its backward (0 without it, or without MoE layers)."""
+    size = expert_parallel_size(cfg)
+    if size <= 1 or not expert_parallel_recompute(cfg):
+        return 0
+    factor = expert_capacity_factor(cfg)
+    moe = [layer for layer in m.layers if layer.moe]
+    return max((int(_pair_rows(m, size, factor) * _bytes_per_pair(layer, m)) * tokens for layer in moe), default=0)
 
 
 def expert_parallel_note(m: ModelFacts, size: int) -> str | None:
