@@ -157,10 +157,9 @@ class ModelConfig(Section):
     CUDA, bfloat16/float16, a model without sliding-window layers, attention dropout or logit
     soft-capping; elsewhere through hone's block-diagonal mask. Preference pairs sharing their
     prompt take the same kernel (their rejected branch a segment with the prompt's keys gathered
-    again) where it runs. ``false``: always the mask (for shared prompts too, which then take
-    flex attention on a compiling GPU only with ``attn_implementation: flex_attention``: sdpa's
-    tree mask otherwise). ``true``: the kernel or a clear error before training. Read with
-    ``sample_packing`` and with ``training.preference.share_prompt``."""
+    again) where it runs. ``false``: always the mask (shared prompts: sdpa's tree mask).
+    ``true``: the kernel or a clear error before training. Read with ``sample_packing`` and with
+    ``training.preference.share_prompt``."""
 
     experts_implementation: ExpertsImplementation = "auto"
     """How mixture-of-experts layers compute their experts (transformers' experts interface):

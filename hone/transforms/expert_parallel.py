@@ -199,6 +199,11 @@ def _chunks(ctx: PlanContext) -> int:
     return 1 if chunks == "auto" else chunks
 
 
+def _recompute(ctx: PlanContext) -> bool:
+    """Whether the local experts run again in the backward (``expert_parallel_recompute``)."""
+    return ctx.cfg.distributed.expert_parallel_recompute
+
+
 def _groups(ctx: PlanContext) -> ExpertGroups:
     """This rank's groups: every rank of the job where ``N`` is the world size (the default
     group), else its ``N`` consecutive ranks and its block's replicas (created once)."""
@@ -210,12 +215,11 @@ def _groups(ctx: PlanContext) -> ExpertGroups:
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     groups, capacity, max_tokens = _groups(ctx), _capacity(ctx), _max_tokens(ctx)
-    recompute = ctx.cfg.distributed.expert_parallel_recompute
-    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups, _chunks(ctx), recompute)
+    modules = shard_experts(model, groups.size, groups.rank, max_tokens, capacity, groups, _chunks(ctx), _recompute(ctx))
     rule = "worst case: no pair can overflow" if capacity is None else f"factor {_factor(ctx)}: overflow stops the run"
     details = {"ranks": groups.size, "experts_modules": modules, "max_tokens": max_tokens, "capacity": capacity, "rule": rule}
     details["chunks"] = _chunks(ctx)
-    if recompute:
+    if _recompute(ctx):
         details["recompute"] = "the local experts, in the backward"
     if groups.replica_count > 1:
         details["replicas"] = f"{groups.replica_count} (expert gradients summed over them once per step)"
@@ -253,8 +257,7 @@ def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:
 
     def keep_block(module: nn.Module) -> None:
         if is_experts_module(module):
-            recompute = ctx.cfg.distributed.expert_parallel_recompute
-            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups, _chunks(ctx), recompute)
+            shard_module(module, groups.size, groups.rank, _max_tokens(ctx), capacity, groups, _chunks(ctx), _recompute(ctx))
         return None  # split in place: the module stays
 
     return keep_block

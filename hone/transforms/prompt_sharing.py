@@ -8,8 +8,9 @@ segment whose keys are the prompt's gathered again (``varlen``); flex attention 
 mask that skips the blocks nobody attends to (``flex``); sdpa with a dense mask (``mask``).
 ``auto`` shares wherever one of them runs the model as configured (sdpa or flex_attention, every
 layer attending to the whole row, no attention sinks) and picks, for ``sdpa``, the varlen kernel
-where it runs (CUDA, bf16/fp16, plain causal layers): on an H200 its backward is 3x faster than
-compiled flex attention's on the tree mask (12 vs 40 ms a qwen3-8b step; session 21's profile).
+where it runs (CUDA, bf16/fp16, plain causal layers): in an H200 profile of a qwen3-8b DPO step
+(benchmarks/2026-11-28-h200-dpo.md) that kernel's backward took 12 ms on the unshared rows,
+compiled flex attention's 40 ms on the shared row's tree mask.
 Elsewhere, on a GPU with compiled layers, flex attention (it computes only the blocks the tree
 keeps, where sdpa's masked kernel computes every block), else sdpa with the dense mask (flex
 attention uncompiled materialises the scores).
@@ -20,6 +21,7 @@ from typing import Any, Literal
 from hone.config.root import HoneConfig
 from hone.models.attention.setup import FLEX_MIN_HEAD_DIM, causal_blockers, varlen_blockers
 from hone.models.model_dir import attention_head_dim
+from hone.models.precision import precision_for
 from hone.transforms.base import RunFacts
 
 #: How a shared-prompt row reaches the attention: torch's varlen kernel with the prompt's keys
@@ -91,8 +93,6 @@ def share_prompt_choice(cfg: HoneConfig, facts: RunFacts, compiles: bool) -> tup
 def _varlen_runs(cfg: HoneConfig, facts: RunFacts, config: Any) -> bool:
     """Whether torch's varlen kernel runs this model here (as the attention transform will find
     once the model is loaded: :func:`~hone.models.attention.setup.varlen_blockers`)."""
-    from hone.models.precision import precision_for
-
     compute = precision_for(cfg.model.dtype, full_finetune=not cfg.adapter.is_lora).compute
     return config is not None and not varlen_blockers(config, facts.device, compute)
 

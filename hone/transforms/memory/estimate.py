@@ -147,7 +147,7 @@ def estimate_memory(cfg: HoneConfig, knobs: Knobs) -> MemoryEstimate:
     # tiled layers: the layer rebuilt in the backward is one chunk of it
     recompute = rebuilt_chunk_bytes(m, step) if step.chunks else kept.recompute
     # the MLP's backward (tiled: one shard at a time)
-    transient = mlp_backward_transient(m, step) + recomputed_experts_bytes(cfg, m, step.tokens)
+    transient = mlp_backward_transient(m, step) + recomputed_experts_bytes(m, ep, factor, ep_recompute, step.tokens)
     host, host_total = host_bytes(step, kept.offloaded)
     weights, grads, optimizer = training_state(cfg, m, step.param_shards)
     step_transient = optimizer_step_transient(cfg, m, step.param_shards)

@@ -94,15 +94,13 @@ def dispatch_bytes_per_token(
     return int(received + kept * _bytes_per_pair(layer, m))
 
 
-def recomputed_experts_bytes(cfg: Any, m: ModelFacts, tokens: int) -> int:
-    """Under ``expert_parallel_recompute``: the pair rows of the one layer whose local experts are
-    rebuilt for its backward (0 without it, or without MoE layers)."""
-    size = expert_parallel_size(cfg)
-    if size <= 1 or not expert_parallel_recompute(cfg):
+def recomputed_experts_bytes(m: ModelFacts, size: int, capacity_factor: float | None, recompute: bool, tokens: int) -> int:
+    """With ``recompute`` (``expert_parallel_recompute``) over ``size`` ranks: the pair rows of the
+    one layer whose local experts are rebuilt for its backward (0 without it, or without MoE layers)."""
+    if size <= 1 or not recompute:
         return 0
-    factor = expert_capacity_factor(cfg)
     moe = [layer for layer in m.layers if layer.moe]
-    return max((int(_pair_rows(m, size, factor) * _bytes_per_pair(layer, m)) * tokens for layer in moe), default=0)
+    return max((int(_pair_rows(m, size, capacity_factor) * _bytes_per_pair(layer, m)) * tokens for layer in moe), default=0)
 
 
 def expert_parallel_note(m: ModelFacts, size: int) -> str | None:
