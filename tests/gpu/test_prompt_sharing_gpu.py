@@ -40,7 +40,13 @@ def _run(tmp_path, share: bool, dtype: str, pairs, seed: int):
         model={"preset": "tiny-llama", "dtype": dtype},
         data={"datasets": [{"path": "unused.jsonl", "type": "preference"}], "sequence_len": 384},
         adapter={"type": "lora", "lora_r": 4},
-        training={"micro_batch_size": 2, "max_steps": 3, "objective": "dpo", "preference": {"beta": 0.5, "share_prompt": share}},
+        # bf16 compares the first step only (the test's docstring): one step compiles less
+        training={
+            "micro_batch_size": 2,
+            "max_steps": 1 if dtype == "bfloat16" else 3,
+            "objective": "dpo",
+            "preference": {"beta": 0.5, "share_prompt": share},
+        },
         optimizer={"learning_rate": 1e-2, "adam_epsilon": 1e-3},
         performance={"torch_compile": True},
     )
@@ -79,7 +85,7 @@ def test_shared_prompts_train_through_the_plan_s_kernel_as_the_unshared_pairs(tm
     steps = list(zip(plain, shared, strict=True))
     names = ("loss", "logps/chosen", "logps/rejected")
     if dtype == "bfloat16":
-        steps, names = steps[:1], names[1:]
+        names = names[1:]
     for a, b in steps:
         for name in names:
             assert b[name] == pytest.approx(a[name], rel=rel, abs=rel), (name, seed)

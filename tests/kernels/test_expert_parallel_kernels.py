@@ -48,3 +48,13 @@ def test_grouped_mxfp4_local_experts_equal_the_dequantized_reference(mxfp4_resul
     assert {"out", "rows", "weights", "gu_A", "gu_B", "dn_A", "dn_B"} <= set(errors)
     bad = {name: err for name, err in errors.items() if isinstance(err, str) or err > 1e-5}
     assert not bad, bad
+
+
+def test_a_compiled_recomputed_local_step_saves_no_pair_row():
+    """``expert_parallel_recompute`` under the partitioner Inductor uses: the backward keeps the
+    received rows, choices and weights (and the experts), no tensor with a row per pair; the
+    local step without it keeps several."""
+    result = run_interpreted([str(Path(__file__).with_name("expert_recompute_checks.py"))])
+    rows, pairs = result["rows"], result["pairs"]
+    assert sum(dim >= pairs for dim in result["kept"]) >= 3
+    assert max(result["recomputed"]) == rows and all(dim < pairs for dim in result["recomputed"])

@@ -15,7 +15,13 @@
   (:func:`hone.parallel.expert_parallel.expert_capacity`). Sentinel rows are skipped by the
   kernels' compute, not their storage. With ``distributed.expert_parallel_recompute`` the pair
   rows are not kept (the local experts run again in the backward), and one layer's pair rows
-  exist at a time while its backward runs.
+  exist at a time while its backward runs, except one hidden-wide row per pair row: measured on
+  4 H200 (benchmarks/2026-11-28-h200x4-expert-parallel.md, qwen3-30b-a3b, 48 layers, CUDA graphs
+  on), the peaks were 55.4 GiB at N = 4 and 56.8 at N = 2 where the pair rows alone gave 31.8 and
+  45.1; an ``[R, hidden]`` buffer a layer (the size of the experts' output rows before their
+  weighted sum) accounts for both within 0.5 GiB. A compiled CPU run of the same local step
+  (the kernels under Triton's interpreter, inductor's partitioner) keeps only the received rows,
+  so the GPU run keeps it for a reason not yet found; the estimate counts what was measured.
 """
 
 from typing import Any
@@ -85,13 +91,15 @@ def dispatch_bytes_per_token(
     expert parallelism over ``size`` ranks: the received token rows (``N`` per token) and the
     pair rows past one process's ``k`` per token (``N x min(k, E / N)`` by default, ``f x k``
     with a capacity factor ``f``). With ``recompute`` no pair row is kept, not even one
-    process's ``k``, so the result can be negative."""
+    process's ``k`` (so the result can be negative), only a hidden-wide output row per pair row
+    (module docstring: measured, not yet explained)."""
     if size <= 1 or not layer.moe:
         return 0
     received = m.compute_bytes * size * m.hidden
     pairs = _pair_rows(m, size, capacity_factor)
-    kept = -m.top_k if recompute else max(pairs - m.top_k, 0.0)
-    return int(received + kept * _bytes_per_pair(layer, m))
+    if recompute:  # one process's k pair rows gone; the measured output row of each pair row kept
+        return int(received - m.top_k * _bytes_per_pair(layer, m) + pairs * m.compute_bytes * m.hidden)
+    return int(received + max(pairs - m.top_k, 0.0) * _bytes_per_pair(layer, m))
 
 
 def recomputed_experts_bytes(m: ModelFacts, size: int, capacity_factor: float | None, recompute: bool, tokens: int) -> int:
