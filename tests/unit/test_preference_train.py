@@ -200,3 +200,39 @@ def test_the_reference_switch_turns_off_peft_lora_and_hones_expert_lora():
     with adapters_off(fused)():
         assert all(w.disable_adapters for w in wrappers)
     assert not any(w.disable_adapters for w in wrappers)
+
+
+def test_the_reference_switch_restores_each_layer_as_it_found_it():
+    """The switch turns off only the layers that were on and turns back on only those, with their
+    adapters' ``requires_grad`` as PEFT's own ``disable_adapter`` leaves them; it never builds
+    PEFT's model status (a walk over every module each step)."""
+    from unittest import mock
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from hone.config.adapter import AdapterConfig
+    from hone.models.adapters import adapters_off, apply_adapter
+    from hone.testing import tiny_model, tiny_tokenizer
+
+    def state(model):
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        grads = {n: p.requires_grad for n, p in model.named_parameters() if "lora_" in n}
+        return [layer.disable_adapters for layer in layers], grads
+
+    def build():
+        adapter = AdapterConfig(type="lora", lora_r=4, lora_target_modules=["q_proj", "v_proj"])
+        model = apply_adapter(tiny_model("tiny-llama", tiny_tokenizer(), seed=SEED), adapter)
+        first = next(m for m in model.modules() if isinstance(m, BaseTunerLayer))
+        first.enable_adapters(False)  # one layer already off: it must stay off
+        return model
+
+    hone_model, peft_model = build(), build()
+    before = state(hone_model)
+    assert True in before[0] and False in before[0]
+    with mock.patch.object(type(hone_model), "get_model_status", side_effect=AssertionError("status built")):
+        with adapters_off(hone_model)():
+            inside = state(hone_model)
+    with peft_model.disable_adapter():
+        assert state(peft_model)[0] == inside[0] == [True] * len(inside[0])
+        assert state(peft_model)[1] == inside[1]
+    assert state(hone_model) == before
