@@ -19,9 +19,10 @@
   4 H200 (benchmarks/2026-11-28-h200x4-expert-parallel.md, qwen3-30b-a3b, 48 layers, CUDA graphs
   on), the peaks were 55.4 GiB at N = 4 and 56.8 at N = 2 where the pair rows alone gave 31.8 and
   45.1; an ``[R, hidden]`` buffer a layer (the size of the experts' output rows before their
-  weighted sum) accounts for both within 0.5 GiB. A compiled CPU run of the same local step
-  (the kernels under Triton's interpreter, inductor's partitioner) keeps only the received rows,
-  so the GPU run keeps it for a reason not yet found; the estimate counts what was measured.
+  weighted sum) accounts for both within 0.5 GiB. Compiled on the CPU (the kernels under
+  Triton's interpreter, Inductor's partitioner), the local step and the whole exchanged layer on
+  2 gloo ranks keep only the received rows, so the GPU run keeps it for a reason not yet found
+  (CUDA graphs, on for those rows, are the first suspect); the estimate counts what was measured.
 """
 
 from typing import Any
