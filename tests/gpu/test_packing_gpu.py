@@ -144,10 +144,20 @@ def test_bf16_lora_run_with_packing_learns(tmp_path, impl):
 # ---------------------------------------------------------------- torch's varlen kernel (bf16)
 
 
+@pytest.mark.parametrize("heads", ["as_they_are", "repeated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_varlen_kernel_matches_the_reference_forward_and_backward(dtype):
+def test_fused_varlen_kernel_matches_the_reference_forward_and_backward(dtype, heads, monkeypatch):
     """torch's kernel (grouped heads, head dim 128, documents of 1 to 700 tokens) against the
-    per-document sdpa reference in float32, values and gradients at half-precision tolerance."""
+    per-document sdpa reference in float32, values and gradients at half-precision tolerance;
+    the grouped key/value heads handed over as they are (where torch takes them: ``enable_gqa``
+    or the probe of :func:`~hone.models.attention.varlen.grouped_heads_native`) or repeated."""
+    from hone.models.attention import varlen
+
+    if heads == "repeated":
+        monkeypatch.setattr(varlen, "_TAKES_GQA", False)
+        monkeypatch.setattr(varlen, "_GROUPED_NATIVE", {})
+    elif not varlen.grouped_heads_native(CUDA):
+        pytest.skip(f"torch {torch.__version__}'s varlen wrapper refuses grouped heads (the probe said so)")
     gen = torch.Generator(device=CUDA).manual_seed(random.randrange(10_000))
     lengths = [700, 1, 33, 300, 129, 64, 5]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from hone.data.pairs import collate_pairs
 from hone.models.attention.setup import FLEX_MIN_HEAD_DIM
-from hone.models.attention.varlen import VARLEN_SDPA, reference_varlen_attention, varlen_attention
+from hone.models.attention.varlen import VARLEN_SDPA, grouped_heads_native, reference_varlen_attention, varlen_attention
 from hone.testing import tiny_config, tiny_llama, with_random_lora
 from hone.track.metrics import read_metrics
 from hone.train.loop import train_loop
@@ -96,7 +96,9 @@ def test_shared_prompts_train_through_the_plan_s_kernel_as_the_unshared_pairs(tm
 
 def test_the_varlen_kernel_on_the_tree_equals_its_reference_at_qwen3_8b_shapes():
     """Two pairs of a 512-token prompt and 768-token completions, 32 query and 8 key/value heads
-    of 128, bf16: output and the three input gradients against the fp32 reference."""
+    of 128, bf16: output and the three input gradients against the fp32 reference. The grouped
+    key/value heads go to the kernel as training hands them (probed first, as the plan does)."""
+    grouped_heads_native(CUDA)
     gen = random.Random(0)
     pairs = [
         {

@@ -183,3 +183,52 @@ def test_config_refuses_true_where_it_cannot_apply(model, data, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(raw)
     assert json.dumps(_cfg().model.sdpa_varlen) == '"auto"'
+
+
+# ---------------------------------------------------------------- grouped key/value heads
+
+
+def _grouped_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, **causal):
+    """What FlashAttention-2 does with fewer key/value heads than query heads (the reference)."""
+    return reference_varlen_attention(q, k, v, cu_q, scale, cu_k)
+
+
+def _refusing_kernel(q, k, v, *args, **kwargs):
+    if k.shape[1] != q.shape[1]:
+        raise RuntimeError("expect query, key and value to have the same number of heads")
+    return _grouped_kernel(q, k, v, *args, **kwargs)
+
+
+def _first_head_kernel(q, k, v, *args, **kwargs):
+    """A kernel that reads grouped heads wrongly: every query head attends through the first."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t[:, :1].expand(-1, q.shape[1], -1) if groups > 1 else t for t in (k, v))
+    return _grouped_kernel(q, k, v, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("kernel", "agrees"), [(_grouped_kernel, True), (_refusing_kernel, False), (_first_head_kernel, False)])
+def test_the_probe_passes_grouped_heads_only_to_a_kernel_that_computes_them_right(monkeypatch, kernel, agrees):
+    """torch's wrapper without ``enable_gqa`` may pass grouped heads to FlashAttention-2, refuse
+    them, or (in principle) read them wrongly: only the first keeps them unrepeated."""
+    monkeypatch.setattr(varlen, "_FUSED_KERNEL", kernel)
+    assert varlen.grouped_heads_agree(torch.device("cpu"), torch.float32) is agrees
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_fused_call_gets_grouped_heads_as_they_are_where_the_probe_said_so(monkeypatch, native):
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(k.shape[1])
+        return _grouped_kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "fused_kernel_runs", lambda device, dtype: True)
+    monkeypatch.setattr(varlen, "_FUSED_KERNEL", spy)
+    monkeypatch.setattr(varlen, "_TAKES_GQA", False)
+    monkeypatch.setattr(varlen, "_GROUPED_NATIVE", {None: True} if native else {})
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(20, heads, 8, generator=gen) for heads in (4, 1, 1))
+    cu = _cu([12, 8])
+    out = varlen.varlen_attention(q, k, v, cu, 12, None)
+    assert seen == [1 if native else 4]
+    torch.testing.assert_close(out, reference_varlen_attention(q, k, v, cu, None), rtol=1e-5, atol=1e-5)

@@ -47,6 +47,57 @@ _CAUSAL = {"window_size": (-1, 0)} if "window_size" in _KERNEL_PARAMS else {"is_
 _TAKES_GQA = "enable_gqa" in _KERNEL_PARAMS
 
 
+#: Per CUDA device index: whether the fused kernel, called without ``enable_gqa`` (torch
+#: versions whose wrapper lacks it), takes fewer key/value heads than query heads as
+#: FlashAttention-2 itself does (:func:`grouped_heads_native`). Absent: not probed, so
+#: :func:`varlen_attention` repeats the key/value heads.
+_GROUPED_NATIVE: dict[int | None, bool] = {}
+
+
+def grouped_heads_native(device: torch.device) -> bool:
+    """Whether keys and values with fewer heads than the queries can go to the fused kernel as
+    they are, instead of repeated to every query head (four times their bytes, kept for the
+    backward, on a model with 4 query heads per key/value head).
+
+    Where torch's wrapper takes ``enable_gqa`` (2.12 and later), yes. Where it does not, the
+    wrapper may still pass grouped heads through to FlashAttention-2, which takes them, or it
+    may refuse them: one probe per device finds out, eagerly (hone calls it when it picks the
+    kernel, before anything is compiled): a small causal varlen call with grouped heads against
+    the same with repeated ones, output and all three gradients. An error or a disagreement
+    keeps the repeat."""
+    if _TAKES_GQA:
+        return True
+    if _FUSED_KERNEL is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _GROUPED_NATIVE:
+        _GROUPED_NATIVE[index] = grouped_heads_agree(torch.device("cuda", index))
+    return _GROUPED_NATIVE[index]
+
+
+def grouped_heads_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The probe of :func:`grouped_heads_native` on ``device``: two segments, 4 query heads over
+    2 key/value heads, bf16; equal within bf16's rounding, or False (an error included)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (torch.randn(96, heads, 64, device=device, dtype=dtype, generator=gen) for heads in (4, 2, 2, 4))
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=device)
+
+    def run(repeat: int) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        kk, vv = (t.repeat_interleave(repeat, dim=1) for t in leaves[1:])
+        out = _FUSED_KERNEL(leaves[0], kk, vv, cu, cu, 56, 56, **_CAUSAL)
+        return [out, *torch.autograd.grad(out, leaves, grad)]
+
+    try:
+        native, repeated = run(1), run(2)
+    except Exception:  # noqa: BLE001 - a wrapper that refuses grouped heads: keep repeating them
+        return False
+    return all(
+        a.shape == b.shape and bool((a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max())
+        for a, b in zip(native, repeated, strict=True)
+    )
+
+
 def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused kernel can compute attention for tensors on ``device`` in ``dtype``."""
     return device.type == "cuda" and dtype in _HALF and _FUSED_KERNEL is not None
@@ -100,7 +151,7 @@ def varlen_attention(
     if groups > 1:
         if _TAKES_GQA:
             extra["enable_gqa"] = True
-        else:
+        elif not _GROUPED_NATIVE.get(query.device.index, False):
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     max_k = max_length if max_length_k is None else max_length_k
