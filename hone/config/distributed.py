@@ -77,7 +77,8 @@ class DistributedConfig(Section):
     ``N x T x min(k, E / N)`` pair rows a layer, up to ``N`` times one process's, and at ``N = 4``
     they make most of a rank's peak. Only the received rows are kept, and the exchanges are not
     repeated. It costs one more forward of the local experts a layer. Exact: the recomputed rows
-    are the forward's. ``false`` (the default) until it is measured on GPUs."""
+    are the forward's. Measured on 4 H200 (qwen3-30b-a3b): a third off the peak at ``N = 4``, a
+    fifth at ``N = 2``, for 22% more time a step; so ``false`` by default."""
 
     context_parallel: int = 1
     """Context parallelism: each sequence is split along its length over ``N`` consecutive ranks
