@@ -18,10 +18,15 @@ before it publishes, so an interrupt that a library swallowed stops the run a ba
 and an exception seen after the flag was set is reported as the interrupt it replaced. The
 previous handler is put back afterwards (training installs its own around the loop). A
 process that ignores SIGINT (started in the background with ``nohup``) keeps ignoring it.
+While the process forks (``datasets`` starting its workers), SIGINT only sets the flag: raised
+inside logging's at-fork hook, the interrupt left logging's lock held, and the next log line
+waited forever (``_handle``).
 """
 
 from __future__ import annotations
 
+import logging  # noqa: F401 - its at-fork hooks registered before ours (see _fork_starts)
+import os
 import signal
 import sys
 import threading
@@ -30,12 +35,36 @@ from contextlib import contextmanager
 
 #: Set by SIGINT while :func:`interruptible` is active; per process (a forked worker has its own).
 _interrupted = False
+#: True from just before this process forks until every other at-fork hook has run after it.
+_forking = False
+
+
+def _fork_starts() -> None:
+    global _forking
+    _forking = True
+
+
+def _fork_ends() -> None:
+    global _forking
+    _forking = False
+
+
+# Registered after logging's (imported above by the standard library): "before" hooks run in
+# reverse order of registration and "after" hooks in order, so this window holds logging's
+# lock-taking and lock-releasing hooks.
+os.register_at_fork(before=_fork_starts, after_in_parent=_fork_ends, after_in_child=_fork_ends)
 
 
 def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signature)
+    """Set the flag; raise ``KeyboardInterrupt`` at once unless the process is forking. Raised
+    inside an at-fork hook (logging's releases its module lock after ``datasets`` forks a
+    worker), the interrupt would leave that lock held and the next log line would wait forever:
+    ``hone preprocess`` with ``num_proc`` then hung after Ctrl-C. There the flag alone stops the
+    build, a batch later."""
     global _interrupted
     _interrupted = True
-    raise KeyboardInterrupt
+    if not _forking:
+        raise KeyboardInterrupt
 
 
 def _quiet_unraisable(previous):

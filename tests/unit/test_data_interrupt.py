@@ -156,3 +156,37 @@ def test_an_interrupt_python_cannot_raise_is_kept_quiet_and_still_stops_the_buil
         FailsWhileFinalized()
     assert seen == [ValueError]
     assert sys.unraisablehook is not None and sys.unraisablehook.__name__ == "<lambda>"  # put back
+
+
+FORK_SCRIPT = """
+import os, signal, threading
+lock = threading.Lock()  # stands for logging's module lock, which its at-fork hooks take and release
+
+
+def after_in_parent():
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C while the hook runs
+    lock.release()
+
+
+os.register_at_fork(before=lock.acquire, after_in_parent=after_in_parent, after_in_child=lock.release)
+from hone.data.interrupt import interruptible  # registers its own hooks after these, as after logging's
+
+try:
+    with interruptible():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("lock released:", lock.acquire(timeout=5))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_an_interrupt_while_forking_lets_the_at_fork_hooks_finish_then_stops_the_build():
+    """SIGINT inside an at-fork hook registered before hone's (logging's releases its module lock
+    there while datasets forks a worker): the hook runs to its end, so no lock is left held
+    (``hone preprocess`` with ``num_proc`` hung on one in CI), and the flag stops the block."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[:2] == ["lock released: True", "interrupted"], out.stdout + out.stderr[-2000:]
