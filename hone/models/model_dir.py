@@ -333,6 +333,14 @@ def attention_head_dim(config: PreTrainedConfig) -> int | None:
     return int(hidden) // int(heads) if heads and hidden else None
 
 
+def attention_groups(config: PreTrainedConfig) -> int:
+    """Query heads per key/value head (1 without grouped-query attention, or where the config
+    names no heads)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None) or 1
+    return max(heads // (getattr(text, "num_key_value_heads", None) or heads), 1)
+
+
 def rope_scaling_type(config: PreTrainedConfig | dict[str, Any]) -> str | None:
     """The RoPE scaling the model config sets (``linear``, ``yarn``, ...), or None for plain RoPE."""
     if isinstance(config, dict):

@@ -17,6 +17,7 @@ from hone.models.attention.packed_mask import all_layers_attend_fully
 from hone.models.attention.sinks import SINK_ATTENTION, has_attention_sinks, sink_backend_for
 from hone.models.attention.varlen import fused_kernel_runs, grouped_heads_native, register_varlen_sdpa
 from hone.models.errors import ModelError
+from hone.models.model_dir import attention_groups
 
 #: Inductor's flex attention kernels refuse heads narrower than this ("embedding dimension of
 #: the query, key, and value must be at least 16").
@@ -130,13 +131,6 @@ def select_packed_kernel(model: Any, cfg: HoneConfig, device: torch.device, comp
     if attention_groups(model.config) > 1 and not grouped_heads_native(device):
         return "packed rows through torch's varlen kernel (key/value heads repeated for it)"
     return "packed rows through torch's varlen kernel"
-
-
-def attention_groups(config: Any) -> int:
-    """Query heads per key/value head of a model's attention (1 without grouped-query attention)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None) or 1
-    return max(heads // (getattr(text, "num_key_value_heads", None) or heads), 1)
 
 
 def varlen_blockers(config: Any, device: torch.device, compute: torch.dtype) -> list[str]:
