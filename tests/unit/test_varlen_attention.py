@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from hone.config import ConfigError, parse_config
-from hone.data.collate import collate
+from hone.data.collate import collate, collate_packed
 from hone.errors import HoneError
 from hone.models.attention import setup, varlen
+from hone.models.attention.layout import layout_for
 from hone.models.attention.setup import select_packed_kernel
 from hone.models.attention.varlen import (
     VARLEN_SDPA,
     boundaries_from_positions,
+    is_boundaries_only,
     reference_varlen_attention,
     register_varlen_sdpa,
 )
@@ -79,6 +81,41 @@ def test_a_direct_call_with_packed_positions_keeps_documents_apart(tok):
             alone = model(input_ids=d[None], attention_mask=torch.ones(1, len(d), dtype=torch.long), use_cache=False).logits[0]
             torch.testing.assert_close(packed[at : at + len(d)], alone, rtol=1e-5, atol=1e-5)
             at += len(d)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_packed_batches_skip_transformers_mask_preparation_and_its_host_sync(tok, monkeypatch, preset):
+    """A packed batch goes in with the boundaries-only mask: transformers takes it as prepared,
+    so it never reads the positions for packed sequences (an ``if`` on a device tensor, a host
+    sync per forward on a GPU), and the logits are those of the same batch with no mask at all."""
+    import transformers.masking_utils as masking
+
+    seed = random.randrange(10_000)
+    model = _varlen_model(tok, seed, preset)
+    docs = _docs(seed)
+    width = sum(len(d) for d in docs) + 3  # a padding tail too
+    batch = collate_packed([[{"input_ids": d.tolist(), "labels": d.tolist()} for d in docs]], width, pad_id=0)
+    layout = layout_for(model)
+    assert layout.boundaries_only
+    with_mask = batch.with_attention(layout)
+    assert is_boundaries_only(with_mask.model_inputs()["attention_mask"])
+    without = batch.with_attention(layout_for(model).__class__(layout.kind))
+    assert "attention_mask" not in without.model_inputs()
+    with torch.no_grad():
+        reference = forward_logits(model, without)  # transformers reads the positions here
+
+        def no_reading(position_ids):
+            raise AssertionError("transformers read the packed positions (a host sync on a GPU)")
+
+        monkeypatch.setattr(masking, "find_packed_sequence_indices", no_reading)
+        ours = forward_logits(model, with_mask)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_boundaries_only_mask_without_boundaries_is_refused():
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="boundaries-only mask but no boundaries"):
+        varlen.varlen_sdpa_attention(torch.nn.Module(), q, q, q, varlen.boundaries_only_mask(q.device))
 
 
 def test_padded_rows_get_transformers_sdpa_unchanged(tok):

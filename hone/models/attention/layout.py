@@ -19,7 +19,7 @@ from hone.models.attention.packed_mask import (
     takes_document_boundaries,
     uses_own_document_mask,
 )
-from hone.models.attention.varlen import TREE_KEYS, VARLEN_SDPA
+from hone.models.attention.varlen import TREE_KEYS, VARLEN_SDPA, boundaries_only_mask
 from hone.models.attention.wrapped import inner_implementation
 
 Kind = Literal["boundaries", "tree_boundaries", "block_mask", "dense_mask", "transformers"]
@@ -40,6 +40,11 @@ class AttentionLayout:
     """Preference pairs are built with each prompt once and two branches
     (:mod:`hone.data.pairs`), which only hone's masks and its varlen backend express."""
 
+    boundaries_only: bool = False
+    """The boundaries go with :func:`~hone.models.attention.varlen.boundaries_only_mask`: the
+    model's backend is hone's varlen one itself (not wrapped), which reads that as no mask, so
+    transformers skips its mask preparation and the host sync in it."""
+
     def __post_init__(self) -> None:
         if self.shares_prompt and self.kind not in SHARING_KINDS:
             raise ValueError(
@@ -58,6 +63,8 @@ class AttentionLayout:
         if self.kind == "tree_boundaries" and branches is not None and TREE_KEYS not in boundaries:
             raise ValueError("a shared-prompt micro-batch reached the varlen layout without its tree boundaries")
         if self.kind in ("boundaries", "tree_boundaries"):
+            if self.boundaries_only:
+                return {**boundaries, "attention_mask": boundaries_only_mask(position_ids.device)}
             return boundaries
         if self.kind == "block_mask":
             return {"attention_mask": document_block_mask(position_ids, branches)}
@@ -71,7 +78,8 @@ def layout_for(model: Any, shares_prompt: bool = False) -> AttentionLayout:
     ``shares_prompt``: the plan builds shared-prompt pairs (it chose a backend with hone's mask)."""
     if takes_document_boundaries(model):
         hones = inner_implementation(model.config._attn_implementation) == VARLEN_SDPA
-        return AttentionLayout("tree_boundaries" if shares_prompt and hones else "boundaries", shares_prompt)
+        kind = "tree_boundaries" if shares_prompt and hones else "boundaries"
+        return AttentionLayout(kind, shares_prompt, boundaries_only=model.config._attn_implementation == VARLEN_SDPA)
     if uses_own_document_mask(model):
         kind = "block_mask" if inner_implementation(model.config._attn_implementation) == "flex_attention" else "dense_mask"
         return AttentionLayout(kind, shares_prompt)

@@ -178,6 +178,24 @@ def boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([at, at.new_tensor([batch * width])])
 
 
+def boundaries_only_mask(device: torch.device) -> torch.Tensor:
+    """The prepared mask a packed micro-batch hands the model under :data:`VARLEN_SDPA`: a
+    0-element 4D tensor meaning "no mask: the boundaries say everything".
+
+    Why not None: with no mask and ``position_ids``, transformers' mask preparation reads the
+    positions for packed sequences and tests the result with a Python ``if``, a host sync in every
+    forward (on a DPO step, the host waited 16 ms for the policy forward before it could queue the
+    reference forward; H200 profile, benchmarks/2026-11-28-h200-dpo.md). A 4D mask is taken as
+    prepared and passed to every layer untouched, and this backend ignores it when boundaries
+    come with it. Only for this backend: another one would read the empty tensor as a mask."""
+    return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
+
+
+def is_boundaries_only(mask: Any) -> bool:
+    """Whether ``mask`` is :func:`boundaries_only_mask`'s "no mask" (any 0-element 4D tensor)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.numel() == 0
+
+
 def varlen_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -190,7 +208,8 @@ def varlen_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: [B, H, T, D] in, ([B, T, H, D], None) out.
 
-    Boundaries come from ``cu_seq_lens_q`` / ``max_length_q`` (hone's packed micro-batches), or,
+    Boundaries come from ``cu_seq_lens_q`` / ``max_length_q`` (hone's packed micro-batches, with
+    :func:`boundaries_only_mask` as their mask), or,
     for a caller that passes packed ``position_ids`` and no mask, from the positions. Anything
     else (a padding mask, a KV cache) is transformers' sdpa. Shared-prompt pairs also pass
     :data:`TREE_KEYS` (:func:`tree_boundaries`): the keys and values are gathered in that order
@@ -198,6 +217,13 @@ def varlen_sdpa_attention(
     """
     cu_seqlens, max_length = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     batch, heads, width, dim = query.shape
+    if is_boundaries_only(attention_mask):
+        if cu_seqlens is None:
+            raise ValueError(
+                f"{VARLEN_SDPA}: the layer got the boundaries-only mask but no boundaries (cu_seq_lens_q): "
+                "attach them with the mask (MicroBatch.with_attention)"
+            )
+        attention_mask = None
     if cu_seqlens is None:
         positions = kwargs.get("position_ids")
         if attention_mask is not None or positions is None or key.shape[2] != width or width == 1:
