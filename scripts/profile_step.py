@@ -44,8 +44,8 @@ def _pair_workload(pairs: str | None) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def workload_args(p: argparse.ArgumentParser) -> None:
+    """The arguments that say which run to build (shared with scripts/memory_at_peak.py)."""
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=1)
@@ -63,19 +63,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself on a tiny preset")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--active", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("profile.md"))
-    p.add_argument("--trace", type=Path, default=None)
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument(
-        "--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)"
-    )
-    p.add_argument("--stacks", action="store_true", help="record Python stacks too (slows the host: for where, not how much)")
-    args = p.parse_args()
 
+
+def workload_config(args: argparse.Namespace, work: Path):
+    """The config of the run ``args`` describe, its random data written under ``work``: enough
+    for ``warmup + active + 1`` optimizer steps (the bench's random tokens or pairs)."""
     from hone.bench.pairs import write_pairs
     from hone.bench.spec import parse_spec
     from hone.bench.worker import _hone_config, _write_random_dataset, model_config_and_size, random_batches, workload_tokenizer
-    from hone.train.run import run_training
 
     spec = parse_spec(
         {
@@ -97,19 +92,33 @@ def main() -> None:
         },
         "flags",
     )
-    cond = spec.conditions[0]
     _, _, id_limit = model_config_and_size(spec.workload)
-    steps = args.warmup + args.active + 1
+    count = (args.warmup + args.active + 1) * args.accum * int(os.environ.get("WORLD_SIZE", "1"))
+    data = work / "random.jsonl"
+    if args.pairs:
+        write_pairs(data, spec.workload, workload_tokenizer(spec.workload), count * spec.workload.pairs_per_step, 0)
+    else:
+        _write_random_dataset(data, random_batches(spec.workload, count, id_limit, 0, torch.device("cpu")))
+    return _hone_config(spec, spec.conditions[0], work, data)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    workload_args(p)
+    p.add_argument("--out", type=Path, default=Path("profile.md"))
+    p.add_argument("--trace", type=Path, default=None)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)"
+    )
+    p.add_argument("--stacks", action="store_true", help="record Python stacks too (slows the host: for where, not how much)")
+    args = p.parse_args()
+
+    from hone.train.run import run_training
+
     sched = torch.profiler.schedule(wait=args.warmup, warmup=0, active=args.active, repeat=1)
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        data = work / "random.jsonl"
-        count = steps * args.accum * int(os.environ.get("WORLD_SIZE", "1"))
-        if args.pairs:
-            write_pairs(data, spec.workload, workload_tokenizer(spec.workload), count * spec.workload.pairs_per_step, 0)
-        else:
-            _write_random_dataset(data, random_batches(spec.workload, count, id_limit, 0, torch.device("cpu")))
-        cfg = _hone_config(spec, cond, work, data)
+        cfg = workload_config(args, Path(tmp))
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
             schedule=sched,
