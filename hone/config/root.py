@@ -98,16 +98,12 @@ class HoneConfig(Section):
     def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
         """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
         records (and keeps the memory of) another graph, so they only pay off when every
-        micro-batch has one shape. Packed batches vary in their document boundaries."""
+        micro-batch has one shape. Packed batches vary in their document boundaries. Preference
+        pairs do not refuse them: under CUDA graphs every pair micro-batch takes one layout, as
+        wide as the longest pairs of the data (:class:`hone.data.pairs.FixedPairRows`)."""
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
-        if self.training.is_preference:
-            raise ValueError(
-                f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but training.objective: "
-                f"{self.training.objective} packs each micro-batch's pairs into a row as wide as they are: turn CUDA "
-                "graphs off (triton.cudagraphs: false, or torch_compile_mode: default / max-autotune-no-cudagraphs)"
-            )
         if self.data.sample_packing:
             raise ValueError(
                 f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "

@@ -46,9 +46,13 @@ class TreeBoundaries:
     queries: torch.Tensor  # [segments + 1] int32 boundaries over the flattened batch
     keys: torch.Tensor  # [segments + 1] int32 boundaries over the gathered keys
     key_index: torch.Tensor  # [keys] long: the flat token each gathered key is
+    max_keys: int | None = None
+    """An upper bound on a segment's keys for the kernel's ``max_length_k`` where it can exceed
+    the row width (fixed pair rows: the padding segment takes the keys the pairs leave); None:
+    the row width bounds them."""
 
     def to(self, move: Any) -> "TreeBoundaries":
-        return TreeBoundaries(move(self.queries), move(self.keys), move(self.key_index))
+        return TreeBoundaries(move(self.queries), move(self.keys), move(self.key_index), self.max_keys)
 
 
 @dataclass
@@ -167,7 +171,7 @@ class MicroBatch:
                 "cu_seq_lens_q": self.tree.queries,
                 "cu_seq_lens_k": self.tree.keys,
                 "max_length_q": width,
-                "max_length_k": width,
+                "max_length_k": self.tree.max_keys or width,
                 TREE_KEYS: self.tree.key_index,
             }
         torch._dynamo.maybe_mark_dynamic(self.cu_seqlens, 0)

@@ -34,6 +34,8 @@ training loop divides by the window's pairs and tokens without a device sync.
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +53,38 @@ TRUNK, CHOSEN_BRANCH, REJECTED_BRANCH = 0, 1, 2
 BRANCHES = (TRUNK, CHOSEN_BRANCH, REJECTED_BRANCH)
 
 
+@dataclass(frozen=True)
+class FixedPairRows:
+    """One layout for every pair micro-batch of a run, so that a compiled layer sees the same
+    shapes each step and CUDA graphs replay one recording (``performance.cuda_graphs: true``):
+    rows ``width`` tokens wide; the boundaries always end in one padding segment, of zero
+    length where the pairs fill the row; with shared prompts, ``keys`` gathered keys, the
+    padding segment taking those the pairs leave (built by :func:`fixed_pair_rows`)."""
+
+    width: int
+    keys: int
+
+
+def fixed_pair_rows(splits: Sequence[Any], pairs_per_batch: int, share_prompt: bool) -> FixedPairRows:
+    """The layout that holds any ``pairs_per_batch`` pairs of the preference ``splits``
+    (:class:`~hone.data.stats.SplitStats`): the longest pair's row times the pairs, rounded up
+    to :data:`ALIGN`, and room for the longest trunks gathered again. Bounded by the
+    statistics' maxima, so a row of shorter pairs carries padding (compute the padding costs)."""
+    longest, prompt = 0, 0
+    for split in splits:
+        if split is None or not split.pairs:
+            continue
+        tokens = split.max_pair_tokens or split.max_prompt + split.max_chosen + split.max_rejected
+        # shared: the trunk prompt[:-1], then prompt[-1] opening each branch (one token more);
+        # unshared: the prompt in both sequences
+        longest = max(longest, tokens + (1 if share_prompt else split.max_prompt))
+        prompt = max(prompt, split.max_prompt)
+    if not longest:
+        raise ValueError("fixed_pair_rows needs the statistics of a preference split")
+    width = pair_width([longest * pairs_per_batch])
+    return FixedPairRows(width=width, keys=width + pairs_per_batch * max(prompt - 1, 0) if share_prompt else width)
+
+
 def pair_width(lengths: Sequence[int], align: int = ALIGN) -> int:
     """The row width for sequences of ``lengths``: their total rounded up to a multiple of ``align``."""
     total = sum(lengths)
@@ -63,15 +97,18 @@ def collate_pairs(
     prompt_nll: bool = False,
     reference: torch.Tensor | None = None,
     share_prompt: bool = False,
+    fixed: FixedPairRows | None = None,
 ) -> MicroBatch:
     """One packed micro-batch of the ``len(rows)`` pairs (module docstring); ``prompt_nll``:
     the chosen prompts' tokens are targets too, in segments ``2P .. 3P - 1`` (ORPO);
     ``reference``: the pairs' precomputed reference log-probs, ``[P, 2]`` (chosen, rejected);
-    ``share_prompt``: each prompt once, with two branches (module docstring)."""
+    ``share_prompt``: each prompt once, with two branches (module docstring); ``fixed``: the
+    run's one layout for every micro-batch (:class:`FixedPairRows`), else the row is as wide as
+    its pairs."""
     if not rows:
         raise ValueError("collate_pairs needs at least one pair")
     if share_prompt:
-        batch = _collate_shared(rows, pad_id, prompt_nll)
+        batch = _collate_shared(rows, pad_id, prompt_nll, fixed)
         if reference is not None:
             batch.reference_logps = torch.cat([reference[:, 0], reference[:, 1]]).float()
         return batch
@@ -89,8 +126,10 @@ def collate_pairs(
             labels = ids if masked else [IGNORE_INDEX] * len(prompt) + completion
             docs.append({"input_ids": ids, "labels": labels})
             spans.append((len(prompt), len(completion), p, chosen))
-    width = pair_width([len(d["input_ids"]) for d in docs])
+    width = _row_width([len(d["input_ids"]) for d in docs], fixed)
     batch = collate_packed([docs], width, pad_id)
+    if fixed is not None and len(batch.cu_seqlens) == len(docs) + 1:  # no padding left: an empty segment
+        batch.cu_seqlens = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:]])
     segments = torch.full((1, width), -1, dtype=torch.long)
     completion_tokens = torch.zeros(2 * pairs, dtype=torch.float32)
     nll_tokens = 0
@@ -116,7 +155,22 @@ def collate_pairs(
     return batch
 
 
-def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool) -> MicroBatch:
+def _row_width(lengths: Sequence[int], fixed: FixedPairRows | None) -> int:
+    """The row width for sequences (or parts) of ``lengths``: the fixed layout's, which they
+    must fit, else their own total rounded up to :data:`ALIGN`."""
+    if fixed is None:
+        return pair_width(lengths)
+    if sum(lengths) > fixed.width:
+        raise ValueError(
+            f"pairs of {sum(lengths)} tokens exceed the fixed pair row of {fixed.width} tokens "
+            "(FixedPairRows is sized from the data statistics of every split it serves)"
+        )
+    return fixed.width
+
+
+def _collate_shared(
+    rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, prompt_nll: bool, fixed: FixedPairRows | None = None
+) -> MicroBatch:
     """The shared-prompt micro-batch: per pair the trunk ``prompt[:-1]``, then the two branches
     ``prompt[-1] + completion``, continuing the trunk's positions (module docstring)."""
     pairs = len(rows)
@@ -130,8 +184,7 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
         parts.append((prompt[:-1], 0, p, TRUNK))
         parts.append((prompt[-1:] + chosen, trunk, p, CHOSEN_BRANCH))
         parts.append((prompt[-1:] + rejected, trunk, p, REJECTED_BRANCH))
-    total = sum(len(tokens) for tokens, *_ in parts)
-    width = pair_width([total])
+    width = _row_width([len(tokens) for tokens, *_ in parts], fixed)
     input_ids = torch.full((1, width), pad_id, dtype=torch.long)
     targets = torch.full((1, width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((1, width), dtype=torch.long)
@@ -175,7 +228,7 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
         position_ids=position_ids,
         cu_seqlens=torch.cat([starts, starts.new_tensor([width])]),
         branches=branches,
-        tree=tree_boundaries(spans, width),
+        tree=tree_boundaries(spans, width, None if fixed is None else fixed.keys),
     )
     batch.pairs = pairs
     batch.segments = segments
@@ -185,12 +238,17 @@ def _collate_shared(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, pr
     return batch
 
 
-def tree_boundaries(spans: Sequence[tuple[int, int]], width: int) -> TreeBoundaries:
+def tree_boundaries(spans: Sequence[tuple[int, int]], width: int, fixed_keys: int | None = None) -> TreeBoundaries:
     """The varlen segments of a shared-prompt row whose parts (trunk, chosen, rejected per pair,
     in order) start and run as ``spans``; the padding from the last part to ``width`` is one
     more segment. Queries stay in row order: per pair, trunk + chosen is one segment (keys: the
     same tokens), rejected another (keys: the trunk's tokens, then its own), so the kernel's
-    bottom-right causal alignment gives each rejected token the whole trunk and its own prefix."""
+    bottom-right causal alignment gives each rejected token the whole trunk and its own prefix.
+
+    ``fixed_keys``: a fixed count of gathered keys (:class:`FixedPairRows`): the padding segment is
+    always there, even empty, and takes the keys the pairs leave (the padding's own tokens, then
+    the row's last token again), so every row of the run has the same boundary and key counts.
+    Nothing but padding queries sees those keys."""
     queries, keys, key_index = [0], [0], []
     for (trunk, t), (chosen, c), (rejected, r) in zip(spans[0::3], spans[1::3], spans[2::3]):
         if chosen != trunk + t or rejected != chosen + c:
@@ -199,12 +257,20 @@ def tree_boundaries(spans: Sequence[tuple[int, int]], width: int) -> TreeBoundar
         queries += [queries[-1] + t + c, queries[-1] + t + c + r]
         keys += [keys[-1] + t + c, keys[-1] + t + c + t + r]
     end = queries[-1]
-    if end < width:
+    if fixed_keys is not None:
+        used = keys[-1] + width - end
+        if used > fixed_keys:
+            raise ValueError(f"the pairs gather {used} keys, more than the fixed {fixed_keys}")
+        key_index += [range(end, width), [width - 1] * (fixed_keys - used)]
+        queries.append(width)
+        keys.append(fixed_keys)
+    elif end < width:
         key_index.append(range(end, width))
         queries.append(width)
         keys.append(keys[-1] + width - end)
     index = torch.tensor([i for part in key_index for i in part], dtype=torch.long)
-    return TreeBoundaries(torch.tensor(queries, dtype=torch.int32), torch.tensor(keys, dtype=torch.int32), index)
+    bounds = torch.tensor(queries, dtype=torch.int32), torch.tensor(keys, dtype=torch.int32)
+    return TreeBoundaries(*bounds, index, max_keys=fixed_keys)  # every batch of a fixed layout: one int
 
 
 def pair_rows_at(dataset, indices: Sequence[int]) -> list[dict[str, list[int]]]:

@@ -73,6 +73,9 @@ class SplitStats:
     max_prompt: int = 0
     max_chosen: int = 0
     max_rejected: int = 0
+    max_pair_tokens: int = 0
+    """The longest pair with its prompt once: the largest prompt + chosen + rejected of one row
+    (0 in statistics written before it was counted: bound it by the three maxima then)."""
 
     @property
     def mean_length(self) -> float:
@@ -91,6 +94,7 @@ class SplitStats:
             extra = {"pairs": True, "prompt_tokens": int(totals[0]), "chosen_tokens": int(totals[1])}
             extra |= {"rejected_tokens": int(totals[2]), "max_prompt": int(maxima[0]), "max_chosen": int(maxima[1])}
             extra["max_rejected"] = int(maxima[2])
+            extra["max_pair_tokens"] = int(parts.sum(axis=1).max()) if len(parts) else 0
         return cls(
             **extra,
             rows=int(len(lengths)),

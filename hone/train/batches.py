@@ -49,7 +49,7 @@ import numpy as np
 from hone.config.training import TrainingConfig
 from hone.data.collate import MicroBatch, collate, collate_packed, rows_at
 from hone.data.packing import Packing
-from hone.data.pairs import collate_pairs, pair_rows_at
+from hone.data.pairs import FixedPairRows, collate_pairs, pair_rows_at
 from hone.errors import HoneError
 
 
@@ -254,7 +254,15 @@ class PairBatches:
 
     packing: Packing | None = None
 
-    def __init__(self, dataset: Any, pad_id: int, prompt_nll: bool = False, reference: Any = None, share_prompt: bool = False):
+    def __init__(
+        self,
+        dataset: Any,
+        pad_id: int,
+        prompt_nll: bool = False,
+        reference: Any = None,
+        share_prompt: bool = False,
+        fixed: FixedPairRows | None = None,
+    ):
         self.dataset = dataset
         self.pad_id = pad_id
         self.prompt_nll = prompt_nll
@@ -262,12 +270,14 @@ class PairBatches:
         """``[pairs, 2]`` precomputed reference log-probs (chosen, rejected), or None."""
         self.share_prompt = share_prompt
         """Each prompt once, chosen and rejected as its two branches (the plan's decision)."""
+        self.fixed = fixed
+        """One layout for every micro-batch (CUDA graphs), or None: rows as wide as their pairs."""
         self.units = len(dataset)
 
     def __call__(self, indices: list[int]) -> MicroBatch:
         reference = self.reference[indices] if self.reference is not None else None
         rows = pair_rows_at(self.dataset, indices)
-        return collate_pairs(rows, self.pad_id, self.prompt_nll, reference, share_prompt=self.share_prompt)
+        return collate_pairs(rows, self.pad_id, self.prompt_nll, reference, share_prompt=self.share_prompt, fixed=self.fixed)
 
 
 Batches = PaddedBatches | PackedBatches | PairBatches
@@ -280,13 +290,16 @@ def micro_batches(
     objective: str = "sft",
     reference: Any = None,
     share_prompt: bool = False,
+    fixed_pairs: FixedPairRows | None = None,
 ) -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
     :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``
     (with their precomputed ``reference`` log-probs, if any; ``share_prompt``: each prompt once,
-    as the run's attention layout says)."""
+    and ``fixed_pairs``: one layout for every micro-batch, as the run's attention layout says)."""
     if objective != "sft":
-        return PairBatches(dataset, pad_id, prompt_nll=objective == "orpo", reference=reference, share_prompt=share_prompt)
+        return PairBatches(
+            dataset, pad_id, prompt_nll=objective == "orpo", reference=reference, share_prompt=share_prompt, fixed=fixed_pairs
+        )
     if packing is None:
         return PaddedBatches(dataset, pad_id)
     return PackedBatches(dataset, packing, pad_id)

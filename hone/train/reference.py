@@ -77,7 +77,14 @@ def prepare_reference(
         try:
             tables = {"train": reference_table(module, hooks.loss_fn, train, batch_size, device, hooks)}
             if eval_data is not None and len(eval_data) > 0:
-                split = micro_batches(eval_data, None, pad_id, objective, share_prompt=hooks.layout.shares_prompt)
+                split = micro_batches(
+                    eval_data,
+                    None,
+                    pad_id,
+                    objective,
+                    share_prompt=hooks.layout.shares_prompt,
+                    fixed_pairs=hooks.fixed_pairs,
+                )
                 tables["eval"] = reference_table(module, hooks.loss_fn, split, batch_size, device, hooks)
         finally:
             model.train(was_training)

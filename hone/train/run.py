@@ -249,7 +249,11 @@ def _data_and_plan(
         console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
         note = shape_note(cfg, data.stats)
         facts = RunFacts(
-            device=device, shape_note=note, lengths_vary=note is not None and not cfg.data.sample_packing, world=world
+            device=device,
+            shape_note=note,
+            lengths_vary=note is not None and not cfg.data.sample_packing,
+            pair_splits=tuple(s for s in (data.stats.train, data.stats.eval) if s is not None and s.pairs),
+            world=world,
         )
         plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
         if world.distributed:  # the global batch must fit the data before every GPU loads a model
@@ -373,6 +377,8 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
     if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
         return PACKED_SHAPES
     if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of 64)
+        if cfg.performance.cudagraphs_setting:  # ... or all alike, for the graphs (FixedPairRows)
+            return None
         return "preference pairs are packed into one row per micro-batch, as wide as its pairs' sequences"
     train = getattr(stats, "train", None)
     if train is not None and train.min_length != train.max_length:

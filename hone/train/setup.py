@@ -164,7 +164,14 @@ def _train_batches(train_data, cfg: HoneConfig, pad_id: int, hooks: RunHooks):
     """The training split's micro-batch builder: packed where ``data.sample_packing`` packs, pairs
     with their prompts shared where the plan's attention layout takes them."""
     packing = packing_for(train_data, cfg, "train")
-    return micro_batches(train_data, packing, pad_id, cfg.training.objective, share_prompt=hooks.layout.shares_prompt)
+    return micro_batches(
+        train_data,
+        packing,
+        pad_id,
+        cfg.training.objective,
+        share_prompt=hooks.layout.shares_prompt,
+        fixed_pairs=hooks.fixed_pairs,
+    )
 
 
 def _precomputed_reference(cfg, model, module, hooks, batches, eval_data, pad_id, device, world, resumed):

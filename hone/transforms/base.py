@@ -44,6 +44,7 @@ from hone.runtime.step import LossFn, MicroBatchLoss, StepContext, StepModule
 from hone.runtime.world import SINGLE, World
 
 if TYPE_CHECKING:
+    from hone.data.pairs import FixedPairRows
     from hone.models.attention.layout import AttentionLayout
     from hone.models.materialize import Replace
 
@@ -64,6 +65,10 @@ class RunFacts:
     (packing: fixed width but document boundaries that move; rows of different lengths)."""
     lengths_vary: bool = False
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
+    pair_splits: tuple[Any, ...] = ()
+    """Preference runs whose data has been read: the statistics of the splits the pair
+    micro-batches come from (:class:`hone.data.stats.SplitStats`), which size the one layout
+    they all take where the plan records CUDA graphs (:func:`hone.data.pairs.fixed_pair_rows`)."""
     shapes_known: bool = True
     """False where the data has not been read (``hone plan``): ``shape_note`` then says only what
     the config itself implies, and the run decides again from its data."""
@@ -218,6 +223,10 @@ class RunHooks:
     context_parallel: int = 1
     """Ranks each micro-batch is split over: the data is shared by ``world_size / context_parallel``
     replicas (:meth:`hone.runtime.world.World.data_parallel`)."""
+    fixed_pairs: "FixedPairRows | None" = None
+    """Preference runs under CUDA graphs: the one layout every pair micro-batch takes, so the
+    compiled layers see one shape (:class:`hone.data.pairs.FixedPairRows`); None: each row is as
+    wide as its pairs."""
     sharded_checkpoints: bool = False
     """A transform shards the weights (FSDP2): every rank writes its shards of each checkpoint
     (Distributed Checkpoint); otherwise rank 0 writes the ordinary files

@@ -14,6 +14,10 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
   slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
   is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
 
+Preference pairs replay too where ``cuda_graphs: true`` asks (``auto`` leaves them off until
+measured): every pair micro-batch then takes one layout, rows as wide as the data's longest pairs
+(:class:`hone.data.pairs.FixedPairRows`), which the attention transform gives the batches.
+
 MXFP4 experts (a shipped checkpoint or ``model.quantize: mxfp4``) replay like bf16 ones (their
 kernels have no host sync; gpt-oss-20b and qwen3-30b-a3b were measured with graphs:
 benchmarks/2026-11-27-h100-mxfp4.md). Not measured yet, so not chosen by ``auto``: data-parallel

@@ -22,6 +22,7 @@ from torch import nn
 
 from hone.atomic import atomic_write_text
 from hone.config.root import HoneConfig
+from hone.data.pairs import fixed_pair_rows
 from hone.errors import HoneError
 from hone.models.materialize import AsDrawn, Replace
 from hone.run_files import OPTIMIZATIONS_FILE
@@ -177,7 +178,9 @@ class Plan:
     def hooks(self, model: nn.Module, cfg: HoneConfig, facts: RunFacts) -> RunHooks:
         """What the loop and the eval use of the plan, once ``model`` has been through it."""
         ctx = PlanContext(cfg, facts, self.decided)
-        loss_fn = layout = None
+        loss_fn = layout = fixed = None
+        if self.decided.cuda_graphs and facts.pair_splits:  # one shape for the graphs: every pair row alike
+            fixed = fixed_pair_rows(facts.pair_splits, cfg.training.micro_batch_size, self.decided.share_prompt)
         step_contexts, after_step, step_wrappers, batch_parts = [], [], [], []
         for transform in self.transforms:
             if transform.loss is not None:
@@ -188,6 +191,8 @@ class Plan:
             if transform.attention_layout is not None:
                 layout = transform.attention_layout(model, ctx)
                 self._record(transform, {"packed_batches_carry": layout.kind})
+                if fixed is not None:
+                    self._record(transform, {"pair_rows": {"width": fixed.width, "keys": fixed.keys}})
             if transform.step_context is not None:
                 step_contexts.append(transform.step_context(model, ctx))
             if transform.micro_batch is not None:
@@ -209,6 +214,7 @@ class Plan:
             sharded_checkpoints=self.shards_parameters,
             batch_parts=batch_parts,
             context_parallel=self.decided.context_parallel,
+            fixed_pairs=fixed,
         )
 
     def _wrap(self, transform: Transform, step: StepModule, ctx: PlanContext) -> StepModule:
