@@ -410,14 +410,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from hone.runtime.world import World
-    from hone.transforms.base import PACKED_SHAPES, RunFacts
+    from hone.train.run import shape_note
+    from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
 
     for title, cfg, processes in configs:
         facts = RunFacts(
             torch.device(args.device),
-            shape_note=PACKED_SHAPES if cfg.packs_documents else None,
+            shape_note=shape_note(cfg, None),  # what the config implies; the run reads its data too
             shapes_known=False,
             memory_bytes=budget,
             world=World(0, processes, 0),
