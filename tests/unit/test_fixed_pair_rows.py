@@ -106,17 +106,27 @@ def test_fixed_rows_give_the_log_probs_of_rows_as_wide_as_their_pairs(preset, sh
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _preference(**performance):
+def _preference(reference="precomputed", **performance):
     from hone.config import parse_config
 
     return parse_config(
         {
             "model": {"preset": "tiny-qwen3", "dtype": "bfloat16"},
             "data": {"datasets": [{"path": "p.jsonl", "type": "preference"}], "sequence_len": 64},
-            "training": {"objective": "dpo", "micro_batch_size": 2},
+            "training": {"objective": "dpo", "micro_batch_size": 2, "preference": {"reference": reference}},
             "performance": performance,
         }
     )
+
+
+def test_cuda_graphs_beside_the_reference_s_forward_in_the_step_are_refused():
+    """Two forwards a step under CUDA graphs failed on an H200 (cudagraph trees): refused before
+    anything loads, naming both ways out."""
+    from hone.config import ConfigError
+
+    with pytest.raises(ConfigError, match="reference: precomputed .one forward a step., or turn CUDA graphs off"):
+        _preference(reference="auto", cuda_graphs=True)  # auto with LoRA: the adapter switched off
+    assert _preference(reference="auto").preference_reference == "adapter_disabled"  # graphs auto: accepted
 
 
 def test_cuda_graphs_true_lays_every_pair_row_out_alike_and_auto_leaves_them_off():
