@@ -100,20 +100,10 @@ class HoneConfig(Section):
         records (and keeps the memory of) another graph, so they only pay off when every
         micro-batch has one shape. Packed batches vary in their document boundaries. Preference
         pairs take one layout under CUDA graphs, as wide as the longest pairs of the data
-        (:class:`hone.data.pairs.FixedPairRows`), but only with one forward a micro-batch: with
-        the reference's forward in the step as well, the first step failed on an H200 (the
-        second forward read outputs of the graphs that the first had overwritten)."""
+        (:class:`hone.data.pairs.FixedPairRows`)."""
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
-        if self.preference_reference == "adapter_disabled":
-            raise ValueError(
-                f"{perf.cudagraphs_source} uses CUDA graphs, but training.objective: {self.training.objective} "
-                "runs the reference's forward (adapter switched off) beside the policy's in every step, which "
-                "failed under CUDA graphs on the GPU (cudagraph trees: the second forward read outputs the "
-                "first had overwritten). Set training.preference.reference: precomputed (one forward a step), "
-                "or turn CUDA graphs off (cuda_graphs: false or auto)"
-            )
         if self.data.sample_packing:
             raise ValueError(
                 f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "

@@ -46,11 +46,25 @@ class ReferencePass(Protocol):
 StepContext = Callable[[MicroBatch], AbstractContextManager]
 
 
+def begin_pass() -> None:
+    """Tell Inductor's CUDA graphs that a new pass over the layers starts (harmless without them).
+
+    Left to itself, cudagraph trees start a new generation at every entry into a compiled region
+    that has no backward pending. A pass without grad (the reference's forward, eval) through
+    regionally compiled layers therefore starts one per layer. The next layer's replay may then
+    overwrite the output it is reading: an H200 DPO step failed so. With a mark per pass, a
+    generation is one pass. Training passes change nothing: their generation already starts at
+    their first layer, a backward pending after it."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def forward_hidden(decoder: nn.Module, batch: MicroBatch, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The decoder's last hidden states [B, T, H] for ``batch`` (its attention inputs attached),
     under ``torch.autocast`` when the precision needs it (float32 trainable weights beside
     bf16/fp16 compute, see :mod:`hone.models.precision`)."""
     inputs = batch.model_inputs()
+    if not torch.compiler.is_compiling():
+        begin_pass()
     if autocast_dtype is None:
         return decoder(**inputs, use_cache=False).last_hidden_state
     with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype):

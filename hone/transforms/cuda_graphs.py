@@ -14,11 +14,10 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
   slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
   is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
 
-Preference pairs with one forward a micro-batch (a precomputed reference, or ORPO) replay too
-where ``cuda_graphs: true`` asks (``auto`` leaves them off until measured): every pair
-micro-batch then takes one layout, rows as wide as the data's longest pairs
-(:class:`hone.data.pairs.FixedPairRows`). With the reference's forward in the step too, the
-config refuses them (the first step failed on an H200).
+Preference pairs replay too where ``cuda_graphs: true`` asks (``auto`` leaves them off until
+measured): every pair micro-batch then takes one layout, rows as wide as the data's longest pairs
+(:class:`hone.data.pairs.FixedPairRows`). A pass without grad (the reference's, eval) is one
+generation of the graphs (:func:`hone.runtime.step.begin_pass`).
 
 MXFP4 experts (a shipped checkpoint or ``model.quantize: mxfp4``) replay like bf16 ones (their
 kernels have no host sync; gpt-oss-20b and qwen3-30b-a3b were measured with graphs:

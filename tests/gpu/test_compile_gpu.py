@@ -21,32 +21,34 @@ pytestmark = [
 ]
 
 
-def _train(tmp_path, name, performance=None, checkpointing=False, rows=16, length=64):
+def _train(tmp_path, name, performance=None, checkpointing=False, rows=16, length=64, **sections):
     rng = random.Random(0)
     data = tmp_path / "data.jsonl"
     if not data.exists():
         data.write_text(
             "".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(length)]}) + "\n" for _ in range(rows))
         )
-    cfg = parse_config(
-        {
-            "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 4}, "dtype": "bfloat16"},
-            "data": {
-                "datasets": [{"path": str(data), "type": "pretokenized"}],
-                "sequence_len": length,
-                "dataset_prepared_path": str(tmp_path / "cache"),
-            },
-            "adapter": {"type": "lora", "lora_r": 8},
-            "training": {"max_steps": 6, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 3},
-            "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
-            "memory": {"gradient_checkpointing": checkpointing},
-            "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-            "performance": performance or {"torch_compile": False},
-        }
-    )
+    raw = {
+        "model": {"preset": "tiny-qwen3", "preset_overrides": {"num_hidden_layers": 4}, "dtype": "bfloat16"},
+        "data": {
+            "datasets": [{"path": str(data), "type": "pretokenized"}],
+            "sequence_len": length,
+            "dataset_prepared_path": str(tmp_path / "cache"),
+        },
+        "adapter": {"type": "lora", "lora_r": 8},
+        "training": {"max_steps": 6, "micro_batch_size": 2, "output_dir": str(tmp_path / name), "seed": 3},
+        "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
+        "memory": {"gradient_checkpointing": checkpointing},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "performance": performance or {"torch_compile": False},
+    }
+    for key, section in sections.items():
+        raw[key] = {**raw[key], **section}
+    cfg = parse_config(raw)
     losses = []
-    run_training(cfg, device="cuda", console=Console(quiet=True), step_callback=lambda m: losses.append(m.loss))
+    result = run_training(cfg, device="cuda", console=Console(quiet=True), step_callback=lambda m: losses.append(m.loss))
     record = json.loads((tmp_path / name / "optimizations.json").read_text())
+    record["last_eval_loss"] = result.last_eval_loss
     return losses, record
 
 
@@ -76,6 +78,19 @@ def test_compiled_training_matches_eager_without_recompiles(tmp_path, scope, che
         assert stats["forward_graphs"] == 1, stats  # one graph, reused by all four layers
     for key in options:  # applied to hone's compilation only, never left in the global config
         assert read_option(key) is False
+
+
+def test_cuda_graphs_survive_eval_passes_without_grad(tmp_path):
+    """Eval between steps runs the compiled layers without grad. Left to themselves, cudagraph
+    trees start a new generation at each such layer and may overwrite the output the next layer
+    reads (a DPO step's reference pass failed so on an H200); hone marks one generation per pass
+    (hone.runtime.step.begin_pass). Training and eval losses match eager's."""
+    evals = {"data": {"val_set_size": 0.25}, "training": {"eval_steps": 2}}
+    eager, record = _train(tmp_path, "eager", **evals)
+    graphs, graphed = _train(tmp_path, "graphs", {"torch_compile": True, "cuda_graphs": True}, **evals)
+    assert {a["name"]: a for a in graphed["applied"]}["compile"]["details"]["cuda_graphs"] is True
+    torch.testing.assert_close(torch.tensor(graphs), torch.tensor(eager), rtol=2e-2, atol=2e-2)
+    assert graphed["last_eval_loss"] == pytest.approx(record["last_eval_loss"], rel=2e-2)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Fixed pair rows (:class:`hone.data.pairs.FixedPairRows`): under CUDA graphs every pair
 micro-batch of a run takes one layout, so a compiled layer sees one set of shapes. The layout's
 size from the data statistics, the shapes of batches of different pairs, the log-probabilities
-against the rows as wide as their pairs (fp32, 1e-5), and where the plan takes it."""
+against the rows as wide as their pairs (fp32, 1e-5), where the plan takes it, and the mark of a
+new CUDA-graph generation at each pass over the layers."""
 
 import os
 import random
@@ -13,6 +14,7 @@ import torch
 from hone import testing
 from hone.data.pairs import ALIGN, FixedPairRows, collate_pairs, fixed_pair_rows
 from hone.data.stats import SplitStats
+from hone.models.adapters import adapters_off
 from hone.models.attention.layout import layout_for
 from hone.models.attention.varlen import register_varlen_sdpa
 from hone.models.structure import causal_lm_parts
@@ -106,7 +108,7 @@ def test_fixed_rows_give_the_log_probs_of_rows_as_wide_as_their_pairs(preset, sh
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _preference(reference="precomputed", **performance):
+def _preference(reference="auto", **performance):
     from hone.config import parse_config
 
     return parse_config(
@@ -117,16 +119,6 @@ def _preference(reference="precomputed", **performance):
             "performance": performance,
         }
     )
-
-
-def test_cuda_graphs_beside_the_reference_s_forward_in_the_step_are_refused():
-    """Two forwards a step under CUDA graphs failed on an H200 (cudagraph trees): refused before
-    anything loads, naming both ways out."""
-    from hone.config import ConfigError
-
-    with pytest.raises(ConfigError, match="reference: precomputed .one forward a step., or turn CUDA graphs off"):
-        _preference(reference="auto", cuda_graphs=True)  # auto with LoRA: the adapter switched off
-    assert _preference(reference="auto").preference_reference == "adapter_disabled"  # graphs auto: accepted
 
 
 def test_cuda_graphs_true_lays_every_pair_row_out_alike_and_auto_leaves_them_off():
@@ -155,3 +147,20 @@ def test_cuda_graphs_true_lays_every_pair_row_out_alike_and_auto_leaves_them_off
             assert recorded["pair_rows"] == {"width": fixed.width, "keys": fixed.keys}  # optimizations.json says so
         else:
             assert hooks.fixed_pairs is None
+
+
+def test_every_pass_over_the_layers_marks_a_new_cuda_graph_generation(monkeypatch):
+    """The reference's pass, the policy's and eval's each begin a cudagraph-trees generation
+    (hone.runtime.step.begin_pass), so a pass without grad keeps its layers' outputs alive
+    through the pass; the mark is a counter where no graph was recorded (CPU)."""
+    from hone.runtime import step
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = testing.with_random_lora(tiny_model("tiny-qwen3", tiny_tokenizer(), seed=SEED), seed=SEED)
+    pairs = testing.random_pairs(2, SEED, vocab=model.config.vocab_size, shortest_prompt=1)
+    batch = collate_pairs(pairs, pad_id=0).with_attention(layout_for(model))
+    decoder, head = causal_lm_parts(model)
+    loss = PairLoss("dpo", beta=0.1, reference_off=adapters_off(model))
+    step.decoder_head_loss(decoder, head, batch, loss)  # the reference's pass, then the policy's
+    assert len(marks) == 2
