@@ -34,7 +34,7 @@ training loop divides by the window's pairs and tokens without a device sync.
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,11 +58,13 @@ class FixedPairRows:
     """One layout for every pair micro-batch of a run, so that a compiled layer sees the same
     shapes each step and CUDA graphs replay one recording (``performance.cuda_graphs: true``):
     rows ``width`` tokens wide; the boundaries always end in one padding segment, of zero
-    length where the pairs fill the row; with shared prompts, ``keys`` gathered keys, the
-    padding segment taking those the pairs leave (built by :func:`fixed_pair_rows`)."""
+    length where the pairs fill the row, and count ``pairs`` pairs' segments (a last, smaller
+    micro-batch of an eval split gets empty ones); with shared prompts, ``keys`` gathered keys,
+    the padding segment taking those the pairs leave (built by :func:`fixed_pair_rows`)."""
 
     width: int
     keys: int
+    pairs: int = 1
 
 
 def fixed_pair_rows(splits: Sequence[Any], pairs_per_batch: int, share_prompt: bool) -> FixedPairRows:
@@ -82,7 +84,8 @@ def fixed_pair_rows(splits: Sequence[Any], pairs_per_batch: int, share_prompt: b
     if not longest:
         raise ValueError("fixed_pair_rows needs the statistics of a preference split")
     width = pair_width([longest * pairs_per_batch])
-    return FixedPairRows(width=width, keys=width + pairs_per_batch * max(prompt - 1, 0) if share_prompt else width)
+    keys = width + pairs_per_batch * max(prompt - 1, 0) if share_prompt else width
+    return FixedPairRows(width=width, keys=keys, pairs=pairs_per_batch)
 
 
 def pair_width(lengths: Sequence[int], align: int = ALIGN) -> int:
@@ -128,8 +131,8 @@ def collate_pairs(
             spans.append((len(prompt), len(completion), p, chosen))
     width = _row_width([len(d["input_ids"]) for d in docs], fixed)
     batch = collate_packed([docs], width, pad_id)
-    if fixed is not None and len(batch.cu_seqlens) == len(docs) + 1:  # no padding left: an empty segment
-        batch.cu_seqlens = torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:]])
+    if fixed is not None:  # two sequences a pair, then the padding: empty segments where missing
+        batch.cu_seqlens = _segments(batch.cu_seqlens, 2 * fixed.pairs + 1)
     segments = torch.full((1, width), -1, dtype=torch.long)
     completion_tokens = torch.zeros(2 * pairs, dtype=torch.float32)
     nll_tokens = 0
@@ -153,6 +156,14 @@ def collate_pairs(
     if reference is not None:
         batch.reference_logps = torch.cat([reference[:, 0], reference[:, 1]]).float()
     return batch
+
+
+def _segments(bounds: torch.Tensor, count: int) -> torch.Tensor:
+    """``bounds`` (``[n + 1]`` segment boundaries) extended to ``count`` segments with empty ones
+    at the end: every micro-batch of a fixed layout hands the kernel the same number."""
+    if len(bounds) - 1 > count:
+        raise ValueError(f"{len(bounds) - 1} segments exceed the fixed layout's {count}")
+    return torch.cat([bounds, bounds[-1:].expand(count + 1 - len(bounds))])
 
 
 def _row_width(lengths: Sequence[int], fixed: FixedPairRows | None) -> int:
@@ -228,7 +239,7 @@ def _collate_shared(
         position_ids=position_ids,
         cu_seqlens=torch.cat([starts, starts.new_tensor([width])]),
         branches=branches,
-        tree=tree_boundaries(spans, width, None if fixed is None else fixed.keys),
+        tree=tree_boundaries(spans, width) if fixed is None else _fixed_tree(spans, width, fixed),
     )
     batch.pairs = pairs
     batch.segments = segments
@@ -236,6 +247,14 @@ def _collate_shared(
     batch.completion_tokens = completion_tokens
     batch.nll_tokens = nll_tokens
     return batch
+
+
+def _fixed_tree(spans: Sequence[tuple[int, int]], width: int, fixed: FixedPairRows) -> TreeBoundaries:
+    """:func:`tree_boundaries` in the fixed layout: its key count, and ``fixed.pairs`` pairs'
+    segments (two each) before the padding's, empty ones where the batch has fewer pairs."""
+    tree = tree_boundaries(spans, width, fixed.keys)
+    count = 2 * fixed.pairs + 1
+    return replace(tree, queries=_segments(tree.queries, count), keys=_segments(tree.keys, count))
 
 
 def tree_boundaries(spans: Sequence[tuple[int, int]], width: int, fixed_keys: int | None = None) -> TreeBoundaries:

@@ -46,7 +46,7 @@ def test_the_statistics_count_the_longest_pair_and_size_the_rows_from_it():
     stats = _stats(pairs)
     assert stats.max_pair_tokens == 64
     shared = fixed_pair_rows([stats], 2, share_prompt=True)
-    assert shared == FixedPairRows(width=2 * ALIGN + ALIGN, keys=3 * ALIGN + 2 * 29)  # 2 x 65 -> 192; trunks 2 x 29
+    assert shared == FixedPairRows(width=3 * ALIGN, keys=3 * ALIGN + 2 * 29, pairs=2)  # 2 x 65 -> 192; trunks 2 x 29
     unshared = fixed_pair_rows([stats], 1, share_prompt=False)
     assert unshared.width == 2 * ALIGN  # 64 + its prompt bound 30 = 94 -> 128
     older = SplitStats(**{**stats.__dict__, "max_pair_tokens": 0})  # statistics written before the count
@@ -65,11 +65,12 @@ def test_every_micro_batch_has_the_same_shapes_and_one_padding_segment_even_when
         return tuple(tuple(t.shape) for t in (batch.input_ids, batch.position_ids, *bounds))
 
     batches = _batches(pairs, 2, share, fixed)
+    batches.append(collate_pairs(pairs[:1], pad_id=0, share_prompt=share, fixed=fixed))  # a last, smaller batch
     assert len({shapes(b) for b in batches}) == 1
     # pairs that fill a row to its last token still end in a (now empty) padding segment
     tokens = collate_pairs(pairs[:2], pad_id=0, share_prompt=share).tokens
     trunks = sum(len(p["prompt_ids"]) - 1 for p in pairs[:2]) if share else 0
-    full = collate_pairs(pairs[:2], pad_id=0, share_prompt=share, fixed=FixedPairRows(width=tokens, keys=tokens + trunks))
+    full = collate_pairs(pairs[:2], pad_id=0, share_prompt=share, fixed=FixedPairRows(tokens, tokens + trunks, pairs=2))
     bounds = full.tree.queries if share else full.cu_seqlens
     assert bounds[-1] == bounds[-2] == tokens
     assert len(bounds) == len(batches[0].tree.queries if share else batches[0].cu_seqlens)
@@ -84,7 +85,7 @@ def test_every_micro_batch_has_the_same_shapes_and_one_padding_segment_even_when
 def test_pairs_longer_than_the_fixed_row_are_refused():
     pairs = testing.random_pairs(2, SEED, shortest_prompt=1)
     with pytest.raises(ValueError, match="exceed the fixed pair row of 64 tokens"):
-        collate_pairs(pairs * 40, pad_id=0, share_prompt=True, fixed=FixedPairRows(width=64, keys=200))
+        collate_pairs(pairs * 40, pad_id=0, share_prompt=True, fixed=FixedPairRows(width=64, keys=200, pairs=80))
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -100,7 +101,10 @@ def test_fixed_rows_give_the_log_probs_of_rows_as_wide_as_their_pairs(preset, sh
     decoder, head = causal_lm_parts(model)
     layout = layout_for(model, shares_prompt=share)
     loss = PairLoss("dpo", beta=0.1)
-    for free, pinned in zip(_batches(pairs, 2, share, None), _batches(pairs, 2, share, fixed), strict=True):
+    frees, pinned_batches = _batches(pairs, 2, share, None), _batches(pairs, 2, share, fixed)
+    frees.append(collate_pairs(pairs[:1], pad_id=0, share_prompt=share))  # a last, smaller batch
+    pinned_batches.append(collate_pairs(pairs[:1], pad_id=0, share_prompt=share, fixed=fixed))
+    for free, pinned in zip(frees, pinned_batches, strict=True):
         assert pinned.input_ids.shape[1] >= free.input_ids.shape[1]
         with torch.no_grad():
             want = loss.logps(forward_hidden(decoder, free.with_attention(layout)), head, free)
