@@ -250,8 +250,9 @@ def _collate_shared(
 
 
 def _fixed_tree(spans: Sequence[tuple[int, int]], width: int, fixed: FixedPairRows) -> TreeBoundaries:
-    """:func:`tree_boundaries` in the fixed layout: its key count, and ``fixed.pairs`` pairs'
-    segments (two each) before the padding's, empty ones where the batch has fewer pairs."""
+    """:func:`tree_boundaries` in the fixed layout: its key count, and as many segments as
+    ``fixed.pairs`` pairs and the padding make (two a pair, one), empty ones appended after the
+    padding's where the batch has fewer pairs."""
     tree = tree_boundaries(spans, width, fixed.keys)
     count = 2 * fixed.pairs + 1
     return replace(tree, queries=_segments(tree.queries, count), keys=_segments(tree.keys, count))
