@@ -185,7 +185,7 @@ def boundaries_only_mask(device: torch.device) -> torch.Tensor:
     Why not None: with no mask and ``position_ids``, transformers' mask preparation reads the
     positions for packed sequences and tests the result with a Python ``if``, a host sync in every
     forward (on a DPO step, the host waited 16 ms for the policy forward before it could queue the
-    reference forward; H200 profile, benchmarks/2026-11-28-h200-dpo.md). A 4D mask is taken as
+    reference forward; H200 profile, benchmarks/2026-11-29-h200-dpo.md). A 4D mask is taken as
     prepared and passed to every layer untouched, and this backend ignores it when boundaries
     come with it. Only for this backend: another one would read the empty tensor as a mask."""
     return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
