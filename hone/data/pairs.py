@@ -41,8 +41,12 @@ import torch
 
 from hone.data.collate import IGNORE_INDEX, MicroBatch, TreeBoundaries, collate_packed
 
-#: Pair rows are packed to a multiple of this many tokens.
-ALIGN = 64
+#: Pair rows are packed to a multiple of this many tokens. Small: every padding token is computed
+#: and its activations kept like a real one (at 64, a 2,049-token qwen3-8b pair row carried 63
+#: of them, 3% of the step's activations, 0.19 GiB on an H200), while the widths stay few enough
+#: for a compiled layer (dynamic in the row length after its first recompile) and a 16-row edge
+#: matches the tensor cores' tile.
+ALIGN = 16
 
 #: The columns a pair row is read with.
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")

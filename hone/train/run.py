@@ -376,7 +376,7 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
     CUDA graphs need a single shape)."""
     if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
         return PACKED_SHAPES
-    if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of 64)
+    if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of pairs.ALIGN)
         if cfg.performance.cudagraphs_setting:  # ... or all alike, for the graphs (FixedPairRows)
             return None
         return "preference pairs are packed into one row per micro-batch, as wide as its pairs' sequences"

@@ -46,9 +46,10 @@ def test_the_statistics_count_the_longest_pair_and_size_the_rows_from_it():
     stats = _stats(pairs)
     assert stats.max_pair_tokens == 64
     shared = fixed_pair_rows([stats], 2, share_prompt=True)
-    assert shared == FixedPairRows(width=3 * ALIGN, keys=3 * ALIGN + 2 * 29, pairs=2)  # 2 x 65 -> 192; trunks 2 x 29
+    width = -(-2 * 65 // ALIGN) * ALIGN  # two pairs of 64 tokens and their branches' extra token
+    assert shared == FixedPairRows(width=width, keys=width + 2 * 29, pairs=2)  # trunks 2 x 29 gathered again
     unshared = fixed_pair_rows([stats], 1, share_prompt=False)
-    assert unshared.width == 2 * ALIGN  # 64 + its prompt bound 30 = 94 -> 128
+    assert unshared.width == -(-94 // ALIGN) * ALIGN  # 64 + its prompt bound 30
     older = SplitStats(**{**stats.__dict__, "max_pair_tokens": 0})  # statistics written before the count
     assert fixed_pair_rows([older], 1, share_prompt=True).width >= fixed_pair_rows([stats], 1, share_prompt=True).width
     with pytest.raises(ValueError, match="statistics of a preference split"):
