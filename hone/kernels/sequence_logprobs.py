@@ -4,7 +4,7 @@ Preference objectives (DPO, IPO, ORPO) need, for every sequence of a packed micr
 sum of its completion tokens' log-probabilities; the plain recipe builds the ``[tokens x
 vocab]`` logits for that, four times per step (policy and reference, chosen and rejected).
 :func:`sequence_logprobs` walks the tokens in chunks as the fused linear cross-entropy does
-(:mod:`hone.kernels.cross_entropy`, same chunk size, same rounding: the matmul in the inputs'
+(:mod:`hone.kernels.cross_entropy`, the same rounding: the matmul in the inputs'
 dtype, then float32) and adds each token's ``log p(target)`` into its sequence's slot.
 
 Unlike the cross-entropy, whose incoming gradient is one scalar (so it computes the gradients
@@ -40,11 +40,26 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from hone.kernels.cross_entropy import KernelUnavailableError, accumulate_weight_grad, default_chunk_tokens
+from hone.kernels.cross_entropy import (
+    DEFAULT_LOGITS_BUDGET_BYTES,
+    KernelUnavailableError,
+    accumulate_weight_grad,
+    default_chunk_tokens,
+)
 from hone.kernels.cross_entropy_triton import cross_entropy_softmax_grad_, triton_available
 
 Impl = Literal["auto", "torch", "triton"]
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
+
+#: The float32-logits budget of a chunk when the head gets no gradient (LoRA, a frozen head):
+#: half the fused cross-entropy's. The forward's chunk is alive at the step's peak (the end of
+#: the forward, every layer's activations saved), and with no weight gradient every matmul of a
+#: chunk contracts over the hidden size or the vocabulary, never over the chunk, so a smaller
+#: chunk costs only launches. qwen3 (V=151,936): 384 tokens, 0.11 GiB of bf16 logits instead of
+#: 0.22 (qwen3-8b DPO on an H200, benchmarks/2026-11-29-h200-dpo.md). A trained head keeps the
+#: larger chunk: its gradient is accumulated chunk by chunk, a read and write of ``[V x H]``
+#: each.
+FROZEN_HEAD_LOGITS_BUDGET_BYTES = DEFAULT_LOGITS_BUDGET_BYTES // 2
 
 
 def sequence_logprobs_reference(
@@ -258,7 +273,8 @@ def sequence_logprobs(
     Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (the backward recomputes each
     chunk's logits). Under ``torch.autocast`` the operands are cast to the autocast dtype first,
     as the reference's matmul is. ``chunk_tokens`` defaults to the fused cross-entropy's
-    :func:`~hone.kernels.cross_entropy.default_chunk_tokens`; ``impl`` picks the softmax step
+    :func:`~hone.kernels.cross_entropy.default_chunk_tokens`, at half its budget when the head
+    gets no gradient (:data:`FROZEN_HEAD_LOGITS_BUDGET_BYTES`); ``impl`` picks the softmax step
     (module docstring).
     """
     if impl not in IMPLS:
@@ -305,7 +321,8 @@ def sequence_logprobs(
             f"sequence_logprobs impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
         )
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(n, vocab)
+        frozen = not (weight.requires_grad or (bias is not None and bias.requires_grad))
+        chunk_tokens = default_chunk_tokens(n, vocab, FROZEN_HEAD_LOGITS_BUDGET_BYTES if frozen else DEFAULT_LOGITS_BUDGET_BYTES)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     return _forward_op(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens, impl)

@@ -3,11 +3,14 @@ reference (CPU): value and gradients of the hidden states, the head and its bias
 targets, tokens of no sequence, ragged chunks, a sequence cut by a chunk boundary, empty
 sequences, a frozen head, bf16, autocast, opcheck and ``torch.compile(fullgraph=True)``."""
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from hone.kernels import KernelUnavailableError
+from hone.kernels.cross_entropy import DEFAULT_LOGITS_BUDGET_BYTES, default_chunk_tokens
 from hone.kernels.sequence_logprobs import (
     _backward_op,
     _forward_op,
@@ -217,3 +220,20 @@ def test_compiled_fullgraph_without_graph_break_matches_eager_reference(backend)
     _close(loss.detach(), ref.detach())
     for p, expected in zip(model.parameters(), ref_grads):
         _close(p.grad, expected)
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_a_frozen_head_takes_chunks_of_half_the_logits_budget(monkeypatch, trained):
+    """The forward's chunk is alive at the step's peak; with no head gradient to accumulate a
+    smaller chunk costs only launches, so a frozen head gets half the budget. Equal values
+    either way (only the accumulation order of the per-segment sums differs)."""
+    module = importlib.import_module("hone.kernels.sequence_logprobs")  # the package exports a function of that name
+    seen = []
+    real = module._forward_op
+    monkeypatch.setattr(module, "_forward_op", lambda *args: seen.append(args[7]) or real(*args))
+    vocab = DEFAULT_LOGITS_BUDGET_BYTES // (4 * 256)  # the default budget holds 256 tokens of it, half holds 128
+    h, w, b, t, s = _inputs(300, hidden=2, vocab=vocab, segs=4, weight_grad=trained)
+    value = sequence_logprobs(h, w, t, s, 4, bias=b)
+    expected = 256 if trained else 128
+    assert seen == [expected] and default_chunk_tokens(300, vocab) == 256
+    _close(value, sequence_logprobs_reference(h, w, b, t, s, 4))
