@@ -91,12 +91,15 @@ class PerformanceConfig(Section):
     upcasts them to float32 as transformers does. ``auto``: the fused loss wherever it applies
     (models whose logits are the plain output projection), the standard one elsewhere."""
 
-    fp8: Literal["off", "rowwise", "tensorwise"] = "off"
+    fp8: Literal["off", "auto", "rowwise", "tensorwise"] = "off"
     """Float8 matmuls for the base's linear layers (docs/quantization.md), on GPUs of compute
     capability >= 8.9 (Ada, Hopper). With LoRA the frozen base weights are quantized once and
     the LoRA path stays bf16; a full fine-tune goes through torchao's float8 training (every
     linear but the output head). ``rowwise``: a scale per row (more accurate); ``tensorwise``:
-    one per tensor (with FSDP2, weights are all-gathered in float8). Needs model.dtype bfloat16."""
+    one per tensor (with FSDP2, weights are all-gathered in float8). ``auto``: float8, with the
+    scaling measured faster for the run (tensorwise; rowwise for a full fine-tune under FSDP2 and
+    for LoRA under context parallelism; ``hone plan`` says which). ``off`` (the default): bf16,
+    since float8 rounds more than the model's dtype. Needs model.dtype bfloat16."""
 
     fp8_base_linears: Literal["lora_targets", "all"] = "lora_targets"
     """With LoRA and ``fp8`` on: which frozen linears compute in float8. ``lora_targets``: the
@@ -167,7 +170,7 @@ class PerformanceConfig(Section):
             if stray:
                 raise ValueError(
                     f"{', '.join(stray)} only applies with fp8 on but performance.fp8 is off: "
-                    "set fp8: rowwise or tensorwise, or remove it"
+                    "set fp8: auto, rowwise or tensorwise, or remove it"
                 )
         if self.torch_compile_backend != "inductor":
             inductor_only = [k for k in ("torch_compile_mode", "torch_compile_options") if getattr(self, k)]

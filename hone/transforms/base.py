@@ -144,6 +144,10 @@ class Decisions:
     share_prompt_kernel: str | None = None
     """Through which attention: ``flex`` (a block mask) or ``mask`` (sdpa, a dense mask)."""
     share_prompt_why: str = "training.objective: sft trains no pairs"
+    fp8: str = "off"
+    """The float8 scaling in force: ``off``, ``rowwise`` or ``tensorwise`` (``performance.fp8``;
+    ``auto`` resolved by :func:`hone.transforms.fp8_sizes.fp8_scaling`)."""
+    fp8_why: str = "performance.fp8: off"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.experts import experts_choice
+from hone.transforms.fp8_sizes import fp8_scaling
 from hone.transforms.layer_runs import decide_run_layers
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
@@ -63,6 +64,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     share_prompt, prompt_kernel, share_prompt_why = share_prompt_choice(cfg, facts, compiles)
     strategy, strategy_why = resolve_strategy(cfg, facts, expert_parallel)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
+    fp8, fp8_why = fp8_scaling(cfg, fsdp=strategy == "fsdp")
     memory = plan_memory(cfg, facts.device, facts.memory_bytes, host_budget=facts.host_memory_bytes, param_shards=param_shards)
     chunks, chunks_why, chunks_do_not_fit = decide_chunks(cfg, facts, strategy, memory.policy, memory.shards, param_shards)
     runs = decide_run_layers(
@@ -74,12 +76,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
             shards, tiled_mlp_why = runs.mlp_shards, f"tiled_mlp: auto: {runs.mlp_shards} shards, {runs.tiling_why}"
         if runs.chunks != chunks:
             chunks, chunks_why = runs.chunks, f"tiled_layers: auto: {runs.chunks} chunks, {runs.tiling_why}"
-    offload_layers, offload_why = None, None
-    if memory.policy == "offload":  # the split over the model's decoder layers (runs), as the run finds them
-        layers = len(model_facts(cfg).layers)
-        offload_layers, offload_why = offload_layers_choice(cfg, -(-layers // runs.layers), facts.host_memory_bytes)
-        if runs.layers > 1:
-            offload_why = f"{offload_why} (runs of {runs.layers} layers, one input each)"
+    offload_layers, offload_why = _offload_split(cfg, facts, memory.policy, runs.layers)
     budget, budget_why = None, None
     if memory.policy == "selective" and compiles and cfg.performance.torch_compile_backend == "inductor":
         budget, budget_why = selective_budget_choice(
@@ -128,7 +125,19 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         share_prompt=share_prompt,
         share_prompt_kernel=prompt_kernel,
         share_prompt_why=share_prompt_why,
+        fp8=fp8,
+        fp8_why=fp8_why,
     )
+
+
+def _offload_split(cfg: HoneConfig, facts: RunFacts, policy: str, run_layers: int) -> tuple[int | None, str | None]:
+    """``offload``: how many of the model's decoder layers (runs of ``run_layers``) put their
+    saved input on the host, and why, as the run finds them; (None, None) under another policy."""
+    if policy != "offload":
+        return None, None
+    layers = len(model_facts(cfg).layers)
+    offload_layers, why = offload_layers_choice(cfg, -(-layers // run_layers), facts.host_memory_bytes)
+    return offload_layers, f"{why} (runs of {run_layers} layers, one input each)" if run_layers > 1 else why
 
 
 def decided_estimate(

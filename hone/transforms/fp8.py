@@ -316,11 +316,12 @@ def _context_parallel_problems(ctx: PlanContext) -> list[str]:
     allow. Per-token scales (the frozen base's rowwise mode) do not depend on the split."""
     n = ctx.decided.context_parallel
     perf = ctx.cfg.performance
-    if n <= 1 or (ctx.cfg.adapter.is_lora and perf.fp8 == "rowwise"):
+    if n <= 1 or (ctx.cfg.adapter.is_lora and ctx.decided.fp8 == "rowwise"):
         return []
     what = "a frozen LoRA base" if ctx.cfg.adapter.is_lora else "a full fine-tune"
+    asked = perf.fp8 if perf.fp8 == ctx.decided.fp8 else f"{perf.fp8} ({ctx.decided.fp8})"
     return [
-        f"performance.fp8: {perf.fp8} on {what} with distributed.context_parallel: {n}: each rank would scale its "
+        f"performance.fp8: {asked} on {what} with distributed.context_parallel: {n}: each rank would scale its "
         "activations and gradients by the amax of its own part of the sequence, not of the whole, so the run would not "
         "compute what one process computes; allowed with context parallelism: fp8: rowwise with LoRA (per-token "
         "scales); else set distributed.context_parallel: 1 or performance.fp8: off"
@@ -346,7 +347,7 @@ _PRECOMPUTE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     perf = ctx.cfg.performance
-    mode: Mode = perf.fp8  # type: ignore[assignment]
+    mode: Mode = ctx.decided.fp8  # type: ignore[assignment]
     if ctx.cfg.adapter.is_lora:
         return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
     fsdp = ctx.decided.strategy == "fsdp"
@@ -365,18 +366,19 @@ def _after_step(model: nn.Module) -> None:
         precompute_scales(model)
 
 
-def fp8_why(cfg: HoneConfig) -> str:
-    """The fp8 line of ``hone plan``: which linears go float8, and how."""
+def fp8_why(cfg: HoneConfig, scaling: str, scaling_why: str) -> str:
+    """The fp8 line of ``hone plan``: which linears go float8, and how (``scaling``, ``scaling_why``:
+    the plan's decision, :func:`hone.transforms.fp8_sizes.fp8_scaling`)."""
     perf = cfg.performance
-    if perf.fp8 == "off":
-        return "performance.fp8: off"
+    if scaling == "off":
+        return scaling_why
     narrow = "; narrow linears stay bf16 (fp8_small_linears: bf16)" if perf.fp8_small_linears == "bf16" else ""
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
-        return f"performance.fp8: {perf.fp8}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
+        return f"{scaling_why}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
     emulated = "; emulated (fp8_emulate: float8 rounding, high-precision matmuls)" if perf.fp8_emulate else ""
     how = "full fine-tune through torchao's float8 training (all linears but the head)"
-    return f"performance.fp8: {perf.fp8}; {how}{narrow}{emulated}"
+    return f"{scaling_why}; {how}{narrow}{emulated}"
 
 
 def _label(d: dict[str, Any]) -> str:
@@ -389,9 +391,9 @@ def _label(d: dict[str, Any]) -> str:
 FP8 = Transform(
     name="fp8",
     switch="performance.fp8",
-    wanted=lambda ctx: ctx.cfg.performance.fp8 != "off",
+    wanted=lambda ctx: ctx.decided.fp8 != "off",
     check=_check,
-    why=lambda ctx: fp8_why(ctx.cfg),
+    why=lambda ctx: fp8_why(ctx.cfg, ctx.decided.fp8, ctx.decided.fp8_why),
     model=_apply,
     after_optimizer_step=_after_step,
     label=_label,

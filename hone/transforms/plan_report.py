@@ -103,7 +103,7 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
             "memory.tiled_mlp",
         ),
         ("loss", loss_of(cfg), "performance.loss"),
-        ("fp8", perf.fp8, "performance.fp8"),
+        ("fp8", _auto(decided.fp8, perf.fp8), "performance.fp8"),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
     if decided.tiled_layers_chunks >= 2 or decided.run_layers > 1:  # the long-context switches, where they are on

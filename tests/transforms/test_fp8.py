@@ -156,6 +156,57 @@ def test_fp8_per_token_scales_and_expert_parallel_fsdp2_plan():
     assert {"fp8", "expert_parallel", "fsdp"} <= set(names)
 
 
+def test_fp8_auto_takes_the_scaling_measured_faster_for_each_case_and_the_plan_says_so():
+    """auto is float8 with a rule: tensorwise on one process (LoRA and full fine-tune), rowwise for a
+    full fine-tune under FSDP2 and for LoRA under context parallelism; what auto chose is what
+    the transform applies, the plan prints and the memory estimate counts."""
+    from hone.transforms.fp8_sizes import fp8_scaling
+    from hone.transforms.plan_report import resolved_optimizations
+
+    lora, full = cfg(fp8="auto"), cfg(adapter="none", fp8="auto")
+    assert fp8_scaling(lora, fsdp=False)[0] == "tensorwise"
+    assert fp8_scaling(full, fsdp=False)[0] == "tensorwise"
+    assert fp8_scaling(full, fsdp=True) == (
+        "rowwise",
+        "performance.fp8: auto: rowwise, measured faster than tensorwise under FSDP2 (1.00x vs 0.94x bf16)",
+    )
+    assert fp8_scaling(cfg(fp8="rowwise"), fsdp=False) == ("rowwise", "performance.fp8: rowwise")
+    assert fp8_scaling(cfg(), fsdp=False) == ("off", "performance.fp8: off")
+
+    plan = plan_optimizations(lora, RunFacts(CUDA))
+    assert plan.decided.fp8 == "tensorwise" and "fp8" in plan.names
+    _, _, on, why = next(d for d in decisions(lora, RunFacts(CUDA)) if d[0] == "fp8")
+    assert on and why.startswith("performance.fp8: auto: tensorwise, measured faster than rowwise for a LoRA base")
+    assert ("fp8", "tensorwise (auto)", "performance.fp8") in resolved_optimizations(lora, "cuda", plan.decided)
+    with pytest.raises(PlanError, match=r"performance.fp8 needs float8 matmuls, which this run's device \(cpu\) lacks"):
+        plan_optimizations(lora, RunFacts(torch.device("cpu")))  # auto asks for float8: refused where there is none
+    # under context parallelism a LoRA base takes the per-token scales that split cleanly
+    split = _two_ranks("tiny-qwen3", "lora", "auto", {"context_parallel": 2})
+    assert split.decided.fp8 == "rowwise" and "context_parallel" in split.names
+    # a full fine-tune under FSDP2: rowwise, so torchao gathers the weights in bf16
+    sharded = _two_ranks("tiny-qwen3", "none", "auto", {"strategy": "fsdp"})
+    assert sharded.decided.fp8 == "rowwise"
+    with pytest.raises(PlanError, match=r"performance.fp8: auto \(tensorwise\) on a full fine-tune with distributed.context"):
+        _two_ranks("tiny-qwen3", "none", "auto", {"context_parallel": 2})
+
+
+def test_fp8_auto_estimates_the_copies_of_the_scaling_it_takes():
+    """fp8_small_linears: bf16 keeps different layers per scaling (qwen3-30b-a3b's q_proj, 2048 ->
+    4096, is narrow for rowwise only): the estimate of auto is that of the scaling auto takes."""
+    from hone.transforms.memory.facts import model_facts
+    from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
+
+    def copies(fp8, distributed=None):
+        raw = {**_RAW, "model": {"preset": "qwen3-30b-a3b", "dtype": "bfloat16"}, "adapter": {"type": "lora"}}
+        raw["performance"] = {"fp8": fp8, "fp8_small_linears": "bf16"}
+        raw["distributed"] = distributed or {}
+        config = parse_config(raw)
+        return fp8_copies_bytes(config, model_facts(config))
+
+    assert copies("auto") == copies("tensorwise") != copies("rowwise")
+    assert copies("auto", {"context_parallel": 2}) == copies("rowwise")
+
+
 @pytest.mark.parametrize(
     "performance, key",
     [

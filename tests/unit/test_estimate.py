@@ -182,6 +182,19 @@ def test_float8_full_finetune_estimate_within_five_percent_of_measured_peaks(row
     assert est.total / GIB == pytest.approx(measured, rel=0.05)
 
 
+def test_float8_auto_full_finetune_is_estimated_as_the_scaling_it_takes():
+    """One process: tensorwise; weights sharded by FSDP2: rowwise (hone.transforms.fp8_sizes.fp8_scaling).
+    qwen3-30b-a3b's q_proj (2048 -> 4096) is narrow for rowwise only, so the two estimates differ."""
+
+    def total(fp8, shards=1):
+        extra = {"performance__fp8": fp8, "performance__fp8_small_linears": "bf16"}
+        cfg = _cfg("qwen3-30b-a3b", adapter={"type": "none"}, seq=4096, mbs=2, **extra)
+        return estimate_memory(cfg, Knobs(checkpointing="none", loss="fused_linear_ce", compiled=True, param_shards=shards)).total
+
+    assert total("auto") == total("tensorwise") != total("rowwise")
+    assert total("auto", shards=2) == total("rowwise", shards=2) != total("tensorwise", shards=2)
+
+
 # torch.cuda.max_memory_allocated of hone bench rows on an H100 (BENCHMARKS.md, issue 11):
 # (preset, sequence_len, micro_batch, targets, checkpointing, compiled, measured GiB), standard loss
 MEASURED = [

@@ -205,6 +205,17 @@ def selective_budget(cfg: HoneConfig, knobs: Knobs) -> float:
     return SELECTIVE_BUDGET_FLOOR if budget == "auto" else budget
 
 
+def float8_of(cfg: HoneConfig, param_shards: int | None) -> tuple[str, str] | None:
+    """``(scaling, fp8_small_linears)`` of a full fine-tune in float8 (``auto`` resolved as the
+    plan resolves it: FSDP2 when the weights are sharded), else None."""
+    from hone.transforms.fp8_sizes import fp8_scaling  # (torch-free callers of the estimate import no kernel)
+
+    if cfg.performance.fp8 == "off" or cfg.adapter.is_lora:
+        return None
+    mode = fp8_scaling(cfg, fsdp=(param_shards or 1) > 1)[0]
+    return mode, cfg.performance.fp8_small_linears
+
+
 def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
     """``knobs`` with the config's defaults filled in: the sequence (under context parallelism one
     rank's shard of it: attention holds the whole sequence for ``1/N`` of the heads, the same bytes) and micro-batch, whether the
@@ -236,7 +247,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         selective_budget=selective_budget(cfg, knobs) if compiled and perf.torch_compile_backend == "inductor" else None,
         accumulating=cfg.training.gradient_accumulation_steps > 1,
         run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
-        float8=(perf.fp8, perf.fp8_small_linears) if perf.fp8 != "off" and not cfg.adapter.is_lora else None,
+        float8=float8_of(cfg, knobs.param_shards),
         # Ulysses: q, k, v to the rank's heads over the whole sequence, the output back (same bytes as one shard's)
         exchanged_per_token=m.compute_bytes * 2 * (m.heads + m.kv_heads) * m.head_dim if split > 1 else 0,
     )

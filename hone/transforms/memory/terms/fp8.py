@@ -10,13 +10,14 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
     weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8);
     a full fine-tune's float8 casts are per step and transient. Layers the shape rule keeps in bf16
     (hone.transforms.fp8_sizes) have no copies."""
-    from hone.transforms.fp8_sizes import converts_to_fp8
+    from hone.transforms.fp8_sizes import converts_to_fp8, fp8_scaling
 
     perf = cfg.performance
     if perf.fp8 == "off" or not cfg.adapter.is_lora:
         return 0
+    mode = fp8_scaling(cfg, fsdp=False)[0]  # (a LoRA base refuses FSDP2)
     shapes = m.lora_base_shapes if perf.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_shapes
-    return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, perf.fp8, perf.fp8_small_linears))
+    return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, mode, perf.fp8_small_linears))
 
 
 def float8_site_bytes(linears: list[LinearFacts], width: int, site: str, float8: tuple[str, str] | None) -> int | None:
