@@ -245,6 +245,9 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         "trained_tokens_per_s": round(trained_per_s, 1),
         "mfu_pct": float(f"{100 * utilisation:.3g}"),
         "final_loss": round(losses[-1], 4) if losses else None,
+        # every step's, warm-up included: hone's rows of one spec train the same rows in the same
+        # order from the same weights, so where their curves part is where the math changed
+        "losses": [round(loss, 5) for loss in losses],
         "total_params": total_params,
     }
     if w.data == "pairs":

@@ -43,6 +43,7 @@ def test_bench_runs_conditions_and_writes_all_outputs(tmp_path):
         assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
         assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
         assert row["final_loss"] == pytest.approx(row["final_loss"]) and 0 < row["final_loss"] < 20
+        assert len(row["losses"]) == 3 and row["losses"][-1] == pytest.approx(row["final_loss"], abs=1e-4)
     broken = [r for r in rows if r["condition"] == "broken"]
     assert all(r["status"] == "error" and "micro_batch_size" in r["error"] for r in broken)
     # each failed row's whole stderr is kept beside the results (the row holds only its ends)
