@@ -261,14 +261,24 @@ class HoneConfig(Section):
     @property
     def preference_reference(self) -> str | None:
         """Where DPO's and IPO's reference log-probs come from: ``adapter_disabled`` or
-        ``precomputed`` (``training.preference.reference``, ``auto`` resolved by the adapter);
-        None without a reference (sft, orpo)."""
+        ``precomputed`` (``training.preference.reference``); None without a reference (sft, orpo).
+
+        ``auto``: a full fine-tune precomputes (nothing else avoids a second copy of the weights).
+        Under LoRA the two give the same numbers (the adapter starts at zero, so the model with it
+        switched off is the initial model) and each costs one reference forward per pair and
+        pass, in the step or all before the first step (each rank a share of it). A run of one
+        pass pays the same either way, and the step's reference starts training at once; a run
+        of several passes (``num_epochs`` above 1) computes it once instead of every pass, so it
+        precomputes. With ``max_steps`` the passes are not known before the data is: the step's
+        reference stays."""
         t = self.training
         if t.objective in ("sft", "orpo"):
             return None
-        if t.preference.reference == "auto":
-            return "adapter_disabled" if self.adapter.is_lora else "precomputed"
-        return t.preference.reference
+        if t.preference.reference != "auto":
+            return t.preference.reference
+        if not self.adapter.is_lora:
+            return "precomputed"
+        return "precomputed" if t.num_epochs is not None and t.num_epochs > 1 else "adapter_disabled"
 
     @property
     def tokens_per_step(self) -> int:

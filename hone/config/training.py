@@ -25,8 +25,9 @@ class PreferenceConfig(Section):
     """Where DPO's and IPO's reference log-probabilities come from. ``adapter_disabled``: the
     same model with its LoRA adapter(s) switched off, in the same micro-batch (no second copy);
     ``precomputed``: one pass over the pairs with the initial weights before the first step,
-    kept with the run (a full fine-tune); ``auto``: the first with an adapter, else the second.
-    ORPO has no reference."""
+    kept with the run; ``auto``: ``precomputed`` for a full fine-tune and for LoRA over several
+    epochs (``num_epochs`` above 1: the reference computed once instead of every epoch), else
+    ``adapter_disabled``. ORPO has no reference."""
 
     share_prompt: bool | Literal["auto"] = "auto"
     """Compute a pair's prompt once: its row holds the prompt, then the chosen and the rejected

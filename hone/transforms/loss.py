@@ -110,6 +110,8 @@ def preference_loss(cfg: HoneConfig, model: nn.Module) -> tuple[LossFn, dict[str
         "adapter_disabled": "the model with its adapter(s) switched off, in each micro-batch",
         "precomputed": "precomputed once with the initial weights before the first step",
     }[source]
+    if pref.reference == "auto" and source == "precomputed" and cfg.adapter.is_lora:
+        reference += f" (auto: num_epochs {t.num_epochs:g}, computed once instead of every epoch)"
     why = f"training.objective: {objective}, beta {pref.beta:g}; reference: {reference}"
     return loss, {"loss": f"{objective}, per-sequence log-probs", "why": why, "objective": objective}
 

@@ -116,3 +116,83 @@ def test_a_resume_without_its_reference_file_is_refused(tmp_path):
     (tmp_path / "run" / REFERENCE_FILE).unlink()
     with pytest.raises(ReferenceError, match="reference_logps.safetensors is missing"):
         _run(tmp_path / "run", data, resume_from=tmp_path / "run" / "checkpoints" / "step-2", eval_steps=None)
+
+
+@pytest.mark.parametrize(
+    "adapter, training, expected",
+    [
+        ("none", {}, "precomputed"),  # a full fine-tune: no adapter to switch off, no second copy
+        ("lora", {}, "adapter_disabled"),  # one pass: the same cost either way, training starts at once
+        ("lora", {"num_epochs": 1}, "adapter_disabled"),
+        ("lora", {"num_epochs": 1.5}, "precomputed"),  # computed once instead of every pass
+        ("lora", {"num_epochs": 3}, "precomputed"),
+        ("lora", {"max_steps": 500}, "adapter_disabled"),  # passes unknown before the data is
+        ("lora", {"num_epochs": 3, "preference": {"reference": "adapter_disabled"}}, "adapter_disabled"),
+        ("none", {"preference": {"reference": "precomputed"}}, "precomputed"),
+    ],
+)
+def test_reference_auto_precomputes_for_full_finetunes_and_lora_over_several_epochs(adapter, training, expected):
+    from hone.config import parse_config
+
+    raw = {
+        "model": {"preset": "tiny-llama"},
+        "data": {"datasets": [{"path": "pairs.jsonl", "type": "preference"}]},
+        "adapter": {"type": adapter},
+        "training": {"objective": "dpo", **training},
+    }
+    assert parse_config(raw).preference_reference == expected
+    raw["training"]["objective"] = "orpo"
+    raw["training"].pop("preference", None)
+    assert parse_config(raw).preference_reference is None  # ORPO has no reference
+
+
+def _lora_run(out, data, reference, *, resume_from=None, callback=None, **training):
+    """A LoRA DPO run as hone trains one: the adapter starts at zero (B = 0)."""
+    from hone.config.adapter import AdapterConfig
+    from hone.models.adapters import apply_adapter
+
+    cfg = tiny_config(
+        out,
+        adapter={"type": "lora", "lora_r": 4},
+        training={"max_steps": 5, "micro_batch_size": 2, "objective": "dpo", "preference": {"reference": reference}, **training},
+        optimizer={"learning_rate": 1e-2, "lr_scheduler": "constant"},
+    )
+    model = apply_adapter(_model(), AdapterConfig(type="lora", lora_r=4))
+    train_loop(
+        model,
+        data,
+        None,
+        cfg,
+        device=torch.device("cpu"),
+        pad_id=0,
+        console=Console(quiet=True),
+        hooks=plan_hooks(model, cfg),
+        resume_from=resume_from,
+        step_callback=callback,
+    )
+    return read_metrics(out / "metrics.jsonl")
+
+
+def test_lora_precomputed_trains_as_the_steps_reference_and_a_resume_without_the_file_rebuilds_it(tmp_path):
+    """Under LoRA the precomputed table is the model with its adapter off: the same losses as the
+    step's reference. A run resumed as precomputed without the file (it began with the step's
+    reference, e.g. one epoch extended to three) computes the table with the adapter switched
+    off: the initial model's, not the trained one's."""
+    from safetensors.torch import load_file
+
+    data = _pairs(8, SEED)
+    in_step = [r["loss"] for r in _lora_run(tmp_path / "in-step", data, "adapter_disabled") if "loss" in r]
+    ahead = [r["loss"] for r in _lora_run(tmp_path / "ahead", data, "precomputed") if "loss" in r]
+    assert ahead == pytest.approx(in_step, rel=1e-5, abs=1e-7) and in_step[-1] != pytest.approx(in_step[0])
+    fresh = load_file(str(tmp_path / "ahead" / REFERENCE_FILE))["train"]
+
+    def crash(metrics):
+        if metrics.step == 3:  # after the checkpoint of step 2
+            raise Crash
+
+    with pytest.raises(Crash):
+        _lora_run(tmp_path / "run", data, "adapter_disabled", callback=crash, save_steps=2)
+    assert not (tmp_path / "run" / REFERENCE_FILE).exists()
+    resumed = _lora_run(tmp_path / "run", data, "precomputed", resume_from=tmp_path / "run" / "checkpoints" / "step-2")
+    torch.testing.assert_close(load_file(str(tmp_path / "run" / REFERENCE_FILE))["train"], fresh, rtol=1e-6, atol=1e-6)
+    assert [r["loss"] for r in resumed if "loss" in r][-2:] == pytest.approx(in_step[-2:], rel=1e-5, abs=1e-7)
