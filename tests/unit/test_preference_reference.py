@@ -48,6 +48,11 @@ def _run(out, data, *, resume_from=None, callback=None, **training):
         optimizer={"learning_rate": 1e-2, "lr_scheduler": "constant"},
     )
     model = _model()
+    return model, _train(model, cfg, data, resume_from, callback)
+
+
+def _train(model, cfg, data, resume_from, callback):
+    """``cfg``'s DPO run of ``model`` on ``data`` (train, eval) on the CPU; its metrics."""
     train_loop(
         model,
         data[0],
@@ -60,7 +65,7 @@ def _run(out, data, *, resume_from=None, callback=None, **training):
         resume_from=resume_from,
         step_callback=callback,
     )
-    return model, read_metrics(out / "metrics.jsonl")
+    return read_metrics(cfg.training.output_dir / "metrics.jsonl")
 
 
 def test_a_full_fine_tune_precomputes_the_initial_models_log_probs_and_a_resume_reads_them_back(tmp_path):
@@ -157,20 +162,7 @@ def _lora_run(out, data, reference, *, resume_from=None, callback=None, **traini
         training={"max_steps": 5, "micro_batch_size": 2, "objective": "dpo", "preference": {"reference": reference}, **training},
         optimizer={"learning_rate": 1e-2, "lr_scheduler": "constant"},
     )
-    model = apply_adapter(_model(), AdapterConfig(type="lora", lora_r=4))
-    train_loop(
-        model,
-        data,
-        None,
-        cfg,
-        device=torch.device("cpu"),
-        pad_id=0,
-        console=Console(quiet=True),
-        hooks=plan_hooks(model, cfg),
-        resume_from=resume_from,
-        step_callback=callback,
-    )
-    return read_metrics(out / "metrics.jsonl")
+    return _train(apply_adapter(_model(), AdapterConfig(type="lora", lora_r=4)), cfg, (data, None), resume_from, callback)
 
 
 def test_lora_precomputed_trains_as_the_steps_reference_and_a_resume_without_the_file_rebuilds_it(tmp_path):
