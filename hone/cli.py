@@ -298,7 +298,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hone.bench.spec import load_spec, parse_spec
 
     if args.spec is not None:
-        spec = load_spec(args.spec, args.overrides)
+        spec = load_spec(args.spec, args.overrides, args.only)
+    elif args.only:
+        raise HoneError("--only picks conditions of a spec file: give one (hone bench SPEC.yml --only ...)")
     elif args.preset is not None:
         spec = parse_spec(
             {
@@ -710,6 +712,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a spec key, e.g. --set timed_steps=20",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="CONDITION",
+        help="run only this condition of the spec: its exact name or its number (1 is the first); repeat for more",
     )
     quick = p.add_argument_group("quick form (no spec file): reference vs hone on one preset")
     quick.add_argument("--preset", help="architecture preset, e.g. qwen3-8b")

@@ -256,8 +256,9 @@ class BenchSpec(Section):
         return self
 
 
-def load_spec(path: Path, overrides: list[str] | None = None) -> BenchSpec:
-    """Read and validate a spec file; problems are reported like config problems."""
+def load_spec(path: Path, overrides: list[str] | None = None, only: list[str] | None = None) -> BenchSpec:
+    """Read and validate a spec file; problems are reported like config problems. ``only``: run
+    these conditions alone (:func:`select_conditions`)."""
     from hone.config.loader import apply_overrides
 
     try:
@@ -268,7 +269,31 @@ def load_spec(path: Path, overrides: list[str] | None = None) -> BenchSpec:
         raise ConfigError([ConfigIssue("", f"malformed YAML: {exc}")], str(path)) from None
     if overrides:
         raw = apply_overrides(raw, overrides)
-    return parse_spec(raw, str(path))
+    spec = parse_spec(raw, str(path))
+    return select_conditions(spec, only, str(path)) if only else spec
+
+
+def select_conditions(spec: BenchSpec, only: list[str], source: str = "spec") -> BenchSpec:
+    """``spec`` with only the conditions ``only`` names, in the spec's order: each item a
+    condition's exact name or its number in the spec (1 is the first), so that a benchmark file
+    can give the committed spec and the rows it ran (``hone bench SPEC --only 2 --only 5``)
+    instead of a cut-down copy. An unknown item is an error that lists the conditions."""
+    names = [c.name for c in spec.conditions]
+    chosen: set[int] = set()
+    unknown = []
+    for item in only:
+        text = item.strip()
+        if text.isdigit() and 1 <= int(text) <= len(names):
+            chosen.add(int(text) - 1)
+        elif text in names:
+            chosen.add(names.index(text))
+        else:
+            unknown.append(item)
+    if unknown:
+        listed = "; ".join(f"{i + 1}: {name}" for i, name in enumerate(names))
+        what = f"--only {unknown[0]!r} is neither a condition's name nor its number; the spec has {listed}"
+        raise ConfigError([ConfigIssue("conditions", what)], source)
+    return spec.model_copy(update={"conditions": [c for i, c in enumerate(spec.conditions) if i in chosen]})
 
 
 def parse_spec(raw: Any, source: str = "spec") -> BenchSpec:

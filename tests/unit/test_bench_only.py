@@ -1,0 +1,35 @@
+"""``hone bench SPEC --only ...``: a benchmark file can name the committed spec and the rows it
+ran, instead of a cut-down copy of the spec that nobody else has."""
+
+from pathlib import Path
+
+import pytest
+
+from hone.bench.spec import load_spec
+from hone.cli import main
+from hone.config import ConfigError
+
+DPO = Path(__file__).resolve().parents[2] / "benchmarks" / "specs" / "qwen3-8b-dpo.yml"
+
+
+def test_only_keeps_the_named_or_numbered_conditions_in_the_specs_order():
+    whole = load_spec(DPO)
+    names = [c.name for c in whole.conditions]
+    picked = load_spec(DPO, only=[names[4], "3", " 1 "])
+    assert [c.name for c in picked.conditions] == [names[0], names[2], names[4]]
+    assert picked.workload == whole.workload and picked.timed_steps == whole.timed_steps
+    assert load_spec(DPO, only=["2", names[1]]).conditions == [whole.conditions[1]]  # named twice, run once
+
+
+@pytest.mark.parametrize("item", ["0", str(10**3), "hone, defaults", "TRL"])
+def test_an_unknown_condition_is_an_error_that_lists_the_specs_conditions(item):
+    with pytest.raises(ConfigError) as info:
+        load_spec(DPO, only=["1", item])
+    text = str(info.value)
+    assert f"--only {item!r} is neither a condition's name nor its number" in text
+    assert "1: TRL, no checkpointing; 2: TRL, checkpointing" in text
+
+
+def test_only_needs_a_spec_file(capsys):
+    assert main(["bench", "--preset", "tiny-llama", "--only", "1"]) != 0
+    assert "--only picks conditions of a spec file" in capsys.readouterr().err
