@@ -35,7 +35,7 @@ from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
 from hone.transforms.memory.facts import model_facts
 from hone.transforms.memory.knobs import Knobs
-from hone.transforms.prompt_sharing import share_prompt_choice
+from hone.transforms.prompt_sharing import pair_rows_config, share_prompt_choice
 from hone.transforms.tiled_layers import decide_chunks
 
 
@@ -62,6 +62,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     compiles, compile_why = compile_choice(cfg, facts)
     experts, experts_why = experts_choice(cfg, facts, expert_parallel)
     share_prompt, prompt_kernel, share_prompt_why = share_prompt_choice(cfg, facts, compiles)
+    cfg = pair_rows_config(cfg, facts, share_prompt)  # the rows as wide as the data's pairs make them
     strategy, strategy_why = resolve_strategy(cfg, facts, expert_parallel)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     fp8, fp8_why = fp8_scaling(cfg, fsdp=strategy == "fsdp")
