@@ -53,3 +53,24 @@ def write_pairs(path: Path, workload: Workload, tokenizer: Any, count: int, seed
             if index == 0 and len(tokenizer.encode(prompt + chosen, add_special_tokens=False)) != expected:
                 raise ValueError("the one-token words merged across a boundary: the pairs would not have the lengths asked for")
             f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+
+
+def pair_stats(workload: Workload, count: int) -> Any:
+    """The data statistics ``hone train`` finds for :func:`write_pairs`' file (every part of the
+    length asked for), which the bench's memory estimate is made with, as the run's decisions are."""
+    from hone.data.stats import SplitStats
+
+    prompt, completion = workload.prompt_len, workload.completion_len
+    return SplitStats(
+        rows=count,
+        tokens=count * (prompt + 2 * completion),
+        trained_tokens=count * 2 * completion,
+        min_length=prompt + completion,
+        max_length=prompt + completion,
+        histogram=[],
+        pairs=True,
+        max_prompt=prompt,
+        max_chosen=completion,
+        max_rejected=completion,
+        max_pair_tokens=prompt + 2 * completion,
+    )

@@ -99,14 +99,15 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
     return parse_config(apply_overrides(raw, condition.overrides), f"condition '{condition.name}'")
 
 
-def _estimated_peak_gib(cfg: Any, device: torch.device) -> float | None:
-    """hone's estimate of this row's peak (``hone plan``), recorded beside the measured one so
-    every bench checks the estimate. A failing estimate must not cost the measurement."""
+def _estimated_peak_gib(cfg: Any, device: torch.device, pair_splits: tuple = ()) -> float | None:
+    """hone's estimate of this row's peak (as the run decides it: with ``pair_splits``, the pairs'
+    statistics), recorded beside the measured one so every bench checks the estimate. A failing
+    estimate must not cost the measurement."""
     from hone.runtime.world import world_from_env
     from hone.transforms.decide import decided_estimate
 
     try:  # this rank's step: the world torchrun launched it in (FSDP2 shards, expert blocks)
-        est = decided_estimate(cfg, device.type, world=world_from_env())
+        est = decided_estimate(cfg, device.type, world=world_from_env(), pair_splits=pair_splits)
     except Exception as exc:  # noqa: BLE001 - reported on stderr, the row goes on
         print(f"hone bench: no memory estimate for this row: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
@@ -173,15 +174,17 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
             workdir = Path(tmp)
             data_file = workdir / "random.jsonl"
             cpu = torch.device("cpu")
+            pair_splits: tuple = ()
             if w.data == "lengths":
                 from hone.bench.lengths import attention_span, write_length_mix
 
                 lengths = write_length_mix(data_file, w, id_limit, spec.seed)
                 attention_len = attention_span(lengths)
             elif w.data == "pairs":
-                from hone.bench.pairs import write_pairs
+                from hone.bench.pairs import pair_stats, write_pairs
 
                 write_pairs(data_file, w, workload_tokenizer(w), total_steps * w.pairs_per_step * world_size, seed)
+                pair_splits = (pair_stats(w, total_steps * w.pairs_per_step * world_size),)
                 attention_len = float(w.prompt_len + w.completion_len)  # the pair's two sequences attend apart
             else:
                 _write_random_dataset(
@@ -190,7 +193,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
             cfg = _hone_config(spec, condition, workdir, data_file)
             split = cfg.distributed.context_parallel
             configure_allocator(cfg, device.type)  # as hone train does, before CUDA starts
-            estimated_gib = _estimated_peak_gib(cfg, device)
+            estimated_gib = _estimated_peak_gib(cfg, device, pair_splits)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             last = [None]

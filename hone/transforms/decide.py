@@ -147,16 +147,21 @@ def decided_estimate(
     host_budget: int | None = None,
     world: World = SINGLE,
     memory_bytes: int | None = None,
+    pair_splits: tuple = (),
 ) -> MemoryEstimate:
     """The memory estimate of the step ``cfg`` runs on ``device`` (one process of ``world``: its
     share of FSDP2's shards, its block of the experts; the card is ``memory_bytes`` or the local
     one, the host ``host_budget`` or this machine's RAM), every ``auto`` setting as the plan decides it: the
     bench records it beside each measured peak, so it must estimate what runs (a world of one
-    would estimate FSDP2 alone on N GPUs as one unsharded process)."""
+    would estimate FSDP2 alone on N GPUs as one unsharded process; ``pair_splits``: a preference
+    run's data statistics, as the run has them)."""
     if host_budget is None:
         host_budget = host_memory(None)[0]
-    facts = RunFacts(torch.device(device), memory_bytes=memory_bytes, host_memory_bytes=host_budget, world=world)
+    facts = RunFacts(
+        torch.device(device), memory_bytes=memory_bytes, host_memory_bytes=host_budget, world=world, pair_splits=pair_splits
+    )
     decided = decide(cfg, facts)
+    cfg = pair_rows_config(cfg, facts, decided.share_prompt)
     host_budget = per_rank_facts(cfg, facts).host_memory_bytes  # under context parallelism: one rank's share
     knobs = Knobs(
         decided.checkpointing,

@@ -67,3 +67,24 @@ def test_auto_checkpointing_keeps_every_activation_where_the_pairs_fit():
     checkpointing (25.8 GiB), the data's rows do (23.9)."""
     assert decide(_cfg(), _facts(27.5)).checkpointing != "none"
     assert decide(_cfg(), _facts(27.5, _stats())).checkpointing == "none"
+
+
+def test_the_bench_estimates_its_pairs_as_the_run_decides_them():
+    """``hone bench``'s estimated column for the DPO spec: the pairs it writes have exact lengths,
+    so its statistics are known before the run; the estimate is the run's (23.9 GiB), not two
+    full sequences a pair (25.8)."""
+    from pathlib import Path
+
+    from hone.bench.pairs import pair_stats
+    from hone.bench.spec import load_spec
+    from hone.bench.worker import _hone_config
+    from hone.transforms.decide import decided_estimate
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "benchmarks" / "specs" / "qwen3-8b-dpo.yml", only=["4"])
+    cfg = _hone_config(spec, spec.conditions[0], Path("scratch"), Path("pairs.jsonl"))
+    memory = int(139.8 * GIB)
+    stats = (pair_stats(spec.workload, 64),)
+    assert stats[0].max_pair_tokens == 2048 and stats[0].max_prompt == 512
+    with_stats = decided_estimate(cfg, "cuda", host_budget=64 * GIB, memory_bytes=memory, pair_splits=stats).total / GIB
+    without = decided_estimate(cfg, "cuda", host_budget=64 * GIB, memory_bytes=memory).total / GIB
+    assert with_stats == pytest.approx(23.66, rel=0.05) and without == pytest.approx(25.8, abs=0.1)
