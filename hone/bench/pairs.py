@@ -57,20 +57,13 @@ def write_pairs(path: Path, workload: Workload, tokenizer: Any, count: int, seed
 
 def pair_stats(workload: Workload, count: int) -> Any:
     """The data statistics ``hone train`` finds for :func:`write_pairs`' file (every part of the
-    length asked for), which the bench's memory estimate is made with, as the run's decisions are."""
+    length asked for), built as the data preparation builds them, which the bench's memory
+    estimate is made with, as the run's decisions are."""
+    import numpy as np
+
     from hone.data.stats import SplitStats
 
     prompt, completion = workload.prompt_len, workload.completion_len
-    return SplitStats(
-        rows=count,
-        tokens=count * (prompt + 2 * completion),
-        trained_tokens=count * 2 * completion,
-        min_length=prompt + completion,
-        max_length=prompt + completion,
-        histogram=[],
-        pairs=True,
-        max_prompt=prompt,
-        max_chosen=completion,
-        max_rejected=completion,
-        max_pair_tokens=prompt + 2 * completion,
-    )
+    parts = np.tile(np.array([prompt, completion, completion], dtype=np.int64), (count, 1))
+    lengths = np.full(count, prompt + completion, dtype=np.int64)  # a pair's row: the prompt and its longer completion
+    return SplitStats.from_arrays(lengths, np.full(count, 2 * completion, dtype=np.int64), [], parts)
