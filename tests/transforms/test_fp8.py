@@ -14,6 +14,7 @@ from torch import nn
 from hone.config import parse_config
 from hone.config.adapter import AdapterConfig
 from hone.config.errors import ConfigError
+from hone.kernels import fp8_linear
 from hone.kernels.fp8_linear import fp8_linear_reference, quantize_frozen_weight
 from hone.models.adapters import apply_adapter
 from hone.testing import tiny_model, tiny_tokenizer, with_random_lora
@@ -349,6 +350,32 @@ def test_converted_model_tracks_the_unconverted_one_and_compiles_fullgraph(token
     torch.testing.assert_close(
         first(compiled(hidden, position_embeddings=rotary)), first(layer(hidden, position_embeddings=rotary))
     )
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+def test_a_converted_layer_compiles_and_trains_with_dynamic_shapes(tokenizer, mode):
+    """Rows of varying length compile with ``dynamic=True``, where Dynamo traces module-level floats
+    as symbolic floats: the quantization's constants, were they read from globals, would fail
+    the second float8 matmul of the layer (``lift_tracked_freevar_to_input``; the bundled chat
+    data's LoRA run did on an H200)."""
+    assert (fp8_linear.FP8_MAX, fp8_linear._EPS) == (448.0, 1e-12)  # the literals quantize() writes out
+    model = with_random_lora(tiny_model("tiny-qwen3", tokenizer, seed=7), seed=8)
+    convert_frozen_base(model, mode, "all")
+    layer = model.base_model.model.model.layers[0]
+    rotary_emb = model.base_model.model.model.rotary_emb
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    first = lambda out: out if torch.is_tensor(out) else out[0]  # noqa: E731
+    for length in (12, 20):
+        hidden = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(length))
+        rotary = rotary_emb(hidden, torch.arange(length).expand(2, -1))
+        grads = []
+        for run in (compiled, layer):
+            x = hidden.clone().requires_grad_(True)
+            out = first(run(x, position_embeddings=rotary))
+            (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+            grads.append((out.detach(), x.grad))
+        torch.testing.assert_close(grads[0], grads[1])
 
 
 # ---------------------------------------------------------------- full fine-tune (torchao)
