@@ -78,10 +78,11 @@ class PerformanceConfig(Section):
     one launch instead of hundreds, for steps whose GPU work is short beside the host's launch
     time. Needs compilation with Inductor on CUDA and one fixed micro-batch shape. ``auto``: on
     where the step is host-bound without them and they are safe: MoE experts on hone's kernels
-    (no host syncs), one process or expert parallelism over every process beside DDP, regional
-    compile, no checkpointing or ``selective`` (the qwen3-30b-a3b slice: 73 -> 37 ms on an H100;
-    expert parallel on 2 H100: 620.6 -> 309.6 ms); off elsewhere, e.g. a dense 8B step, which
-    the GPU bounds (``hone plan`` prints the choice and why). Setting ``triton.cudagraphs`` in
+    (no host syncs) and LoRA on a float8 base, one process or expert parallelism over every
+    process beside DDP, regional compile, no checkpointing or ``selective`` (the qwen3-30b-a3b
+    slice: 73 -> 37 ms on an H100; expert parallel on 2 H100: 620.6 -> 309.6 ms; qwen3-8b LoRA
+    on a float8 base: 146.9 -> 94.5 ms on an H200); off elsewhere, e.g. a dense bf16 8B step or
+    a float8 full fine-tune, which the GPU bounds (``hone plan`` prints the choice and why). Setting ``triton.cudagraphs`` in
     ``torch_compile_options`` or a ``torch_compile_mode`` that uses CUDA graphs decides it too."""
 
     loss: Literal["auto", "fused_linear_ce", "standard"] = "auto"

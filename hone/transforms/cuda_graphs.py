@@ -11,8 +11,12 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
   layer's forward in the backward (``full``, ``offload``, tiled layers) or moves its activations
   (offload);
 - only where it pays: MoE experts on hone's kernels, whose step is host-bound (the qwen3-30b-a3b
-  slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs). A dense step of a large model
-  is bound by the GPU (qwen3-8b at seq 2048: about 130 ms of matmuls), where graphs gain nothing.
+  slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs), and LoRA on a float8 base,
+  whose quantization passes and float8 matmuls add launches that outrun the shorter GPU work
+  (qwen3-8b LoRA q,k,v,o at seq 2048, every frozen linear in float8, on an H200: 146.9 ms a step
+  compiled, 94.5 ms with CUDA graphs). A dense bf16 step of a large model is bound by the GPU
+  (qwen3-8b at seq 2048: 126.0 ms, 125.6 with graphs), and so is a float8 full fine-tune
+  (llama3.2-3b at seq 4096: 274.5 and 273.2 ms): graphs gain nothing there.
 
 Preference pairs replay too where ``cuda_graphs: true`` asks (``auto`` leaves them off until
 measured): every pair micro-batch then takes one layout, rows as wide as the data's longest pairs
@@ -22,8 +26,7 @@ generation of the graphs (:func:`hone.runtime.step.begin_pass`).
 MXFP4 experts (a shipped checkpoint or ``model.quantize: mxfp4``) replay like bf16 ones (their
 kernels have no host sync; gpt-oss-20b and qwen3-30b-a3b were measured with graphs:
 benchmarks/2026-11-27-h100-mxfp4.md). Not measured yet, so not chosen by ``auto``: data-parallel
-steps, an NF4 base and float8;
-``cuda_graphs: true`` turns them on where the user has measured them.
+steps and an NF4 base; ``cuda_graphs: true`` turns them on where the user has measured them.
 
 Expert parallelism beside DDP is measured and turns them on: its all-to-all exchanges sit inside
 each compiled layer's graph, so the graphs record and replay NCCL all-to-alls (every rank records
@@ -43,6 +46,9 @@ from hone.transforms.base import RunFacts
 _MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
 #: Expert parallelism's (benchmarks/2026-11-27-h100-expert-parallel.md).
 _MEASURED_EP = "qwen3-30b-a3b with expert LoRA on 2 H100: 620.6 -> 309.6 ms a step"
+#: LoRA on a float8 base, and a float8 full fine-tune (benchmarks/2026-11-29-h200-fp8.md).
+_MEASURED_FP8_LORA = "qwen3-8b LoRA q,k,v,o on a float8 base, seq 2048, on an H200: 146.9 -> 94.5 ms a step"
+_MEASURED_FP8_FULL = "llama3.2-3b at seq 4096 on an H200: 274.5 ms a step, 273.2 with graphs"
 
 
 def _explicit_why(cfg: HoneConfig, on: bool) -> str:
@@ -88,11 +94,27 @@ def _blocker(
         return f"data parallelism ({strategy}) is not measured with CUDA graphs yet"
     if policy in INPUT_ONLY_POLICIES or tiled:
         return f"checkpointing {policy}{' with tiled layers/MLP' if tiled else ''} re-runs each layer's forward in the backward"
-    if cfg.model.quantize == "nf4" or perf.fp8 != "off":
-        return "an NF4 or float8 base is not measured with CUDA graphs yet"
-    if experts != "hone":
+    if cfg.model.quantize == "nf4":
+        return "an NF4 base is not measured with CUDA graphs yet"
+    if perf.fp8 != "off" and cfg.adapter.type == "none":
+        return f"a float8 full fine-tune is bound by the GPU, not by the host's launches ({_MEASURED_FP8_FULL})"
+    if experts != "hone" and not _float8_base(cfg):
         return "the step is bound by the GPU, not by the host's launches (only MoE experts on hone's kernels are)"
     return None
+
+
+def _float8_base(cfg: HoneConfig) -> bool:
+    """LoRA on a float8 frozen base (``performance.fp8`` with an adapter)."""
+    return cfg.performance.fp8 != "off" and cfg.adapter.type != "none"
+
+
+def _why_on(cfg: HoneConfig, experts: str, expert_parallel: int) -> str:
+    """What makes the step host-bound without graphs, with the measurement."""
+    if expert_parallel > 1:
+        return f"expert parallelism's exchanges make the step host-bound without them ({_MEASURED_EP})"
+    if experts == "hone":
+        return f"MoE experts on hone's kernels are host-bound without them ({_MEASURED})"
+    return f"a float8 base's quantization passes make the step host-bound without them ({_MEASURED_FP8_LORA})"
 
 
 def cuda_graphs_choice(
@@ -126,9 +148,7 @@ def cuda_graphs_choice(
     )
     if blocker is not None:
         return False, f"cuda_graphs: auto: off, {blocker}"
-    why = f"cuda_graphs: auto: on, MoE experts on hone's kernels are host-bound without them ({_MEASURED})"
-    if expert_parallel > 1:
-        why = f"cuda_graphs: auto: on, expert parallelism's exchanges make the step host-bound without them ({_MEASURED_EP})"
+    why = f"cuda_graphs: auto: on, {_why_on(cfg, experts, expert_parallel)}"
     if not facts.shapes_known:
         why += "; if every training micro-batch has one shape (the run checks its data: rows of different lengths turn them off)"
     return True, why
