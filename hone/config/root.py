@@ -98,19 +98,21 @@ class HoneConfig(Section):
     def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
         """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
         records (and keeps the memory of) another graph, so they only pay off when every
-        micro-batch has one shape. Packed batches vary in their document boundaries. Preference
-        pairs take one layout under CUDA graphs, as wide as the longest pairs of the data
-        (:class:`hone.data.pairs.FixedPairRows`)."""
+        micro-batch has one shape. Packed micro-batches then count one number of document
+        boundaries (:class:`hone.train.batches.PackedBatches`); preference pairs take one layout,
+        as wide as the longest pairs of the data (:class:`hone.data.pairs.FixedPairRows`).
+        transformers' flash-attention path checks packed positions on the host inside the
+        attention layer, which a CUDA graph cannot record."""
         perf = self.performance
         if not (perf.may_compile and perf.uses_cudagraphs):
             return self
-        if self.data.sample_packing:
+        attn = self.model.attn_implementation
+        if self.data.sample_packing and attn in ("flash_attention_2", "flash_attention_3"):
             raise ValueError(
-                f"{perf.cudagraphs_source} uses CUDA graphs, which need fixed shapes, but "
-                "data.sample_packing is on: packed micro-batches differ in their document boundaries "
-                "(cu_seqlens), so every step would record a new graph. Turn CUDA graphs off "
-                "(triton.cudagraphs: false, or torch_compile_mode: default / max-autotune-no-cudagraphs) "
-                "or turn packing off"
+                f"{perf.cudagraphs_source} uses CUDA graphs, but data.sample_packing with model.attn_implementation: "
+                f"{attn} runs transformers' packed-sequence check on the host inside every attention layer, "
+                "which a graph cannot record. Use attn_implementation: sdpa (packed rows go through torch's "
+                "varlen kernel, or hone's document mask), turn CUDA graphs off (cuda_graphs: false) or packing off"
             )
         return self
 

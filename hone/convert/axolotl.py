@@ -933,7 +933,9 @@ def _memory(r: _Reader, memory: dict[str, Any]) -> None:
         memory["activation_checkpointing"] = policy
 
 
-def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None:
+def _performance(r: _Reader, performance: dict[str, Any], packed_flash: bool) -> None:
+    """``packed_flash``: packed batches through transformers' flash attention, which checks
+    the packed positions on the host (hone refuses CUDA graphs there)."""
     compile_on = r.take("torch_compile")
     if compile_on in (True, "auto"):
         performance["torch_compile"] = compile_on
@@ -947,12 +949,12 @@ def _performance(r: _Reader, performance: dict[str, Any], packing: bool) -> None
             )
         mode = r.take("torch_compile_mode")
         if mode in COMPILE_MODES:
-            if COMPILE_MODES[mode] and packing:
+            if COMPILE_MODES[mode] and packed_flash:
                 r.untranslated.append(
                     Untranslated(
                         "torch_compile_mode",
-                        f"'{mode}' uses CUDA graphs, which need fixed shapes; "
-                        "packed batches vary (hone refuses the two together)",
+                        f"'{mode}' uses CUDA graphs, which cannot record the host check of packed positions "
+                        "in transformers' flash attention (hone refuses the two together; sdpa takes them)",
                     )
                 )
             elif mode != "default":
@@ -1116,7 +1118,8 @@ def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     _training(r, sections["training"], has_eval)
     _optimizer(r, sections["optimizer"])
     _memory(r, sections["memory"])
-    _performance(r, sections["performance"], packing=bool(data.get("sample_packing")))
+    flash = sections["model"].get("attn_implementation") in ("flash_attention_2", "flash_attention_3")
+    _performance(r, sections["performance"], packed_flash=bool(data.get("sample_packing")) and flash)
     _distributed(r, sections["distributed"])
     _quantization(r, sections["model"], kind, sections["distributed"])
     _logging(r, sections["logging"])

@@ -210,10 +210,16 @@ def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBa
     )
 
 
-def collate_packed(bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int) -> MicroBatch:
+def collate_packed(
+    bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width: int, pad_id: int, segments: int | None = None
+) -> MicroBatch:
     """One packed micro-batch of ``len(bins)`` rows, each ``width`` tokens wide.
 
     ``bins[i]`` are the documents (rows with ``input_ids`` and ``labels``) packed into row ``i``.
+    ``segments``: the boundaries count exactly that many segments, the real ones followed by
+    empty ones (every boundary past the last token repeats it), so that every micro-batch hands
+    the attention one shape (CUDA graphs; varlen kernels skip an empty segment, hone's
+    document mask never reads the boundaries); None: as many as the batch has.
     """
     if not bins:
         raise ValueError("collate_packed needs at least one bin")
@@ -221,7 +227,7 @@ def collate_packed(bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width:
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((n, width), dtype=torch.long)
-    segments: list[int] = []  # lengths of documents and padding tails, row after row
+    lengths: list[int] = []  # of documents and padding tails, row after row
     real = 0
     for i, docs in enumerate(bins):
         at = 0
@@ -236,14 +242,13 @@ def collate_packed(bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width:
             if length > 1:  # shifted inside the document: its last token has no target
                 targets[i, at : at + length - 1] = torch.as_tensor(labels[1:], dtype=torch.long)
             position_ids[i, at : at + length] = torch.arange(length)
-            segments.append(length)
+            lengths.append(length)
             at += length
         real += at
         if at < width:
             position_ids[i, at:] = torch.arange(width - at)
-            segments.append(width - at)
-    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.as_tensor(segments, dtype=torch.int32), 0)
+            lengths.append(width - at)
+    cu_seqlens = _boundaries(lengths, segments)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=None,
@@ -253,6 +258,20 @@ def collate_packed(bins: Sequence[Sequence[Mapping[str, Sequence[int]]]], width:
         position_ids=position_ids,
         cu_seqlens=cu_seqlens,
     )
+
+
+def _boundaries(lengths: Sequence[int], segments: int | None) -> torch.Tensor:
+    """``cu_seqlens`` of segments of ``lengths``, padded with empty segments to ``segments``."""
+    count = len(lengths) if segments is None else segments
+    if count < len(lengths):
+        raise ValueError(
+            f"collate_packed: the micro-batch has {len(lengths)} segments (documents and padding tails), "
+            f"more than the {segments} its fixed boundaries hold"
+        )
+    cu_seqlens = torch.zeros(count + 1, dtype=torch.int32)
+    cu_seqlens[1 : len(lengths) + 1] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int32), 0)
+    cu_seqlens[len(lengths) + 1 :] = sum(lengths)
+    return cu_seqlens
 
 
 def rows_at(dataset, indices: Sequence[int]) -> list[dict[str, list[int]]]:

@@ -70,6 +70,13 @@ class Packing:
     def bin(self, index: int) -> np.ndarray:
         return self.docs[self.offsets[index] : self.offsets[index + 1]]
 
+    def most_segments(self, rows: int) -> int:
+        """The most segments (documents, and a padding tail where a bin is not full) that any
+        ``rows`` bins hold together: a bound on the boundaries of every micro-batch of ``rows``
+        packed rows, whatever order the epochs draw the bins in (the ``rows`` fullest bins)."""
+        per_bin = np.diff(self.offsets) + (self.bin_tokens < self.capacity)
+        return int(np.sort(per_bin)[::-1][:rows].sum())
+
     def describe(self, rows: int | None = None) -> str:
         rows = self.rows if rows is None else rows
         return (

@@ -230,13 +230,17 @@ class PaddedBatches:
 
 
 class PackedBatches:
-    """Units are packed rows (bins); a micro-batch is ``len(indices)`` rows of ``width`` tokens."""
+    """Units are packed rows (bins); a micro-batch is ``len(indices)`` rows of ``width`` tokens.
+    ``fixed_boundaries``: micro-batches of that many rows (or fewer) all count the boundaries of
+    the most segments such rows can hold (:meth:`Packing.most_segments`), so the attention sees
+    one shape every step (CUDA graphs); None: each micro-batch its own count."""
 
-    def __init__(self, dataset: Any, packing: Packing, pad_id: int):
+    def __init__(self, dataset: Any, packing: Packing, pad_id: int, fixed_boundaries: int | None = None):
         self.dataset = dataset
         self.packing = packing
         self.pad_id = pad_id
         self.units = packing.num_bins
+        self.segments = packing.most_segments(fixed_boundaries) if fixed_boundaries else None
 
     def __call__(self, indices: list[int]) -> MicroBatch:
         bins = [self.packing.bin(int(i)).tolist() for i in indices]
@@ -245,7 +249,7 @@ class PackedBatches:
         for b in bins:
             grouped.append(docs[at : at + len(b)])
             at += len(b)
-        return collate_packed(grouped, self.packing.capacity, self.pad_id)
+        return collate_packed(grouped, self.packing.capacity, self.pad_id, self.segments)
 
 
 class PairBatches:
@@ -291,15 +295,18 @@ def micro_batches(
     reference: Any = None,
     share_prompt: bool = False,
     fixed_pairs: FixedPairRows | None = None,
+    fixed_boundaries: int | None = None,
 ) -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
     :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``
     (with their precomputed ``reference`` log-probs, if any; ``share_prompt``: each prompt once,
-    and ``fixed_pairs``: one layout for every micro-batch, as the run's attention layout says)."""
+    and ``fixed_pairs``: one layout for every micro-batch, as the run's attention layout says).
+    ``fixed_boundaries``: packed micro-batches of that many rows take one boundary count
+    (:class:`PackedBatches`)."""
     if objective != "sft":
         return PairBatches(
             dataset, pad_id, prompt_nll=objective == "orpo", reference=reference, share_prompt=share_prompt, fixed=fixed_pairs
         )
     if packing is None:
         return PaddedBatches(dataset, pad_id)
-    return PackedBatches(dataset, packing, pad_id)
+    return PackedBatches(dataset, packing, pad_id, fixed_boundaries)

@@ -82,16 +82,24 @@ def evaluate(
         from hone.runtime.loss import logit_postprocess, standard_loss
 
         loss_fn, layout = standard_loss(logit_postprocess(getattr(model, "config", None))), layout_for(model)
-        fixed_pairs = None
+        fixed_pairs, fixed_boundaries = None, None
     else:
         loss_fn, layout, fixed_pairs = hooks.loss_fn, hooks.layout, hooks.fixed_pairs
+        fixed_boundaries = batch_size if hooks.fixed_boundaries else None
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens, pairs, nll_tokens = 0, 0, 0
     try:
         batches = micro_batches(
-            dataset, packing, pad_id, objective, reference, share_prompt=layout.shares_prompt, fixed_pairs=fixed_pairs
+            dataset,
+            packing,
+            pad_id,
+            objective,
+            reference,
+            share_prompt=layout.shares_prompt,
+            fixed_pairs=fixed_pairs,
+            fixed_boundaries=fixed_boundaries,
         )
         starts = list(range(0, batches.units, batch_size))
         # context parallelism: the N ranks of a group evaluate the same batches, each its shard

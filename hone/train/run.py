@@ -374,7 +374,9 @@ def _from_rank_zero(world: World, value):
 def shape_note(cfg: HoneConfig, stats) -> str | None:
     """None when every training micro-batch has one shape; otherwise why not (for the planner:
     CUDA graphs need a single shape)."""
-    if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move
+    if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move ...
+        if cfg.performance.cudagraphs_setting:  # ... so their boundaries take one count for the graphs (PackedBatches)
+            return None
         return PACKED_SHAPES
     if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of pairs.ALIGN)
         if cfg.performance.cudagraphs_setting:  # ... or all alike, for the graphs (FixedPairRows)

@@ -171,6 +171,7 @@ def _train_batches(train_data, cfg: HoneConfig, pad_id: int, hooks: RunHooks):
         cfg.training.objective,
         share_prompt=hooks.layout.shares_prompt,
         fixed_pairs=hooks.fixed_pairs,
+        fixed_boundaries=cfg.training.micro_batch_size if hooks.fixed_boundaries else None,
     )
 
 

@@ -52,7 +52,10 @@ Stage = Literal["base", "adapted"]
 
 
 #: ``RunFacts.shape_note`` of packed micro-batches.
-PACKED_SHAPES = "data.sample_packing packs documents whose boundaries differ from step to step"
+PACKED_SHAPES = (
+    "data.sample_packing packs documents whose boundaries differ from step to step (cuda_graphs: true gives "
+    "every micro-batch one count of boundaries; auto leaves packed runs without graphs until that is measured)"
+)
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,9 @@ class RunHooks:
     """Preference runs under CUDA graphs: the one layout every pair micro-batch takes, so the
     compiled layers see one shape (:class:`hone.data.pairs.FixedPairRows`); None: each row is as
     wide as its pairs."""
+    fixed_boundaries: bool = False
+    """Packed runs under CUDA graphs: every packed micro-batch's boundaries count one number of
+    segments (:class:`hone.train.batches.PackedBatches`), so the compiled layers see one shape."""
     sharded_checkpoints: bool = False
     """A transform shards the weights (FSDP2): every rank writes its shards of each checkpoint
     (Distributed Checkpoint); otherwise rank 0 writes the ordinary files

@@ -6,7 +6,9 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
 (``hone plan`` prints the outcome and the first reason it is off):
 
 - only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
-  measured setting), every training micro-batch of one shape (a new shape records a new graph),
+  measured setting), every training micro-batch of one shape (a new shape records a new graph;
+  packed rows take one only under ``cuda_graphs: true``, which pads their boundaries to one
+  count, :class:`hone.train.batches.PackedBatches`, not measured yet),
   one process or expert parallelism over every process beside DDP (see below), and no checkpointing that re-runs a
   layer's forward in the backward (``full``, ``offload``, tiled layers) or moves its activations
   (offload);

@@ -215,6 +215,7 @@ class Plan:
             batch_parts=batch_parts,
             context_parallel=self.decided.context_parallel,
             fixed_pairs=fixed,
+            fixed_boundaries=bool(self.decided.cuda_graphs and cfg.data.sample_packing),
         )
 
     def _wrap(self, transform: Transform, step: StepModule, ctx: PlanContext) -> StepModule:

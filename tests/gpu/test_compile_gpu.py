@@ -93,51 +93,76 @@ def test_cuda_graphs_survive_eval_passes_without_grad(tmp_path):
     assert graphed["last_eval_loss"] == pytest.approx(record["last_eval_loss"], rel=2e-2)
 
 
+def _train_packed(tmp_path, name, attention, performance, micro_batch_size=1, **sections):
+    rng = random.Random(1)
+    data = tmp_path / "docs.jsonl"
+    if not data.exists():
+        # Some documents fill a packed row on their own: a batch of only those looks unpacked to
+        # transformers, which is where a mask of another kind (and a recompile) could sneak in.
+        lengths = [rng.randint(8, 60) for _ in range(96)] + [256] * 12
+        data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(n)]}) + "\n" for n in lengths))
+    raw = {
+        "model": {"preset": "tiny-llama", "dtype": "bfloat16", **attention},
+        "data": {
+            "datasets": [{"path": str(data), "type": "pretokenized"}],
+            "sequence_len": 256,
+            "sample_packing": True,
+            "dataset_prepared_path": str(tmp_path / "cache"),
+        },
+        "adapter": {"type": "lora", "lora_r": 8},
+        "training": {"max_steps": 12, "micro_batch_size": micro_batch_size, "output_dir": str(tmp_path / name), "seed": 5},
+        "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
+        "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
+        "performance": performance,
+    }
+    for key, section in sections.items():
+        raw[key] = {**raw[key], **section}
+    losses = []
+    result = run_training(
+        parse_config(raw), device="cuda", console=Console(quiet=True), step_callback=lambda m: losses.append(m.loss)
+    )
+    record = json.loads((tmp_path / name / "optimizations.json").read_text())
+    record["last_eval_loss"] = result.last_eval_loss
+    return losses, record
+
+
+_PACKED_ATTENTION = {
+    "sdpa-varlen": {"attn_implementation": "sdpa", "sdpa_varlen": True},
+    "sdpa-mask": {"attn_implementation": "sdpa", "sdpa_varlen": False},
+    "flex": {"attn_implementation": "flex_attention"},
+}
+
+
 @pytest.mark.parametrize(
     ("attention", "scope"),
-    [
-        ({"attn_implementation": "sdpa", "sdpa_varlen": True}, "regional"),
-        ({"attn_implementation": "sdpa", "sdpa_varlen": False}, "regional"),
-        ({"attn_implementation": "flex_attention"}, "regional"),
-        ({"attn_implementation": "sdpa", "sdpa_varlen": True}, "model"),
-        ({"attn_implementation": "flex_attention"}, "model"),
-    ],
-    ids=["sdpa-varlen", "sdpa-mask", "flex", "sdpa-varlen-model", "flex-model"],
+    [("sdpa-varlen", "regional"), ("sdpa-mask", "regional"), ("flex", "regional"), ("sdpa-varlen", "model"), ("flex", "model")],
 )
 def test_compile_with_packing_matches_eager(tmp_path, attention, scope):
     """Packed rows (one fixed shape) with each GPU attention backend: the compiled run trains
     like eager and compiles nothing after the first step."""
-    rng = random.Random(1)
-    data = tmp_path / "docs.jsonl"
-    # Some documents fill a packed row on their own: a batch of only those looks unpacked to
-    # transformers, which is where a mask of another kind (and a recompile) could sneak in.
-    lengths = [rng.randint(8, 60) for _ in range(96)] + [256] * 12
-    data.write_text("".join(json.dumps({"input_ids": [rng.randint(5, 250) for _ in range(n)]}) + "\n" for n in lengths))
-
-    def train(name, performance):
-        cfg = parse_config(
-            {
-                "model": {"preset": "tiny-llama", "dtype": "bfloat16", **attention},
-                "data": {
-                    "datasets": [{"path": str(data), "type": "pretokenized"}],
-                    "sequence_len": 256,
-                    "sample_packing": True,
-                    "dataset_prepared_path": str(tmp_path / "cache"),
-                },
-                "adapter": {"type": "lora", "lora_r": 8},
-                "training": {"max_steps": 12, "micro_batch_size": 1, "output_dir": str(tmp_path / name), "seed": 5},
-                "optimizer": {"learning_rate": 1e-3, "lr_scheduler": "constant"},
-                "logging": {"progress_bar": False, "tensorboard": False, "plot": False},
-                "performance": performance,
-            }
-        )
-        losses = []
-        run_training(cfg, device="cuda", console=Console(quiet=True), step_callback=lambda m: losses.append(m.loss))
-        return losses, json.loads((tmp_path / name / "optimizations.json").read_text())
-
-    eager, _ = train("eager", {"torch_compile": False})
-    compiled, record = train("compiled", {"torch_compile": True, "torch_compile_scope": scope})
+    attention = _PACKED_ATTENTION[attention]
+    eager, _ = _train_packed(tmp_path, "eager", attention, {"torch_compile": False})
+    compiled, record = _train_packed(tmp_path, "compiled", attention, {"torch_compile": True, "torch_compile_scope": scope})
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=2e-2)
     assert all(torch.isfinite(torch.tensor(compiled)))
     stats = record["compile"]
     assert stats["compiles_after_first_step"] == 0 and stats["recompiles"] == 0, stats
+
+
+@pytest.mark.parametrize("attention", sorted(_PACKED_ATTENTION))
+def test_cuda_graphs_with_packing_match_eager(tmp_path, attention):
+    """CUDA graphs over packed rows: every micro-batch's boundaries count one number of
+    segments (the varlen kernel skips the empty ones; the masks never read them), so the
+    graphs replay one recording; training and eval (packed too) match eager's, nothing
+    compiles after the first step."""
+    attention = _PACKED_ATTENTION[attention]
+    evals = {"data": {"val_set_size": 0.1, "eval_sample_packing": True}, "training": {"eval_steps": 6}}
+    eager, record = _train_packed(tmp_path, "eager", attention, {"torch_compile": False}, micro_batch_size=2, **evals)
+    graphs, graphed = _train_packed(
+        tmp_path, "graphs", attention, {"torch_compile": True, "cuda_graphs": True}, micro_batch_size=2, **evals
+    )
+    assert {a["name"]: a for a in graphed["applied"]}["compile"]["details"]["cuda_graphs"] is True
+    torch.testing.assert_close(torch.tensor(graphs), torch.tensor(eager), rtol=2e-2, atol=2e-2)
+    assert graphed["last_eval_loss"] == pytest.approx(record["last_eval_loss"], rel=2e-2)
+    stats = graphed["compile"]
+    assert stats["compiles_after_first_step"] == 0, stats

@@ -177,6 +177,26 @@ def test_fused_varlen_kernel_matches_the_reference_forward_and_backward(dtype, h
         torch.testing.assert_close(a.grad.float(), b.grad, rtol=2e-2, atol=2e-2 * scale, msg=name)
 
 
+def test_fused_varlen_kernel_ignores_empty_segments_after_the_last_boundary():
+    """Packed micro-batches under CUDA graphs end their boundaries in empty segments (one count
+    for every step): the fused kernel's values and gradients are those without them."""
+    gen = torch.Generator(device=CUDA).manual_seed(random.randrange(10_000))
+    lengths = [300, 1, 129, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    padded = torch.cat([cu, cu[-1:].repeat(5)])
+    n = sum(lengths)
+    inputs = [torch.randn(n, h, 128, generator=gen, device=CUDA, dtype=torch.bfloat16) for h in (8, 2, 2)]
+    upstream = torch.randn(n, 8, 128, generator=gen, device=CUDA)
+    results = []
+    for bounds in (cu, padded):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = varlen_attention(*leaves, bounds, 512, scale=128**-0.5)
+        (out.float() * upstream).sum().backward()
+        results.append([out.float(), *(t.grad.float() for t in leaves)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a)
+
+
 def test_varlen_packed_lora_equals_the_masked_sdpa_in_bf16(tok):
     """A bf16 LoRA model through the kernel and through hone's document mask: the same logits
     and LoRA gradients, at bf16 tolerance."""

@@ -164,9 +164,36 @@ def test_cuda_graphs_settings_that_contradict_each_other_are_refused(performance
         config(performance=performance)
 
 
-def test_cuda_graphs_true_with_packing_is_refused_before_the_run():
-    with pytest.raises(ConfigError, match="performance.cuda_graphs: true uses CUDA graphs, which need fixed shapes"):
-        config(performance={"cuda_graphs": True}, data={"sample_packing": True})
+def test_cuda_graphs_true_with_packing_fixes_the_boundaries_and_auto_leaves_them_off():
+    """Explicit CUDA graphs on packed rows: the plan finds one shape and the hooks ask the
+    batches for one boundary count (hone.train.batches.PackedBatches); ``auto`` keeps packed
+    runs without graphs until measured, saying why."""
+    from hone.testing import tiny_model, tiny_tokenizer
+    from hone.train.run import shape_note
+
+    model = tiny_model("tiny-qwen3", tiny_tokenizer())
+    for explicit, on in ((True, True), ("auto", False)):
+        cfg = moe(performance={"cuda_graphs": explicit}, data={"sample_packing": True})
+        note = shape_note(cfg, None)
+        assert (note is None) is on
+        facts = RunFacts(torch.device("cuda"), shape_note=note, memory_bytes=80 * GIB, host_memory_bytes=HOST)
+        plan = plan_optimizations(cfg, facts)
+        assert plan.decided.cuda_graphs is on
+        assert plan.hooks(model, cfg, facts).fixed_boundaries is on
+        if not on:
+            assert "cuda_graphs: true gives every micro-batch one count of boundaries" in plan.decided.cuda_graphs_why
+
+
+def test_cuda_graphs_with_packing_through_transformers_flash_attention_are_refused(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    with pytest.raises(ConfigError, match="attn_implementation: flash_attention_2 runs transformers' packed-sequence check"):
+        config(
+            performance={"cuda_graphs": True}, data={"sample_packing": True}, model={"attn_implementation": "flash_attention_2"}
+        )
+    config(performance={"cuda_graphs": True}, model={"attn_implementation": "flash_attention_2"})  # unpacked: allowed
 
 
 # ---------------------------------------------------------------------------------- checkpointing

@@ -4,7 +4,6 @@ impossible combinations at validation time (before any model is loaded)."""
 import pytest
 
 from hone.config import ConfigError, parse_config
-from hone.config.data import DataConfig
 from hone.config.performance import COMPILE_MODES, INDUCTOR_OPTIONS, PerformanceConfig
 
 MINIMAL = {
@@ -116,16 +115,24 @@ def test_mode_table_matches_the_installed_torch():
         assert bool(list_mode_options(mode).get("triton.cudagraphs", False)) is cudagraphs, mode
 
 
-@pytest.mark.skipif("sample_packing" not in DataConfig.model_fields, reason="data.sample_packing has not landed")
 @pytest.mark.parametrize(
     "perf",
     [{"torch_compile_options": {"triton.cudagraphs": True}}, {"torch_compile_mode": "reduce-overhead"}],
 )
-def test_cudagraphs_with_packing_are_refused_with_the_reason(perf):
+def test_cudagraphs_with_packing_are_taken_through_sdpa_and_refused_through_flash_attention(perf, monkeypatch):
+    """Packed boundaries take one count under CUDA graphs (hone.train.batches.PackedBatches);
+    transformers' flash-attention path checks packed positions on the host, which a graph
+    cannot record."""
+    import importlib.util
+
     data = {**MINIMAL["data"], "sample_packing": True}
-    found = issues({"torch_compile": True, **perf}, data=data)
+    assert parse_config({**MINIMAL, "data": data, "performance": {"torch_compile": True, **perf}}).performance.uses_cudagraphs
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    model = {"preset": "tiny-llama", "dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
+    found = issues({"torch_compile": True, **perf}, data=data, model=model)
     (message,) = found.values()
-    assert "CUDA graphs" in message and "sample_packing" in message and "fixed shapes" in message
+    assert "CUDA graphs" in message and "sample_packing" in message and "flash_attention_2" in message
 
 
 def test_flat_axolotl_key_points_to_the_performance_section():

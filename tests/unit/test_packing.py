@@ -143,6 +143,38 @@ def test_packed_stream_steps_follow_bins_and_reshuffle_bins_each_epoch():
     assert batch.tokens == sum(len(d["input_ids"]) for d in docs)
 
 
+def test_fixed_boundaries_give_every_micro_batch_one_count_and_the_same_documents():
+    """CUDA graphs over packed rows: each micro-batch's boundaries count the most segments any
+    two bins hold (documents and padding tails), the real boundaries first, then empty segments
+    at the end; nothing else about the batch changes."""
+    rows = random_rows(80, seed=random.randrange(10_000), as_list=True, min_len=2, max_len=30)
+    packing = pack(row_lengths(rows), 32, seed=3, group_size=1000)
+    free = micro_batches(rows, packing, pad_id=0)
+    fixed = micro_batches(rows, packing, pad_id=0, fixed_boundaries=2)
+    per_bin = [len(packing.bin(b)) + int(packing.bin_tokens[b] < 32) for b in range(packing.num_bins)]
+    most = sum(sorted(per_bin)[-2:])
+    assert fixed.segments == packing.most_segments(2) == most and packing.most_segments(1) == max(per_bin)
+    counts = set()
+    for pair in ([b, (b + 1) % packing.num_bins] for b in range(packing.num_bins)):
+        a, b = free(pair), fixed(pair)
+        assert len(b.cu_seqlens) == most + 1
+        real = len(a.cu_seqlens)
+        assert torch.equal(b.cu_seqlens[:real], a.cu_seqlens) and (b.cu_seqlens[real:] == 2 * 32).all()
+        for name in ("input_ids", "targets", "position_ids"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+        assert (a.tokens, a.trained_tokens) == (b.tokens, b.trained_tokens)
+        counts.add(real - 1)
+    assert len(counts) > 1  # the data really varies in its segment count: the test can fail
+    one = fixed([0])  # a smaller last micro-batch still fits the count
+    assert len(one.cu_seqlens) == most + 1 and one.cu_seqlens[-1] == 32
+
+
+def test_a_micro_batch_with_more_segments_than_its_fixed_count_is_refused():
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="the micro-batch has 3 segments .* more than the 2 its fixed boundaries hold"):
+        collate_packed([[_doc(3, gen), _doc(3, gen)]], width=8, pad_id=0, segments=2)
+
+
 def _completion_rows(n: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)
     words = ["red", "green", "blue", "fox", "lemon", "dog", "lime", "yes", "no"]

@@ -50,6 +50,45 @@ def test_reference_equals_sdpa_with_a_block_diagonal_causal_mask():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_empty_segments_after_the_last_boundary_change_nothing():
+    """The boundaries of packed micro-batches under CUDA graphs end in empty segments (one count
+    for every step); the fused kernel is checked the same way in tests/gpu/test_packing_gpu.py."""
+    gen = torch.Generator().manual_seed(random.randrange(10_000))
+    lengths = [6, 2, 11]
+    q = torch.randn(sum(lengths), 4, 8, generator=gen)
+    k, v = (torch.randn(sum(lengths), 2, 8, generator=gen) for _ in range(2))
+    padded = torch.cat([_cu(lengths), torch.full((3,), sum(lengths), dtype=torch.int32)])
+    torch.testing.assert_close(
+        reference_varlen_attention(q, k, v, padded, scale=None), reference_varlen_attention(q, k, v, _cu(lengths), scale=None)
+    )
+
+
+def test_a_packed_model_forward_with_fixed_boundaries_equals_the_plain_one(tok):
+    """A whole model through the varlen backend (the reference on the CPU): the same logits
+    with the boundaries padded by empty segments; the empty ones really reach the kernel."""
+    seed = random.randrange(10_000)
+    model = _varlen_model(tok, seed)
+    docs = [{"input_ids": d.tolist(), "labels": d.tolist()} for d in _docs(seed)]
+    bins = [docs[:2], docs[2:]]
+    plain, fixed = collate_packed(bins, 24, tok.pad_token_id), collate_packed(bins, 24, tok.pad_token_id, segments=7)
+    assert len(plain.cu_seqlens) == 6 and len(fixed.cu_seqlens) == 8  # 2 documents + tail, 1 + tail; 2 empty
+    seen = []
+    real_reference = varlen.reference_varlen_attention
+
+    def spy(query, key, value, cu_seqlens, *args, **kwargs):
+        seen.append(len(cu_seqlens))
+        return real_reference(query, key, value, cu_seqlens, *args, **kwargs)
+
+    varlen.reference_varlen_attention = spy
+    try:
+        with torch.no_grad():
+            outs = [forward_logits(model, b) for b in (plain, fixed)]
+    finally:
+        varlen.reference_varlen_attention = real_reference
+    assert set(seen) == {6, 8}
+    torch.testing.assert_close(outs[1], outs[0])
+
+
 def test_boundaries_start_at_every_row_and_wherever_positions_jump():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 0, 1, 2, 3, 4]])
     assert boundaries_from_positions(positions).tolist() == [0, 3, 5, 8, 16, 19, 24]
