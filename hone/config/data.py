@@ -249,6 +249,14 @@ class DataConfig(Section):
     with position ids restarting at 0 for every document and attention kept inside each one.
     Steps and the LR schedule follow the packed row count. See docs/packing.md."""
 
+    pad_to_sequence_len: bool = False
+    """Pad every unpacked micro-batch to ``sequence_len`` tokens, not to its longest row: one
+    shape every step, which CUDA graphs need (``performance.cuda_graphs: auto`` then turns them
+    on where the step is host-bound: MoE experts on hone's kernels, LoRA on a float8 base), at
+    the cost of computing the padding. Packed rows are ``sequence_len`` wide already. Not for
+    preference objectives (their pairs are packed into one row per micro-batch; ``cuda_graphs:
+    true`` gives those one layout)."""
+
     eval_sample_packing: bool | None = None
     """Pack the eval split too; default: the same as ``sample_packing``."""
 
@@ -263,6 +271,11 @@ class DataConfig(Section):
     @classmethod
     def _known_template(cls, value: str | None) -> str | None:
         return check_chat_template(value)
+
+    @property
+    def fixed_width(self) -> int | None:
+        """The width every unpacked micro-batch is padded to (``pad_to_sequence_len``); None: its longest row's."""
+        return self.sequence_len if self.pad_to_sequence_len else None
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> "DataConfig":

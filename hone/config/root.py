@@ -227,6 +227,11 @@ class HoneConfig(Section):
                 f"data.eval_sample_packing: true does not apply to {key}: eval micro-batches pack their pairs as "
                 "training ones do: remove it"
             )
+        if self.data.pad_to_sequence_len:
+            raise ValueError(
+                f"data.pad_to_sequence_len: true does not apply to {key}: each micro-batch packs its pairs into one "
+                "row as wide as they are (performance.cuda_graphs: true gives every pair row one layout): remove it"
+            )
         refusals = (
             (self.distributed.context_parallel != 1, f"distributed.context_parallel: {self.distributed.context_parallel}"),
             (

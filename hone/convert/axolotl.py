@@ -105,7 +105,6 @@ REASONS: dict[str, str] = {
     "tokens": "hone adds no tokens to the vocabulary; add them to the tokenizer (and resize the model) beforehand",
     "added_tokens_overrides": "hone adds no tokens to the vocabulary",
     "train_on_inputs": "hone trains only the response of alpaca rows and the train_on roles of chat rows",
-    "pad_to_sequence_len": "hone pads each micro-batch to its longest row; packed rows are always sequence_len long",
     "group_by_length": "hone does not sort batches by length",
     "early_stopping_patience": "hone has no early stopping",
     "loss_watchdog_threshold": "hone has no loss watchdog (it stops after training.max_consecutive_nonfinite non-finite steps)",
@@ -676,11 +675,11 @@ def _data(r: _Reader, data: dict[str, Any], untranslated: list[Untranslated], no
                 untranslated.append(Untranslated("val_set_size", "test_datasets are set; hone takes one eval source"))
             else:
                 data["val_set_size"] = number
-    for key in ("sample_packing", "eval_sample_packing"):
+    for key in ("sample_packing", "eval_sample_packing", "pad_to_sequence_len"):
         value = r.take(key)
         if preference and value is True:
             notes.append(f"{key}: not needed (a preference objective packs each micro-batch's pairs into one row itself)")
-        elif isinstance(value, bool) and not preference:
+        elif isinstance(value, bool) and not preference and (value or key != "pad_to_sequence_len"):
             data[key] = value
     prepared = r.take("dataset_prepared_path")
     if prepared:

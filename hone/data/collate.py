@@ -178,11 +178,15 @@ class MicroBatch:
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens, "max_length_q": width, "max_length_k": width}
 
 
-def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int) -> MicroBatch:
-    """Pad ``rows`` to the longest one and shift the labels into next-token targets."""
+def collate(rows: Sequence[Mapping[str, Sequence[int]]], pad_id: int, width: int | None = None) -> MicroBatch:
+    """Pad ``rows`` to the longest one (or to ``width``: one shape for every micro-batch,
+    ``data.pad_to_sequence_len``) and shift the labels into next-token targets."""
     if not rows:
         raise ValueError("collate needs at least one row")
-    width = max(len(r["input_ids"]) for r in rows)
+    longest = max(len(r["input_ids"]) for r in rows)
+    if width is not None and longest > width:
+        raise ValueError(f"collate: a row of {longest} tokens does not fit the fixed width of {width} (data.sequence_len)")
+    width = longest if width is None else width
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)

@@ -216,17 +216,19 @@ class BatchStream:
 
 
 class PaddedBatches:
-    """Units are dataset rows; a micro-batch pads its rows to the longest one."""
+    """Units are dataset rows; a micro-batch pads its rows to the longest one, or to ``width``
+    (``data.pad_to_sequence_len``: one shape for every micro-batch)."""
 
     packing: Packing | None = None
 
-    def __init__(self, dataset: Any, pad_id: int):
+    def __init__(self, dataset: Any, pad_id: int, width: int | None = None):
         self.dataset = dataset
         self.pad_id = pad_id
+        self.width = width
         self.units = len(dataset)
 
     def __call__(self, indices: list[int]) -> MicroBatch:
-        return collate(rows_at(self.dataset, indices), self.pad_id)
+        return collate(rows_at(self.dataset, indices), self.pad_id, self.width)
 
 
 class PackedBatches:
@@ -296,17 +298,19 @@ def micro_batches(
     share_prompt: bool = False,
     fixed_pairs: FixedPairRows | None = None,
     fixed_boundaries: int | None = None,
+    pad_to: int | None = None,
 ) -> Batches:
     """The micro-batch builder of a split: padded rows, or the bins of ``packing`` (from
     :func:`hone.data.packing.packing_for`, never packed here); pairs for a preference ``objective``
     (with their precomputed ``reference`` log-probs, if any; ``share_prompt``: each prompt once,
     and ``fixed_pairs``: one layout for every micro-batch, as the run's attention layout says).
     ``fixed_boundaries``: packed micro-batches of that many rows take one boundary count
-    (:class:`PackedBatches`)."""
+    (:class:`PackedBatches`); ``pad_to``: unpacked rows are padded to that width
+    (:class:`PaddedBatches`)."""
     if objective != "sft":
         return PairBatches(
             dataset, pad_id, prompt_nll=objective == "orpo", reference=reference, share_prompt=share_prompt, fixed=fixed_pairs
         )
     if packing is None:
-        return PaddedBatches(dataset, pad_id)
+        return PaddedBatches(dataset, pad_id, pad_to)
     return PackedBatches(dataset, packing, pad_id, fixed_boundaries)

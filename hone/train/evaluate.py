@@ -70,6 +70,7 @@ def evaluate(
     step: nn.Module | None = None,
     objective: str = "sft",
     reference: torch.Tensor | None = None,
+    pad_to: int | None = None,
 ) -> EvalResult:
     """Run the model over ``dataset`` in order, without dropout or gradients.
 
@@ -100,6 +101,7 @@ def evaluate(
             share_prompt=layout.shares_prompt,
             fixed_pairs=fixed_pairs,
             fixed_boundaries=fixed_boundaries,
+            pad_to=pad_to,
         )
         starts = list(range(0, batches.units, batch_size))
         # context parallelism: the N ranks of a group evaluate the same batches, each its shard
@@ -171,6 +173,7 @@ class Evaluator:
         world: World,
         step: nn.Module,
         reference: torch.Tensor | None = None,
+        pad_to: int | None = None,
     ):
         self.model = model
         self.dataset = dataset
@@ -189,6 +192,7 @@ class Evaluator:
         self.world = world
         self.step = step
         self.reference = reference  # DPO/IPO of a full fine-tune: the eval pairs' precomputed reference log-probs
+        self.pad_to = pad_to  # data.pad_to_sequence_len: every unpacked eval row padded to this width
 
     def baseline_due(self, step: int) -> bool:
         """Before the first step of a fresh run: the baseline the final eval is compared with."""
@@ -212,6 +216,7 @@ class Evaluator:
             step=self.step,
             objective=self.objective,
             reference=self.reference,
+            pad_to=self.pad_to,
         )
         row = {
             "step": step,

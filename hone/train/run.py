@@ -382,6 +382,8 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
         if cfg.performance.cudagraphs_setting:  # ... or all alike, for the graphs (FixedPairRows)
             return None
         return "preference pairs are packed into one row per micro-batch, as wide as its pairs' sequences"
+    if cfg.data.pad_to_sequence_len:  # every row padded to sequence_len
+        return None
     train = getattr(stats, "train", None)
     if train is not None and train.min_length != train.max_length:
         return (

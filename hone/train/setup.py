@@ -82,7 +82,6 @@ def set_up(
     has_eval = eval_data is not None and len(eval_data) > 0
     scaler = loss_scaler(cfg, device)
     batches = _train_batches(train_data, cfg, pad_id, hooks)
-    eval_packing = packing_for(eval_data, cfg, "eval") if has_eval else None
     replica, replicas = world.data_parallel(cfg.distributed.context_parallel)  # context parallel groups share batches
     plan = plan_steps(batches.units, t, replicas)
     seed_everything(t.seed)
@@ -126,11 +125,12 @@ def set_up(
         pad_id=pad_id,
         device=device,
         autocast_dtype=autocast_dtype,
-        packing=eval_packing,
+        packing=packing_for(eval_data, cfg, "eval") if has_eval else None,
         hooks=hooks,
         world=world,
         step=step_module.module,
         reference=eval_reference,
+        pad_to=cfg.data.fixed_width,
     )
     if batches.packing is not None:
         tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
@@ -172,6 +172,7 @@ def _train_batches(train_data, cfg: HoneConfig, pad_id: int, hooks: RunHooks):
         share_prompt=hooks.layout.shares_prompt,
         fixed_pairs=hooks.fixed_pairs,
         fixed_boundaries=cfg.training.micro_batch_size if hooks.fixed_boundaries else None,
+        pad_to=cfg.data.fixed_width,
     )
 
 

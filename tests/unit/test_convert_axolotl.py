@@ -409,7 +409,7 @@ tokens: ["<|custom|>"]
 CASES: dict[str, tuple[str, set[str]]] = {
     "llama-lora": (
         LLAMA_LORA,
-        {"load_in_8bit", "pad_to_sequence_len", "special_tokens"},
+        {"load_in_8bit", "special_tokens"},
     ),
     "llama-qlora": (
         LLAMA_QLORA,
@@ -429,7 +429,7 @@ CASES: dict[str, tuple[str, set[str]]] = {
     ),
     "mistral-lora": (
         MISTRAL_LORA,
-        {"datasets[0].conversation", "pad_to_sequence_len", "xformers_attention", "wandb_log_model", "deepspeed"},
+        {"datasets[0].conversation", "xformers_attention", "wandb_log_model", "deepspeed"},
     ),
     "mixtral-qlora": (
         MIXTRAL_QLORA,
