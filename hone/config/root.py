@@ -87,7 +87,7 @@ class HoneConfig(Section):
                 f"performance.fp8: {perf.fp8} needs model.dtype: bfloat16 (got {self.model.dtype}); "
                 "set model.dtype: bfloat16, or fp8: off"
             )
-        if perf.fp8_base_linears != "lora_targets" and not self.adapter.is_lora:
+        if perf.fp8_base_linears == "all" and not self.adapter.is_lora:
             raise ValueError(
                 f"performance.fp8_base_linears: {perf.fp8_base_linears} chooses frozen linears of a LoRA base, "
                 "but adapter.type is not lora (a full fine-tune converts every linear but the head): remove it"

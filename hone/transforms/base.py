@@ -151,6 +151,11 @@ class Decisions:
     """The float8 scaling in force: ``off``, ``rowwise`` or ``tensorwise`` (``performance.fp8``;
     ``auto`` resolved by :func:`hone.transforms.fp8_sizes.fp8_scaling`)."""
     fp8_why: str = "performance.fp8: off"
+    fp8_base_linears: str = "lora_targets"
+    """With LoRA on a float8 base: ``lora_targets`` or ``all`` (``performance.fp8_base_linears``;
+    ``auto`` resolved by :func:`hone.transforms.decide.decide`)."""
+    fp8_base_linears_why: str | None = None
+    """Why (None where no LoRA base is in float8)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ and the host, the tiled layers under both, and last CUDA graphs, which are safe 
 only under some of those choices.
 """
 
+from dataclasses import replace
+
 import torch
 
 from hone.config.root import HoneConfig
@@ -29,7 +31,7 @@ from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.experts import experts_choice
-from hone.transforms.fp8_sizes import fp8_scaling
+from hone.transforms.fp8_sizes import fp8_base_linears_asked, fp8_scaling, with_fp8_base_linears
 from hone.transforms.layer_runs import decide_run_layers
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
@@ -44,12 +46,42 @@ def decide(cfg: HoneConfig, facts: RunFacts) -> Decisions:
     ``expert_parallel: auto`` split the experts but the memory then needs a tiled MLP or tiled
     layers (which expert parallelism refuses), the plan is decided again without it."""
     expert_parallel, why = expert_parallel_choice(cfg, facts)
-    decided = _decide(cfg, facts, expert_parallel, why)
+    decided = _decide_base_linears(cfg, facts, expert_parallel, why)
     tiled = decided.tiled_mlp_shards > 0 or decided.tiled_layers_chunks >= 2
     if expert_parallel > 1 and cfg.distributed.expert_parallel == "auto" and tiled:
         why = f"distributed.expert_parallel: auto: 1, the activations need tiling, which expert parallelism refuses ({why})"
-        decided = _decide(cfg, facts, 1, why)
+        decided = _decide_base_linears(cfg, facts, 1, why)
     return decided
+
+
+#: The measurement ``fp8_base_linears: auto`` rests on (benchmarks/2026-11-29-h200-fp8.md).
+_MEASURED_BASE_LINEARS = (
+    "qwen3-8b LoRA q,k,v,o at seq 2048 on an H200: all 94.5 ms a step with CUDA graphs; "
+    "without them lora_targets 120.6 ms, all 146.9"
+)
+
+
+def _decide_base_linears(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_parallel_why: str) -> Decisions:
+    """:func:`_decide`, with ``fp8_base_linears: auto`` resolved: every frozen linear in float8
+    where the plan then replays the step as CUDA graphs (the memory of the extra float8 copies
+    counted), else the LoRA targets only (without graphs the step is host-bound, and each
+    converted linear adds launches)."""
+    asked = cfg.performance.fp8_base_linears
+    if not fp8_base_linears_asked(cfg):
+        return _decide(with_fp8_base_linears(cfg, "lora_targets"), facts, expert_parallel, expert_parallel_why)
+    if asked != "auto":
+        decided = _decide(cfg, facts, expert_parallel, expert_parallel_why)
+        return replace(decided, fp8_base_linears=asked, fp8_base_linears_why=f"performance.fp8_base_linears: {asked}")
+    every = _decide(with_fp8_base_linears(cfg, "all"), facts, expert_parallel, expert_parallel_why)
+    if every.cuda_graphs:
+        why = f"performance.fp8_base_linears: auto: all, CUDA graphs replay the step ({_MEASURED_BASE_LINEARS})"
+        return replace(every, fp8_base_linears="all", fp8_base_linears_why=why)
+    decided = _decide(with_fp8_base_linears(cfg, "lora_targets"), facts, expert_parallel, expert_parallel_why)
+    why = (
+        "performance.fp8_base_linears: auto: lora_targets, every frozen linear in float8 would run without CUDA graphs "
+        f"({every.cuda_graphs_why.removeprefix('cuda_graphs: auto: off, ')}; {_MEASURED_BASE_LINEARS})"
+    )
+    return replace(decided, fp8_base_linears="lora_targets", fp8_base_linears_why=why)
 
 
 def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_parallel_why: str) -> Decisions:
@@ -176,4 +208,10 @@ def decided_estimate(
         run_layers=decided.run_layers,
         param_shards=decided.param_shards,
     )
-    return estimate_memory(with_expert_parallel(cfg, decided.expert_parallel), knobs)
+    return estimate_memory(as_decided(cfg, decided), knobs)
+
+
+def as_decided(cfg: HoneConfig, decided: Decisions) -> HoneConfig:
+    """``cfg`` with the decided values the memory estimates read from the config: the experts
+    split over ``expert_parallel`` ranks, the float8 base's linears."""
+    return with_fp8_base_linears(with_expert_parallel(cfg, decided.expert_parallel), decided.fp8_base_linears)

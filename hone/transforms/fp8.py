@@ -47,7 +47,7 @@ from torch import nn
 from hone.config.root import HoneConfig
 from hone.kernels.fp8_linear import FP8 as FLOAT8
 from hone.kernels.fp8_linear import FrozenFp8Weight, Mode, fp8_frozen_linear, quantize_frozen_weight
-from hone.transforms.base import PlanContext, Transform
+from hone.transforms.base import Decisions, PlanContext, Transform
 from hone.transforms.fp8_sizes import SmallLinears, converts_to_fp8, too_small_for_fp8
 from hone.transforms.fp8_sizes import fits_fp8 as fits_fp8_shape
 
@@ -349,7 +349,7 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
     perf = ctx.cfg.performance
     mode: Mode = ctx.decided.fp8  # type: ignore[assignment]
     if ctx.cfg.adapter.is_lora:
-        return convert_frozen_base(model, mode, perf.fp8_base_linears, perf.fp8_small_linears)
+        return convert_frozen_base(model, mode, ctx.decided.fp8_base_linears, perf.fp8_small_linears)
     fsdp = ctx.decided.strategy == "fsdp"
     details = convert_full_finetune(
         model, mode, fsdp_float8_all_gather=fsdp, emulate=perf.fp8_emulate, small=perf.fp8_small_linears
@@ -366,19 +366,22 @@ def _after_step(model: nn.Module) -> None:
         precompute_scales(model)
 
 
-def fp8_why(cfg: HoneConfig, scaling: str, scaling_why: str) -> str:
-    """The fp8 line of ``hone plan``: which linears go float8, and how (``scaling``, ``scaling_why``:
-    the plan's decision, :func:`hone.transforms.fp8_sizes.fp8_scaling`)."""
+def fp8_why(cfg: HoneConfig, decided: Decisions) -> str:
+    """The fp8 line of ``hone plan``: which linears go float8, and how (the plan's decisions:
+    the scaling, :func:`hone.transforms.fp8_sizes.fp8_scaling`, and a LoRA base's linears)."""
     perf = cfg.performance
-    if scaling == "off":
-        return scaling_why
+    if decided.fp8 == "off":
+        return decided.fp8_why
     narrow = "; narrow linears stay bf16 (fp8_small_linears: bf16)" if perf.fp8_small_linears == "bf16" else ""
     if cfg.adapter.is_lora:
-        which = "LoRA target projections" if perf.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
-        return f"{scaling_why}; frozen base in float8 ({which}, weights quantized once), LoRA in bf16{narrow}"
+        which = "LoRA target projections" if decided.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
+        return (
+            f"{decided.fp8_why}; frozen base in float8 ({which}, weights quantized once; {decided.fp8_base_linears_why}), "
+            f"LoRA in bf16{narrow}"
+        )
     emulated = "; emulated (fp8_emulate: float8 rounding, high-precision matmuls)" if perf.fp8_emulate else ""
     how = "full fine-tune through torchao's float8 training (all linears but the head)"
-    return f"{scaling_why}; {how}{narrow}{emulated}"
+    return f"{decided.fp8_why}; {how}{narrow}{emulated}"
 
 
 def _label(d: dict[str, Any]) -> str:
@@ -393,7 +396,7 @@ FP8 = Transform(
     switch="performance.fp8",
     wanted=lambda ctx: ctx.decided.fp8 != "off",
     check=_check,
-    why=lambda ctx: fp8_why(ctx.cfg, ctx.decided.fp8, ctx.decided.fp8_why),
+    why=lambda ctx: fp8_why(ctx.cfg, ctx.decided),
     model=_apply,
     after_optimizer_step=_after_step,
     label=_label,

@@ -38,6 +38,19 @@ def converts_to_fp8(in_features: int, out_features: int, mode: str, small: Small
     return fits_fp8(in_features, out_features) and not (small == "bf16" and too_small_for_fp8(in_features, out_features, mode))
 
 
+def fp8_base_linears_asked(cfg: "HoneConfig") -> bool:
+    """Whether the run has a LoRA base in float8, whose frozen linears ``fp8_base_linears`` picks."""
+    return cfg.performance.fp8 != "off" and cfg.adapter.is_lora
+
+
+def with_fp8_base_linears(cfg: "HoneConfig", which: str) -> "HoneConfig":
+    """``cfg`` with ``performance.fp8_base_linears`` as the plan decided it (``cfg`` itself where
+    it already says so): the memory estimates read it from the config."""
+    if cfg.performance.fp8_base_linears == which:
+        return cfg
+    return cfg.model_copy(update={"performance": cfg.performance.model_copy(update={"fp8_base_linears": which})})
+
+
 def fp8_scaling(cfg: "HoneConfig", fsdp: bool) -> tuple[str, str]:
     """(``off``, ``rowwise`` or ``tensorwise``, why): ``performance.fp8`` as the run uses it.
 

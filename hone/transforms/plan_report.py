@@ -17,8 +17,7 @@ from hone.config.root import HoneConfig
 from hone.transforms.base import Decisions, RunFacts
 from hone.transforms.card import DEFAULT_GPU_MEMORY, PlanInputError, device_memory, parse_size
 from hone.transforms.context_plan import GpuCountRow, longest_by_gpus, rank_share, render_by_gpus, shard_note
-from hone.transforms.decide import decide
-from hone.transforms.expert_parallel import with_expert_parallel
+from hone.transforms.decide import as_decided, decide
 from hone.transforms.long_context import LongestRow, best_row, longest_table, render_longest
 from hone.transforms.loss import loss_decision
 from hone.transforms.memory.decide import AUTO_MARGIN, checkpointing_of, fits_within, loss_of, usable_bytes
@@ -104,6 +103,11 @@ def resolved_optimizations(cfg: HoneConfig, device: str, decided: Decisions) -> 
         ),
         ("loss", loss_of(cfg), "performance.loss"),
         ("fp8", _auto(decided.fp8, perf.fp8), "performance.fp8"),
+        *(
+            [("fp8 base linears", _auto(decided.fp8_base_linears, perf.fp8_base_linears), "performance.fp8_base_linears")]
+            if decided.fp8_base_linears_why is not None
+            else []
+        ),
         ("sample packing", "on" if cfg.data.sample_packing else "off", "data.sample_packing"),
     ]
     if decided.tiled_layers_chunks >= 2 or decided.run_layers > 1:  # the long-context switches, where they are on
@@ -159,7 +163,7 @@ def plan_view(
         host_budget, host_source = host_memory(None)
     if decided is None:
         decided = decide(cfg, RunFacts(torch.device(device), memory_bytes=budget, host_memory_bytes=host_budget))
-    written, cfg = cfg, with_expert_parallel(cfg, decided.expert_parallel)  # estimates: per rank, experts split as decided
+    written, cfg = cfg, as_decided(cfg, decided)  # estimates: per rank, experts split and float8 linears as decided
     param_shards = decided.param_shards
     loss = loss_of(cfg)
     whole_host, split = host_budget, cfg.distributed.context_parallel

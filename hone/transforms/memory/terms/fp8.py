@@ -16,7 +16,9 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
     if perf.fp8 == "off" or not cfg.adapter.is_lora:
         return 0
     mode = fp8_scaling(cfg, fsdp=False)[0]  # (a LoRA base refuses FSDP2)
-    shapes = m.lora_base_shapes if perf.fp8_base_linears == "lora_targets" else m.frozen_layer_linear_shapes
+    # "auto" is resolved by the plan before any estimate it makes (hone.transforms.decide.as_decided);
+    # a config estimated as written counts the LoRA targets, the choice without CUDA graphs
+    shapes = m.frozen_layer_linear_shapes if perf.fp8_base_linears == "all" else m.lora_base_shapes
     return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, mode, perf.fp8_small_linears))
 
 
