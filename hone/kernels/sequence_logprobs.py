@@ -62,6 +62,13 @@ IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
 FROZEN_HEAD_LOGITS_BUDGET_BYTES = DEFAULT_LOGITS_BUDGET_BYTES // 2
 
 
+def default_sequence_chunk_tokens(n_tokens: int, vocab: int, head_trained: bool) -> int:
+    """Tokens per chunk when the caller names none: the fused cross-entropy's rule, at half its
+    budget for a head that gets no gradient (:data:`FROZEN_HEAD_LOGITS_BUDGET_BYTES`). The memory
+    estimate counts the chunk by the same function."""
+    return default_chunk_tokens(n_tokens, vocab, DEFAULT_LOGITS_BUDGET_BYTES if head_trained else FROZEN_HEAD_LOGITS_BUDGET_BYTES)
+
+
 def sequence_logprobs_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -321,8 +328,8 @@ def sequence_logprobs(
             f"sequence_logprobs impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
         )
     if chunk_tokens is None:
-        frozen = not (weight.requires_grad or (bias is not None and bias.requires_grad))
-        chunk_tokens = default_chunk_tokens(n, vocab, FROZEN_HEAD_LOGITS_BUDGET_BYTES if frozen else DEFAULT_LOGITS_BUDGET_BYTES)
+        trained = weight.requires_grad or (bias is not None and bias.requires_grad)
+        chunk_tokens = default_sequence_chunk_tokens(n, vocab, trained)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
     return _forward_op(hidden, weight, bias, targets, segments, num_segments, ignore_index, chunk_tokens, impl)

@@ -88,3 +88,20 @@ def test_the_bench_estimates_its_pairs_as_the_run_decides_them():
     with_stats = decided_estimate(cfg, "cuda", host_budget=64 * GIB, memory_bytes=memory, pair_splits=stats).total / GIB
     without = decided_estimate(cfg, "cuda", host_budget=64 * GIB, memory_bytes=memory).total / GIB
     assert with_stats == pytest.approx(23.66, rel=0.05) and without == pytest.approx(25.8, abs=0.1)
+
+
+def test_a_pair_objective_counts_the_per_sequence_log_probs_chunk_of_its_head():
+    """The per-sequence log-probs take half the fused cross-entropy's chunk under a frozen head
+    (hone.kernels.sequence_logprobs): the estimate counts the chunk the kernel takes (qwen3: 384
+    tokens under LoRA, 768 with a trained head; SFT's cross-entropy 768), nothing else changes."""
+    from hone.kernels.sequence_logprobs import default_sequence_chunk_tokens
+    from hone.transforms.memory.terms.loss import fused_chunk_tokens
+
+    tokens, vocab = 2 * 1280, 151_936
+    assert fused_chunk_tokens(tokens, vocab, sequences=True, head_trained=False) == 384
+    assert fused_chunk_tokens(tokens, vocab, sequences=True, head_trained=True) == 768 == fused_chunk_tokens(tokens, vocab)
+    for trained in (False, True):
+        assert fused_chunk_tokens(tokens, vocab, True, trained) == default_sequence_chunk_tokens(tokens, vocab, trained)
+    knobs = Knobs("none", "fused_linear_ce")
+    dpo, sft = estimate_memory(_cfg("dpo"), knobs), estimate_memory(_cfg("sft", sequence_len=2 * 1280), knobs)
+    assert sft.loss - dpo.loss == (768 - 384) * vocab * 2  # one chunk of bf16 logits, half as long

@@ -248,6 +248,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         accumulating=cfg.training.gradient_accumulation_steps > 1,
         run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
         float8=float8_of(cfg, knobs.param_shards),
+        sequences=cfg.training.is_preference,
         # Ulysses: q, k, v to the rank's heads over the whole sequence, the output back (same bytes as one shard's)
         exchanged_per_token=m.compute_bytes * 2 * (m.heads + m.kv_heads) * m.head_dim if split > 1 else 0,
     )
@@ -275,7 +276,7 @@ def step_phases(
     tokens = step.tokens
     grad_stream = 2 * m.compute_bytes * tokens * m.hidden  # the residual stream's gradient and one temporary
     accumulating = step.accumulating  # earlier micro-batches' gradients are alive
-    outside, loss = outside_layers_bytes(m, tokens), loss_bytes(m, tokens, step.loss, step.device)
+    outside, loss = outside_layers_bytes(m, tokens), loss_bytes(m, tokens, step.loss, step.device, step.sequences)
     return {
         "loss backward": dict(
             trainable_state=grads if accumulating else 0, activations=kept.stored, outside_layers=outside, loss=loss

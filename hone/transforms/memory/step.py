@@ -39,6 +39,8 @@ class Step:
     """``full``/``offload``: layers per run of layer-run checkpointing (1: each layer keeps its input)."""
     float8: tuple[str, str] | None = None
     """A full fine-tune in torchao's float8 training: (``performance.fp8``, ``performance.fp8_small_linears``)."""
+    sequences: bool = False
+    """A preference objective: the loss is per-sequence log-probs (its chunk differs)."""
     exchanged_per_token: int = 0
     """Bytes per token a layer's collectives return (context parallelism's all-to-all around
     attention). Inductor's partitioner never recomputes a collective, so a compiled layer keeps
