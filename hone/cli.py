@@ -412,24 +412,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from hone.runtime.world import World
-    from hone.train.run import shape_note
     from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
+    from hone.transforms.prompt_sharing import pair_rows_config
 
     for title, cfg, processes in configs:
+        data = _prepared_data_facts(cfg, bench=title != str(args.config))
         facts = RunFacts(
-            torch.device(args.device),
-            shape_note=shape_note(cfg, None),  # what the config implies; the run reads its data too
-            shapes_known=False,
-            memory_bytes=budget,
-            world=World(0, processes, 0),
-            host_memory_bytes=host_budget,
+            torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget, **data
         )
         decided = decide(cfg, facts)
-        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided, processes)
+        rows = pair_rows_config(cfg, facts, decided.share_prompt)  # pairs: as wide as the prepared data makes them
+        view = plan_view(rows, title, args.device, budget, source, host_budget, host_source, decided, processes)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
     return 0
+
+
+def _prepared_data_facts(cfg, bench: bool) -> dict:
+    """What the plan knows of the data (:class:`RunFacts` fields): the prepared data's statistics
+    where ``hone preprocess`` (or a run) has cached them, as the run reads them (exact row and
+    pair lengths); else what the config implies, with a note. A bench spec's rows are random
+    tokens, made by the bench: the config's bounds."""
+    from hone.train.run import data_facts, shape_note
+
+    if not bench:
+        from hone.data.prepare import prepared_stats
+        from hone.models.tokenizer import load_tokenizer
+
+        try:
+            stats = prepared_stats(cfg, load_tokenizer(cfg.model))
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot load here: the config's bounds
+            stats = None
+        if stats is not None:
+            print("note: the plan uses the prepared data's statistics (row and pair lengths), as the run will", file=sys.stderr)
+            return {**data_facts(cfg, stats), "shapes_known": True}
+        print("note: the data is not prepared: the plan assumes the config's bounds (run `hone preprocess` for exact lengths)",
+              file=sys.stderr)  # fmt: skip
+    return {"shape_note": shape_note(cfg, None), "shapes_known": False}
 
 
 # --- hone convert / hone chat (issue 16) ----------------------------------------------------

@@ -105,6 +105,28 @@ def prepare_data(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool = True) -> 
     return prepared
 
 
+def prepared_stats(cfg: HoneConfig, tokenizer: Any) -> DataStats | None:
+    """The statistics of the prepared data this config would train on, where ``hone preprocess``
+    (or a run) has written them to the cache; None where it has not, or the files or the cache
+    cannot be read. Never tokenizes or writes anything: for ``hone plan``, which reads no data."""
+    from hone.data.hub_files import with_cached_data_files
+
+    try:
+        cfg = with_cached_data_files(cfg)
+        for _, entries in _sections(cfg):
+            if not all(Path(file).is_file() for entry in entries for file in entry.files):
+                return None
+        root = cache_root(cfg.data)
+        stats_file = root / key_of(key_inputs(cfg, tokenizer, FileHasher(root / INDEX_NAME))) / "stats.json"
+        if not stats_file.is_file():
+            return None
+        stats = DataStats.from_json(stats_file.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - the plan then assumes the config's bounds, as without a cache
+        return None
+    _relabel(stats, cfg)
+    return stats
+
+
 def _packing(cfg: HoneConfig, prepared: PreparedData) -> dict[str, Packing] | None:
     """Pack the splits once, as training will (same seed); the bins are saved in the cache
     entry, so a cache hit (and the training loop, and each eval) loads them instead."""

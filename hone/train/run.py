@@ -247,14 +247,7 @@ def _data_and_plan(
             tokenizer = load_tokenizer(cfg.model)
             data = prepare_data(cfg, tokenizer)
         console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
-        note = shape_note(cfg, data.stats)
-        facts = RunFacts(
-            device=device,
-            shape_note=note,
-            lengths_vary=note is not None and not cfg.data.sample_packing,
-            pair_splits=tuple(s for s in (data.stats.train, data.stats.eval) if s is not None and s.pairs),
-            world=world,
-        )
+        facts = RunFacts(device=device, world=world, **data_facts(cfg, data.stats))
         plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
         if world.distributed:  # the global batch must fit the data before every GPU loads a model
             check_split(cfg, data, world)
@@ -369,6 +362,17 @@ def _from_rank_zero(world: World, value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def data_facts(cfg: HoneConfig, stats) -> dict:
+    """What the plan takes from the prepared data's statistics (:class:`RunFacts` fields): whether
+    every micro-batch has one shape, and the preference splits' pair lengths."""
+    note = shape_note(cfg, stats)
+    return {
+        "shape_note": note,
+        "lengths_vary": note is not None and not cfg.data.sample_packing,
+        "pair_splits": tuple(s for s in (stats.train, stats.eval) if s is not None and s.pairs),
+    }
 
 
 def shape_note(cfg: HoneConfig, stats) -> str | None:

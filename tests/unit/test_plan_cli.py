@@ -206,3 +206,27 @@ def test_fits_and_longest_share_one_margin():
         assert (longest >= 4096) == fits, longest
         if fits:
             assert first.endswith(f"longest that fits: {longest:,}")
+
+
+def test_plan_reads_the_prepared_datas_statistics_where_they_are_cached(tmp_path, capsys):
+    """A preference run's rows are as wide as its pairs: once ``hone preprocess`` has cached the
+    data, ``hone plan`` decides with its statistics, as the run will (a smaller row, a smaller
+    estimate); before, it says it assumes the config's bounds. It never prepares the data itself."""
+    cache = ["--set", f"data.dataset_prepared_path={tmp_path / 'cache'}"]
+    plan = ["plan", "examples/dpo.yml", "--gpu-memory", "80GiB", *cache]
+
+    def peak(out: str) -> float:
+        return float(out.splitlines()[0].split("fits: ")[1].split(" of ")[0])
+
+    assert main(plan) == 0
+    bounds = capsys.readouterr()
+    assert "the data is not prepared: the plan assumes the config's bounds" in bounds.err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    assert "micro-batch 8 x 64 tokens" in bounds.out  # 4 pairs, two full sequence_len sequences each
+    assert main(["preprocess", "examples/dpo.yml", *cache]) == 0
+    capsys.readouterr()
+    assert main(plan) == 0
+    prepared = capsys.readouterr()
+    assert "the plan uses the prepared data's statistics" in prepared.err
+    width = int(prepared.out.split("micro-batch 8 x ")[1].split(" tokens")[0])
+    assert width < 64 and peak(prepared.out) <= peak(bounds.out)
