@@ -85,6 +85,41 @@ def test_one_packed_loop_step_matches_one_unpacked_step(tmp_path):
     assert packed.grad_norm == pytest.approx(padded.grad_norm, rel=1e-5)
 
 
+def test_packed_steps_with_fixed_boundaries_train_as_without(tmp_path, monkeypatch):
+    """The loop under CUDA graphs' layout (``RunHooks.fixed_boundaries``, set by the plan where
+    graphs are on, which the CPU never decides): every packed micro-batch's boundaries count one
+    number of segments, and the varlen backend (its reference on the CPU) trains the same steps."""
+    from hone.data import collate as collate_module
+
+    seed = random.randrange(10_000)
+    rows = random_rows(30, seed=seed, as_list=True, min_len=3, max_len=24)
+    seen, counts = {}, {}
+    for fixed in (False, True):
+        cfg = tiny_config(
+            tmp_path / str(fixed),
+            data={"sample_packing": True, "sequence_len": 48},
+            training={"max_steps": 4, "micro_batch_size": 2},
+            model={"attn_implementation": "sdpa"},
+        )
+        model = tiny_llama(seed)
+        model.set_attn_implementation(register_varlen_sdpa())
+        hooks = plan_hooks(model, cfg)
+        hooks.fixed_boundaries = fixed
+        real = collate_module.collate_packed
+        monkeypatch.setattr(
+            "hone.train.batches.collate_packed",
+            lambda *a, **k: counts.setdefault(fixed, set()).add(len((b := real(*a, **k)).cu_seqlens)) or b,
+        )
+        metrics = []
+        train_loop(model, rows, None, cfg, device=torch.device("cpu"), pad_id=0, console=Console(quiet=True),
+                   step_callback=metrics.append, hooks=hooks)  # fmt: skip
+        seen[fixed] = metrics
+    assert len(counts[True]) == 1 and len(counts[False]) > 1  # one count with, the data's own without
+    for a, b in zip(seen[False], seen[True], strict=True):
+        assert (a.tokens, a.trained_tokens) == (b.tokens, b.trained_tokens)
+        assert b.loss == pytest.approx(a.loss, rel=1e-5) and b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+
+
 def test_packed_eval_gives_the_unpacked_loss():
     seed = random.randrange(10_000)
     rows = random_rows(9, seed=seed, as_list=True)
