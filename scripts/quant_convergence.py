@@ -13,6 +13,10 @@ Not a test. By default, on the bundled chat sample (examples/data/chat_sample.js
 3. prints a markdown table: final eval loss, its relative difference from bf16, tok/s, peak GiB.
 
 ``--set key=value`` overrides apply to every LoRA run (e.g. ``--set performance.torch_compile=true``).
+``--rounded-base tensorwise`` (or ``rowwise``) adds the mode ``bf16-rounded-<scaling>``: bf16 LoRA on a
+copy of the pretrained base whose decoder-layer projections hold their float8-rounded values
+(quantized and dequantized as the fp8 transform quantizes them), which separates what rounding
+the frozen weights does from what float8 does to the activations and gradients.
 Each mode runs in this process one after the other; ``--pretrain-steps 0`` skips step 1 and
 trains LoRA on the random preset with its head trained in full (``lora_modules_to_save``).
 
@@ -32,6 +36,7 @@ from rich.console import Console
 
 from hone.config import parse_config
 from hone.config.loader import apply_overrides
+from hone.track.metrics import read_metrics
 from hone.train.run import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,13 +86,35 @@ def _run(raw: dict[str, Any], overrides: list[str], output_dir: Path) -> dict[st
     result = run_training(cfg, console=Console(quiet=True))
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     torch._dynamo.reset()
+    losses = [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r and "eval_loss" not in r]
     return {
         "eval": result.last_eval_loss,
+        "train_end": sum(losses[-30:]) / max(1, len(losses[-30:])),
         "first_eval": result.first_eval_loss,
         "tok_s": result.tokens_per_s,
         "peak_gib": peak,
         "final": result.final_dir,
     }
+
+
+def rounded_base(base: Path, out: Path, scaling: str) -> Path:
+    """A copy of the model directory ``base`` whose decoder-layer projection weights are replaced
+    by their float8 values (:func:`hone.kernels.fp8_linear.quantize`, then dequantized to the
+    weight's dtype): what a float8 frozen base multiplies, in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    from hone.kernels.fp8_linear import dequantize, quantize
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(base, out)
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        for name, t in tensors.items():
+            if ".layers." in name and name.endswith("proj.weight") and t.dim() == 2:
+                tensors[name] = dequantize(*quantize(t, scaling)).to(t.dtype)  # type: ignore[arg-type]
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    return out
 
 
 def _parse_mode(text: str) -> tuple[str, list[str]]:
@@ -110,6 +137,9 @@ def main() -> None:
         "--hidden", type=int, default=1024, help="width of the small Qwen3 (a multiple of 512; 512 puts NF4 at +2.5%%)"
     )
     parser.add_argument("--layers", type=int, default=8, help="its decoder layers")
+    parser.add_argument(
+        "--rounded-base", choices=["rowwise", "tensorwise"], help="add bf16 LoRA on the base's float8-rounded weights"
+    )
     args = parser.parse_args()
     if args.hidden % 512:
         raise SystemExit(f"--hidden {args.hidden}: must be a multiple of 512 (NF4 groups of 16,384 weights)")
@@ -130,6 +160,11 @@ def main() -> None:
         pre = _run(pre_raw, [], args.out / "base")
         raw["model"] = {"path": str(pre["final"]), "dtype": "bfloat16"}
         base_note = f"base: {args.pretrain_steps} full bf16 steps from random (eval loss {pre['eval']:.4f})"
+        if args.rounded_base:
+            rounded = rounded_base(Path(pre["final"]), args.out / f"base-rounded-{args.rounded_base}", args.rounded_base)
+            modes[f"bf16-rounded-{args.rounded_base}"] = [f"model.path={rounded}"]
+    elif args.rounded_base:
+        raise SystemExit("--rounded-base needs a pretrained base (--pretrain-steps > 0)")
     else:
         raw["adapter"]["lora_modules_to_save"] = ["lm_head"]
         raw["model"]["preset_overrides"] = {**shape, "tie_word_embeddings": False}
@@ -148,15 +183,20 @@ def main() -> None:
         f"\n{device}; small Qwen3 hidden {args.hidden}, {args.layers} layers; {base_note}; "
         f"LoRA r32 all-linear, {args.steps} steps, seq 256, micro-batch 16; --set {args.overrides or '-'}\n"
     )
-    print("| mode | overrides | final eval loss | rel. diff vs bf16 | tok/s | peak GiB |")
-    print("|---|---|---:|---:|---:|---:|")
+    ref_train = results.get("bf16", {}).get("train_end")
+    print("| mode | overrides | final eval loss | rel. diff vs bf16 | train loss, last 30 steps | rel. diff | tok/s | peak GiB |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         shown = ", ".join(modes[name]) or "-"
         if "error" in r:
-            print(f"| {name} | {shown} | error: {r['error']} | | | |")
+            print(f"| {name} | {shown} | error: {r['error']} | | | | | |")
             continue
         rel = f"{100 * (r['eval'] - ref) / ref:+.2f}%" if ref else "-"
-        print(f"| {name} | {shown} | {r['eval']:.4f} | {rel} | {r['tok_s']:.0f} | {r['peak_gib']:.2f} |")
+        rel_train = f"{100 * (r['train_end'] - ref_train) / ref_train:+.2f}%" if ref_train else "-"
+        print(
+            f"| {name} | {shown} | {r['eval']:.4f} | {rel} | {r['train_end']:.4f} | {rel_train} | "
+            f"{r['tok_s']:.0f} | {r['peak_gib']:.2f} |"
+        )
 
 
 if __name__ == "__main__":
