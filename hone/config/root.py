@@ -95,28 +95,6 @@ class HoneConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _cudagraphs_need_fixed_shapes(self) -> "HoneConfig":
-        """CUDA graphs replay recorded kernels on fixed addresses and shapes; every new shape
-        records (and keeps the memory of) another graph, so they only pay off when every
-        micro-batch has one shape. Packed micro-batches then count one number of document
-        boundaries (:class:`hone.train.batches.PackedBatches`); preference pairs take one layout,
-        as wide as the longest pairs of the data (:class:`hone.data.pairs.FixedPairRows`).
-        transformers' flash-attention path checks packed positions on the host inside the
-        attention layer, which a CUDA graph cannot record."""
-        perf = self.performance
-        if not (perf.may_compile and perf.uses_cudagraphs):
-            return self
-        attn = self.model.attn_implementation
-        if self.data.sample_packing and attn in ("flash_attention_2", "flash_attention_3"):
-            raise ValueError(
-                f"{perf.cudagraphs_source} uses CUDA graphs, but data.sample_packing with model.attn_implementation: "
-                f"{attn} runs transformers' packed-sequence check on the host inside every attention layer, "
-                "which a graph cannot record. Use attn_implementation: sdpa (packed rows go through torch's "
-                "varlen kernel, or hone's document mask), turn CUDA graphs off (cuda_graphs: false) or packing off"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _tiled_layers_need_causal_rows(self) -> "HoneConfig":
         """Tiled layers' chunks attend through hone's causal sdpa, to every earlier position of
         the row: no document mask (packing), no other backend. FSDP2 around them is untested."""

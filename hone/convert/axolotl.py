@@ -932,9 +932,7 @@ def _memory(r: _Reader, memory: dict[str, Any]) -> None:
         memory["activation_checkpointing"] = policy
 
 
-def _performance(r: _Reader, performance: dict[str, Any], packed_flash: bool) -> None:
-    """``packed_flash``: packed batches through transformers' flash attention, which checks
-    the packed positions on the host (hone refuses CUDA graphs there)."""
+def _performance(r: _Reader, performance: dict[str, Any]) -> None:
     compile_on = r.take("torch_compile")
     if compile_on in (True, "auto"):
         performance["torch_compile"] = compile_on
@@ -948,15 +946,7 @@ def _performance(r: _Reader, performance: dict[str, Any], packed_flash: bool) ->
             )
         mode = r.take("torch_compile_mode")
         if mode in COMPILE_MODES:
-            if COMPILE_MODES[mode] and packed_flash:
-                r.untranslated.append(
-                    Untranslated(
-                        "torch_compile_mode",
-                        f"'{mode}' uses CUDA graphs, which cannot record the host check of packed positions "
-                        "in transformers' flash attention (hone refuses the two together; sdpa takes them)",
-                    )
-                )
-            elif mode != "default":
+            if mode != "default":
                 performance["torch_compile_mode"] = mode
         elif mode is not None:
             r.untranslated.append(Untranslated("torch_compile_mode", f"'{mode}' is not one of: {', '.join(COMPILE_MODES)}"))
@@ -1117,8 +1107,7 @@ def convert_axolotl(raw: Mapping[str, Any]) -> Conversion:
     _training(r, sections["training"], has_eval)
     _optimizer(r, sections["optimizer"])
     _memory(r, sections["memory"])
-    flash = sections["model"].get("attn_implementation") in ("flash_attention_2", "flash_attention_3")
-    _performance(r, sections["performance"], packed_flash=bool(data.get("sample_packing")) and flash)
+    _performance(r, sections["performance"])
     _distributed(r, sections["distributed"])
     _quantization(r, sections["model"], kind, sections["distributed"])
     _logging(r, sections["logging"])

@@ -219,18 +219,6 @@ def test_cuda_graphs_true_with_packing_fixes_the_boundaries_and_auto_leaves_them
             assert "cuda_graphs: true gives every micro-batch one count of boundaries" in plan.decided.cuda_graphs_why
 
 
-def test_cuda_graphs_with_packing_through_transformers_flash_attention_are_refused(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
-    with pytest.raises(ConfigError, match="attn_implementation: flash_attention_2 runs transformers' packed-sequence check"):
-        config(
-            performance={"cuda_graphs": True}, data={"sample_packing": True}, model={"attn_implementation": "flash_attention_2"}
-        )
-    config(performance={"cuda_graphs": True}, model={"attn_implementation": "flash_attention_2"})  # unpacked: allowed
-
-
 # ---------------------------------------------------------------------------------- checkpointing
 
 

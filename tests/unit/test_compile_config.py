@@ -119,20 +119,19 @@ def test_mode_table_matches_the_installed_torch():
     "perf",
     [{"torch_compile_options": {"triton.cudagraphs": True}}, {"torch_compile_mode": "reduce-overhead"}],
 )
-def test_cudagraphs_with_packing_are_taken_through_sdpa_and_refused_through_flash_attention(perf, monkeypatch):
-    """Packed boundaries take one count under CUDA graphs (hone.train.batches.PackedBatches);
-    transformers' flash-attention path checks packed positions on the host, which a graph
-    cannot record."""
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention", "flash_attention_2"])
+def test_cudagraphs_with_packing_are_taken_with_every_backend(perf, attn, monkeypatch):
+    """Packed boundaries take one count under CUDA graphs (hone.train.batches.PackedBatches); every
+    backend gets them as varlen arguments (flash attention: all four, so transformers never checks
+    the positions on the host) or as hone's mask."""
     import importlib.util
 
-    data = {**MINIMAL["data"], "sample_packing": True}
-    assert parse_config({**MINIMAL, "data": data, "performance": {"torch_compile": True, **perf}}).performance.uses_cudagraphs
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
-    model = {"preset": "tiny-llama", "dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
-    found = issues({"torch_compile": True, **perf}, data=data, model=model)
-    (message,) = found.values()
-    assert "CUDA graphs" in message and "sample_packing" in message and "flash_attention_2" in message
+    data = {**MINIMAL["data"], "sample_packing": True}
+    model = {"preset": "tiny-llama", "dtype": "bfloat16", "attn_implementation": attn}
+    cfg = parse_config({"model": model, "data": data, "performance": {"torch_compile": True, **perf}})
+    assert cfg.performance.uses_cudagraphs and cfg.data.sample_packing
 
 
 def test_flat_axolotl_key_points_to_the_performance_section():

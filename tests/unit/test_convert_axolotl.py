@@ -538,21 +538,21 @@ def test_renamed_fields_roles_chatml_compile_and_fused_loss():
     assert cfg["data"]["chat_template"] == "chatml"  # a template hone ships, by name
     assert cfg["training"]["max_steps"] == 500 and "num_epochs" not in cfg["training"]
     assert cfg["training"]["max_grad_norm"] == 0.5 and cfg["training"]["seed"] == 1234
-    # reduce-overhead (CUDA graphs) is kept with packing through sdpa: every micro-batch takes one boundary count
+    # reduce-overhead (CUDA graphs) is kept with packing: every micro-batch takes one boundary count
     assert cfg["performance"] == {"torch_compile": True, "torch_compile_mode": "reduce-overhead", "loss": "fused_linear_ce"}
     assert cfg["optimizer"]["lr_scheduler"] == "linear"
     assert "memory" not in cfg
 
 
-def test_a_cuda_graph_compile_mode_with_packing_through_flash_attention_stays_untranslated(monkeypatch):
+def test_a_cuda_graph_compile_mode_with_packing_through_flash_attention_is_kept(monkeypatch):
     from hone.convert import axolotl
 
     flash = QWEN3_COMPILE.replace("sdp_attention: true", "flash_attention: true")
     monkeypatch.setitem(axolotl.BACKENDS, "flash_attention_2", SimpleNamespace(installed=True))  # as if flash-attn were
     conversion = converted(flash)
     assert conversion.config["model"]["attn_implementation"] == "flash_attention_2"
-    assert "torch_compile_mode" in conversion.untranslated_keys
-    assert "torch_compile_mode" not in conversion.config["performance"]
+    assert conversion.config["performance"]["torch_compile_mode"] == "reduce-overhead"
+    assert "torch_compile_mode" not in conversion.untranslated_keys
 
 
 def test_sharegpt_fp16_resume_and_zero2():
