@@ -67,8 +67,8 @@ def _decide_base_linears(cfg: HoneConfig, facts: RunFacts, expert_parallel: int,
     counted), else the LoRA targets only (without graphs the step is host-bound, and each
     converted linear adds launches)."""
     asked = cfg.performance.fp8_base_linears
-    if not fp8_base_linears_asked(cfg):
-        return _decide(with_fp8_base_linears(cfg, "lora_targets"), facts, expert_parallel, expert_parallel_why)
+    if not fp8_base_linears_asked(cfg):  # no float8 LoRA base: nothing reads the setting
+        return _decide(cfg, facts, expert_parallel, expert_parallel_why)
     if asked != "auto":
         decided = _decide(cfg, facts, expert_parallel, expert_parallel_why)
         return replace(decided, fp8_base_linears=asked, fp8_base_linears_why=f"performance.fp8_base_linears: {asked}")
