@@ -153,6 +153,20 @@ def test_compiled_fp8_lora_training_has_no_graph_break_and_tracks_bf16(tmp_path,
     assert all(abs(a - b) / b < 0.03 for a, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
 
 
+def test_fp8_auto_on_attention_lora_converts_every_frozen_linear_under_cuda_graphs_and_tracks_bf16(tmp_path):
+    """The defaults around ``fp8: auto`` on rows of one length: CUDA graphs on (a float8 LoRA base
+    is host-bound without them), so ``fp8_base_linears: auto`` converts every frozen linear, not
+    only the LoRA targets; the losses follow bf16's (benchmarks/2026-11-29-h200-fp8.md: 94.5 ms)."""
+    attention = {"type": "lora", "lora_r": 8, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    bf16, _, _ = _train(tmp_path, "bf16", attention, {})
+    fp8, record, breaks = _train(tmp_path, "fp8", attention, {"fp8": "auto"})
+    applied = {a["name"]: a["details"] for a in record["applied"]}
+    assert applied["fp8"]["converted"] == 4 * 7 and applied["fp8"]["mode"] == "tensorwise"
+    assert applied["compile"]["cuda_graphs"] is True and breaks == 0
+    assert record["decided"]["fp8_base_linears"] == "all"
+    assert all(abs(a - b) / b < 0.03 for a, b in zip(fp8, bf16, strict=True)), (fp8, bf16)
+
+
 @pytest.mark.parametrize("compile_", [False, True])
 @pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
 def test_full_finetune_float8_trains_like_bf16(tmp_path, mode, compile_):
