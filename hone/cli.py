@@ -415,7 +415,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
-    from hone.transforms.prompt_sharing import pair_rows_config
 
     for title, cfg, processes in configs:
         data = _prepared_data_facts(cfg, bench=title != str(args.config))
@@ -423,8 +422,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget, **data
         )
         decided = decide(cfg, facts)
-        rows = pair_rows_config(cfg, facts, decided.share_prompt)  # pairs: as wide as the prepared data makes them
-        view = plan_view(rows, title, args.device, budget, source, host_budget, host_source, decided, processes)
+        view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided, processes)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
     return 0
 

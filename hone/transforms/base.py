@@ -147,6 +147,10 @@ class Decisions:
     share_prompt_kernel: str | None = None
     """Through which attention: ``flex`` (a block mask) or ``mask`` (sdpa, a dense mask)."""
     share_prompt_why: str = "training.objective: sft trains no pairs"
+    pair_sequence_len: int | None = None
+    """A preference run whose pair statistics are known: each sequence's length as the memory
+    decisions saw it, rows as wide as the data's pairs make them
+    (:func:`hone.transforms.prompt_sharing.pair_rows_config`); None: ``data.sequence_len``."""
     fp8: str = "off"
     """The float8 scaling in force: ``off``, ``rowwise`` or ``tensorwise`` (``performance.fp8``;
     ``auto`` resolved by :func:`hone.transforms.fp8_sizes.fp8_scaling`)."""

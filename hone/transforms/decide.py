@@ -94,7 +94,8 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     compiles, compile_why = compile_choice(cfg, facts)
     experts, experts_why = experts_choice(cfg, facts, expert_parallel)
     share_prompt, prompt_kernel, share_prompt_why = share_prompt_choice(cfg, facts, compiles)
-    cfg = pair_rows_config(cfg, facts, share_prompt)  # the rows as wide as the data's pairs make them
+    rows = pair_rows_config(cfg, facts, share_prompt)  # the rows as wide as the data's pairs make them
+    pair_sequence_len, cfg = (rows.data.sequence_len if rows is not cfg else None), rows
     strategy, strategy_why = resolve_strategy(cfg, facts, expert_parallel)
     param_shards = facts.world.world_size if strategy == "fsdp" else 1
     fp8, fp8_why = fp8_scaling(cfg, fsdp=strategy == "fsdp")
@@ -158,6 +159,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         share_prompt=share_prompt,
         share_prompt_kernel=prompt_kernel,
         share_prompt_why=share_prompt_why,
+        pair_sequence_len=pair_sequence_len,
         fp8=fp8,
         fp8_why=fp8_why,
     )
@@ -193,7 +195,6 @@ def decided_estimate(
         torch.device(device), memory_bytes=memory_bytes, host_memory_bytes=host_budget, world=world, pair_splits=pair_splits
     )
     decided = decide(cfg, facts)
-    cfg = pair_rows_config(cfg, facts, decided.share_prompt)
     host_budget = per_rank_facts(cfg, facts).host_memory_bytes  # under context parallelism: one rank's share
     knobs = Knobs(
         decided.checkpointing,
@@ -213,5 +214,8 @@ def decided_estimate(
 
 def as_decided(cfg: HoneConfig, decided: Decisions) -> HoneConfig:
     """``cfg`` with the decided values the memory estimates read from the config: the experts
-    split over ``expert_parallel`` ranks, the float8 base's linears."""
-    return with_fp8_base_linears(with_expert_parallel(cfg, decided.expert_parallel), decided.fp8_base_linears)
+    split over ``expert_parallel`` ranks, the float8 base's linears, a preference run's pair rows."""
+    cfg = with_fp8_base_linears(with_expert_parallel(cfg, decided.expert_parallel), decided.fp8_base_linears)
+    if decided.pair_sequence_len is None:
+        return cfg
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"sequence_len": decided.pair_sequence_len})})

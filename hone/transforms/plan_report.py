@@ -163,7 +163,7 @@ def plan_view(
         host_budget, host_source = host_memory(None)
     if decided is None:
         decided = decide(cfg, RunFacts(torch.device(device), memory_bytes=budget, host_memory_bytes=host_budget))
-    written, cfg = cfg, as_decided(cfg, decided)  # estimates: per rank, experts split and float8 linears as decided
+    written, cfg = cfg, as_decided(cfg, decided)  # estimates: per rank, experts, float8 linears, pair rows as decided
     param_shards = decided.param_shards
     loss = loss_of(cfg)
     whole_host, split = host_budget, cfg.distributed.context_parallel
