@@ -43,6 +43,7 @@ that records NCCL kernels must drop its graphs before leaving the process group
 from hone.config.memory import INPUT_ONLY_POLICIES
 from hone.config.root import HoneConfig
 from hone.transforms.base import RunFacts
+from hone.transforms.fp8_sizes import float8_lora_base
 
 #: The measurement ``auto`` rests on (benchmarks/2026-11-26-h100-moe-lora-model.md).
 _MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
@@ -98,16 +99,11 @@ def _blocker(
         return f"checkpointing {policy}{' with tiled layers/MLP' if tiled else ''} re-runs each layer's forward in the backward"
     if cfg.model.quantize == "nf4":
         return "an NF4 base is not measured with CUDA graphs yet"
-    if perf.fp8 != "off" and cfg.adapter.type == "none":
+    if perf.fp8 != "off" and not float8_lora_base(cfg):
         return f"a float8 full fine-tune is bound by the GPU, not by the host's launches ({_MEASURED_FP8_FULL})"
-    if experts != "hone" and not _float8_base(cfg):
+    if experts != "hone" and not float8_lora_base(cfg):
         return "the step is bound by the GPU, not by the host's launches (only MoE experts on hone's kernels are)"
     return None
-
-
-def _float8_base(cfg: HoneConfig) -> bool:
-    """LoRA on a float8 frozen base (``performance.fp8`` with an adapter)."""
-    return cfg.performance.fp8 != "off" and cfg.adapter.type != "none"
 
 
 def _why_on(cfg: HoneConfig, experts: str, expert_parallel: int) -> str:

@@ -31,7 +31,7 @@ from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.experts import experts_choice
-from hone.transforms.fp8_sizes import fp8_base_linears_asked, fp8_scaling, with_fp8_base_linears
+from hone.transforms.fp8_sizes import float8_lora_base, fp8_scaling, with_fp8_base_linears
 from hone.transforms.layer_runs import decide_run_layers
 from hone.transforms.memory.decide import loss_of
 from hone.transforms.memory.estimate import MemoryEstimate, estimate_memory
@@ -67,7 +67,7 @@ def _decide_base_linears(cfg: HoneConfig, facts: RunFacts, expert_parallel: int,
     counted), else the LoRA targets only (without graphs the step is host-bound, and each
     converted linear adds launches)."""
     asked = cfg.performance.fp8_base_linears
-    if not fp8_base_linears_asked(cfg):  # no float8 LoRA base: nothing reads the setting
+    if not float8_lora_base(cfg):  # no float8 LoRA base: nothing reads the setting
         return _decide(cfg, facts, expert_parallel, expert_parallel_why)
     if asked != "auto":
         decided = _decide(cfg, facts, expert_parallel, expert_parallel_why)

@@ -38,8 +38,10 @@ def converts_to_fp8(in_features: int, out_features: int, mode: str, small: Small
     return fits_fp8(in_features, out_features) and not (small == "bf16" and too_small_for_fp8(in_features, out_features, mode))
 
 
-def fp8_base_linears_asked(cfg: "HoneConfig") -> bool:
-    """Whether the run has a LoRA base in float8, whose frozen linears ``fp8_base_linears`` picks."""
+def float8_lora_base(cfg: "HoneConfig") -> bool:
+    """Whether the run trains LoRA on a frozen float8 base (``performance.fp8`` with an adapter),
+    whose frozen linears ``fp8_base_linears`` picks; with fp8 on and no adapter, the run is a
+    float8 full fine-tune (torchao's)."""
     return cfg.performance.fp8 != "off" and cfg.adapter.is_lora
 
 

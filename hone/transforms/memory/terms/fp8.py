@@ -10,10 +10,10 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
     weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8);
     a full fine-tune's float8 casts are per step and transient. Layers the shape rule keeps in bf16
     (hone.transforms.fp8_sizes) have no copies."""
-    from hone.transforms.fp8_sizes import converts_to_fp8, fp8_scaling
+    from hone.transforms.fp8_sizes import converts_to_fp8, float8_lora_base, fp8_scaling
 
     perf = cfg.performance
-    if perf.fp8 == "off" or not cfg.adapter.is_lora:
+    if not float8_lora_base(cfg):
         return 0
     mode = fp8_scaling(cfg, fsdp=False)[0]  # (a LoRA base refuses FSDP2)
     # "auto" is resolved by the plan before any estimate it makes (hone.transforms.decide.as_decided);
