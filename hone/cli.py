@@ -361,10 +361,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
-def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int]]:
-    """(title, config, processes) to plan: the config file (``--nproc-per-node``), or each hone
-    condition of a bench spec (a YAML file with a ``workload``; its ``nproc`` unless the flag is
-    given), whose data is random tokens and need not exist."""
+def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int, bool]]:
+    """(title, config, processes, own data) to plan: the config file (``--nproc-per-node``; its
+    data may be prepared), or each hone condition of a bench spec (a YAML file with a
+    ``workload``; its ``nproc`` unless the flag is given), whose data is random tokens the bench
+    writes, which need not exist."""
     import yaml
 
     try:
@@ -383,7 +384,7 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int]]:
         scratch = Path("bench-scratch")
         random_rows = scratch / "random.jsonl"
         return [
-            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, random_rows), args.nproc_per_node or c.nproc)
+            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, random_rows), args.nproc_per_node or c.nproc, False)
             for c in spec.conditions
             if c.reference is None
         ]
@@ -397,7 +398,7 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int]]:
         raise ConfigError(needed, str(args.config))
     for issue in missing:
         print(f"note: {issue.path}: {issue.message} (not needed for the plan)", file=sys.stderr)
-    return [(str(args.config), cfg, args.nproc_per_node or 1)]
+    return [(str(args.config), cfg, args.nproc_per_node or 1, True)]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -416,8 +417,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.decide import decide
     from hone.transforms.planner import decisions
 
-    for title, cfg, processes in configs:
-        data = _prepared_data_facts(cfg, bench=title != str(args.config))
+    for title, cfg, processes, own_data in configs:
+        data = _prepared_data_facts(cfg, own_data)
         facts = RunFacts(
             torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget, **data
         )
@@ -427,14 +428,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepared_data_facts(cfg, bench: bool) -> dict:
+def _prepared_data_facts(cfg, own_data: bool) -> dict:
     """What the plan knows of the data (:class:`RunFacts` fields): the prepared data's statistics
     where ``hone preprocess`` (or a run) has cached them, as the run reads them (exact row and
-    pair lengths); else what the config implies, with a note. A bench spec's rows are random
-    tokens, made by the bench: the config's bounds."""
+    pair lengths); else what the config implies, with a note. A bench spec's rows (not
+    ``own_data``) are random tokens, made by the bench: the config's bounds."""
     from hone.train.run import data_facts, shape_note
 
-    if not bench:
+    if own_data:
         from hone.data.prepare import prepared_stats
         from hone.models.tokenizer import load_tokenizer
 
