@@ -82,8 +82,9 @@ class PerformanceConfig(Section):
     process beside DDP, regional compile, no checkpointing or ``selective`` (the qwen3-30b-a3b
     slice: 73 -> 37 ms on an H100; expert parallel on 2 H100: 620.6 -> 309.6 ms; qwen3-8b LoRA
     on a float8 base: 146.9 -> 94.5 ms on an H200); off elsewhere, e.g. a dense bf16 8B step or
-    a float8 full fine-tune, which the GPU bounds (``hone plan`` prints the choice and why). Setting ``triton.cudagraphs`` in
-    ``torch_compile_options`` or a ``torch_compile_mode`` that uses CUDA graphs decides it too."""
+    a float8 full fine-tune, which the GPU bounds (``hone plan`` prints the choice and why).
+    Setting ``triton.cudagraphs`` in ``torch_compile_options`` or a ``torch_compile_mode`` that
+    uses CUDA graphs decides it too."""
 
     loss: Literal["auto", "fused_linear_ce", "standard"] = "auto"
     """How the training and eval loss is computed from the last hidden states. ``fused_linear_ce``
