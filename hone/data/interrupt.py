@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: Set by SIGINT while :func:`interruptible` is active; per process (a forked worker has its own).
+#: Set by SIGINT while :func:`interruptible` is active; per process (a forked worker starts with it clear).
 _interrupted = False
 #: True from just before this process forks until every other at-fork hook has run after it.
 _forking = False
@@ -49,10 +49,18 @@ def _fork_ends() -> None:
     _forking = False
 
 
+def _worker_starts() -> None:
+    """A forked worker starts without its parent's interrupt: a SIGINT that reached the parent
+    while it forked set the flag before the child's copy was taken, and the worker then raised
+    ``KeyboardInterrupt`` at its first batch and printed a traceback. The parent stops the pool."""
+    global _forking, _interrupted
+    _forking = _interrupted = False
+
+
 # Registered after logging's (imported above by the standard library): "before" hooks run in
 # reverse order of registration and "after" hooks in order, so this window holds logging's
 # lock-taking and lock-releasing hooks.
-os.register_at_fork(before=_fork_starts, after_in_parent=_fork_ends, after_in_child=_fork_ends)
+os.register_at_fork(before=_fork_starts, after_in_parent=_fork_ends, after_in_child=_worker_starts)
 
 
 def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signature)

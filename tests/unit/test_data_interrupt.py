@@ -190,3 +190,33 @@ def test_an_interrupt_while_forking_lets_the_at_fork_hooks_finish_then_stops_the
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[:2] == ["lock released: True", "interrupted"], out.stdout + out.stderr[-2000:]
+
+
+WORKER_SCRIPT = """
+import os, signal
+os.register_at_fork(before=lambda: signal.raise_signal(signal.SIGINT))  # runs after hone's "before" hook
+from hone.data.interrupt import check_interrupted, interruptible
+
+try:
+    with interruptible():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                check_interrupted()  # the worker's first batch
+            except KeyboardInterrupt:
+                os._exit(3)
+            os._exit(0)
+        print("worker exit:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_worker_forked_while_the_parent_is_interrupted_does_not_raise_it_again():
+    """SIGINT reaching the parent just before it forks sets the flag in the copy the worker
+    starts from: the worker used to raise ``KeyboardInterrupt`` at its first batch and
+    ``multiprocess`` printed its traceback (``hone preprocess`` with ``num_proc``). The worker
+    starts clear; the parent still stops."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[:2] == ["worker exit: 0", "interrupted"], out.stdout + out.stderr[-2000:]
