@@ -247,9 +247,9 @@ class DataConfig(Section):
     sample_packing: bool = False
     """Pack several documents into each row of ``sequence_len`` tokens (best-fit decreasing),
     with position ids restarting at 0 for every document and attention kept inside each one.
-    Steps and the LR schedule follow the packed row count. Under ``performance.cuda_graphs:
-    true`` every micro-batch's document boundaries take one count (docs/compile.md). See
-    docs/packing.md."""
+    Steps and the LR schedule follow the packed row count. Wherever the plan records CUDA
+    graphs (``performance.cuda_graphs: auto`` on a host-bound step, or ``true``) every
+    micro-batch's document boundaries take one count (docs/compile.md). See docs/packing.md."""
 
     pad_to_sequence_len: bool = False
     """Pad every unpacked micro-batch to ``sequence_len`` tokens, not to its longest row: one

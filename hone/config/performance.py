@@ -76,7 +76,8 @@ class PerformanceConfig(Section):
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay each compiled layer's kernels as a CUDA graph (Inductor's ``triton.cudagraphs``):
     one launch instead of hundreds, for steps whose GPU work is short beside the host's launch
-    time. Needs compilation with Inductor on CUDA and one fixed micro-batch shape. ``auto``: on
+    time. Needs compilation with Inductor on CUDA and one fixed micro-batch shape (packed rows
+    take one; unpacked rows of different lengths do not, unless ``data.pad_to_sequence_len``). ``auto``: on
     where the step is host-bound without them and they are safe: MoE experts on hone's kernels
     (no host syncs) and LoRA on a float8 base, one process or expert parallelism over every
     process beside DDP, regional compile, no checkpointing or ``selective`` (the qwen3-30b-a3b

@@ -38,7 +38,7 @@ from hone.train.rerun import OutputDirInUse, clear_run_dir, in_use_message, run_
 from hone.train.seed import seed_everything
 from hone.train.step_log import StepMetrics
 from hone.transforms.allocator import configure_allocator
-from hone.transforms.base import PACKED_SHAPES, RunFacts, RunHooks
+from hone.transforms.base import RunFacts, RunHooks
 from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 
@@ -378,10 +378,8 @@ def data_facts(cfg: HoneConfig, stats) -> dict:
 def shape_note(cfg: HoneConfig, stats) -> str | None:
     """None when every training micro-batch has one shape; otherwise why not (for the planner:
     CUDA graphs need a single shape)."""
-    if cfg.data.sample_packing:  # rows are sequence_len wide, but the documents in them move ...
-        if cfg.performance.cudagraphs_setting:  # ... so their boundaries take one count for the graphs (PackedBatches)
-            return None
-        return PACKED_SHAPES
+    if cfg.data.sample_packing:  # rows are sequence_len wide; the documents in them move, but wherever the plan
+        return None  # records graphs their boundaries take one count (RunHooks.fixed_boundaries, PackedBatches)
     if cfg.training.is_preference:  # one row per micro-batch, as wide as its pairs (a multiple of pairs.ALIGN)
         if cfg.performance.cudagraphs_setting:  # ... or all alike, for the graphs (FixedPairRows)
             return None

@@ -51,13 +51,6 @@ if TYPE_CHECKING:
 Stage = Literal["base", "adapted"]
 
 
-#: ``RunFacts.shape_note`` of packed micro-batches.
-PACKED_SHAPES = (
-    "data.sample_packing packs documents whose boundaries differ from step to step (cuda_graphs: true gives "
-    "every micro-batch one count of boundaries; auto leaves packed runs without graphs until that is measured)"
-)
-
-
 @dataclass(frozen=True)
 class RunFacts:
     """What the planner needs to know about the run beyond its config."""
@@ -65,7 +58,8 @@ class RunFacts:
     device: torch.device
     shape_note: str | None = None
     """None when every training micro-batch has one shape and layout; otherwise why not
-    (packing: fixed width but document boundaries that move; rows of different lengths)."""
+    (rows of different lengths, each micro-batch padded to its longest). Packed rows count as one
+    shape: where the plan records CUDA graphs their boundaries take one count (``fixed_boundaries``)."""
     lengths_vary: bool = False
     """Micro-batches are padded to different widths (unpacked rows of different lengths)."""
     pair_splits: tuple[Any, ...] = ()

@@ -6,19 +6,21 @@ but a recording per shape and the memory the recording keeps. The rule of ``auto
 (``hone plan`` prints the outcome and the first reason it is off):
 
 - only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
-  measured setting), every training micro-batch of one shape (a new shape records a new graph;
-  packed rows take one only under ``cuda_graphs: true``, which pads their boundaries to one
-  count, :class:`hone.train.batches.PackedBatches`, not measured yet),
-  one process or expert parallelism over every process beside DDP (see below), and no checkpointing that re-runs a
-  layer's forward in the backward (``full``, ``offload``, tiled layers) or moves its activations
-  (offload);
+  measured setting), every training micro-batch of one shape (a new shape records a new graph:
+  unpacked rows of different lengths stay without graphs unless ``data.pad_to_sequence_len``;
+  packed rows take one shape, their boundaries padded to one count wherever the plan records
+  graphs, :class:`hone.train.batches.PackedBatches`), one process or expert parallelism over
+  every process beside DDP (see below), and no checkpointing that re-runs a layer's forward in
+  the backward (``full``, ``offload``, tiled layers) or moves its activations (offload);
 - only where it pays: MoE experts on hone's kernels, whose step is host-bound (the qwen3-30b-a3b
   slice on an H100: 64 ms a step compiled, 36 ms with CUDA graphs), and LoRA on a float8 base,
   whose quantization passes and float8 matmuls add launches that outrun the shorter GPU work
   (qwen3-8b LoRA q,k,v,o at seq 2048, every frozen linear in float8, on an H200: 146.9 ms a step
   compiled, 94.5 ms with CUDA graphs). A dense bf16 step of a large model is bound by the GPU
   (qwen3-8b at seq 2048: 126.0 ms, 125.6 with graphs), and so is a float8 full fine-tune
-  (llama3.2-3b at seq 4096: 274.5 and 273.2 ms): graphs gain nothing there.
+  (llama3.2-3b at seq 4096: 274.5 and 273.2 ms): graphs gain nothing there. Packed rows of
+  a realistic length mix gain alike (H200: the MoE slice 62.2 -> 33.5 ms, LoRA on a float8
+  qwen3-8b 185.7 -> 105.4 ms; benchmarks/2026-11-29-h200-packed-graphs.md).
 
 Preference pairs replay too where ``cuda_graphs: true`` asks (``auto`` leaves them off until
 measured): every pair micro-batch then takes one layout, rows as wide as the data's longest pairs
