@@ -104,7 +104,10 @@ def _blocker(
     if perf.fp8 != "off" and not float8_lora_base(cfg):
         return f"a float8 full fine-tune is bound by the GPU, not by the host's launches ({_MEASURED_FP8_FULL})"
     if experts != "hone" and not float8_lora_base(cfg):
-        return "the step is bound by the GPU, not by the host's launches (only MoE experts on hone's kernels are)"
+        return (
+            "the step is bound by the GPU, not by the host's launches "
+            "(MoE experts on hone's kernels and LoRA on a float8 base are)"
+        )
     return None
 
 
