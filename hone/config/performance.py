@@ -26,6 +26,7 @@ INDUCTOR_OPTIONS: dict[str, type] = {
     "assume_aligned_inputs": bool,
     "comprehensive_padding": bool,
     "decompose_mem_bound_mm": bool,
+    "reorder_for_compute_comm_overlap": bool,
     "triton.cudagraphs": bool,
 }
 
@@ -71,7 +72,8 @@ class PerformanceConfig(Section):
     """Inductor options, applied to hone's compiled code only (not process-wide). Allowed:
     coordinate_descent_tuning, coordinate_descent_check_all_directions, shape_padding,
     epilogue_fusion, max_autotune_gemm, fx_graph_cache, assume_aligned_inputs,
-    comprehensive_padding, decompose_mem_bound_mm, triton.cudagraphs (all true/false)."""
+    comprehensive_padding, decompose_mem_bound_mm, reorder_for_compute_comm_overlap,
+    triton.cudagraphs (all true/false)."""
 
     cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay each compiled layer's kernels as a CUDA graph (Inductor's ``triton.cudagraphs``):
