@@ -5,7 +5,9 @@ same rank: ``aot_eager`` bit for bit (the exchanges move the same bytes), Induct
 (it may reorder float32 sums). The floating-point exchanges are torch's functional
 ``all_to_all_single_autograd`` while compiling (:mod:`hone.parallel.exchange`), traced into one
 graph: a compiled decoder layer keeps them inside its graph. A capacity too small returns the
-same overflow count compiled. Inductor and gloo work together on the CPU. With torch 2.11 the
+same overflow count compiled; so does Inductor with ``reorder_for_compute_comm_overlap`` on
+exchanges in 2 chunks (the option may move collectives and waits; the result must not change).
+Inductor and gloo work together on the CPU. With torch 2.11 the
 autograd Function traced before that fix gave every gradient exactly zero; this file fails there
 without the fix (checked in a torch 2.11 environment; CI runs 2.13, which traced it right)."""
 
@@ -27,8 +29,11 @@ from expert_parallel_cases import (
 from fsdp_harness import save, spawn
 
 #: (case, backend, capacity): Inductor on the LoRA case, aot_eager on the others (faster to compile).
+#: ``inductor-overlap``: Inductor with ``reorder_for_compute_comm_overlap`` on exchanges in 2 chunks
+#: (``performance.torch_compile_options``), which may move the collectives and their waits.
 RUNS = [
     ("qwen3_moe-lora", "inductor", None),
+    ("qwen3_moe-lora", "inductor-overlap", None),
     ("gpt_oss-full", "aot_eager", None),
     ("qwen3_moe-skewed", "aot_eager", SMALL_CAPACITY),
 ]
@@ -36,6 +41,7 @@ RUNS = [
 
 def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
     """Eager and compiled results of one case on this rank (fresh leaves for each)."""
+    import torch._inductor.config
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from hone.parallel.expert_parallel import ExpertShard, expert_parallel_experts
@@ -45,7 +51,8 @@ def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
     case = make_case(name)
     tokens = slice(rank * TOKENS, (rank + 1) * TOKENS)
     index = case["index"][tokens]
-    counter = CompileCounterWithBackend(backend)
+    overlap = backend == "inductor-overlap"
+    counter = CompileCounterWithBackend("inductor" if overlap else backend)
     got = {}
     for mode in ("eager", "compiled"):
         t = leaves(case, lambda key, v: v[tokens] if key in ("hidden", "weights") else shard.local(v))
@@ -54,19 +61,21 @@ def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
             return expert_parallel_experts(
                 hidden, index, weights, t["gate_up_proj"], t["down_proj"], case["layout"], shard,
                 biases=(t["gate_up_bias"], t["down_bias"]), lora=lora_of(t), scaling=SCALING, down_scaling=DOWN_SCALING,
-                capacity=capacity,
+                capacity=capacity, chunks=2 if overlap else 1,
             )  # fmt: skip
 
         run = experts if mode == "eager" else torch.compile(experts, backend=counter, fullgraph=True)
-        out, overflow = run(t["hidden"], t["weights"])
-        (out * case["cotangent"][tokens]).sum().backward()
+        # the backward compiles at its first call: the option must hold through it
+        with torch._inductor.config.patch(reorder_for_compute_comm_overlap=overlap and mode == "compiled"):
+            out, overflow = run(t["hidden"], t["weights"])
+            (out * case["cotangent"][tokens]).sum().backward()
         got[mode] = {"out": out.detach(), "overflow": int(overflow), "grads": grads_of(t)}
     got["frames"] = counter.frame_count
     return got
 
 
 def _worker(rank: int, out) -> None:
-    save({name: _one_run(rank, name, backend, capacity) for name, backend, capacity in RUNS}, out / f"{rank}.pt")
+    save({f"{name}/{backend}": _one_run(rank, name, backend, capacity) for name, backend, capacity in RUNS}, out / f"{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +88,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name,backend,capacity", RUNS)
 def test_compiled_expert_parallel_matches_eager(ranks, name, backend, capacity):
     for rank, results in enumerate(ranks):
-        got = results[name]
+        got = results[f"{name}/{backend}"]
         eager, compiled = got["eager"], got["compiled"]
         assert compiled["overflow"] == eager["overflow"], rank
         assert set(compiled["grads"]) == set(eager["grads"]) and eager["grads"], rank
@@ -94,12 +103,12 @@ def test_compiled_expert_parallel_matches_eager(ranks, name, backend, capacity):
 @pytest.mark.parametrize("name,backend,capacity", RUNS)
 def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
     for results in ranks:
-        assert results[name]["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
+        assert results[f"{name}/{backend}"]["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
 
 
 def test_the_small_capacity_overflows_compiled_too(ranks):
     # every pair of the skewed routing lands on rank 1's experts: only rank 1 is over capacity
-    overflow = [results["qwen3_moe-skewed"]["compiled"]["overflow"] for results in ranks]
+    overflow = [results["qwen3_moe-skewed/aot_eager"]["compiled"]["overflow"] for results in ranks]
     assert overflow[0] == 0 and overflow[1] > 0
 
 
