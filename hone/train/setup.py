@@ -132,13 +132,7 @@ def set_up(
         reference=eval_reference,
         pad_to=cfg.data.fixed_width,
     )
-    if batches.packing is not None:
-        tracker.print(f"sample packing: {batches.packing.describe(len(train_data))}")
-    tracker.print(f"training: {plan.describe()}")
-    if resumed is not None:
-        tracker.print(f"resumed from {resume_from} at step {state.step} (epoch {plan.epoch_at(state.step):.2f})")
-        for note in resumed.notes:
-            tracker.print(f"note: {note}")
+    _announce(tracker, batches, len(train_data), plan, resumed, resume_from)
     experts = (expert_parallel_params(model), *expert_parallel_groups(model))  # blocks, their group and replicas
     return Trainer(
         plan=plan,
@@ -158,6 +152,18 @@ def set_up(
         checkpointer=checkpointer,
         max_consecutive_nonfinite=t.max_consecutive_nonfinite,
     )
+
+
+def _announce(tracker, batches, train_rows: int, plan, resumed, resume_from: Path | None) -> None:
+    """The run's opening lines: how the rows were packed, the step plan, where it resumed."""
+    if batches.packing is not None:
+        tracker.print(f"sample packing: {batches.packing.describe(train_rows)}")
+    tracker.print(f"training: {plan.describe()}")
+    if resumed is not None:
+        step = resumed.state.step
+        tracker.print(f"resumed from {resume_from} at step {step} (epoch {plan.epoch_at(step):.2f})")
+        for note in resumed.notes:
+            tracker.print(f"note: {note}")
 
 
 def _train_batches(train_data, cfg: HoneConfig, pad_id: int, hooks: RunHooks):
