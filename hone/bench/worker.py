@@ -144,6 +144,7 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
     attention_len: float = float(w.sequence_len)
     packing_efficiency: float | None = None
     compile_stats: dict[str, Any] | None = None
+    decided: dict[str, Any] | None = None
     estimated_gib: float | None = None
     split = 1  # ranks each row is split over (distributed.context_parallel): a rank trains 1/split of its tokens
 
@@ -216,8 +217,10 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
             if w.data == "lengths" and cfg.data.sample_packing:
                 packing_efficiency = _trained_bins_efficiency(workdir / "cache")
             record = workdir / "run" / "optimizations.json"
-            if record.exists():  # compile counts (graphs, recompiles) for the row
-                compile_stats = json.loads(record.read_text()).get("compile")
+            if record.exists():  # compile counts (graphs, recompiles) and what every auto took, for the row
+                written = json.loads(record.read_text())
+                compile_stats = written.get("compile")
+                decided = decided_values(written.get("decided", {}))
 
     timed = step_times[spec.warmup_steps :]
     if len(timed) < spec.timed_steps:
@@ -263,6 +266,8 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["packing_efficiency"] = round(packing_efficiency, 4)
     if compile_stats is not None:
         row["compile"] = compile_stats
+    if decided is not None:
+        row["decided"] = decided
     row["peak_host_gib"] = peak_host_gib()
     if device.type == "cuda":
         row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
@@ -272,6 +277,12 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["peak_alloc_gib"] = row["peak_reserved_gib"] = None
         row["device"] = "cpu"
     return row
+
+
+def decided_values(decided: dict[str, Any]) -> dict[str, Any]:
+    """The plan's decisions as a row keeps them: every value, none of the reasons (those are in
+    the run's ``optimizations.json``), so that a defaults row says what ``auto`` took."""
+    return {key: value for key, value in decided.items() if not key.endswith(("_why", "_skipped"))}
 
 
 def peak_host_gib() -> float | None:
