@@ -390,7 +390,8 @@ def shape_note(cfg: HoneConfig, stats) -> str | None:
     if train is not None and train.min_length != train.max_length:
         return (
             f"the training rows are {train.min_length} to {train.max_length} tokens long and each "
-            "micro-batch is padded to its longest row"
+            "micro-batch is padded to its longest row; data.sample_packing or data.pad_to_sequence_len "
+            "gives every micro-batch one shape"
         )
     return None
 

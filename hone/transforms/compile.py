@@ -140,8 +140,8 @@ def _check(ctx: PlanContext) -> list[str]:
         problems.append(f"{perf.cudagraphs_source} uses CUDA graphs, which need a CUDA device (training on {facts.device.type})")
     if facts.shape_note is not None:
         problems.append(
-            f"{perf.cudagraphs_source} uses CUDA graphs, which need one fixed shape, but {facts.shape_note}: every "
-            "new shape would record another graph and hold its memory. Use triton.cudagraphs: false (or "
+            f"{perf.cudagraphs_source} uses CUDA graphs, which need one fixed shape, but {facts.shape_note}. Every "
+            "new shape would record another graph and hold its memory: use triton.cudagraphs: false (or "
             "torch_compile_mode: max-autotune-no-cudagraphs), or train on rows of one length"
         )
     return problems

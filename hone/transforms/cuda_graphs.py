@@ -3,7 +3,8 @@
 A CUDA graph replaces a layer's hundreds of kernel launches by one, which pays where the host's
 launches take longer than the GPU's work (the step is host-bound) and costs nothing elsewhere
 but a recording per shape and the memory the recording keeps. The rule of ``auto``, in words
-(``hone plan`` prints the outcome and the first reason it is off):
+(``hone plan`` prints the outcome and the first reason it is off; shapes that vary are the last
+reason checked, so that it is given where graphs would pay, with what gives one shape):
 
 - only where it is safe: compiled by Inductor on CUDA, regionally (each decoder layer: the
   measured setting), every training micro-batch of one shape (a new shape records a new graph:
@@ -86,8 +87,6 @@ def _blocker(
         return f"CUDA graphs need a CUDA device (this run: {facts.device.type})"
     if perf.torch_compile_scope != "regional":
         return "torch_compile_scope: model (measured with regional compile only)"
-    if facts.shape_note is not None:
-        return f"{facts.shape_note} (every new shape would record another graph)"
     if expert_parallel > 1 and strategy != "ddp":
         return f"expert parallelism beside {strategy} is not measured with CUDA graphs yet (measured beside DDP)"
     if 1 < expert_parallel < facts.world.world_size:
@@ -108,6 +107,8 @@ def _blocker(
             "the step is bound by the GPU, not by the host's launches "
             "(MoE experts on hone's kernels and LoRA on a float8 base are)"
         )
+    if facts.shape_note is not None:  # last: where graphs would pay, the reason to act on
+        return f"{facts.shape_note} (every new shape would record another graph)"
     return None
 
 

@@ -212,7 +212,7 @@ def test_shape_note_tells_fixed_from_varying_lengths():
     config = cfg()
     assert shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=8, max_length=8))) is None
     note = shape_note(config, SimpleNamespace(train=SimpleNamespace(min_length=3, max_length=9)))
-    assert "3 to 9 tokens" in note and "padded" in note
+    assert "3 to 9 tokens" in note and "padded" in note and "data.sample_packing or data.pad_to_sequence_len" in note
     packed = parse_config(
         {"model": {"preset": "tiny-llama"}, "data": {"datasets": [{"path": "d.jsonl", "type": "alpaca"}], "sample_packing": True}}
     )
