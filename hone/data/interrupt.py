@@ -20,7 +20,10 @@ previous handler is put back afterwards (training installs its own around the lo
 process that ignores SIGINT (started in the background with ``nohup``) keeps ignoring it.
 While the process forks (``datasets`` starting its workers), SIGINT only sets the flag: raised
 inside logging's at-fork hook, the interrupt left logging's lock held, and the next log line
-waited forever (``_handle``).
+waited forever (``_handle``). The interrupt is then delivered again once the fork is over
+(:func:`_fork_ends`): with ``num_proc`` the parent runs no batch of its own, so the flag alone
+let the workers tokenize everything before the build stopped. A worker starts with the flag
+clear (:func:`_worker_starts`); its parent stops the pool.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ from contextlib import contextmanager
 _interrupted = False
 #: True from just before this process forks until every other at-fork hook has run after it.
 _forking = False
+#: A SIGINT arrived while forking: it is delivered again once the fork is over.
+_deferred = False
+#: The interrupt has been raised as ``KeyboardInterrupt`` (a deferred one needs no second raise).
+_raised = False
+#: How long after a fork the deferred SIGINT is raised again: long enough for the main thread to
+#: have left every at-fork hook (a hook registered after ours would swallow a raise inside it).
+REDELIVER_AFTER_S = 0.05
 
 
 def _fork_starts() -> None:
@@ -45,16 +55,31 @@ def _fork_starts() -> None:
 
 
 def _fork_ends() -> None:
-    global _forking
+    """In the parent after a fork: a SIGINT that arrived during it is raised again shortly, from a
+    timer thread (Python runs the handler in the main thread, outside the at-fork hooks by then;
+    should it land in another fork's window it is deferred again)."""
+    global _forking, _deferred
     _forking = False
+    if _deferred:
+        _deferred = False
+        timer = threading.Timer(REDELIVER_AFTER_S, _redeliver)
+        timer.daemon = True
+        timer.start()
+
+
+def _redeliver() -> None:
+    """Raise SIGINT again unless the interrupt has reached the main thread meanwhile (a check
+    after the fork raised it) or the preparation is over (its handler is no longer ours)."""
+    if not _raised and signal.getsignal(signal.SIGINT) is _handle:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _worker_starts() -> None:
     """A forked worker starts without its parent's interrupt: a SIGINT that reached the parent
     while it forked set the flag before the child's copy was taken, and the worker then raised
     ``KeyboardInterrupt`` at its first batch and printed a traceback. The parent stops the pool."""
-    global _forking, _interrupted
-    _forking = _interrupted = False
+    global _forking, _interrupted, _deferred, _raised
+    _forking = _interrupted = _deferred = _raised = False
 
 
 # Registered after logging's (imported above by the standard library): "before" hooks run in
@@ -67,12 +92,15 @@ def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signatu
     """Set the flag; raise ``KeyboardInterrupt`` at once unless the process is forking. Raised
     inside an at-fork hook (logging's releases its module lock after ``datasets`` forks a
     worker), the interrupt would leave that lock held and the next log line would wait forever:
-    ``hone preprocess`` with ``num_proc`` then hung after Ctrl-C. There the flag alone stops the
-    build, a batch later."""
-    global _interrupted
+    ``hone preprocess`` with ``num_proc`` then hung after Ctrl-C. There the interrupt is
+    deferred until the fork is over (:func:`_fork_ends`)."""
+    global _interrupted, _deferred, _raised
     _interrupted = True
-    if not _forking:
-        raise KeyboardInterrupt
+    if _forking:
+        _deferred = True
+        return
+    _raised = True
+    raise KeyboardInterrupt
 
 
 def _quiet_unraisable(previous):
@@ -92,19 +120,21 @@ def _quiet_unraisable(previous):
 def check_interrupted() -> None:
     """Raise ``KeyboardInterrupt`` if SIGINT arrived during the preparation, even if the
     ``KeyboardInterrupt`` it raised then was swallowed on the way."""
+    global _raised
     if _interrupted:
+        _raised = True
         raise KeyboardInterrupt
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
     """Route SIGINT through the flag for the duration of the block (main thread only)."""
-    global _interrupted
+    global _interrupted, _deferred, _raised
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield
         return
-    _interrupted = False
+    _interrupted = _deferred = _raised = False
     signal.signal(signal.SIGINT, _handle)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _quiet_unraisable(previous_hook)
@@ -120,4 +150,4 @@ def interruptible() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook
-        _interrupted = False
+        _interrupted = _deferred = _raised = False
