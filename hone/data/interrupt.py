@@ -20,15 +20,22 @@ previous handler is put back afterwards (training installs its own around the lo
 process that ignores SIGINT (started in the background with ``nohup``) keeps ignoring it.
 While the process forks (``datasets`` starting its workers), SIGINT only sets the flag: raised
 inside logging's at-fork hook, the interrupt left logging's lock held, and the next log line
-waited forever (``_handle``). The interrupt is then delivered again once the fork is over
-(:func:`_fork_ends`): with ``num_proc`` the parent runs no batch of its own, so the flag alone
-let the workers tokenize everything before the build stopped. A worker starts with the flag
-clear (:func:`_worker_starts`); its parent stops the pool.
+waited forever (``_handle``).
+
+While forked workers do the work (``data.num_proc``: :func:`workers_run`), the first SIGINT does
+not raise in the parent at all. Raised there, at whatever point the parent was in
+``multiprocess``'s pool machinery, it could leave ``Pool.terminate`` waiting forever on a lock
+(seen: its task-handler thread blocked on the queue's write lock, ``hone preprocess`` never
+exiting). Instead the parent sets one byte of memory it shares with the workers, each worker's
+encoder raises :class:`WorkersStopped` at its next batch, the pool hands those back as the tasks'
+failures (the way any error in a worker ends a map), and the parent reports the interrupt. A
+second SIGINT raises at once.
 """
 
 from __future__ import annotations
 
 import logging  # noqa: F401 - its at-fork hooks registered before ours (see _fork_starts)
+import mmap
 import os
 import signal
 import sys
@@ -40,13 +47,19 @@ from contextlib import contextmanager
 _interrupted = False
 #: True from just before this process forks until every other at-fork hook has run after it.
 _forking = False
-#: A SIGINT arrived while forking: it is delivered again once the fork is over.
-_deferred = False
-#: The interrupt has been raised as ``KeyboardInterrupt`` (a deferred one needs no second raise).
-_raised = False
-#: How long after a fork the deferred SIGINT is raised again: long enough for the main thread to
-#: have left every at-fork hook (a hook registered after ours would swallow a raise inside it).
-REDELIVER_AFTER_S = 0.05
+#: True in the main process while forked workers do the work (:func:`workers_run`).
+_pooled = False
+#: The process that runs :func:`interruptible` (a forked worker inherits the number, not the role).
+_main_pid: int | None = None
+#: One byte shared with every process forked after this module was imported (an anonymous
+#: shared mapping): 1 once the main process was interrupted while its workers ran.
+_stop_workers = mmap.mmap(-1, 1)
+
+
+class WorkersStopped(Exception):
+    """Raised in a forked worker whose parent was interrupted. An ``Exception``, not a
+    ``KeyboardInterrupt``: the pool hands it back to the parent as the task's failure, where a
+    ``KeyboardInterrupt`` would kill the worker and print its traceback."""
 
 
 def _fork_starts() -> None:
@@ -55,31 +68,17 @@ def _fork_starts() -> None:
 
 
 def _fork_ends() -> None:
-    """In the parent after a fork: a SIGINT that arrived during it is raised again shortly, from a
-    timer thread (Python runs the handler in the main thread, outside the at-fork hooks by then;
-    should it land in another fork's window it is deferred again)."""
-    global _forking, _deferred
+    global _forking
     _forking = False
-    if _deferred:
-        _deferred = False
-        timer = threading.Timer(REDELIVER_AFTER_S, _redeliver)
-        timer.daemon = True
-        timer.start()
-
-
-def _redeliver() -> None:
-    """Raise SIGINT again unless the interrupt has reached the main thread meanwhile (a check
-    after the fork raised it) or the preparation is over (its handler is no longer ours)."""
-    if not _raised and signal.getsignal(signal.SIGINT) is _handle:
-        signal.raise_signal(signal.SIGINT)
 
 
 def _worker_starts() -> None:
-    """A forked worker starts without its parent's interrupt: a SIGINT that reached the parent
-    while it forked set the flag before the child's copy was taken, and the worker then raised
-    ``KeyboardInterrupt`` at its first batch and printed a traceback. The parent stops the pool."""
-    global _forking, _interrupted, _deferred, _raised
-    _forking = _interrupted = _deferred = _raised = False
+    """A forked worker starts without its parent's flag: it is not the process that was
+    interrupted (a SIGINT during the fork set the flag before the child's copy was taken, and
+    the worker raised ``KeyboardInterrupt`` at its first batch, printing a traceback). It learns
+    of its parent's interrupt from the shared byte (:func:`check_interrupted`)."""
+    global _forking, _interrupted, _pooled
+    _forking = _interrupted = _pooled = False
 
 
 # Registered after logging's (imported above by the standard library): "before" hooks run in
@@ -89,18 +88,21 @@ os.register_at_fork(before=_fork_starts, after_in_parent=_fork_ends, after_in_ch
 
 
 def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signature)
-    """Set the flag; raise ``KeyboardInterrupt`` at once unless the process is forking. Raised
-    inside an at-fork hook (logging's releases its module lock after ``datasets`` forks a
-    worker), the interrupt would leave that lock held and the next log line would wait forever:
-    ``hone preprocess`` with ``num_proc`` then hung after Ctrl-C. There the interrupt is
-    deferred until the fork is over (:func:`_fork_ends`)."""
-    global _interrupted, _deferred, _raised
+    """Set the flag; raise ``KeyboardInterrupt`` at once, except:
+
+    - while forked workers do the work, the first SIGINT stops them through the shared byte and
+      raises nothing in the parent (:func:`workers_run`: why);
+    - while the process forks, it raises nothing: raised inside an at-fork hook (logging's
+      releases its module lock after ``datasets`` forks a worker), the interrupt left that lock
+      held and the next log line waited forever. The flag stops the build at its next check."""
+    global _interrupted
+    first = not _interrupted
     _interrupted = True
-    if _forking:
-        _deferred = True
+    if _pooled and first:
+        _stop_workers[0] = 1
         return
-    _raised = True
-    raise KeyboardInterrupt
+    if not _forking:
+        raise KeyboardInterrupt
 
 
 def _quiet_unraisable(previous):
@@ -119,22 +121,45 @@ def _quiet_unraisable(previous):
 
 def check_interrupted() -> None:
     """Raise ``KeyboardInterrupt`` if SIGINT arrived during the preparation, even if the
-    ``KeyboardInterrupt`` it raised then was swallowed on the way."""
-    global _raised
+    ``KeyboardInterrupt`` it raised then was swallowed on the way; in a forked worker, raise
+    :class:`WorkersStopped` if its parent was interrupted."""
+    if _main_pid is not None and os.getpid() != _main_pid:
+        if _stop_workers[0]:
+            raise WorkersStopped("stopped: the process that started this worker was interrupted")
+        return
     if _interrupted:
-        _raised = True
         raise KeyboardInterrupt
+
+
+@contextmanager
+def workers_run(active: bool = True) -> Iterator[None]:
+    """The block waits on forked workers (``datasets``' ``map`` with ``num_proc``): the first
+    SIGINT stops the workers at their next batch instead of raising in the main process (see
+    the module's docstring for why), and the block's end raises the interrupt. ``active=False``
+    (no workers, or outside :func:`interruptible`) changes nothing."""
+    global _pooled
+    if not active or _main_pid != os.getpid() or signal.getsignal(signal.SIGINT) is not _handle:
+        yield
+        return
+    _pooled = True
+    try:
+        yield
+    finally:
+        _pooled = False
+    check_interrupted()
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
     """Route SIGINT through the flag for the duration of the block (main thread only)."""
-    global _interrupted, _deferred, _raised
+    global _interrupted, _main_pid
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield
         return
-    _interrupted = _deferred = _raised = False
+    _interrupted = False
+    _main_pid = os.getpid()
+    _stop_workers[0] = 0
     signal.signal(signal.SIGINT, _handle)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _quiet_unraisable(previous_hook)
@@ -150,4 +175,6 @@ def interruptible() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook
-        _interrupted = _deferred = _raised = False
+        _interrupted = False
+        _main_pid = None
+        _stop_workers[0] = 0

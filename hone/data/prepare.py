@@ -51,7 +51,7 @@ from hone.data.encode import (
 )
 from hone.data.errors import DataError, at_row
 from hone.data.formats import Source
-from hone.data.interrupt import check_interrupted, interruptible
+from hone.data.interrupt import check_interrupted, interruptible, workers_run
 from hone.data.load import check_file, load_file
 from hone.data.packing import Packing, packing_for
 from hone.data.preference import PreferenceFormat
@@ -281,18 +281,20 @@ def _encode_file(cfg: HoneConfig, tokenizer: Any, section: str, index: int, entr
     else:
         encoder = RowEncoder(fmt, tokenizer, data.sequence_len, truncate)
     tag = f"{section}-{index}"
-    encoded = raw.map(
-        encoder,
-        batched=True,
-        batch_size=256,
-        remove_columns=list(raw.column_names),
-        features=PREFERENCE_FEATURES if isinstance(fmt, PreferenceFormat) else ENCODED_FEATURES,
-        num_proc=data.num_proc if data.num_proc and data.num_proc > 1 and len(raw) > 1 else None,
-        cache_file_name=str(scratch / f"encoded-{tag}.arrow"),
-        new_fingerprint=f"hone-encoded-{tag}",  # skip hashing the function (and the tokenizer in it)
-        load_from_cache_file=False,
-        desc=f"tokenizing {entry.path.name if len(entry.files) == 1 and entry.files[0] == entry.path else entry.path}",
-    )
+    num_proc = data.num_proc if data.num_proc and data.num_proc > 1 and len(raw) > 1 else None
+    with workers_run(active=num_proc is not None):  # a Ctrl-C stops the workers, not the pool's machinery
+        encoded = raw.map(
+            encoder,
+            batched=True,
+            batch_size=256,
+            remove_columns=list(raw.column_names),
+            features=PREFERENCE_FEATURES if isinstance(fmt, PreferenceFormat) else ENCODED_FEATURES,
+            num_proc=num_proc,
+            cache_file_name=str(scratch / f"encoded-{tag}.arrow"),
+            new_fingerprint=f"hone-encoded-{tag}",  # skip hashing the function (and the tokenizer in it)
+            load_from_cache_file=False,
+            desc=f"tokenizing {entry.path.name if len(entry.files) == 1 and entry.files[0] == entry.path else entry.path}",
+        )
 
     columns = encoded.select_columns(["status", "truncated", "length", "n_trained"]).with_format("numpy")[:]
     status = np.asarray(columns["status"])

@@ -199,34 +199,55 @@ def test_an_interrupt_while_forking_lets_the_at_fork_hooks_finish_then_stops_the
 
 
 WORKER_SCRIPT = """
-import os, signal, time
-os.register_at_fork(before=lambda: signal.raise_signal(signal.SIGINT))  # runs after hone's "before" hook
-from hone.data.interrupt import check_interrupted, interruptible
+import os, signal, sys, time
+if sys.argv[1] == "in-fork":  # the SIGINT lands while the worker is forked (runs after hone's "before" hook)
+    os.register_at_fork(before=lambda: signal.raise_signal(signal.SIGINT))
+from hone.data.interrupt import WorkersStopped, check_interrupted, interruptible, workers_run
 
 pid = None
 try:
-    with interruptible():
+    with interruptible(), workers_run():
         pid = os.fork()
-        if pid == 0:
+        if pid == 0:  # a worker: 2,000 batches of 10 ms unless stopped
             try:
-                check_interrupted()  # the worker's first batch
+                for _ in range(2000):
+                    check_interrupted()
+                    time.sleep(0.01)
+            except WorkersStopped:
+                os._exit(4)
             except KeyboardInterrupt:
                 os._exit(3)
             os._exit(0)
-        while True:  # the parent runs no batch of its own (datasets' workers do): only the interrupt ends this
-            time.sleep(0.01)
+        if sys.argv[1] == "after-fork":
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while the worker runs
+        print("parent went on")
+        print("worker exit:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 except KeyboardInterrupt:
     print("interrupted")
-print("worker exit:", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 """
 
 
-def test_an_interrupt_while_forking_reaches_the_parent_after_the_fork_and_not_the_worker():
-    """SIGINT reaching the parent while it forks a worker (``datasets``' ``num_proc`` pool): the
-    parent, which runs no batch of its own, gets its ``KeyboardInterrupt`` once the fork is over
-    (it used to learn of it only when the workers had tokenized everything), and the worker
-    starts with the flag clear (it used to raise at its first batch, and ``multiprocess``
-    printed its traceback). Without the re-delivery the parent loops until the timeout."""
+@pytest.mark.parametrize("when", ["after-fork", "in-fork"])
+def test_an_interrupt_while_workers_run_stops_them_at_their_next_batch_then_the_parent(when):
+    """``hone preprocess`` with ``num_proc``: the parent waits on forked workers
+    (``workers_run``). The first SIGINT raises nothing in the parent (raised inside
+    ``multiprocess``'s pool machinery it could leave ``Pool.terminate`` hanging); the worker
+    raises ``WorkersStopped`` (an Exception the pool hands back, not a ``KeyboardInterrupt`` that
+    kills it with a traceback) at its next batch, and the parent reports the interrupt when the
+    block ends. Also when the SIGINT lands while the worker is forked. Without the shared stop the
+    worker runs its 2,000 batches and exits 0."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split("\n")[:2] == ["interrupted", "worker exit: 0"], out.stdout + out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", WORKER_SCRIPT, when], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[:3] == ["parent went on", "worker exit: 4", "interrupted"], out.stdout + out.stderr[-2000:]
+
+
+def test_a_second_interrupt_while_workers_run_raises_at_once():
+    from hone.data.interrupt import interruptible, workers_run
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), interruptible(), workers_run():
+        signal.raise_signal(signal.SIGINT)  # the first: workers would stop; nothing raised here
+        reached.append("after the first")
+        signal.raise_signal(signal.SIGINT)  # the user insists
+        reached.append("after the second")
+    assert reached == ["after the first"]
