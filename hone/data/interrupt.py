@@ -94,8 +94,13 @@ def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signatu
       raises nothing in the parent (:func:`workers_run`: why);
     - while the process forks, it raises nothing: raised inside an at-fork hook (logging's
       releases its module lock after ``datasets`` forks a worker), the interrupt left that lock
-      held and the next log line waited forever. The flag stops the build at its next check."""
+      held and the next log line waited forever. The flag stops the build at its next check;
+    - in a forked worker (which inherits this handler) it does nothing: a terminal's Ctrl-C
+      reaches the whole process group, and raised there it killed each worker mid-batch with a
+      traceback. The parent got the same SIGINT and stops the workers through the shared byte."""
     global _interrupted
+    if _main_pid is not None and os.getpid() != _main_pid:
+        return
     first = not _interrupted
     _interrupted = True
     if _pooled and first:

@@ -53,10 +53,14 @@ def wait_for_staging(proc: subprocess.Popen, cache: Path, limit_s: float = 240.0
 
 
 @pytest.mark.slow  # a hone process each: its start dominates (about 15 s on a loaded 2-core machine)
-@pytest.mark.parametrize("num_proc", [None, 2], ids=["one-process", "num_proc-2"])
-def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc):
-    """SIGINT to the hone process (``kill -INT``) once the staging directory exists. With
-    num_proc, datasets' worker pool used to turn the interrupt into a TimeoutError (exit 1)."""
+@pytest.mark.parametrize(
+    "num_proc,to_group", [(None, False), (2, False), (2, True)], ids=["one-process", "num_proc-2", "num_proc-2-terminal"]
+)
+def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc, to_group):
+    """SIGINT to the hone process (``kill -INT``) once the staging directory exists, or to its
+    whole process group (``to_group``: a terminal's Ctrl-C, which its workers get too). With
+    num_proc, datasets' worker pool used to turn the interrupt into a TimeoutError (exit 1), and
+    a Ctrl-C at a terminal killed each worker with a traceback."""
     data = alpaca_file(tmp_path, 40_000)  # seconds of tokenizing even on a fast machine
     cache = tmp_path / "cache"
     options = {"path": str(data), "type": "alpaca"}
@@ -81,7 +85,10 @@ def test_ctrl_c_in_preprocess_exits_130_and_publishes_nothing(tmp_path, num_proc
     try:
         wait_for_staging(proc, cache)
         time.sleep(0.3)  # into loading / tokenizing
-        proc.send_signal(signal.SIGINT)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         try:
             _, stderr = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:  # still running: show where it waits, then fail
