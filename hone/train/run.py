@@ -370,7 +370,7 @@ def data_facts(cfg: HoneConfig, stats) -> dict:
     note = shape_note(cfg, stats)
     return {
         "shape_note": note,
-        "lengths_vary": note is not None and not cfg.data.sample_packing,
+        "lengths_vary": note is not None,  # packed rows are one shape (shape_note)
         "pair_splits": tuple(s for s in (stats.train, stats.eval) if s is not None and s.pairs),
     }
 

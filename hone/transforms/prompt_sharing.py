@@ -111,10 +111,9 @@ def sharing_problems(cfg: HoneConfig) -> list[str]:
 def pair_rows_config(cfg: HoneConfig, facts: RunFacts, share_prompt: bool) -> HoneConfig:
     """``cfg`` as the memory decisions see a preference run whose data statistics are known
     (``facts.pair_splits``, the run's; ``hone plan``'s where the data is prepared, else it keeps
-    ``cfg``): each pair's two
-    sequences at the length that makes a micro-batch's row as wide as its widest possible row
-    (:func:`hone.data.pairs.fixed_pair_rows`: the longest pair, the prompt once when shared),
-    instead of two full ``sequence_len`` sequences. On qwen3-8b DPO pairs of 512 + 768 + 768
+    ``cfg``): each pair's two sequences at the length that makes a micro-batch's row as wide as
+    its widest possible row (:func:`hone.data.pairs.fixed_pair_rows`: the longest pair, the
+    prompt once when shared), instead of two full ``sequence_len`` sequences. On qwen3-8b DPO pairs of 512 + 768 + 768
     tokens at ``sequence_len`` 1280 a row is 2,064 tokens, not 2,560: the estimate was 2 GiB above
     the H200's measured peaks (benchmarks/2026-11-29-h200-dpo-graphs.md). Never longer than
     ``sequence_len``."""
