@@ -226,6 +226,11 @@ def convert_full_finetune(
     config = float8_training_config(mode, fsdp_float8_all_gather, emulate)
     linears = sum(1 for m in model.modules() if type(m) is nn.Linear)
     convert_to_float8_training(model, config=config, module_filter_fn=full_finetune_filter(model, mode, small))
+    cast_once = 0
+    if config.enable_fsdp_float8_all_gather:
+        from hone.transforms.fp8_cast_once import use_cast_once
+
+        cast_once = use_cast_once(model)
     converted = sum(1 for m in model.modules() if isinstance(m, Float8Linear))
     head = _output_head(model)
     small_kept = 0
@@ -240,16 +245,22 @@ def convert_full_finetune(
         "kept_high_precision": linears - converted,
         "kept_bf16_small": small_kept,
         "fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+        "cast_once_per_step": cast_once,
         "emulated": emulate,
     }
 
 
-def precompute_scales(model: nn.Module) -> None:
+def precompute_scales(model: nn.Module, cast: Callable | None = None) -> None:
     """After each optimizer step: the float8 scales of every FSDP-sharded weight in one
-    all-reduce (tensorwise float8 all-gather only; a no-op for any other model)."""
+    all-reduce, then each shard cast to float8 once with its scale (``cast``: the casting
+    function, :func:`hone.transforms.fp8_cast_once.float8_bits` or its compiled form); tensorwise
+    float8 all-gather only, a no-op for any other model."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    from hone.transforms.fp8_cast_once import cast_shards, float8_bits
+
     precompute_float8_dynamic_scale_for_fsdp(model)
+    cast_shards(model, cast or float8_bits)
 
 
 # ---------------------------------------------------------------- the transform
@@ -340,9 +351,10 @@ def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
     return None
 
 
-#: Models whose weights FSDP2 all-gathers in float8: their scales are computed after each
-#: optimizer step. Kept beside the model (nothing is added to a transformers object).
-_PRECOMPUTE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: Models whose weights FSDP2 all-gathers in float8, with the function that casts their shards:
+#: scales and float8 shards are computed after each optimizer step (:mod:`hone.transforms.fp8_cast_once`).
+#: Kept beside the model (nothing is added to a transformers object).
+_PRECOMPUTE: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
@@ -355,15 +367,20 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
         model, mode, fsdp_float8_all_gather=fsdp, emulate=perf.fp8_emulate, small=perf.fp8_small_linears
     )
     if details["fsdp_float8_all_gather"]:
-        _PRECOMPUTE.add(model)
+        from hone.transforms.fp8_cast_once import compiled_cast, float8_bits
+
+        _PRECOMPUTE[model] = compiled_cast() if ctx.decided.compile else float8_bits
     return details
 
 
 def _after_step(model: nn.Module) -> None:
     """Without this the float8 all-gather still works, computing each layer's scale (one small
-    all-reduce per layer) in its pre-all-gather hook; precomputed, it is one all-reduce in all."""
-    if model in _PRECOMPUTE:
-        precompute_scales(model)
+    all-reduce per layer) and casting its shard in its pre-all-gather hook, for the forward's
+    gather and again for the backward's; precomputed, the scales are one all-reduce in all and
+    each shard is cast once per step."""
+    cast = _PRECOMPUTE.get(model)
+    if cast is not None:
+        precompute_scales(model, cast)
 
 
 def fp8_why(cfg: HoneConfig, decided: Decisions) -> str:

@@ -141,11 +141,12 @@ def _amax(rank: int, out) -> None:
     mesh = init_device_mesh("cpu", (WORLD,))
     fully_shard(net, mesh=mesh)  # the root only: net[0] stays torchao's Float8Linear, its weight a DTensor
     layer = net[0]
-    shard = layer.weight.to_local()
+    shard = layer.weight._local_tensor  # the object FSDP2 calls the hooks on (FSDPParam._sharded_local_tensor)
     # the scale FSDP2's pre-all-gather hook casts this rank's shard with (the mesh handed at the call)
     _, (hook_scale,) = shard.fsdp_pre_all_gather(mesh)
-    precompute_scales(net)  # all layers' scales in one all-reduce, as after each optimizer step
-    _, (precomputed,) = shard.fsdp_pre_all_gather(mesh)
+    precompute_scales(net)  # all layers' scales in one all-reduce and each shard cast, as after each optimizer step
+    (bits,), (precomputed,) = shard.fsdp_pre_all_gather(mesh)
+    cached = shard._cast is not None and bits is shard._cast.bits
     # the float8 parts hold no process group or mesh: the copy of the sharded layer is torchao's, whole
     twin = copy.deepcopy(layer)
     groups = [v for m in (layer, twin) for v in vars(m).values() if isinstance(v, (DeviceMesh, torch.distributed.ProcessGroup))]
@@ -161,6 +162,7 @@ def _amax(rank: int, out) -> None:
                 "y": y.detach(),
                 "twin": type(twin.weight.to_local()).__name__,
                 "groups": len(groups),
+                "cached": cached,
             },
             out,
         )
@@ -185,7 +187,8 @@ def test_the_amax_of_a_sharded_float8_weight_is_the_whole_weights(tmp_path):
     net = _lopsided_net()
     convert_full_finetune(net, "tensorwise", emulate=True)
     torch.testing.assert_close(got["y"], net(torch.randn(4, 64, generator=torch.Generator().manual_seed(7))).detach())
-    assert got["twin"] == "WeightWithDynamicFloat8CastTensor" and got["groups"] == 0
+    assert got["twin"] == "Float8CastOnceWeight" and got["groups"] == 0
+    assert got["cached"]  # the gather after the precomputation hands over the shard cast there
 
 
 def _buffers(rank: int, out) -> None:
