@@ -423,3 +423,22 @@ def test_full_finetune_converts_on_the_meta_device_for_the_sharded_loader(tokeni
     model.to_empty(device="cpu")
     layer = model.model.layers[0].mlp.down_proj
     assert isinstance(layer, Float8Linear) and layer.weight.device.type == "cpu"
+
+
+def test_the_estimate_counts_the_float8_shards_fsdp2_keeps_cast_for_the_steps_all_gathers():
+    """Under FSDP2 with tensorwise scaling each converted weight's shard is kept in float8 between
+    optimizer steps (hone.transforms.fp8_cast_once): 1 byte a weight, whole here (the estimate
+    shards it with the weights); rowwise gathers bf16 and one process gathers nothing."""
+    from hone.transforms.memory.estimate import float8_of
+    from hone.transforms.memory.facts import model_facts
+    from hone.transforms.memory.terms.fp8 import fp8_copies_bytes
+
+    raw = {**_RAW, "model": {"preset": "tiny-llama", "dtype": "bfloat16"}, "adapter": {"type": "none"}}
+    config = parse_config({**raw, "performance": {"fp8": "tensorwise"}})
+    m = model_facts(config)
+    elements = sum(lf.in_features * lf.out_features for layer in m.layers for lf in layer.linears)
+    assert elements > 0
+    assert fp8_copies_bytes(config, m, float8_of(config, 2), 2) == elements
+    assert fp8_copies_bytes(config, m, float8_of(config, 1), 1) == 0
+    rowwise = parse_config({**raw, "performance": {"fp8": "rowwise"}})
+    assert fp8_copies_bytes(rowwise, m, float8_of(rowwise, 2), 2) == 0

@@ -259,7 +259,8 @@ def training_state(cfg: HoneConfig, m: ModelFacts, param_shards: int) -> tuple[i
     the experts split over the expert-parallel ranks, sharded over ``param_shards`` processes by FSDP."""
     ep = expert_parallel_size(cfg)
     weights_off, grads_off, params_off = expert_state_saved(m, ep)
-    weights = m.frozen_bytes + m.trainable_bytes + fp8_copies_bytes(cfg, m) - weights_off
+    copies = fp8_copies_bytes(cfg, m, float8_of(cfg, param_shards), param_shards)
+    weights = m.frozen_bytes + m.trainable_bytes + copies - weights_off
     optimizer = cfg.optimizer.state_bytes(m.trainable_params - params_off, m.trainable_elem_bytes)
     if ep > 1 and param_shards > 1:  # FSDP2 shards what lies outside the experts; each rank's block stays whole
         return expert_blocks_beside_fsdp(cfg, m, ep, (weights, m.trainable_bytes - grads_off, optimizer), param_shards)

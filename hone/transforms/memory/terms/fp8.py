@@ -5,14 +5,22 @@ from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import LinearFacts, ModelFacts
 
 
-def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts) -> int:
+def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts, float8: tuple[str, str] | None = None, param_shards: int = 1) -> int:
     """The float8 copies a LoRA run on a float8 base keeps beside each converted bf16 weight (the
-    weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8);
-    a full fine-tune's float8 casts are per step and transient. Layers the shape rule keeps in bf16
+    weight per output row and its transpose per input column: 2 bytes a weight, hone.transforms.fp8).
+    A full fine-tune (``float8 = (mode, small)``, :func:`~hone.transforms.memory.estimate.float8_of`)
+    casts per step, transiently, except under FSDP2 with tensorwise scaling: each weight's shard is
+    cast once per step and kept for the step's all-gathers (1 byte a weight, counted whole here and
+    sharded with the weights; hone.transforms.fp8_cast_once). Layers the shape rule keeps in bf16
     (hone.transforms.fp8_sizes) have no copies."""
     from hone.transforms.fp8_sizes import converts_to_fp8, float8_lora_base, fp8_scaling
 
     perf = cfg.performance
+    if float8 is not None and param_shards > 1 and float8[0] == "tensorwise":
+        linears = [lf for layer in m.layers for lf in layer.linears if lf.trainable and not lf.lora_rank]
+        return sum(
+            lf.in_features * lf.out_features for lf in linears if converts_to_fp8(lf.in_features, lf.out_features, *float8)
+        )
     if not float8_lora_base(cfg):
         return 0
     mode = fp8_scaling(cfg, fsdp=False)[0]  # (a LoRA base refuses FSDP2)
