@@ -79,9 +79,14 @@ def worker_command(spec_file: Path, condition: Condition, replicate: int, result
 
 def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from every rank's: the slowest rank's step times (the step waits for it), total
-    tok/s summed over ranks and per GPU, the fullest rank's peak memory."""
+    tok/s summed over ranks and per GPU, the fullest rank's peak memory; what the plan decided and
+    compiled from the rank that writes the run's record (rank 0), whichever rank was slowest."""
     slowest = max(rows, key=lambda r: r["median_ms"])
     merged = dict(slowest)
+    for key in ("decided", "compile"):
+        recorded = next((r[key] for r in rows if r.get(key) is not None), None)
+        if recorded is not None:
+            merged[key] = recorded
     merged["nproc"] = len(rows)
     for key in ("tokens_per_s", "trained_tokens_per_s"):
         merged[key] = round(sum(r[key] for r in rows), 1)

@@ -44,6 +44,7 @@ def test_rank_rows_merge_and_scale():
             "trained_tokens_per_s": 900.0,
             "peak_alloc_gib": 10.0,
             "peak_reserved_gib": 11.0,
+            "decided": {"fp8": "tensorwise"},  # rank 0 writes the run's record
         },
         {
             "median_ms": 110.0,
@@ -56,6 +57,7 @@ def test_rank_rows_merge_and_scale():
     merged = merge_ranks(ranks)
     assert merged["median_ms"] == 110.0 and merged["tokens_per_s"] == 1950.0 and merged["tokens_per_s_per_gpu"] == 975.0
     assert merged["peak_alloc_gib"] == 12.0 and merged["peak_alloc_gib_per_rank"] == [10.0, 12.0]
+    assert merged["decided"] == {"fp8": "tensorwise"}  # though rank 1 was the slowest
     rows = [
         {"status": "ok", "kind": "hone", "nproc": 1, "condition": "one", "set": {}, "tokens_per_s": 1000.0},
         {"status": "ok", "kind": "hone", "condition": "two", "set_without_nproc": {}, **merged},
