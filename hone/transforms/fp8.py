@@ -253,14 +253,14 @@ def convert_full_finetune(
 def precompute_scales(model: nn.Module, cast: Callable | None = None) -> None:
     """After each optimizer step: the float8 scales of every FSDP-sharded weight in one
     all-reduce, then each shard cast to float8 once with its scale (``cast``: the casting
-    function, :func:`hone.transforms.fp8_cast_once.float8_bits` or its compiled form); tensorwise
+    function, :func:`hone.transforms.fp8_cast_once.cast_all` or its compiled form); tensorwise
     float8 all-gather only, a no-op for any other model."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    from hone.transforms.fp8_cast_once import cast_shards, float8_bits
+    from hone.transforms.fp8_cast_once import cast_all, cast_shards
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-    cast_shards(model, cast or float8_bits)
+    cast_shards(model, cast or cast_all)
 
 
 # ---------------------------------------------------------------- the transform
@@ -367,9 +367,9 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
         model, mode, fsdp_float8_all_gather=fsdp, emulate=perf.fp8_emulate, small=perf.fp8_small_linears
     )
     if details["fsdp_float8_all_gather"]:
-        from hone.transforms.fp8_cast_once import compiled_cast, float8_bits
+        from hone.transforms.fp8_cast_once import cast_all, compiled_cast_all
 
-        _PRECOMPUTE[model] = compiled_cast() if ctx.decided.compile else float8_bits
+        _PRECOMPUTE[model] = compiled_cast_all() if ctx.decided.compile else cast_all
     return details
 
 

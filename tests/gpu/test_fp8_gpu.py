@@ -206,19 +206,19 @@ def _two_gpus(tmp_path, name, performance, adapter=None, strategy="fsdp"):
 
 
 def test_the_compiled_shard_cast_is_bitwise_torchaos_eager_cast():
-    """FSDP2's float8 all-gather casts each shard once per step in one Inductor kernel
+    """FSDP2's float8 all-gather casts every shard once per step in one compiled call
     (hone.transforms.fp8_cast_once); the bits must be those of the eager cast (torchao's), at
-    several shapes through the one dynamic graph, saturated values included."""
-    from hone.transforms.fp8_cast_once import compiled_cast, float8_bits
+    llama3.2-3b's shard shapes and an odd one, saturated values included."""
+    from hone.transforms.fp8_cast_once import cast_all, compiled_cast_all
 
-    cast = compiled_cast()
     g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in [(1536, 3072), (512, 3072), (4096, 1536), (1000, 8)]:
-        w = (torch.randn(shape, device="cuda", generator=g) * 2).to(torch.bfloat16)
-        scale = torch.tensor(448.0 / w.float().abs().max().item() * 2, device="cuda")  # the top values saturate
-        want = float8_bits(w, scale, torch.float8_e4m3fn)
-        got = cast(w, scale, torch.float8_e4m3fn)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), shape
+    shapes = [(1536, 3072), (512, 3072), (4096, 3072), (1536, 8192), (1000, 8)]
+    shards = [(torch.randn(shape, device="cuda", generator=g) * 2).to(torch.bfloat16) for shape in shapes]
+    scales = torch.stack([448.0 / s.float().abs().max() * 2 for s in shards])  # the top values saturate
+    want = cast_all(shards, scales, torch.float8_e4m3fn)
+    got = compiled_cast_all()(shards, scales, torch.float8_e4m3fn)
+    for shape, a, b in zip(shapes, got, want, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")

@@ -14,7 +14,7 @@ from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8  #
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig  # noqa: E402
 
 from hone.transforms.fp8 import convert_full_finetune  # noqa: E402
-from hone.transforms.fp8_cast_once import Float8CastOnceWeight, cast_shards, float8_bits  # noqa: E402
+from hone.transforms.fp8_cast_once import Float8CastOnceWeight, cast_all, cast_shards, float8_bits  # noqa: E402
 
 F8 = torch.float8_e4m3fn
 
@@ -40,11 +40,20 @@ def test_the_cast_is_torchaos_including_values_it_saturates():
     assert torch.equal(bits.view(torch.uint8), _torchao_bits(w, scale).view(torch.uint8))
 
 
+def test_the_one_call_casts_every_shard_with_its_own_scale():
+    shards = [_weight(7, 32, 48), _weight(8, 16, 48), _weight(9, 48, 16)]
+    scales = torch.tensor([448.0 / s.float().abs().max().item() * f for s, f in zip(shards, (1.0, 3.0, 0.5))])
+    got = cast_all(shards, scales, F8)
+    for shard, scale, bits in zip(shards, scales, got, strict=True):
+        assert bits.shape == shard.shape
+        assert torch.equal(bits.view(torch.uint8), _torchao_bits(shard, scale).view(torch.uint8))
+
+
 def test_the_hook_hands_over_the_cached_bits_only_for_the_shard_and_scale_they_came_from():
     w = _weight(1)
     scale = torch.tensor(torch.finfo(F8).max / w.float().abs().max().item())
     shard = _wrapped(w.clone(), scale)
-    assert shard.cast_now(float8_bits)
+    shard.keep_cast(float8_bits(shard._tensor, scale, F8))
     (bits,), (used,) = shard.fsdp_pre_all_gather(None)
     assert bits is shard._cast.bits and used is scale
     assert torch.equal(bits.view(torch.uint8), _torchao_bits(w, scale).view(torch.uint8))
@@ -56,7 +65,7 @@ def test_the_hook_hands_over_the_cached_bits_only_for_the_shard_and_scale_they_c
     assert torch.equal(fresh.view(torch.uint8), _torchao_bits(shard._tensor, scale).view(torch.uint8))
     assert not torch.equal(fresh.view(torch.uint8), bits.view(torch.uint8))
 
-    shard.cast_now(float8_bits)
+    shard.keep_cast(float8_bits(shard._tensor, scale, F8))
     with torch.no_grad():
         shard.mul_(0.5)  # an optimizer step (through the wrapper: no version of the inner tensor moves)...
     shard._precomputed_scale = scale * 2  # ...and the scales it precomputes, before the cast
@@ -67,7 +76,8 @@ def test_the_hook_hands_over_the_cached_bits_only_for_the_shard_and_scale_they_c
 
 def test_a_shard_without_a_scale_is_not_cast():
     shard = _wrapped(_weight(2), None)
-    assert not shard.cast_now(float8_bits) and shard._cast is None
+    shard.keep_cast(float8_bits(shard._tensor, torch.tensor(1.0), F8))
+    assert shard._cast is None  # bits with no scale to hand over beside them are not kept
 
 
 def test_fsdp2s_padding_views_and_copies_keep_the_cast_once_class():
