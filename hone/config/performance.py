@@ -102,8 +102,8 @@ class PerformanceConfig(Section):
     the LoRA path stays bf16; a full fine-tune goes through torchao's float8 training (every
     linear but the output head). ``rowwise``: a scale per row (more accurate); ``tensorwise``:
     one per tensor (with FSDP2, weights are all-gathered in float8). ``auto``: float8, with the
-    scaling measured faster for the run (tensorwise; rowwise for a full fine-tune under FSDP2 and
-    for LoRA under context parallelism; ``hone plan`` says which). ``off`` (the default): bf16,
+    scaling measured faster for the run (tensorwise; rowwise for LoRA under context parallelism;
+    ``hone plan`` says which). ``off`` (the default): bf16,
     since float8 rounds more than the model's dtype. Needs model.dtype bfloat16."""
 
     fp8_base_linears: Literal["auto", "lora_targets", "all"] = "auto"
