@@ -69,9 +69,9 @@ class DistributedConfig(Section):
     exchanges of one chunk can run while another chunk's experts compute. Exact (each token's rows
     are the unchunked ones; only the order of the expert gradients' sums differs). ``auto``: 1,
     one exchange each way, until ``hone bench`` shows chunks paying for their smaller GEMMs
-    (measured without overlap: 2 chunks +7% a step at N = 4 on H200s; whether Inductor overlaps
-    them with ``performance.torch_compile_options: {reorder_for_compute_comm_overlap: true}`` is
-    not measured yet)."""
+    (measured without overlap: 2 chunks +7% a step at N = 4 on H200s; Inductor's reordering,
+    ``performance.torch_compile_options: {reorder_for_compute_comm_overlap: true}``, which hone
+    gives the passes that make it move the exchanges, is not measured on GPUs yet)."""
 
     expert_parallel_recompute: bool = False
     """Expert parallelism: recompute each MoE layer's local experts (the grouped GEMMs on the rows

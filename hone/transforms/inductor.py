@@ -15,6 +15,17 @@ from typing import Any
 
 from hone.config.performance import INDUCTOR_OPTIONS, PerformanceConfig
 
+#: The scheduler passes that make ``reorder_for_compute_comm_overlap`` do something: torch's
+#: default list is empty, so the switch alone moves no collective and no wait (a compiled
+#: expert-parallel layer in 2 chunks kept every wait right after its all-to-all, with the switch
+#: on as off). These are the ones torch's config recommends: issue collectives as early as the
+#: peak memory allows, then sink each wait to the first use of what it waits for.
+COMM_OVERLAP_PASSES = (
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
+)
+
 #: Environment variable Inductor reads for its on-disk caches (FX graphs, AOTAutograd results,
 #: autotuning, and Triton kernels in its ``triton/`` subdirectory unless TRITON_CACHE_DIR is set).
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -30,6 +41,8 @@ def compile_options(perf: PerformanceConfig) -> dict[str, Any] | None:
 
         options.update(list_mode_options(perf.torch_compile_mode))
     options.update(perf.torch_compile_options)
+    if options.get("reorder_for_compute_comm_overlap") and not read_option("reorder_for_compute_comm_overlap_passes"):
+        options["reorder_for_compute_comm_overlap_passes"] = list(COMM_OVERLAP_PASSES)
     return options or None
 
 

@@ -5,8 +5,9 @@ same rank: ``aot_eager`` bit for bit (the exchanges move the same bytes), Induct
 (it may reorder float32 sums). The floating-point exchanges are torch's functional
 ``all_to_all_single_autograd`` while compiling (:mod:`hone.parallel.exchange`), traced into one
 graph: a compiled decoder layer keeps them inside its graph. A capacity too small returns the
-same overflow count compiled; so does Inductor with ``reorder_for_compute_comm_overlap`` on
-exchanges in 2 chunks (the option may move collectives and waits; the result must not change).
+same overflow count compiled; so does Inductor with ``reorder_for_compute_comm_overlap`` and its
+passes on exchanges in 2 chunks (they move collectives and waits; the result must not change),
+which issues both chunks' exchanges before the first wait.
 Inductor and gloo work together on the CPU. With torch 2.11 the
 autograd Function traced before that fix gave every gradient exactly zero; this file fails there
 without the fix (checked in a torch 2.11 environment; CI runs 2.13, which traced it right)."""
@@ -39,10 +40,22 @@ RUNS = [
 ]
 
 
+#: What ``performance.torch_compile_options: {reorder_for_compute_comm_overlap: true}`` hands Inductor.
+OVERLAP_OPTIONS = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": [
+        "reorder_communication_preserving_peak_memory",
+        "sink_waits_iterative",
+        "reorder_communication_preserving_peak_memory",
+    ],
+}
+
+
 def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
     """Eager and compiled results of one case on this rank (fresh leaves for each)."""
     import torch._inductor.config
     from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._inductor.utils import run_and_get_code
 
     from hone.parallel.expert_parallel import ExpertShard, expert_parallel_experts
 
@@ -65,13 +78,29 @@ def _one_run(rank: int, name: str, backend: str, capacity: int | None) -> dict:
             )  # fmt: skip
 
         run = experts if mode == "eager" else torch.compile(experts, backend=counter, fullgraph=True)
-        # the backward compiles at its first call: the option must hold through it
-        with torch._inductor.config.patch(reorder_for_compute_comm_overlap=overlap and mode == "compiled"):
+
+        def step(run=run, t=t):
             out, overflow = run(t["hidden"], t["weights"])
             (out * case["cotangent"][tokens]).sum().backward()
+            return out, overflow
+
+        # the backward compiles at its first call: the options must hold through it
+        with torch._inductor.config.patch(OVERLAP_OPTIONS if overlap and mode == "compiled" else {}):
+            if overlap and mode == "compiled":
+                (out, overflow), code = run_and_get_code(step)
+                got["issued_before_first_wait"] = _issued_before_first_wait(code[0])
+            else:
+                out, overflow = step()
         got[mode] = {"out": out.detach(), "overflow": int(overflow), "grads": grads_of(t)}
     got["frames"] = counter.frame_count
     return got
+
+
+def _issued_before_first_wait(code: str) -> int:
+    """All-to-alls the compiled forward issues before it first waits for one."""
+    lines = code.splitlines()
+    first_wait = next(i for i, line in enumerate(lines) if "wait_tensor.default(" in line)
+    return sum("all_to_all_single.default(" in line for line in lines[:first_wait])
 
 
 def _worker(rank: int, out) -> None:
@@ -104,6 +133,18 @@ def test_compiled_expert_parallel_matches_eager(ranks, name, backend, capacity):
 def test_one_graph_holds_the_exchanges(ranks, name, backend, capacity):
     for results in ranks:
         assert results[f"{name}/{backend}"]["frames"] == 1  # fullgraph: one frame, no break (a break would have raised)
+
+
+def test_the_overlap_option_issues_every_chunks_exchanges_before_the_first_wait(ranks):
+    """With the passes hone hands Inductor (hone.transforms.inductor.COMM_OVERLAP_PASSES), the
+    compiled forward issues both chunks' three dispatch exchanges before it waits for the first,
+    so chunk 2's travel while chunk 1 computes; without them every wait follows its all-to-all
+    at once (torch 2.11: 1 issued before the first wait, the switch on or off)."""
+    from hone.transforms.inductor import COMM_OVERLAP_PASSES
+
+    assert OVERLAP_OPTIONS["reorder_for_compute_comm_overlap_passes"] == list(COMM_OVERLAP_PASSES)
+    for results in ranks:
+        assert results["qwen3_moe-lora/inductor-overlap"]["issued_before_first_wait"] == 6
 
 
 def test_the_small_capacity_overflows_compiled_too(ranks):

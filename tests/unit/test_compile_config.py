@@ -137,3 +137,23 @@ def test_cudagraphs_with_packing_are_taken_with_every_backend(perf, attn, monkey
 def test_flat_axolotl_key_points_to_the_performance_section():
     found = issues(None, torch_compile=True)
     assert "did you mean 'performance.torch_compile'" in found["torch_compile"]
+
+
+def test_the_comm_overlap_switch_brings_the_passes_that_make_it_reorder():
+    """torch's default pass list for ``reorder_for_compute_comm_overlap`` is empty (the switch
+    alone moves nothing): hone hands Inductor the recommended passes with it, and only with it."""
+    import torch._inductor.config as inductor_config
+
+    from hone.transforms.inductor import COMM_OVERLAP_PASSES, compile_options
+
+    on = PerformanceConfig(torch_compile=True, torch_compile_options={"reorder_for_compute_comm_overlap": True})
+    assert compile_options(on)["reorder_for_compute_comm_overlap_passes"] == list(COMM_OVERLAP_PASSES)
+    off = PerformanceConfig(torch_compile=True, torch_compile_options={"reorder_for_compute_comm_overlap": False})
+    assert "reorder_for_compute_comm_overlap_passes" not in compile_options(off)
+    assert compile_options(PerformanceConfig(torch_compile=True)) is None
+    # torch still knows every pass by its name (a renamed pass would fail at compile time, not here)
+    from torch._inductor import comms
+
+    assert all(callable(getattr(comms, name, None)) for name in set(COMM_OVERLAP_PASSES)), dir(comms)
+    with inductor_config.patch(reorder_for_compute_comm_overlap_passes=["sink_waits_iterative"]):
+        assert "reorder_for_compute_comm_overlap_passes" not in compile_options(on)  # a list already set is kept
