@@ -11,7 +11,8 @@ Not a benchmark (the profiler adds overhead); use ``hone bench`` for step times.
 
 Under ``torchrun --nproc-per-node N scripts/profile_step.py ... --set distributed.strategy=ddp``
 every rank profiles its own steps and writes ``OUT`` with ``.rankR`` before the suffix (rank 0
-also prints its table), so a data-parallel step's communication and waits can be read per rank.
+also prints its table), so a data-parallel step's communication and waits can be read per rank;
+``--overlap`` adds how much of the NCCL kernels' time ran beside compute (scripts/comm_overlap.py).
 """
 
 import argparse
@@ -107,6 +108,9 @@ def main() -> None:
     workload_args(p)
     p.add_argument("--out", type=Path, default=Path("profile.md"))
     p.add_argument("--trace", type=Path, default=None)
+    p.add_argument(
+        "--overlap", action="store_true", help="add the share of NCCL kernel time beside compute (scripts/comm_overlap.py)"
+    )
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
         "--gaps", action="store_true", help="add where the device sat idle and what the host did then (scripts/idle_gaps.py)"
@@ -131,14 +135,18 @@ def main() -> None:
         if args.trace:
             args.trace = args.trace.with_name(f"{args.trace.stem}.rank{rank}{args.trace.suffix}")
     gaps_text = ""
-    if args.trace or args.gaps:
+    if args.trace or args.gaps or args.overlap:
         trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
         prof.export_chrome_trace(str(trace))
+        sys.path.insert(0, str(Path(__file__).parent))
         if args.gaps:
-            sys.path.insert(0, str(Path(__file__).parent))
             from idle_gaps import summarize
 
             gaps_text = "\n## Device idle gaps (over the profiled steps)\n\n" + summarize(trace, depth=4)
+        if args.overlap:
+            from comm_overlap import summarize as overlap_summary
+
+            gaps_text += "\n## Communication beside compute (over the profiled steps)\n\n" + overlap_summary(trace) + "\n"
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():  # kernels and copies only: CPU ranges (ProfilerStep#, ops) carry no device time of their own
         if evt.device_type != torch.autograd.DeviceType.CUDA or evt.name.startswith(("ProfilerStep", "hone:")):
