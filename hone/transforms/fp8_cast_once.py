@@ -54,7 +54,9 @@ def cast_all(shards: list[torch.Tensor], scales: torch.Tensor, dtype: torch.dtyp
 
 def compiled_cast_all() -> CastAllFn:
     """:func:`cast_all` through Inductor: one kernel a weight, launched from one compiled call
-    (the shards' shapes are the same every step: static shapes, compiled once)."""
+    (the shards' shapes are the same every step: static shapes, compiled once, at the first
+    step; 196 shards of llama3.2-3b's shapes scaled down took 15 s on 2 CPU cores, and 0.8 ms a
+    call afterwards against 2.4 ms eager; Inductor's FX graph cache keeps it for the next run)."""
     return torch.compile(cast_all, dynamic=False, fullgraph=True)
 
 
