@@ -116,8 +116,7 @@ def prepared_stats(cfg: HoneConfig, tokenizer: Any) -> DataStats | None:
         for _, entries in _sections(cfg):
             if not all(Path(file).is_file() for entry in entries for file in entry.files):
                 return None
-        root = cache_root(cfg.data)
-        stats_file = root / key_of(key_inputs(cfg, tokenizer, FileHasher(root / INDEX_NAME))) / "stats.json"
+        stats_file = _cache_entry(cfg, tokenizer, use_cache=True)[3] / "stats.json"
         if not stats_file.is_file():
             return None
         stats = DataStats.from_json(stats_file.read_text(encoding="utf-8"))
@@ -137,17 +136,24 @@ def _packing(cfg: HoneConfig, prepared: PreparedData) -> dict[str, Packing] | No
     return {name: packing for name, packing in out.items() if packing is not None} or None
 
 
+def _cache_entry(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> tuple[Path, FileHasher, dict[str, Any], Path]:
+    """(cache root, file hasher, the key's inputs, the entry's directory) of ``cfg``'s prepared
+    data: one naming for the run that builds the entry and for ``hone plan``, which only reads it.
+    Without the cache the hasher keeps no index (nothing is written)."""
+    root = cache_root(cfg.data)
+    hasher = FileHasher(root / INDEX_NAME if use_cache else None)
+    inputs = key_inputs(cfg, tokenizer, hasher)
+    return root, hasher, inputs, root / key_of(inputs)
+
+
 def _prepare(cfg: HoneConfig, tokenizer: Any, *, use_cache: bool) -> PreparedData:
     _check_tokenizer(cfg, tokenizer)
     for section, entries in _sections(cfg):
         for index, entry in enumerate(entries):
             for file in entry.files:
                 check_file(file, f"data.{section}[{index}]")
-    root = cache_root(cfg.data)
-    hasher = FileHasher(root / INDEX_NAME if use_cache else None)
-    inputs = key_inputs(cfg, tokenizer, hasher)
-    key = key_of(inputs)
-    entry = root / key
+    root, hasher, inputs, entry = _cache_entry(cfg, tokenizer, use_cache=use_cache)
+    key = entry.name
 
     if use_cache:
         hit = _load_entry(entry, keep_in_memory=False)
