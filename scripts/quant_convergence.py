@@ -196,6 +196,10 @@ def _relative(value: float, ref: float | None) -> float | None:
     return 100 * (value - ref) / ref if ref else None
 
 
+def _percent(rel: float | None) -> str:
+    return "-" if rel is None else f"{rel:+.2f}%"
+
+
 def _print_seed_table(results: dict[str, dict[str, Any]]) -> None:
     ref, ref_train = (results.get("bf16", {}).get(key) for key in ("eval", "train_end"))
     print("| mode | overrides | final eval loss | rel. diff vs bf16 | train loss, last 30 steps | rel. diff | tok/s | peak GiB |")
@@ -207,8 +211,8 @@ def _print_seed_table(results: dict[str, dict[str, Any]]) -> None:
             continue
         rel, rel_train = _relative(r["eval"], ref), _relative(r["train_end"], ref_train)
         print(
-            f"| {name} | {shown} | {r['eval']:.4f} | {'-' if rel is None else f'{rel:+.2f}%'} | {r['train_end']:.4f} | "
-            f"{'-' if rel_train is None else f'{rel_train:+.2f}%'} | {r['tok_s']:.0f} | {r['peak_gib']:.2f} |"
+            f"| {name} | {shown} | {r['eval']:.4f} | {_percent(rel)} | {r['train_end']:.4f} | "
+            f"{_percent(rel_train)} | {r['tok_s']:.0f} | {r['peak_gib']:.2f} |"
         )
 
 

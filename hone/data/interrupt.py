@@ -87,6 +87,11 @@ def _worker_starts() -> None:
 os.register_at_fork(before=_fork_starts, after_in_parent=_fork_ends, after_in_child=_worker_starts)
 
 
+def _in_forked_worker() -> bool:
+    """Whether this process was forked by the one running :func:`interruptible`."""
+    return _main_pid is not None and os.getpid() != _main_pid
+
+
 def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signature)
     """Set the flag; raise ``KeyboardInterrupt`` at once, except:
 
@@ -99,7 +104,7 @@ def _handle(signum: int, frame) -> None:  # noqa: ARG001 (signal handler signatu
       reaches the whole process group, and raised there it killed each worker mid-batch with a
       traceback. The parent got the same SIGINT and stops the workers through the shared byte."""
     global _interrupted
-    if _main_pid is not None and os.getpid() != _main_pid:
+    if _in_forked_worker():
         return
     first = not _interrupted
     _interrupted = True
@@ -128,7 +133,7 @@ def check_interrupted() -> None:
     """Raise ``KeyboardInterrupt`` if SIGINT arrived during the preparation, even if the
     ``KeyboardInterrupt`` it raised then was swallowed on the way; in a forked worker, raise
     :class:`WorkersStopped` if its parent was interrupted."""
-    if _main_pid is not None and os.getpid() != _main_pid:
+    if _in_forked_worker():
         if _stop_workers[0]:
             raise WorkersStopped("stopped: the process that started this worker was interrupted")
         return
