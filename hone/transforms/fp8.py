@@ -253,7 +253,7 @@ def convert_full_finetune(
 def precompute_scales(model: nn.Module, cast: Callable | None = None) -> None:
     """After each optimizer step: the float8 scales of every FSDP-sharded weight in one
     all-reduce, then each shard cast to float8 once with its scale (``cast``: the casting
-    function, :func:`hone.transforms.fp8_cast_once.cast_all` or its compiled form); tensorwise
+    function, :func:`hone.transforms.fp8_cast_once.cast_all` unless a test hands another); tensorwise
     float8 all-gather only, a no-op for any other model."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -351,10 +351,10 @@ def _max_autotune_gemm_source(cfg: HoneConfig) -> str | None:
     return None
 
 
-#: Models whose weights FSDP2 all-gathers in float8, with the function that casts their shards:
-#: scales and float8 shards are computed after each optimizer step (:mod:`hone.transforms.fp8_cast_once`).
-#: Kept beside the model (nothing is added to a transformers object).
-_PRECOMPUTE: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+#: Models whose weights FSDP2 all-gathers in float8: their scales and float8 shards are computed
+#: after each optimizer step (:mod:`hone.transforms.fp8_cast_once`). Kept beside the model
+#: (nothing is added to a transformers object).
+_PRECOMPUTE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
@@ -367,9 +367,7 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
         model, mode, fsdp_float8_all_gather=fsdp, emulate=perf.fp8_emulate, small=perf.fp8_small_linears
     )
     if details["fsdp_float8_all_gather"]:
-        from hone.transforms.fp8_cast_once import cast_all, compiled_cast_all
-
-        _PRECOMPUTE[model] = compiled_cast_all() if ctx.decided.compile else cast_all
+        _PRECOMPUTE.add(model)
     return details
 
 
@@ -378,9 +376,8 @@ def _after_step(model: nn.Module) -> None:
     all-reduce per layer) and casting its shard in its pre-all-gather hook, for the forward's
     gather and again for the backward's; precomputed, the scales are one all-reduce in all and
     each shard is cast once per step."""
-    cast = _PRECOMPUTE.get(model)
-    if cast is not None:
-        precompute_scales(model, cast)
+    if model in _PRECOMPUTE:
+        precompute_scales(model)
 
 
 def fp8_why(cfg: HoneConfig, decided: Decisions) -> str:

@@ -6,8 +6,9 @@ saturate, to float8), and twice per step, because FSDP2 gathers each layer again
 (reshard after forward). On llama3.2-3b under FSDP2 on 2 H200s that was 392 casts a step, ~50 ms
 of device time in a 341 ms step, plus the host time of issuing 1,568 small kernels between the
 layers. The shard only changes when the optimizer steps, so the cast is done then, once, for all
-weights in one call (compiled where the run compiles: one kernel a weight), and the hook hands
-the cached bits over.
+weights in one eager call, and the hook hands the cached bits over. (Compiled, the one call
+measured the same step time on 2 H200, 342.3 against 342.2 ms, and cost 20 s more at the first
+step; a compiled call per weight spent ~50 ms a step of host time in 196 calls' guards.)
 
 Exact: the cached bits are what the hook would compute (the same precomputed scale, the same
 float32 multiply, saturation and rounding). The bits are valid exactly as long as torchao's
@@ -46,18 +47,9 @@ def float8_bits(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 def cast_all(shards: list[torch.Tensor], scales: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every shard cast with its scale (``scales[i]``): one function for the whole model, so that
-    compiled it is one call a step (a compiled cast per weight spent more host time on its guards
-    and prologue than the kernels took: ~50 ms a step on llama3.2-3b's 196 weights)."""
+    """Every shard cast with its scale (``scales[i]``), after the optimizer step: four small
+    kernels a weight issued back to back while the host has nothing else to do, once a step."""
     return [float8_bits(shard, scales[i], dtype) for i, shard in enumerate(shards)]
-
-
-def compiled_cast_all() -> CastAllFn:
-    """:func:`cast_all` through Inductor: one kernel a weight, launched from one compiled call
-    (the shards' shapes are the same every step: static shapes, compiled once, at the first
-    step; 196 shards of llama3.2-3b's shapes scaled down took 15 s on 2 CPU cores, and 0.8 ms a
-    call afterwards against 2.4 ms eager; Inductor's FX graph cache keeps it for the next run)."""
-    return torch.compile(cast_all, dynamic=False, fullgraph=True)
 
 
 @dataclass(frozen=True)
@@ -140,7 +132,7 @@ def _shard(weight: Any) -> Float8CastOnceWeight | None:
 def cast_shards(model: nn.Module, cast_all_fn: CastAllFn = cast_all) -> int:
     """After the scales are precomputed (:func:`hone.transforms.fp8.precompute_scales`): cast
     every sharded float8-all-gather weight once, all in one call of ``cast_all_fn`` per float8
-    dtype (:func:`cast_all` or :func:`compiled_cast_all`); returns how many were cast."""
+    dtype (:func:`cast_all`); returns how many were cast."""
     shards = [s for m in model.modules() if isinstance(m, Float8Linear) and (s := _shard(m.weight)) is not None]
     for shard in shards:
         shard.keep_cast(None)

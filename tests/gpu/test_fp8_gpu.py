@@ -205,20 +205,23 @@ def _two_gpus(tmp_path, name, performance, adapter=None, strategy="fsdp"):
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
-def test_the_compiled_shard_cast_is_bitwise_torchaos_eager_cast():
-    """FSDP2's float8 all-gather casts every shard once per step in one compiled call
-    (hone.transforms.fp8_cast_once); the bits must be those of the eager cast (torchao's), at
+def test_the_once_a_step_shard_cast_is_bitwise_torchaos_cast():
+    """FSDP2's float8 all-gather casts every shard once per step (hone.transforms.fp8_cast_once);
+    on the GPU the bits must be those torchao's own cast gives in the pre-all-gather hook, at
     llama3.2-3b's shard shapes and an odd one, saturated values included."""
-    from hone.transforms.fp8_cast_once import cast_all, compiled_cast_all
+    from torchao.float8.float8_scaling_utils import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    from hone.transforms.fp8_cast_once import cast_all
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(1536, 3072), (512, 3072), (4096, 3072), (1536, 8192), (1000, 8)]
     shards = [(torch.randn(shape, device="cuda", generator=g) * 2).to(torch.bfloat16) for shape in shapes]
     scales = torch.stack([448.0 / s.float().abs().max() * 2 for s in shards])  # the top values saturate
-    want = cast_all(shards, scales, torch.float8_e4m3fn)
-    got = compiled_cast_all()(shards, scales, torch.float8_e4m3fn)
-    for shape, a, b in zip(shapes, got, want, strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape
+    got = cast_all(shards, scales, torch.float8_e4m3fn)
+    for shape, shard, scale, bits in zip(shapes, shards, scales, got, strict=True):
+        want = hp_tensor_and_scale_to_float8(shard, scale, torch.float8_e4m3fn, LinearMMConfig(), GemmInputRole.WEIGHT)._data
+        assert torch.equal(bits.view(torch.uint8), want.view(torch.uint8)), shape
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
