@@ -103,6 +103,18 @@ def workload_config(args: argparse.Namespace, work: Path):
     return _hone_config(spec, spec.conditions[0], work, data)
 
 
+def _python_frames(evt, keep: int = 3) -> str:
+    """The innermost hone/transformers frames above ``evt`` (recorded with --stacks only): where a
+    sync was asked for, beyond the op that asked (runtime calls carry no stack of their own)."""
+    node = evt
+    while node is not None and not getattr(node, "stack", None):
+        node = node.cpu_parent
+    if node is None:
+        return ""
+    frames = [f for f in node.stack if "hone/" in f or "transformers/" in f][:keep]
+    return f" [{' < '.join(frames)}]" if frames else ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     workload_args(p)
@@ -163,7 +175,7 @@ def main() -> None:
             while parent is not None and len(chain) < 4:
                 chain.append(parent.name)
                 parent = parent.cpu_parent
-            sync_callers[f"{evt.name} <- {' <- '.join(chain) or '?'}"] += 1
+            sync_callers[f"{evt.name} <- {' <- '.join(chain) or '?'}{_python_frames(evt)}"] += 1
         elif evt.device_type != torch.autograd.DeviceType.CUDA and evt.name == "cudaMemcpyAsync":
             syncs["cudaMemcpyAsync (any direction)"] += 1
     total = sum(v[0] for v in by_name.values()) or 1.0  # a CPU dry run records no device time
