@@ -36,6 +36,7 @@ tokens itself (:mod:`hone.runtime.loss`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -153,27 +154,47 @@ def _fused_op(
     """(loss sum float32 [], d loss/d hidden [N, H] in hidden's dtype or empty, d loss/d weight
     [V, H] in float32 or empty): the forward and both gradients, chunk by chunk. The head's
     gradient stays float32 until the backward scales it, so it is rounded once."""
-    step = _STEPS[impl]
-    n = hidden.shape[0]
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden_grad else hidden.new_empty(0)
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
-    for start in range(0, n, chunk_tokens):
-        h = hidden[start : start + chunk_tokens]
-        t = targets[start : start + chunk_tokens]
-        # The reference's rounding: matmul in the inputs' dtype. Passed as a temporary so the
-        # step may free (torch) or overwrite (triton) it.
-        grad_logits, losses = step(h @ weight.T, t, ignore_index)
-        loss += losses.sum()
-        if need_hidden_grad or need_weight_grad:
-            if need_hidden_grad:
-                torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
-            if grad_weight is not None:
-                accumulate_weight_grad(grad_weight, grad_logits, h)
-        del grad_logits
+
+    def take_grad(start: int, h: torch.Tensor, grad_logits: torch.Tensor) -> None:
+        if need_hidden_grad:
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + h.shape[0]])
+        if grad_weight is not None:
+            accumulate_weight_grad(grad_weight, grad_logits, h)
+
+    # The reference's rounding: the matmul in the inputs' dtype
+    grads = take_grad if need_hidden_grad or need_weight_grad else None
+    loss = chunked_cross_entropy(hidden, targets, ignore_index, chunk_tokens, impl, lambda h: h @ weight.T, grads)
     if grad_weight is None:
         grad_weight = weight.new_empty(0, dtype=torch.float32)
     return loss, grad_hidden, grad_weight
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    chunk_tokens: int,
+    impl: str,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    take_grad: Callable[[int, torch.Tensor, torch.Tensor], None] | None,
+) -> torch.Tensor:
+    """The float32 loss sum over ``chunk_tokens`` rows of ``hidden`` at a time: ``logits_of(h)``
+    gives a chunk's logits (a fresh tensor the softmax step may free or overwrite), and
+    ``take_grad(start, h, grad_logits)``, if given, turns the chunk's logit gradient into what
+    the caller keeps before the next chunk's logits exist. One loop for every head (the plain
+    matmul here, the float8 one of :mod:`hone.kernels.cross_entropy_fp8`)."""
+    step = _STEPS[impl]
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h = hidden[start : start + chunk_tokens]
+        grad_logits, losses = step(logits_of(h), targets[start : start + chunk_tokens], ignore_index)
+        loss += losses.sum()
+        if take_grad is not None:
+            take_grad(start, h, grad_logits)
+        del grad_logits
+    return loss
 
 
 @_fused_op.register_fake
@@ -188,7 +209,7 @@ def _(hidden, weight, targets, ignore_index, chunk_tokens, impl, need_hidden_gra
 _SCALE_BLOCK_BYTES = 64 * 2**20
 
 
-def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scaled_gradient(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``grad * scale`` with the product in float32, rounded once to ``dtype``. Multiplying a
     bf16 tensor by the 0-dim float32 ``scale`` would first round the scale (e.g. 1/tokens) to
     bf16, a bias of up to 0.4% on every element; row blocks keep the float32 temporaries small."""
@@ -213,12 +234,44 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, _grad_hidden_out, _grad_weight_out):
     grad_hidden, grad_weight = ctx.saved_tensors
     scale = grad_loss.float()
-    d_hidden = _scaled(grad_hidden, scale, ctx.hidden_dtype) if ctx.need_hidden_grad else None
-    d_weight = _scaled(grad_weight, scale, ctx.weight_dtype) if ctx.need_weight_grad else None
+    d_hidden = scaled_gradient(grad_hidden, scale, ctx.hidden_dtype) if ctx.need_hidden_grad else None
+    d_weight = scaled_gradient(grad_weight, scale, ctx.weight_dtype) if ctx.need_weight_grad else None
     return d_hidden, d_weight, None, None, None, None, None, None
 
 
 _fused_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, impl: str) -> None:
+    """Refuse an unknown ``impl`` and operands that are not ``hidden [N, H]``, ``weight [V, H]``,
+    ``targets [N]``."""
+    if impl not in IMPLS:
+        raise KernelUnavailableError(f"fused cross-entropy impl {impl!r} is not one of {', '.join(IMPLS)}")
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; "
+            f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
+    if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"shapes do not match: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
+        )
+
+
+def resolve_impl_and_chunk(hidden: torch.Tensor, vocab: int, impl: str, chunk_tokens: int | None) -> tuple[str, int]:
+    """``auto`` made concrete (Triton on CUDA, else torch; Triton refused where it cannot run) and
+    the chunk size (:func:`default_chunk_tokens` unless given, at least 1)."""
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
+    if impl == "triton" and not triton_available(hidden.device):
+        raise KernelUnavailableError(
+            f"fused cross-entropy impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
+        )
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(hidden.shape[0], vocab)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    return impl, chunk_tokens
 
 
 def fused_linear_cross_entropy(
@@ -239,17 +292,7 @@ def fused_linear_cross_entropy(
     all. Under ``torch.autocast`` both operands are cast to the autocast dtype first, as the
     reference's matmul is. ``chunk_tokens`` defaults to :func:`default_chunk_tokens`.
     """
-    if impl not in IMPLS:
-        raise KernelUnavailableError(f"fused cross-entropy impl {impl!r} is not one of {', '.join(IMPLS)}")
-    if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
-        raise ValueError(
-            f"expected hidden [N, H], weight [V, H], targets [N]; "
-            f"got {tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
-        )
-    if hidden.shape[0] != targets.shape[0] or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"shapes do not match: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
-        )
+    check_shapes(hidden, weight, targets, impl)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # As the reference's matmul would under autocast: both operands in the autocast dtype
@@ -261,16 +304,7 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, as the reference's matmul does"
         )
-    if impl == "auto":
-        impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
-    if impl == "triton" and not triton_available(hidden.device):
-        raise KernelUnavailableError(
-            f"fused cross-entropy impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
-        )
-    if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(hidden.shape[0], weight.shape[0])
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    impl, chunk_tokens = resolve_impl_and_chunk(hidden, weight.shape[0], impl, chunk_tokens)
     grad_on = torch.is_grad_enabled()
     loss, _, _ = _fused_op(
         hidden,

@@ -133,7 +133,7 @@ class _ReferenceLinear(torch.autograd.Function):
 # ---------------------------------------------------------------- the float8 linear
 
 
-def _scaled_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+def float8_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """``a @ b.T`` through ``torch._scaled_mm``: ``a`` (any leading dims) quantized now, ``b``
     already quantized ``[N, K]`` row-major (so ``b.T`` is the column-major operand it wants).
 
@@ -159,13 +159,13 @@ class _Fp8FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_q, w_scale, wt_q, wt_scale):
         ctx.save_for_backward(wt_q, wt_scale)
-        return _scaled_mm(x, w_q, w_scale, fast_accum=True)
+        return float8_mm(x, w_q, w_scale, fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad):
         # dX = dY @ W = dY @ (W.T).T: the same matmul on the transposed copy
         wt_q, wt_scale = ctx.saved_tensors
-        return _scaled_mm(grad, wt_q, wt_scale, fast_accum=False), None, None, None, None
+        return float8_mm(grad, wt_q, wt_scale, fast_accum=False), None, None, None, None
 
 
 def fp8_frozen_linear(x: torch.Tensor, weight: FrozenFp8Weight) -> torch.Tensor:
