@@ -45,7 +45,7 @@ OptionValue = StrictBool | StrictInt | StrictFloat | StrictStr
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _COMPILE_KEYS = ("torch_compile_scope", "torch_compile_mode", "torch_compile_backend", "torch_compile_options")
 #: Keys that only mean something with ``fp8`` on.
-_FP8_KEYS = ("fp8_base_linears", "fp8_small_linears", "fp8_emulate")
+_FP8_KEYS = ("fp8_base_linears", "fp8_small_linears", "fp8_emulate", "fp8_head")
 
 
 class PerformanceConfig(Section):
@@ -128,6 +128,15 @@ class PerformanceConfig(Section):
     output <= 4096 with input <= 2048 for rowwise (torchao's H100 break-even shapes). At 3B-8B
     the two are within 1% on an H100 (docs/quantization.md); models of hidden size <= 2048, where
     most layers are narrow, are where ``bf16`` may pay off (not measured)."""
+
+    fp8_head: bool = False
+    """With LoRA and ``fp8`` on: the frozen output head's two matmuls (the logits and the hidden
+    states' gradient, the largest of a step at a 128K-152K vocabulary) in float8 too, inside the
+    fused loss (rowwise whatever ``fp8`` scales the base with, so the loss does not depend on its
+    chunking; hone/kernels/cross_entropy_fp8.py). The logits then carry float8's rounding, which
+    the loss sees directly; off by default until its speed and convergence are measured on GPUs.
+    Needs the fused loss (``loss: auto`` or ``fused_linear_ce``) and SFT (not a preference
+    objective); costs two float8 copies of the head (2 bytes a weight)."""
 
     @field_validator("torch_compile_options", mode="before")
     @classmethod

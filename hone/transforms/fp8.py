@@ -311,12 +311,52 @@ def _check(ctx: PlanContext) -> list[str]:
             "(docs/quantization.md); remove it, or use fp8: off"
         )
     problems += _context_parallel_problems(ctx)
+    problems += _head_problems(ctx)
     if cfg.adapter.is_lora and ctx.decided.strategy == "fsdp":
         problems.append(
             "performance.fp8 on a frozen LoRA base quantizes each whole weight once, which FSDP2's sharded "
             "weights do not allow: use distributed.strategy: ddp with LoRA, or fp8: off"
         )
     return problems
+
+
+def _head_problems(ctx: PlanContext) -> list[str]:
+    """``fp8_head`` needs a frozen head (LoRA), the fused SFT loss it runs inside, and a head
+    ``_scaled_mm`` can multiply (both dimensions multiples of 16)."""
+    from hone.transforms.loss import loss_decision
+    from hone.transforms.memory.facts import transformers_config
+
+    cfg = ctx.cfg
+    if not cfg.performance.fp8_head:
+        return []
+    if not cfg.adapter.is_lora:
+        return [
+            "performance.fp8_head: true applies to a frozen output head (LoRA); a full fine-tune trains its head, which "
+            "stays in bf16: set fp8_head: false, or adapter.type: lora"
+        ]
+    trained = [m for m in cfg.adapter.lora_modules_to_save if m in ("lm_head", "embed_tokens")]
+    if trained:
+        return [
+            f"performance.fp8_head: true needs a frozen output head, but adapter.lora_modules_to_save trains "
+            f"{', '.join(trained)} (the head, or the embedding a tied head shares): set fp8_head: false, or remove it"
+        ]
+    if cfg.training.is_preference:
+        return [
+            f"performance.fp8_head: true runs inside the fused SFT loss; training.objective: {cfg.training.objective} "
+            "computes per-sequence log-probabilities with its own kernel: set fp8_head: false"
+        ]
+    kind, why = loss_decision(cfg)
+    if kind != "fused_linear_ce":
+        return [f"performance.fp8_head: true runs inside the fused loss, but the loss is {kind} ({why}): set fp8_head: false"]
+    config = transformers_config(cfg.model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab, hidden = text.vocab_size, text.hidden_size
+    if not fits_fp8_shape(hidden, vocab):
+        return [
+            f"performance.fp8_head: true needs an output head whose dimensions are multiples of 16 for float8 "
+            f"matmuls; this model's is {vocab} x {hidden}: set fp8_head: false"
+        ]
+    return []
 
 
 def _context_parallel_problems(ctx: PlanContext) -> list[str]:
@@ -389,9 +429,10 @@ def fp8_why(cfg: HoneConfig, decided: Decisions) -> str:
     narrow = "; narrow linears stay bf16 (fp8_small_linears: bf16)" if perf.fp8_small_linears == "bf16" else ""
     if cfg.adapter.is_lora:
         which = "LoRA target projections" if decided.fp8_base_linears == "lora_targets" else "all frozen linears but the head"
+        head = "; the output head in float8 too, rowwise, inside the fused loss (fp8_head)" if perf.fp8_head else ""
         return (
             f"{decided.fp8_why}; frozen base in float8 ({which}, weights quantized once; {decided.fp8_base_linears_why}), "
-            f"LoRA in bf16{narrow}"
+            f"LoRA in bf16{narrow}{head}"
         )
     emulated = "; emulated (fp8_emulate: float8 rounding, high-precision matmuls)" if perf.fp8_emulate else ""
     how = "full fine-tune through torchao's float8 training (all linears but the head)"

@@ -48,6 +48,25 @@ def fused_linear_ce_loss() -> LossFn:
     return loss_fn
 
 
+def fused_linear_ce_fp8_loss(head: nn.Module) -> LossFn:
+    """The fused loss through ``head``'s frozen weight quantized to float8 once, now (rowwise:
+    :mod:`hone.kernels.cross_entropy_fp8`); the hidden states are cast to the head's dtype, as
+    the float8 base linears cast their inputs."""
+    from hone.kernels.cross_entropy_fp8 import fused_linear_cross_entropy_fp8
+    from hone.kernels.fp8_linear import quantize_frozen_weight
+
+    if head.weight.requires_grad:
+        raise LossError("performance.fp8_head: true needs a frozen output head (LoRA), but the head is trained")
+    weight = quantize_frozen_weight(head.weight.detach(), "rowwise")
+    dtype = head.weight.dtype
+
+    def loss_fn(hidden: torch.Tensor, head: nn.Module, batch: MicroBatch) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+        return fused_linear_cross_entropy_fp8(flat, weight, batch.targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    return loss_fn
+
+
 def fused_loss_blockers(model_config: Any, head: nn.Module | None) -> list[str]:
     """Why the fused loss cannot compute this model's loss exactly (empty: it can)."""
     blockers = []
@@ -116,15 +135,19 @@ def preference_loss(cfg: HoneConfig, model: nn.Module) -> tuple[LossFn, dict[str
     return loss, {"loss": f"{objective}, per-sequence log-probs", "why": why, "objective": objective}
 
 
-def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module) -> tuple[LossFn, dict[str, Any]]:
+def build_loss(cfg: HoneConfig, facts: RunFacts, model: nn.Module, float8: bool = False) -> tuple[LossFn, dict[str, Any]]:
     """The run's loss function and its record. The standard loss is compiled with the model
     when the run compiles (Inductor then never writes the float32 logits out whole); the fused
     one is an opaque custom op that compiled code calls as it is. A preference objective is a
-    loss too (:func:`preference_loss`)."""
+    loss too (:func:`preference_loss`). ``float8``: the run's base is float8 (the plan decided
+    ``fp8`` on), so ``fp8_head`` takes the fused loss's float8 head (the plan has checked it applies)."""
     if cfg.training.is_preference:
         return preference_loss(cfg, model)
     config = getattr(model, "config", None)
-    kind, why = chosen_loss(cfg, config, causal_lm_parts(model)[1])
+    head = causal_lm_parts(model)[1]
+    kind, why = chosen_loss(cfg, config, head)
+    if kind == "fused_linear_ce" and float8 and cfg.performance.fp8_head:
+        return fused_linear_ce_fp8_loss(head), {"loss": kind, "why": why, "head": "float8 rowwise (performance.fp8_head)"}
     if kind == "fused_linear_ce":
         return fused_linear_ce_loss(), {"loss": kind, "why": why}
     compiled = cfg.performance.compiles_on(facts.device.type)
@@ -181,6 +204,6 @@ LOSS = Transform(
     wanted=lambda ctx: True,
     check=_check,
     why=_why,
-    loss=lambda model, ctx: build_loss(ctx.cfg, ctx.facts, model),
-    label=lambda d: f"loss ({d['loss']})",
+    loss=lambda model, ctx: build_loss(ctx.cfg, ctx.facts, model, float8=ctx.decided.fp8 != "off"),
+    label=lambda d: f"loss ({d['loss']}{', float8 head' if 'head' in d else ''})",
 )

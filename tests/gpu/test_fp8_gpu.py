@@ -224,6 +224,37 @@ def test_the_once_a_step_shard_cast_is_bitwise_torchaos_cast():
         assert torch.equal(bits.view(torch.uint8), want.view(torch.uint8)), shape
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_the_float8_head_loss_matches_its_reference_at_llama3_8b_head_shape(impl):
+    """The fused loss through a frozen float8 head (performance.fp8_head) at llama3-8b's head
+    (128,256 x 4096) over 2,048 bf16 tokens, two chunks: loss and hidden-state gradient against
+    the same quantization on dequantized operands in float32, and near the bf16 head's."""
+    from hone.kernels import linear_cross_entropy_reference
+    from hone.kernels.cross_entropy_fp8 import fused_linear_cross_entropy_fp8, linear_cross_entropy_fp8_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab, hidden_size, tokens = 128_256, 4096, 2048
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    targets[:100] = -100
+    head = quantize_frozen_weight(weight, "rowwise")
+
+    def value_and_grad(fn, *args, **kwargs):
+        h = hidden.clone().requires_grad_(True)
+        loss = fn(h, *args, **kwargs)
+        (loss / tokens).backward()
+        return loss.detach(), h.grad
+
+    loss, grad = value_and_grad(fused_linear_cross_entropy_fp8, head, targets, chunk_tokens=1024, impl=impl)
+    want_loss, want_grad = value_and_grad(linear_cross_entropy_fp8_reference, head, targets)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0.0)
+    assert _rel(grad, want_grad) < 1e-2
+    bf16_loss, bf16_grad = value_and_grad(linear_cross_entropy_reference, weight, targets)
+    torch.testing.assert_close(loss, bf16_loss, rtol=1e-2, atol=0.0)
+    assert _rel(grad, bf16_grad) < FP8_REL_TOL
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
 
 

@@ -12,7 +12,8 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts, float8: tuple[str, str] | N
     casts per step, transiently, except under FSDP2 with tensorwise scaling: each weight's shard is
     cast once per step and kept for the step's all-gathers (1 byte a weight, counted whole here and
     sharded with the weights; hone.transforms.fp8_cast_once). Layers the shape rule keeps in bf16
-    (hone.transforms.fp8_sizes) have no copies."""
+    (hone.transforms.fp8_sizes) have no copies. ``fp8_head`` adds the output head's two copies
+    (hone.transforms.loss)."""
     from hone.transforms.fp8_sizes import converts_to_fp8, float8_lora_base, fp8_scaling
 
     perf = cfg.performance
@@ -27,7 +28,8 @@ def fp8_copies_bytes(cfg: HoneConfig, m: ModelFacts, float8: tuple[str, str] | N
     # "auto" is resolved by the plan before any estimate it makes (hone.transforms.decide.as_decided);
     # a config estimated as written counts the LoRA targets, the choice without CUDA graphs
     shapes = m.frozen_layer_linear_shapes if perf.fp8_base_linears == "all" else m.lora_base_shapes
-    return 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, mode, perf.fp8_small_linears))
+    head = 2 * m.vocab * m.hidden if perf.fp8_head else 0  # the frozen head's two rowwise copies
+    return head + 2 * sum(k * n for k, n in shapes if converts_to_fp8(k, n, mode, perf.fp8_small_linears))
 
 
 def float8_site_bytes(linears: list[LinearFacts], width: int, site: str, float8: tuple[str, str] | None) -> int | None:
