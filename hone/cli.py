@@ -405,7 +405,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.card import host_memory
     from hone.transforms.plan_report import device_memory, plan_view, render_plan
 
-    budget, source = device_memory(args.device, args.gpu_memory)
     host_budget, host_source = host_memory(getattr(args, "host_memory", None))
     configs = _plan_configs(args)
     if not configs:
@@ -419,6 +418,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     for title, cfg, processes, own_data in configs:
         data = _prepared_data_facts(cfg, own_data)
+        budget, source = device_memory(args.device, args.gpu_memory, cfg.memory.gpu_memory_bytes)
         facts = RunFacts(
             torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget, **data
         )

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import SerializationInfo, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from hone.config.base import Section
-from hone.units import gib
+from hone.units import gib, parse_bytes
 
 #: A concrete activation-checkpointing policy: what each decoder layer keeps for the backward.
 #: This module is the one place the vocabulary is defined; the planner, the memory estimate and
@@ -129,9 +129,32 @@ class MemoryConfig(Section):
     reserved but unusable). ``auto``: on from 32,768 tokens a micro-batch. A setting already in
     the environment (``PYTORCH_CUDA_ALLOC_CONF``) is left as it is."""
 
+    gpu_memory: str = "auto"
+    """CUDA only: the memory of each GPU the run plans for and may use. ``auto`` (the default):
+    the card's own. A size (``80GiB``, ``24GB``, ``81559MiB``; a bare number is GiB) makes every
+    ``auto`` decision plan for a card of that size and caps this process's allocations there
+    (``torch.cuda.set_per_process_memory_fraction``: past it an allocation fails as on the
+    smaller card): to run as on an 80 GiB H100 on a 141 GiB H200, or to leave room for another
+    process. At most the card's memory. ``hone plan`` plans for it unless ``--gpu-memory`` says
+    otherwise."""
+
     gradient_checkpointing: bool | None = None
     """Old name, kept as an alias: ``true`` is ``activation_checkpointing: full``, ``false`` is
     ``none``. Set one of the two keys, not both with different meanings."""
+
+    @field_validator("gpu_memory", mode="before")
+    @classmethod
+    def _gpu_memory_is_a_size(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)  # YAML's `gpu_memory: 80`: GiB
+        if isinstance(value, str) and value != "auto":
+            parse_bytes(value)  # the error names the value and what is allowed; the loader adds the key
+        return value
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """``gpu_memory`` in bytes; None for ``auto`` (the card's own)."""
+        return None if self.gpu_memory == "auto" else parse_bytes(self.gpu_memory, "memory.gpu_memory")
 
     @field_validator("selective_memory_budget")
     @classmethod

@@ -39,6 +39,7 @@ from hone.train.seed import seed_everything
 from hone.train.step_log import StepMetrics
 from hone.transforms.allocator import configure_allocator
 from hone.transforms.base import RunFacts, RunHooks
+from hone.transforms.card import cap_process_memory
 from hone.transforms.planner import Plan, plan_optimizations, write_record
 from hone.transforms.watch import CompileWatch
 
@@ -170,6 +171,7 @@ def _run_training(
         console = Console(quiet=True)  # rank 0 speaks for the run
     out = Path(cfg.training.output_dir)
     warn = _Warn(console)
+    _cap_memory(cfg, device, console)
     resume_from, tokenizer, data, facts, plan = _data_and_plan(cfg, world, device, console, warn, trackers)
     loaded, hooks = _model(cfg, world, device, tokenizer, plan, facts, console)
     console.print(plan.describe(), highlight=False, markup=False, soft_wrap=True)
@@ -247,7 +249,8 @@ def _data_and_plan(
             tokenizer = load_tokenizer(cfg.model)
             data = prepare_data(cfg, tokenizer)
         console.print(_data_summary(data), highlight=False, markup=False, soft_wrap=True)
-        facts = RunFacts(device=device, world=world, **data_facts(cfg, data.stats))
+        memory = cfg.memory.gpu_memory_bytes if device.type == "cuda" else None
+        facts = RunFacts(device=device, world=world, memory_bytes=memory, **data_facts(cfg, data.stats))
         plan = plan_optimizations(cfg, facts)  # refuses what this run cannot do before the model loads
         if world.distributed:  # the global batch must fit the data before every GPU loads a model
             check_split(cfg, data, world)
@@ -362,6 +365,18 @@ def _from_rank_zero(world: World, value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _cap_memory(cfg: HoneConfig, device: torch.device, console: Console) -> None:
+    """``memory.gpu_memory``: this process's allocations held to the card size the plan is made
+    for, before the model loads (a note where the device is not a GPU)."""
+    limit = cfg.memory.gpu_memory_bytes
+    if limit is not None and device.type != "cuda":
+        console.print(f"note: memory.gpu_memory applies to CUDA devices; unused on {device.type}", highlight=False, markup=False)
+        return
+    done = cap_process_memory(limit, device)
+    if done:
+        console.print(done, highlight=False, markup=False, soft_wrap=True)
 
 
 def data_facts(cfg: HoneConfig, stats) -> dict:

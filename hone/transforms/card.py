@@ -7,46 +7,39 @@ report that prints them.
 """
 
 import os
-import re
+from typing import Any
 
 from hone.errors import HoneError
-from hone.units import GIB
+from hone.units import GIB, gib, parse_bytes
 
 #: The card assumed when none is named and no CUDA device is visible (an H100/A100 80GB).
 DEFAULT_GPU_MEMORY = 80 * GIB
-
-_UNITS = {
-    "": GIB,  # a bare number is GiB
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
 
 
 class PlanInputError(HoneError):
     """A ``hone plan`` argument that cannot be used."""
 
 
+class CardMemoryError(HoneError):
+    """``memory.gpu_memory`` asks for more memory than the GPU has."""
+
+
 def parse_size(text: str, flag: str = "--gpu-memory") -> int:
-    """Bytes in ``text``: ``80GiB``, ``24GB``, ``141 GiB``, ``81559MiB``, or a bare number of GiB."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise PlanInputError(
-            f"{flag}: '{text}' is not a memory size; write a number with a unit, e.g. 80GiB, 24GB, "
-            "141GiB or 81559MiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; a bare number is GiB)"
-        )
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise PlanInputError(f"{flag}: '{text}' is not a positive memory size")
-    return size
+    """Bytes in ``text`` (:func:`hone.units.parse_bytes`), refused as a plan input naming ``flag``."""
+    try:
+        return parse_bytes(text, flag)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
 
 
-def device_memory(device: str, requested: str | None) -> tuple[int, str]:
-    """(bytes, where the number comes from): ``--gpu-memory``, else the local CUDA device's
-    total memory, else the default 80 GiB card (CPU plans: the machine's RAM)."""
+def device_memory(device: str, requested: str | None, configured: int | None = None) -> tuple[int, str]:
+    """(bytes, where the number comes from): ``--gpu-memory``, else the config's
+    ``memory.gpu_memory`` (``configured``, for a CUDA plan), else the local CUDA device's total
+    memory, else the default 80 GiB card (CPU plans: the machine's RAM)."""
     if requested is not None:
         return parse_size(requested), "--gpu-memory"
+    if configured is not None and device != "cpu":
+        return configured, "memory.gpu_memory"
     if device == "cpu":
         try:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
@@ -70,3 +63,22 @@ def host_memory(requested: str | None) -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
     except (ValueError, OSError, AttributeError):
         return 128 * GIB, "default 128 GiB (RAM size unknown)"
+
+
+def cap_process_memory(limit: int | None, device: Any) -> str | None:
+    """Hold this process's allocations on ``device`` to ``limit`` bytes (``memory.gpu_memory``),
+    as a card of that size would: torch's per-process memory fraction, so an allocation past it
+    fails with the out-of-memory error the smaller card gives. What it did, for the run log;
+    None where there is nothing to cap (``auto``, or not a CUDA device)."""
+    if limit is None or getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    if limit > props.total_memory:
+        raise CardMemoryError(
+            f"memory.gpu_memory: {gib(limit)} is more than {props.name} has ({gib(props.total_memory)}); "
+            "allowed: a size up to the card's memory, or auto (the card's own)"
+        )
+    torch.cuda.set_per_process_memory_fraction(limit / props.total_memory, device)
+    return f"memory.gpu_memory: allocations capped at {gib(limit)} of {props.name}'s {gib(props.total_memory)}"

@@ -191,6 +191,8 @@ def decided_estimate(
     run's data statistics, as the run has them)."""
     if host_budget is None:
         host_budget = host_memory(None)[0]
+    if memory_bytes is None and device != "cpu":
+        memory_bytes = cfg.memory.gpu_memory_bytes  # the card the run plans for (None: the local one)
     facts = RunFacts(
         torch.device(device), memory_bytes=memory_bytes, host_memory_bytes=host_budget, world=world, pair_splits=pair_splits
     )
