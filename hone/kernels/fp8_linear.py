@@ -32,6 +32,7 @@ arithmetic on dequantized operands in float32: what tests compare against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -133,7 +134,13 @@ class _ReferenceLinear(torch.autograd.Function):
 # ---------------------------------------------------------------- the float8 linear
 
 
-def float8_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+def float8_mm(
+    a: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    fast_accum: bool,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """``a @ b.T`` through ``torch._scaled_mm``: ``a`` (any leading dims) quantized now, ``b``
     already quantized ``[N, K]`` row-major (so ``b.T`` is the column-major operand it wants).
 
@@ -141,12 +148,13 @@ def float8_mm(a: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor, fast_ac
     partial sums to full float32, which makes the matmul ~10% faster at a small accuracy cost.
     The forward takes it (its output feeds a bf16 residual stream anyway); the input gradient
     does not (gradients are where accumulated error compounds) -- torchao's recipes split the
-    same way."""
+    same way. ``quantize_rows``: how a rowwise ``a`` is quantized, where a caller outside a
+    compiled region has a faster form of :func:`quantize` (the same arithmetic)."""
     rowwise = b_scale.numel() > 1
     a2 = a.reshape(-1, a.shape[-1])
     if not a2.is_contiguous():
         a2 = a2.contiguous()
-    a_q, a_scale = quantize(a2, "rowwise" if rowwise else "tensorwise")
+    a_q, a_scale = quantize_rows(a2) if rowwise and quantize_rows else quantize(a2, "rowwise" if rowwise else "tensorwise")
     scale_b = b_scale.reshape(1, -1) if rowwise else b_scale
     out = torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=a.dtype, use_fast_accum=fast_accum)
     return out.reshape(*a.shape[:-1], b_q.shape[0])

@@ -255,6 +255,25 @@ def test_the_float8_head_loss_matches_its_reference_at_llama3_8b_head_shape(impl
     assert _rel(grad, bf16_grad) < FP8_REL_TOL
 
 
+def test_the_compiled_row_quantization_of_the_float8_head_is_the_eager_one():
+    """The float8 head quantizes each chunk's [chunk x vocab] logit gradient with an Inductor-
+    compiled rowwise quantization (hone.kernels.cross_entropy_fp8): the scales must be the eager
+    ones and the float8 values too, but for a rare value a compiled division rounds the other way."""
+    from hone.kernels.cross_entropy_fp8 import _quantize_rows
+    from hone.kernels.fp8_linear import quantize
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in (1024, 1000):  # a full chunk, then a ragged one (one recompile, dynamic rows)
+        grad = (torch.randn(rows, 128_256, device="cuda", generator=g) * 1e-4).to(torch.bfloat16)
+        got_q, got_scale = _quantize_rows(grad)
+        want_q, want_scale = quantize(grad, "rowwise")
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0.0)
+        differ = got_q.view(torch.uint8) != want_q.view(torch.uint8)
+        assert differ.float().mean().item() < 1e-4, differ.float().mean().item()
+        step = want_q.float().abs() * 0.13 + 2.0**-9  # one float8 step (e4m3: 3 mantissa bits; 2^-9 the least subnormal)
+        assert ((got_q.float() - want_q.float()).abs() <= step).all()
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA devices")
 
 
