@@ -94,7 +94,7 @@ def _fused_fp8_op(
         grad_hidden[start : start + h.shape[0]] = float8_mm(grad_logits, wt_q, wt_scale, False, _quantize_rows)
 
     def logits_of(h: torch.Tensor) -> torch.Tensor:
-        return float8_mm(h, w_q, w_scale, fast_accum=True)
+        return float8_mm(h, w_q, w_scale, True, _quantize_rows)
 
     loss = chunked_cross_entropy(
         hidden, targets, ignore_index, chunk_tokens, impl, logits_of, take_grad if need_hidden_grad else None
