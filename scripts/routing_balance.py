@@ -8,8 +8,10 @@ with the most pairs, so a layer costs its *busiest* rank's expert work. This scr
 preset's random weights as a bench run does (:func:`hone.models.materialize.materialize`, seed 0),
 runs one forward on the bench's random tokens, records each router's top-k choices and reports,
 per ``N``, the busiest rank's pairs over the mean rank's, per layer and summed over the layers:
-the share of expert time a perfectly balanced router would save. Not a benchmark, and a random
-router is not a trained one (which a load-balancing loss keeps near 1.0).
+the share of expert time a perfectly balanced router would save; then the same on a second batch
+with each layer's experts placed by the first batch's load (what a load-aware placement could
+recover without touching the router). Not a benchmark, and a random router is not a trained one
+(which a load-balancing loss keeps near 1.0).
 
 ``--device cpu --preset tiny-qwen3-moe`` is a dry run of the script itself.
 """
@@ -22,12 +24,28 @@ from pathlib import Path
 import torch
 
 
-def busiest_over_mean(choices: torch.Tensor, num_experts: int, ranks: int) -> float:
-    """``choices [tokens, k]`` (global expert ids): the most pairs any of ``ranks`` contiguous
-    expert blocks receives, over the mean block's."""
+def busiest_over_mean(choices: torch.Tensor, num_experts: int, ranks: int, owner: torch.Tensor | None = None) -> float:
+    """``choices [tokens, k]`` (global expert ids): the most pairs any of ``ranks`` ranks receives,
+    over the mean rank's. ``owner [E]``: the rank holding each expert (None: contiguous blocks
+    of ``E / ranks``, hone's placement)."""
     per_expert = torch.bincount(choices.reshape(-1), minlength=num_experts).double()
-    per_rank = per_expert.view(ranks, num_experts // ranks).sum(1)
+    if owner is None:
+        owner = torch.arange(num_experts) // (num_experts // ranks)
+    per_rank = torch.zeros(ranks, dtype=torch.float64).index_add_(0, owner, per_expert)
     return float(per_rank.max() / per_rank.mean())
+
+
+def placed_by_load(choices: torch.Tensor, num_experts: int, ranks: int) -> torch.Tensor:
+    """``owner [E]``: a placement of ``E / ranks`` experts a rank that evens out the pairs of
+    ``choices`` (greedy: the busiest expert first, each to the least loaded rank with room), what
+    a load-aware expert placement would do from routing statistics."""
+    load = torch.bincount(choices.reshape(-1), minlength=num_experts).tolist()
+    per_rank, room = [0] * ranks, [num_experts // ranks] * ranks
+    owner = torch.empty(num_experts, dtype=torch.long)
+    for expert in sorted(range(num_experts), key=lambda e: -load[e]):
+        rank = min((r for r in range(ranks) if room[r]), key=lambda r: per_rank[r])
+        owner[expert], per_rank[rank], room[rank] = rank, per_rank[rank] + load[expert], room[rank] - 1
+    return owner
 
 
 def router_choices(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> list[torch.Tensor]:
@@ -52,18 +70,32 @@ def router_choices(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> lis
     return recorded
 
 
-def report(choices: list[torch.Tensor], num_experts: int, ranks: list[int], title: str) -> str:
+def report(
+    choices: list[torch.Tensor], num_experts: int, ranks: list[int], title: str, later: list[torch.Tensor] | None = None
+) -> str:
     """A markdown table: per rank count, the busiest rank's pairs over the mean rank's, over all
     layers (every layer's mean is the same ``tokens x k / N``, so the average of the layers'
     ratios is the summed busiest over the summed mean: the experts' time a step over a balanced
-    router's), and the worst and best layer."""
+    router's), and the worst and best layer. With ``later`` (the choices of another batch): the
+    same for that batch with each layer's experts placed by this batch's load (:func:`placed_by_load`)."""
     header = "| ranks | busiest / mean rank, all layers | worst layer | best layer |"
-    lines = [f"# {title}", "", header, "|---|---|---|---|"]
+    header += " placed by load: all layers | worst layer |" if later else ""
+    lines = [f"# {title}", "", header, "|" + "---|" * (header.count("|") - 1)]
     for n in ranks:
         per_layer = [busiest_over_mean(c, num_experts, n) for c in choices]
-        total = sum(per_layer) / len(per_layer)
-        lines.append(f"| {n} | {total:.3f} | {max(per_layer):.3f} | {min(per_layer):.3f} |")
+        row = f"| {n} | {_mean(per_layer):.3f} | {max(per_layer):.3f} | {min(per_layer):.3f} |"
+        if later:
+            placed = [
+                busiest_over_mean(c, num_experts, n, placed_by_load(p, num_experts, n))
+                for p, c in zip(choices, later, strict=True)
+            ]
+            row += f" {_mean(placed):.3f} | {max(placed):.3f} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main() -> None:
@@ -93,12 +125,15 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = materialize(build_skeleton(config, dtype), args.device).eval()
-    ids = random_batches(spec.workload, 1, id_limit, 0, torch.device(args.device))[0]
+    first, second = random_batches(spec.workload, 2, id_limit, 0, torch.device(args.device))
     num_experts, top_k = config.num_experts, config.num_experts_per_tok
-    choices = router_choices(model, ids, top_k)
+    choices, later = router_choices(model, first, top_k), router_choices(model, second, top_k)
     ranks = [n for n in (int(r) for r in args.ranks.split(",")) if num_experts % n == 0]
-    title = f"routing balance: {args.preset}, {len(choices)} layers, {args.seq} random tokens, top-{top_k} of {num_experts}"
-    text = report(choices, num_experts, ranks, title)
+    title = (
+        f"routing balance: {args.preset}, {len(choices)} layers, {args.seq} random tokens, top-{top_k} of {num_experts} "
+        "(placed by load: from the first batch's routing, measured on a second batch)"
+    )
+    text = report(choices, num_experts, ranks, title, later)
     print(text)
     if args.out:
         args.out.write_text(text)

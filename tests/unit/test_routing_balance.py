@@ -20,6 +20,15 @@ def test_a_balanced_router_scores_one_and_a_skewed_one_its_busiest_block():
     assert routing_balance.busiest_over_mean(skewed, 8, 4) == pytest.approx(4 / 2)  # experts 0-1: 4 pairs of 8
 
 
+def test_placing_experts_by_load_evens_out_the_ranks():
+    # expert loads 6, 5, 1, 0 over 2 ranks: contiguous blocks carry 11 and 1; by load 6+0 and 5+1
+    choices = torch.tensor([0] * 6 + [1] * 5 + [2]).view(-1, 1)
+    assert routing_balance.busiest_over_mean(choices, 4, 2) == pytest.approx(11 / 6)
+    owner = routing_balance.placed_by_load(choices, 4, 2)
+    assert sorted(torch.bincount(owner, minlength=2).tolist()) == [2, 2]  # E / N experts a rank
+    assert owner[0] != owner[1] and routing_balance.busiest_over_mean(choices, 4, 2, owner) == pytest.approx(1.0)
+
+
 def test_router_choices_reads_every_moe_layers_top_k():
     from transformers import AutoModelForCausalLM
 
@@ -32,5 +41,5 @@ def test_router_choices_reads_every_moe_layers_top_k():
     choices = routing_balance.router_choices(model, ids, config.num_experts_per_tok)
     assert len(choices) == config.num_hidden_layers
     assert all(c.shape == (16, config.num_experts_per_tok) for c in choices)
-    table = routing_balance.report(choices, config.num_experts, [2], "t")
-    assert table.splitlines()[-1].startswith("| 2 | ")
+    table = routing_balance.report(choices, config.num_experts, [2], "t", later=choices)
+    assert table.splitlines()[-1].startswith("| 2 | ") and table.splitlines()[-1].count("|") == 7
