@@ -230,3 +230,11 @@ def test_plan_reads_the_prepared_datas_statistics_where_they_are_cached(tmp_path
     assert "the plan uses the prepared data's statistics" in prepared.err
     width = int(prepared.out.split("micro-batch 8 x ")[1].split(" tokens")[0])
     assert width < 64 and peak(prepared.out) <= peak(bounds.out)
+
+
+def test_plan_takes_the_configs_gpu_memory_unless_the_flag_names_another(capsys):
+    setting = ["--device", "cuda", "--set", "memory.gpu_memory=24GiB"]
+    assert main(["plan", "examples/quickstart.yml", *setting]) == 0
+    assert "card: 24.0 GiB (memory.gpu_memory)" in capsys.readouterr().out
+    assert main(["plan", "examples/quickstart.yml", *setting, "--gpu-memory", "40GiB"]) == 0
+    assert "card: 40.0 GiB (--gpu-memory)" in capsys.readouterr().out
