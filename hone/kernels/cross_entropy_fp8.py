@@ -58,13 +58,14 @@ def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized here). Eager, :func:`~hone.kernels.fp8_linear.quantize` makes a float32 copy and
     four more passes over it (~3 GiB of traffic a 1,024-token chunk at a 128K vocabulary);
     compiled by Inductor on a GPU it is a row reduction and one cast that read the bf16 rows
-    twice. Compiled once per process on first use (a ragged last chunk recompiles once with a
-    dynamic row count); the CPU keeps the eager function, the reference's own bits."""
+    twice. Compiled once per process on first use, with dynamic shapes (one graph for the
+    gradient's and the hidden chunk's widths and a ragged last chunk: no recompiles for the
+    run's compile watch to report); the CPU keeps the eager function, the reference's own bits."""
     global _compiled_quantize_rows
     if not t.is_cuda:
         return quantize(t, "rowwise")
     if _compiled_quantize_rows is None:
-        _compiled_quantize_rows = torch.compile(_rowwise)
+        _compiled_quantize_rows = torch.compile(_rowwise, dynamic=True)
     return _compiled_quantize_rows(t)
 
 
