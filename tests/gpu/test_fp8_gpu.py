@@ -263,7 +263,7 @@ def test_the_compiled_row_quantization_of_the_float8_head_is_the_eager_one():
     from hone.kernels.fp8_linear import quantize
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for rows in (1024, 1000):  # a full chunk, then a ragged one (one recompile, dynamic rows)
+    for rows in (1024, 1000):  # a full chunk, then a ragged one (one graph: dynamic shapes)
         grad = (torch.randn(rows, 128_256, device="cuda", generator=g) * 1e-4).to(torch.bfloat16)
         got_q, got_scale = _quantize_rows(grad)
         want_q, want_scale = quantize(grad, "rowwise")
