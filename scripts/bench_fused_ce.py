@@ -3,8 +3,9 @@
 Not a test. Times forward+backward (CUDA events, warm-up, median of ``--repeats``) and the peak
 memory above the inputs (``torch.cuda.max_memory_allocated``) of each variant, at Qwen3-8B's
 head (hidden 4096, vocabulary 151,936, bf16), with the head frozen (LoRA) and trained (full
-fine-tune), and prints a markdown table. Each variant runs in its own try/except: an OOM or
-an error is a row, not the end of the run. The ``loss rel err`` column is the loss's relative
+fine-tune; the float8 head, ``performance.fp8_head``, frozen only), and prints a markdown
+table. Each variant runs in its own try/except: an OOM or an error is a row, not the end of
+the run. The ``loss rel err`` column is the loss's relative
 difference from the eager reference of the same row group.
 
     PYTHONPATH=$PWD python scripts/bench_fused_ce.py            # all variants, ~2-3 min on an H100
@@ -34,6 +35,23 @@ def _variants(chunk_tokens: int | None) -> dict[str, Callable[[], Callable]]:
         torch._dynamo.reset()
         return torch.compile(fn, fullgraph=True, dynamic=False)
 
+    def float8_head():
+        """The frozen head quantized once (as performance.fp8_head does when the loss is built)."""
+        from hone.kernels.cross_entropy_fp8 import fused_linear_cross_entropy_fp8
+        from hone.kernels.fp8_linear import quantize_frozen_weight
+
+        quantized = {}
+
+        def loss(h, w, t):
+            if w.requires_grad:
+                raise ValueError("a float8 head is a frozen head")
+            if w.data_ptr() not in quantized:
+                quantized.clear()
+                quantized[w.data_ptr()] = quantize_frozen_weight(w.detach(), "rowwise")
+            return fused_linear_cross_entropy_fp8(h, quantized[w.data_ptr()], t, chunk_tokens=chunk_tokens, impl="triton")
+
+        return loss
+
     return {
         "reference eager": lambda: linear_cross_entropy_reference,
         "reference compiled": lambda: compiled(linear_cross_entropy_reference),
@@ -41,6 +59,7 @@ def _variants(chunk_tokens: int | None) -> dict[str, Callable[[], Callable]]:
         "fused-torch in compiled graph": lambda: compiled(fused("torch")),
         "fused-compiled (inductor chunk step)": lambda: fused("compiled"),
         "fused-triton": lambda: fused("triton"),
+        "fused-triton, float8 head (frozen only)": float8_head,
     }
 
 
@@ -128,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             head = "trained" if train_weight else "frozen"
             ref_value = None
             for name in names:
+                if train_weight and "float8 head" in name:
+                    continue  # a trained head stays bf16
                 if "triton" in name and not triton_available("cuda"):
                     print(f"| {n} | {head} | {name} | skipped: triton not installed | | | |")
                     continue
