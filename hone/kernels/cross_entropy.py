@@ -258,15 +258,21 @@ def check_shapes(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         )
 
 
-def resolve_impl_and_chunk(hidden: torch.Tensor, vocab: int, impl: str, chunk_tokens: int | None) -> tuple[str, int]:
-    """``auto`` made concrete (Triton on CUDA, else torch; Triton refused where it cannot run) and
-    the chunk size (:func:`default_chunk_tokens` unless given, at least 1)."""
+def resolve_impl(hidden: torch.Tensor, impl: str, kernel: str = "fused cross-entropy") -> str:
+    """``auto`` made concrete: Triton on CUDA where it is installed, else torch; an explicit
+    ``triton`` where it cannot run is refused, naming ``kernel``."""
     if impl == "auto":
         impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
     if impl == "triton" and not triton_available(hidden.device):
         raise KernelUnavailableError(
-            f"fused cross-entropy impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
+            f"{kernel} impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
         )
+    return impl
+
+
+def resolve_impl_and_chunk(hidden: torch.Tensor, vocab: int, impl: str, chunk_tokens: int | None) -> tuple[str, int]:
+    """:func:`resolve_impl` and the chunk size (:func:`default_chunk_tokens` unless given, at least 1)."""
+    impl = resolve_impl(hidden, impl)
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(hidden.shape[0], vocab)
     if chunk_tokens < 1:

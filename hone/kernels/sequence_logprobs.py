@@ -45,8 +45,9 @@ from hone.kernels.cross_entropy import (
     KernelUnavailableError,
     accumulate_weight_grad,
     default_chunk_tokens,
+    resolve_impl,
 )
-from hone.kernels.cross_entropy_triton import cross_entropy_softmax_grad_, triton_available
+from hone.kernels.cross_entropy_triton import cross_entropy_softmax_grad_
 
 Impl = Literal["auto", "torch", "triton"]
 IMPLS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -321,12 +322,7 @@ def sequence_logprobs(
             f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias "
             f"({None if bias is None else bias.dtype}) must share a dtype, as the reference's projection does"
         )
-    if impl == "auto":
-        impl = "triton" if hidden.is_cuda and triton_available(hidden.device) else "torch"
-    if impl == "triton" and not triton_available(hidden.device):
-        raise KernelUnavailableError(
-            f"sequence_logprobs impl 'triton' needs triton and a CUDA device (tensors are on {hidden.device}); use 'torch'"
-        )
+    impl = resolve_impl(hidden, impl, "sequence_logprobs")
     if chunk_tokens is None:
         trained = weight.requires_grad or (bias is not None and bias.requires_grad)
         chunk_tokens = default_sequence_chunk_tokens(n, vocab, trained)
