@@ -72,6 +72,8 @@ class Float8CastOnceWeight(WeightWithDynamicFloat8CastTensor):
         # torchao's dispatch rewraps what FSDP2's padding, views and copies return in its own
         # class; rewrap those in this one, so a shard FSDP2 builds keeps this hook.
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no tree to walk (host time a dispatch)
+            return _as_cast_once(out) if type(out) is WeightWithDynamicFloat8CastTensor else out
         return pytree.tree_map_only(WeightWithDynamicFloat8CastTensor, _as_cast_once, out)
 
     @staticmethod
