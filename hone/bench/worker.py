@@ -254,6 +254,9 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         # every step's, warm-up included: hone's rows of one spec train the same rows in the same
         # order from the same weights, so where their curves part is where the math changed
         "losses": [round(loss, 5) for loss in losses],
+        # every step's time, warm-up included: a wide min-max spread says which steps stalled
+        # (a recompile, a collective waiting on another rank) and whether it repeats
+        "step_ms": [round(t * 1000, 1) for t in step_times],
         "total_params": total_params,
     }
     if w.data == "pairs":

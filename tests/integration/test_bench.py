@@ -44,6 +44,7 @@ def test_bench_runs_conditions_and_writes_all_outputs(tmp_path):
         assert row["tokens_per_s"] > 0 and row["mfu_pct"] > 0
         assert row["final_loss"] == pytest.approx(row["final_loss"]) and 0 < row["final_loss"] < 20
         assert len(row["losses"]) == 3 and row["losses"][-1] == pytest.approx(row["final_loss"], abs=1e-4)
+        assert len(row["step_ms"]) == 3 and row["max_ms"] == pytest.approx(max(row["step_ms"][-2:]), abs=0.06)
     hone_row = ok[1]  # what every auto took, values only: a defaults row names its setting
     assert hone_row["decided"]["cuda_graphs"] is False and hone_row["decided"]["checkpointing"] == "full"
     assert not any(key.endswith("_why") for key in hone_row["decided"]) and "decided" not in ok[0]
