@@ -250,17 +250,17 @@ def convert_full_finetune(
     }
 
 
-def precompute_scales(model: nn.Module, cast: Callable | None = None) -> None:
+def precompute_scales(model: nn.Module) -> None:
     """After each optimizer step: the float8 scales of every FSDP-sharded weight in one
-    all-reduce, then each shard cast to float8 once with its scale (``cast``: the casting
-    function, :func:`hone.transforms.fp8_cast_once.cast_all` unless a test hands another); tensorwise
-    float8 all-gather only, a no-op for any other model."""
+    all-reduce, then each shard cast to float8 once with its scale
+    (:func:`hone.transforms.fp8_cast_once.cast_shards`); tensorwise float8 all-gather only, a
+    no-op for any other model."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    from hone.transforms.fp8_cast_once import cast_all, cast_shards
+    from hone.transforms.fp8_cast_once import cast_shards
 
     precompute_float8_dynamic_scale_for_fsdp(model)
-    cast_shards(model, cast or cast_all)
+    cast_shards(model)
 
 
 # ---------------------------------------------------------------- the transform
@@ -324,7 +324,7 @@ def _head_problems(ctx: PlanContext) -> list[str]:
     """``fp8_head`` needs a frozen head (LoRA), the fused SFT loss it runs inside, and a head
     ``_scaled_mm`` can multiply (both dimensions multiples of 16)."""
     from hone.transforms.loss import loss_decision
-    from hone.transforms.memory.facts import transformers_config
+    from hone.transforms.memory.facts import model_facts
 
     cfg = ctx.cfg
     if not cfg.performance.fp8_head:
@@ -348,9 +348,8 @@ def _head_problems(ctx: PlanContext) -> list[str]:
     kind, why = loss_decision(cfg)
     if kind != "fused_linear_ce":
         return [f"performance.fp8_head: true runs inside the fused loss, but the loss is {kind} ({why}): set fp8_head: false"]
-    config = transformers_config(cfg.model)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab, hidden = text.vocab_size, text.hidden_size
+    m = model_facts(cfg)  # the head the estimate counts the copies of
+    vocab, hidden = m.vocab, m.hidden
     if not fits_fp8_shape(hidden, vocab):
         return [
             f"performance.fp8_head: true needs an output head whose dimensions are multiples of 16 for float8 "

@@ -26,7 +26,6 @@ them) carry this behaviour and nothing else in the process does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +34,6 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-CastAllFn = Callable[[list[torch.Tensor], torch.Tensor, torch.dtype], list[torch.Tensor]]
 
 
 def float8_bits(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,10 +128,10 @@ def _shard(weight: Any) -> Float8CastOnceWeight | None:
     return local if isinstance(local, Float8CastOnceWeight) else None
 
 
-def cast_shards(model: nn.Module, cast_all_fn: CastAllFn = cast_all) -> int:
+def cast_shards(model: nn.Module) -> int:
     """After the scales are precomputed (:func:`hone.transforms.fp8.precompute_scales`): cast
-    every sharded float8-all-gather weight once, all in one call of ``cast_all_fn`` per float8
-    dtype (:func:`cast_all`); returns how many were cast."""
+    every sharded float8-all-gather weight once, in one :func:`cast_all` per float8 dtype;
+    returns how many were cast."""
     shards = [s for m in model.modules() if isinstance(m, Float8Linear) and (s := _shard(m.weight)) is not None]
     for shard in shards:
         shard.keep_cast(None)
@@ -143,7 +140,7 @@ def cast_shards(model: nn.Module, cast_all_fn: CastAllFn = cast_all) -> int:
         group = [s for s in scaled if s._dtype == dtype]
         scales = torch.stack([s._precomputed_scale for s in group])
         with torch.no_grad():
-            bits = cast_all_fn([s._tensor for s in group], scales, dtype)
+            bits = cast_all([s._tensor for s in group], scales, dtype)
         for shard, b in zip(group, bits, strict=True):
             shard.keep_cast(b)
     return len(scaled)
