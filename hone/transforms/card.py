@@ -80,5 +80,7 @@ def cap_process_memory(limit: int | None, device: Any) -> str | None:
             f"memory.gpu_memory: {gib(limit)} is more than {props.name} has ({gib(props.total_memory)}); "
             "allowed: a size up to the card's memory, or auto (the card's own)"
         )
-    torch.cuda.set_per_process_memory_fraction(limit / props.total_memory, device)
+    # torch wants the card's index; a one-process run's device is plain ``cuda`` (the current card)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(limit / props.total_memory, index)
     return f"memory.gpu_memory: allocations capped at {gib(limit)} of {props.name}'s {gib(props.total_memory)}"

@@ -13,8 +13,9 @@ from hone.transforms.card import cap_process_memory
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_a_capped_process_cannot_allocate_past_the_cap():
-    device = torch.device("cuda", 0)
+@pytest.mark.parametrize("device", [torch.device("cuda", 0), torch.device("cuda")], ids=["cuda:0", "cuda"])
+def test_a_capped_process_cannot_allocate_past_the_cap(device):
+    # a one-process run's device is plain ``cuda``, which torch's cap refuses without an index
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.empty_cache()
     try:
@@ -24,5 +25,5 @@ def test_a_capped_process_cannot_allocate_past_the_cap():
         fits = torch.empty(int(total * 0.4), dtype=torch.uint8, device=device)
         del fits
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()

@@ -50,7 +50,13 @@ def _fake_cuda(monkeypatch, total):
     fractions = []
     props = SimpleNamespace(total_memory=total, name="FakeGPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+
+    def cap(fraction, device):
+        assert isinstance(device, int), f"torch wants the card's index, got {device!r}"
+        fractions.append(fraction)
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return fractions
 
 
@@ -58,6 +64,9 @@ def test_the_process_is_capped_at_the_configured_share_of_the_card(monkeypatch):
     fractions = _fake_cuda(monkeypatch, 140 * GIB)
     said = cap_process_memory(80 * GIB, torch.device("cuda", 0))
     assert fractions == [pytest.approx(80 / 140)] and "capped at 80.0 GiB of FakeGPU's 140.0 GiB" in said
+    cap_process_memory(70 * GIB, torch.device("cuda"))  # a one-process run's device has no index
+    assert fractions[-1] == pytest.approx(70 / 140)
+    fractions.pop()
     assert cap_process_memory(None, torch.device("cuda", 0)) is None and fractions == [pytest.approx(80 / 140)]
     assert cap_process_memory(80 * GIB, torch.device("cpu")) is None
 
