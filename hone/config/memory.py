@@ -30,6 +30,18 @@ INPUT_ONLY_POLICIES: tuple[Policy, ...] = ("full", "offload")
 #: 183.4 ms for ``full``, benchmarks/2026-11-26-h100-seam.md); below it, ``full`` is chosen.
 SELECTIVE_BUDGET_FLOOR = 0.2
 SELECTIVE_BUDGET_STEP = 0.05
+#: The floor under expert parallelism, where ``full`` rebuilds each MoE layer with its two
+#: exchanges in the backward and costs far more than a low budget (qwen3-30b-a3b over 2 H200s:
+#: 1,549 ms a step under ``full`` against 402.9 ms at 0.15, benchmarks/2026-11-29-h200x2-expert-parallel.md).
+SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL = 0.15
+
+
+def selective_budget_floor(expert_parallel: int | str) -> float:
+    """The lowest budget ``selective_memory_budget: auto`` goes to before ``auto`` checkpointing
+    takes ``full``: lower under expert parallelism (``expert_parallel`` as decided; ``auto`` not
+    yet decided counts as off)."""
+    split = isinstance(expert_parallel, int) and expert_parallel > 1
+    return SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL if split else SELECTIVE_BUDGET_FLOOR
 
 
 def _tiling(value: Any, unit: str, whole: str) -> Any:
@@ -74,8 +86,9 @@ class MemoryConfig(Section):
     """``selective`` on layers compiled by Inductor: the fraction of a layer's activations the
     compiler may keep for the backward (torch's activation memory budget); it recomputes the
     cheapest ops first to stay under it. 1 keeps what runs fastest, lower saves more memory.
-    ``auto``: the largest budget (in steps of 0.05, at least 0.2) whose estimated peak fits the
-    device with a margin; 0.2 with a quantized base (``model.quantize``: little memory).
+    ``auto``: the largest budget (in steps of 0.05, at least 0.2; 0.15 under expert parallelism,
+    where ``full`` repeats the exchanges) whose estimated peak fits the device with a margin; the
+    least with a quantized base (``model.quantize``: little memory).
     Without Inductor, ``selective`` keeps matmul and attention outputs and this is unused."""
 
     tiled_mlp: Literal["auto", "off"] | int = "auto"

@@ -22,9 +22,9 @@ from typing import Any
 from hone.config.memory import (
     INPUT_ONLY_POLICIES,
     POLICIES_BY_SPEED,
-    SELECTIVE_BUDGET_FLOOR,
     SELECTIVE_BUDGET_STEP,
     choose_auto_policy,
+    selective_budget_floor,
 )
 from hone.config.root import HoneConfig
 from hone.transforms.card import device_memory, host_memory
@@ -140,15 +140,16 @@ def selective_budget_choice(
 ) -> tuple[float, str]:
     """(budget, why) of ``memory.selective_memory_budget`` for ``selective`` under Inductor with
     the MLP in ``shards``: as written, or for ``auto`` the largest budget, from 1 down in steps
-    of :data:`SELECTIVE_BUDGET_STEP` to :data:`SELECTIVE_BUDGET_FLOOR`, whose estimated peak fits
+    of :data:`SELECTIVE_BUDGET_STEP` to the floor (:func:`selective_budget_floor`), whose estimated peak fits
     the card with the ``auto`` margin (a larger budget recomputes less: 145 ms at 0.5 against
     159 ms at 0.2 for qwen3-8b at seq 2048 on an H100); with a quantized base, the floor."""
     asked = cfg.memory.selective_memory_budget
     if asked != "auto":
         return asked, f"memory.selective_memory_budget: {asked}"
+    floor = selective_budget_floor(cfg.distributed.expert_parallel)
     if cfg.model.quantize != "none":
-        return SELECTIVE_BUDGET_FLOOR, (
-            f"selective_memory_budget: auto: {SELECTIVE_BUDGET_FLOOR}, the least memory (a quantized base, "
+        return floor, (
+            f"selective_memory_budget: auto: {floor}, the least memory (a quantized base, "
             f"model.quantize: {cfg.model.quantize}, asks for little)"
         )
     kind, budget, source = _budget(device, budget)
@@ -156,13 +157,13 @@ def selective_budget_choice(
         host_budget = host_memory(None)[0]
     usable, limit = auto_limit(budget, source)
     knobs = Knobs("selective", loss_of(cfg), device=kind, tiled_mlp=shards, host_budget=host_budget, param_shards=param_shards)
-    steps = round((1 - SELECTIVE_BUDGET_FLOOR) / SELECTIVE_BUDGET_STEP)
+    steps = round((1 - floor) / SELECTIVE_BUDGET_STEP)
     for i in range(steps + 1):
         fraction = round(1 - i * SELECTIVE_BUDGET_STEP, 2)
         total = estimate_memory(cfg, replace(knobs, selective_budget=fraction)).total
         if total <= usable:
             return fraction, f"selective_memory_budget: auto: {fraction}, the largest that fits ({gib(total)} <= {limit})"
-    return SELECTIVE_BUDGET_FLOOR, f"selective_memory_budget: auto: {SELECTIVE_BUDGET_FLOOR}, the floor (no budget fits {limit})"
+    return floor, f"selective_memory_budget: auto: {floor}, the floor (no budget fits {limit})"
 
 
 def _tiled_on(untiled: int, tiled: int, shards: int, budget: int, source: str) -> str:

@@ -29,7 +29,7 @@ from hone.transforms.compile import compile_choice
 from hone.transforms.context_parallel import per_rank_config, per_rank_facts
 from hone.transforms.cuda_graphs import cuda_graphs_choice
 from hone.transforms.data_parallel import resolve_strategy
-from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
+from hone.transforms.expert_parallel import TILING_HELD_OFF, expert_parallel_choice, untiled_per_rank, with_expert_parallel
 from hone.transforms.experts import experts_choice
 from hone.transforms.fp8_sizes import float8_lora_base, fp8_scaling, with_fp8_base_linears
 from hone.transforms.layer_runs import decide_run_layers
@@ -89,7 +89,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
     context parallelism the memory is decided for one rank's shard of each sequence."""
     context_parallel = cfg.distributed.context_parallel
     facts = per_rank_facts(cfg, facts)  # the group's ranks share the host
-    cfg = per_rank_config(with_expert_parallel(cfg, expert_parallel))
+    asked, cfg = cfg, _per_rank(cfg, expert_parallel)
     allocator = allocator_choice(cfg, facts.device.type)
     compiles, compile_why = compile_choice(cfg, facts)
     experts, experts_why = experts_choice(cfg, facts, expert_parallel)
@@ -110,6 +110,7 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
             shards, tiled_mlp_why = runs.mlp_shards, f"tiled_mlp: auto: {runs.mlp_shards} shards, {runs.tiling_why}"
         if runs.chunks != chunks:
             chunks, chunks_why = runs.chunks, f"tiled_layers: auto: {runs.chunks} chunks, {runs.tiling_why}"
+    tiled_mlp_why, chunks_why = _held_off(asked, cfg, shards, chunks, tiled_mlp_why, chunks_why)
     offload_layers, offload_why = _offload_split(cfg, facts, memory.policy, runs.layers)
     budget, budget_why = None, None
     if memory.policy == "selective" and compiles and cfg.performance.torch_compile_backend == "inductor":
@@ -163,6 +164,28 @@ def _decide(cfg: HoneConfig, facts: RunFacts, expert_parallel: int, expert_paral
         fp8=fp8,
         fp8_why=fp8_why,
     )
+
+
+def _per_rank(cfg: HoneConfig, expert_parallel: int) -> HoneConfig:
+    """``cfg`` as one rank's ``auto`` decisions see it: the experts split as decided, context
+    parallelism's shard, and under an expert parallelism the user asked for, no tiling
+    (:func:`untiled_per_rank`). Under ``expert_parallel: auto`` tiling stays possible, and
+    :func:`decide` takes expert parallelism back where the memory then needs it."""
+    split = per_rank_config(with_expert_parallel(cfg, expert_parallel))
+    return split if cfg.distributed.expert_parallel == "auto" else untiled_per_rank(split)
+
+
+def _held_off(asked: HoneConfig, cfg: HoneConfig, shards: int, chunks: int, mlp_why: str, layers_why: str) -> tuple[str, str]:
+    """The reasons for the tiled MLP and tiled layers where :func:`untiled_per_rank` turned the
+    user's ``auto`` off (``cfg``: the config decided on; ``asked``: the user's), not the
+    ``off`` that config now says."""
+    if asked.distributed.expert_parallel in ("auto", 1):
+        return mlp_why, layers_why
+    if asked.memory.tiled_mlp == "auto" and cfg.memory.tiled_mlp == "off" and not shards:
+        mlp_why = f"tiled_mlp: auto: off, {TILING_HELD_OFF}"
+    if asked.memory.tiled_layers == "auto" and cfg.memory.tiled_layers == "off" and not chunks:
+        layers_why = f"tiled_layers: auto: off, {TILING_HELD_OFF}"
+    return mlp_why, layers_why
 
 
 def _offload_split(cfg: HoneConfig, facts: RunFacts, policy: str, run_layers: int) -> tuple[int | None, str | None]:

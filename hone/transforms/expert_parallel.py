@@ -72,6 +72,22 @@ def with_expert_parallel(cfg: HoneConfig, size: int) -> HoneConfig:
     return cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"expert_parallel": size})})
 
 
+#: Why ``auto`` leaves tiling off under expert parallelism (:func:`untiled_per_rank`).
+TILING_HELD_OFF = "expert parallelism does not run with it yet (every rank takes part in each layer's exchange)"
+
+
+def untiled_per_rank(cfg: HoneConfig) -> HoneConfig:
+    """``cfg`` as the ``auto`` memory decisions see it under expert parallelism (``cfg`` as the
+    plan runs it, the size decided): a tiled MLP and tiled layers off where they are ``auto``, so
+    ``auto`` never picks what :func:`_tiling_problems` then refuses (a run that needs them does not
+    fit, and says so); an explicit count stays, and is refused."""
+    memory = cfg.memory
+    if cfg.distributed.expert_parallel == 1 or (memory.tiled_mlp != "auto" and memory.tiled_layers != "auto"):
+        return cfg
+    update = {key: "off" for key in ("tiled_mlp", "tiled_layers") if getattr(memory, key) == "auto"}
+    return cfg.model_copy(update={"memory": memory.model_copy(update=update)})
+
+
 def expert_parallel_choice(cfg: HoneConfig, facts: RunFacts) -> tuple[int, str]:
     """(size, why) of ``distributed.expert_parallel`` on this run: as written, or ``auto``'s rule
     (the module doc)."""

@@ -193,3 +193,37 @@ def test_fsdp_checks_read_the_decided_size_not_the_written_auto():
     split = config(distributed={"strategy": "fsdp", "cpu_offload": True, "expert_parallel": 2})
     lines = {name: (on, why) for name, _, on, why in decisions(split, facts(2))}
     assert "REFUSED" in lines["fsdp"][1] and "distributed.expert_parallel: 2" in lines["fsdp"][1], lines["fsdp"]
+
+
+def test_auto_never_tiles_beside_expert_parallelism_and_says_why():
+    """A 42 GiB card at selective 0.15: one process would tile the MLP in two to fit; expert
+    parallelism refuses tiling, so ``auto`` leaves it off (the plan runs, naming why) instead of
+    picking what the plan then refuses (found by a bench row on H200s)."""
+    cfg = config(
+        distributed={"expert_parallel": 2, "expert_capacity_factor": 1.25},
+        memory={"activation_checkpointing": "selective", "selective_memory_budget": 0.15},
+    )
+    decided = decide(cfg, facts(2, gib=40))
+    assert decided.tiled_mlp_shards == 0 and decided.tiled_layers_chunks == 0
+    assert decided.tiled_mlp_why == "tiled_mlp: auto: off, expert parallelism does not run with it yet " + (
+        "(every rank takes part in each layer's exchange)"
+    )
+    plan_optimizations(cfg, facts(2, gib=40))  # refused before: "does not run with memory.tiled_mlp yet"
+    written = config(distributed={"expert_parallel": 2}, memory={"tiled_mlp": 2})
+    with pytest.raises(Exception, match="does not run with memory.tiled_mlp yet"):
+        plan_optimizations(written, facts(2, gib=40))
+
+
+def test_the_selective_floor_is_lower_under_expert_parallelism_than_full_checkpointing():
+    """``auto`` goes down to budget 0.15 under expert parallelism before it takes ``full`` (which
+    repeats the exchanges: 1,549 against 402.9 ms a step on 2 H200s); one process keeps 0.2."""
+    from hone.config.memory import SELECTIVE_BUDGET_FLOOR, SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL, selective_budget_floor
+
+    assert SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL < SELECTIVE_BUDGET_FLOOR
+    decided = decide(config(distributed={"expert_parallel": 2, "expert_capacity_factor": 1.25}), facts(2, gib=44))
+    assert decided.checkpointing == "selective", decided.checkpointing_why
+    assert decided.compiler_memory_budget == SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL, decided.compiler_memory_budget_why
+    # (at 0.2, auto's floor without expert parallelism, the estimate is 40.4 GiB: over 44 GiB less 10%)
+    assert [selective_budget_floor(n) for n in (1, "auto", 2, 4)] == [SELECTIVE_BUDGET_FLOOR] * 2 + [
+        SELECTIVE_BUDGET_FLOOR_EXPERT_PARALLEL
+    ] * 2

@@ -17,7 +17,7 @@ phases), where every other term is called.
 
 from dataclasses import dataclass, field
 
-from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED, SELECTIVE_BUDGET_FLOOR
+from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED, selective_budget_floor
 from hone.config.root import HoneConfig
 from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs
@@ -202,7 +202,7 @@ def selective_budget(cfg: HoneConfig, knobs: Knobs) -> float:
     if knobs.selective_budget is not None:
         return knobs.selective_budget
     budget = cfg.memory.selective_memory_budget
-    return SELECTIVE_BUDGET_FLOOR if budget == "auto" else budget
+    return selective_budget_floor(cfg.distributed.expert_parallel) if budget == "auto" else budget
 
 
 def float8_of(cfg: HoneConfig, param_shards: int | None) -> tuple[str, str] | None:

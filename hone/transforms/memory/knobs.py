@@ -37,7 +37,7 @@ class Knobs:
     selective_budget: float | None = None
     """``selective`` under Inductor: the compiler's activation memory budget to estimate at
     (default ``memory.selective_memory_budget``; its ``auto`` is estimated at the floor,
-    :data:`hone.config.memory.SELECTIVE_BUDGET_FLOOR`, the least memory it may choose)."""
+    :func:`hone.config.memory.selective_budget_floor`, the least memory it may choose)."""
     tiled_layers: int | Literal["auto"] = 0
     """``full``/``offload``: each layer in that many chunks of the sequence (``auto``:
     :func:`.terms.tiled_layers.auto_layer_chunks`; 0: whole)."""
