@@ -1,6 +1,7 @@
 """How evenly a MoE model's router spreads one batch's (token, expert) pairs over expert-parallel ranks.
 
-    python scripts/routing_balance.py --preset qwen3-30b-a3b --seq 4096 --ranks 2,4 [--out balance.md]
+    python scripts/routing_balance.py --preset qwen3-30b-a3b --seq 4096 --ranks 2,4
+        [--preset-init sharp_attention] [--out balance.md]
 
 Expert parallelism over ``N`` ranks gives rank ``r`` the contiguous block of ``E / N`` experts
 (:class:`hone.parallel.expert_parallel.ExpertShard`); every layer's exchanges wait for the rank
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import get_args
 
 import torch
 
@@ -48,26 +50,34 @@ def placed_by_load(choices: torch.Tensor, num_experts: int, ranks: int) -> torch
     return owner
 
 
-def router_choices(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> list[torch.Tensor]:
+def router_choices(model: torch.nn.Module, ids: torch.Tensor, top_k: int) -> tuple[list[torch.Tensor], list[float]]:
     """Each MoE layer's ``[tokens, top_k]`` choices for one forward of ``ids`` (in layer order),
     from its router's logits (the routers of transformers' MoE blocks are the ``mlp.gate`` linears
-    or routers whose first output is the logits)."""
+    or routers whose first output is the logits), and the mean cosine of the router's inputs to
+    their batch mean: near 1 when every token's hidden state points the same way (the collapse
+    that sends them all to the same experts, :mod:`hone.models.preset_init`)."""
     recorded: list[torch.Tensor] = []
+    alike: list[float] = []
+
+    def look(_module, inputs) -> None:
+        hidden = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+        alike.append(float(torch.nn.functional.cosine_similarity(hidden, hidden.mean(0, keepdim=True), dim=-1).mean()))
 
     def keep(_module, _inputs, output) -> None:
         logits = output[0] if isinstance(output, tuple) else output
         recorded.append(logits.reshape(-1, logits.shape[-1]).float().topk(top_k, dim=-1).indices.cpu())
 
-    hooks = [m.register_forward_hook(keep) for name, m in model.named_modules() if name.endswith("mlp.gate")]
-    if not hooks:
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    if not routers:
         raise SystemExit("no `mlp.gate` router found: not a MoE model hone knows")
+    hooks = [m.register_forward_pre_hook(look) for m in routers] + [m.register_forward_hook(keep) for m in routers]
     try:
         with torch.no_grad():
             model(input_ids=ids)
     finally:
         for hook in hooks:
             hook.remove()
-    return recorded
+    return recorded, alike
 
 
 def report(
@@ -94,6 +104,12 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def _busiest_expert(choices: torch.Tensor, num_experts: int) -> float:
+    """The most pairs any one expert receives, over the mean expert's."""
+    per_expert = torch.bincount(choices.reshape(-1), minlength=num_experts).double()
+    return float(per_expert.max() / per_expert.mean())
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -101,7 +117,9 @@ def _mean(values: list[float]) -> float:
 def main() -> None:
     from hone.bench.spec import parse_spec
     from hone.bench.worker import model_config_and_size, random_batches
+    from hone.config.model import PresetInit
     from hone.models.materialize import build_skeleton, materialize
+    from hone.models.preset_init import apply_preset_init
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-30b-a3b")
@@ -109,6 +127,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--ranks", default="2,4")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--preset-init", default="transformers", choices=get_args(PresetInit), help="model.preset_init")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -125,15 +144,22 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     model = materialize(build_skeleton(config, dtype), args.device).eval()
+    apply_preset_init(model, args.preset_init)
     first, second = random_batches(spec.workload, 2, id_limit, 0, torch.device(args.device))
     num_experts, top_k = config.num_experts, config.num_experts_per_tok
-    choices, later = router_choices(model, first, top_k), router_choices(model, second, top_k)
+    (choices, alike), (later, _) = router_choices(model, first, top_k), router_choices(model, second, top_k)
     ranks = [n for n in (int(r) for r in args.ranks.split(",")) if num_experts % n == 0]
     title = (
         f"routing balance: {args.preset}, {len(choices)} layers, {args.seq} random tokens, top-{top_k} of {num_experts} "
-        "(placed by load: from the first batch's routing, measured on a second batch)"
+        f"(placed by load: from the first batch's routing, measured on a second batch); preset_init {args.preset_init}"
     )
     text = report(choices, num_experts, ranks, title, later)
+    text += (
+        "\nrouter inputs' mean cosine to their batch mean, by layer: "
+        + ", ".join(f"{a:.2f}" for a in alike[:8])
+        + (f", ... last {alike[-1]:.2f}" if len(alike) > 8 else "")
+        + f"; busiest expert over the mean expert, worst layer: {max(_busiest_expert(c, num_experts) for c in choices):.1f}\n"
+    )
     print(text)
     if args.out:
         args.out.write_text(text)

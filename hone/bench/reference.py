@@ -113,6 +113,10 @@ def run_reference(
         model = build_qlora_reference_model(config, workload.dtype, device, seed)
     else:
         model = build_reference_model(config, workload.dtype, device, seed)
+    if workload.preset is not None:
+        from hone.models.preset_init import apply_preset_init
+
+        apply_preset_init(model, workload.preset_init)
     full_ft = workload.adapter.type == "none"
     if not full_ft:
         from peft import LoraConfig, get_peft_model

@@ -8,7 +8,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from hone.config.base import Section
 from hone.config.errors import ConfigError, ConfigIssue, issues_from_validation
-from hone.config.model import Dtype, PresetName
+from hone.config.model import Dtype, PresetInit, PresetName
 
 
 class BenchAdapter(Section):
@@ -31,6 +31,11 @@ class Workload(Section):
 
     layers: int | None = Field(None, ge=1)
     """Depth override (e.g. 8 layers of qwen3-30b-a3b fit one card)."""
+
+    preset_init: PresetInit = "transformers"
+    """How the preset's random weights are drawn (``model.preset_init``): ``sharp_attention`` for
+    rows whose speed depends on how the router spreads tokens (expert parallelism); every
+    condition, the reference included, gets the same weights."""
 
     sequence_len: int = Field(2048, ge=8)
     micro_batch_size: int = Field(1, ge=1)
@@ -68,6 +73,8 @@ class Workload(Section):
             raise ValueError("set exactly one of workload.preset or workload.path")
         if self.layers is not None and self.preset is None:
             raise ValueError("workload.layers only applies to presets")
+        if self.preset_init != "transformers" and self.preset is None:
+            raise ValueError(f"workload.preset_init: {self.preset_init} only applies to presets (a directory's weights are read)")
         return self
 
     @model_validator(mode="after")

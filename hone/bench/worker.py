@@ -72,6 +72,8 @@ def _hone_config(spec: BenchSpec, condition: Condition, workdir: Path, data_file
         model["preset"] = w.preset
         if w.layers:
             model["preset_overrides"] = {"num_hidden_layers": w.layers}
+        if w.preset_init != "transformers":
+            model["preset_init"] = w.preset_init
     else:
         model["path"] = str(w.path)
     adapter = w.adapter.model_dump() if w.adapter.type == "lora" else {"type": "none"}

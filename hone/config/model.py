@@ -28,6 +28,8 @@ PresetName = Literal[
 #: The presets with mixture-of-experts layers (``model.quantize: mxfp4`` stores their experts);
 #: tests/unit/test_models_presets.py checks it against the presets' configs.
 MOE_PRESETS = frozenset({"tiny-qwen3-moe", "tiny-gpt-oss", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-120b"})
+#: How a preset's random weights are drawn (``hone.models.preset_init`` says why there is a choice).
+PresetInit = Literal["transformers", "sharp_attention"]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AttnImplementation = Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]
@@ -121,6 +123,15 @@ class ModelConfig(Section):
     preset_overrides: dict[str, int | float | bool | str] = Field(default_factory=dict)
     """Fields of the preset's transformers config to override, e.g. ``num_hidden_layers: 8``."""
 
+    preset_init: PresetInit = "transformers"
+    """How the preset's random weights are drawn. ``transformers``: the model's own init. On it a
+    MoE router sends nearly every token to the same few experts (flat attention makes all
+    tokens' hidden states alike after a layer or two), which no trained router does and which
+    expert parallelism pays for. ``sharp_attention``: the same draws with every attention's logits
+    multiplied by 16, so tokens stay distinct and the router spreads them roughly as a trained
+    one does; for benchmarks of expert parallelism (docs/distributed.md). Same architecture and
+    cost per token either way."""
+
     rope_scaling: RopeScaling | None = None
     """RoPE scaling applied to the model's config before it is built (a directory, hub id or
     preset), e.g. ``{type: yarn, factor: 4.0, original_max_position_embeddings: 32768}`` for
@@ -204,6 +215,11 @@ class ModelConfig(Section):
             )
         if self.preset_overrides and self.preset is None:
             raise ValueError("model.preset_overrides only applies together with model.preset")
+        if self.preset_init != "transformers" and self.preset is None:
+            raise ValueError(
+                f"model.preset_init: {self.preset_init} only applies together with model.preset "
+                "(a checkpoint's weights are read, not drawn); remove it"
+            )
         backend = self.attention
         if not backend.installed:
             usable = ", ".join(n for n, b in BACKENDS.items() if b.installed)

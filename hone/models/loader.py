@@ -27,6 +27,7 @@ from hone.models.hub import base_model_reference, local_model_dir
 from hone.models.materialize import AsDrawn, build_skeleton, materialize
 from hone.models.model_dir import check_model_dir, read_causal_lm_config
 from hone.models.precision import Precision, cast_trainable, precision_for
+from hone.models.preset_init import apply_preset_init
 from hone.models.presets import build_preset_config, get_preset
 from hone.models.rope_scaling import with_rope_scaling
 
@@ -135,6 +136,7 @@ def build_preset_model(
         skeleton = build_skeleton(config, dtype, attn_implementation=attn)
         with seeded(seed, device):
             model = materialize(skeleton, device, as_drawn(skeleton) if as_drawn is not None else None)
+    apply_preset_init(model, model_cfg.preset_init)
     cast_parameters(model, dtype)
     return model.to(device)
 

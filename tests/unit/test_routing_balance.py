@@ -38,8 +38,9 @@ def test_router_choices_reads_every_moe_layers_top_k():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 128, (1, 16))
-    choices = routing_balance.router_choices(model, ids, config.num_experts_per_tok)
-    assert len(choices) == config.num_hidden_layers
+    choices, alike = routing_balance.router_choices(model, ids, config.num_experts_per_tok)
+    assert len(choices) == len(alike) == config.num_hidden_layers
+    assert all(-1.0 <= a <= 1.0 for a in alike)
     assert all(c.shape == (16, config.num_experts_per_tok) for c in choices)
     table = routing_balance.report(choices, config.num_experts, [2], "t", later=choices)
     assert table.splitlines()[-1].startswith("| 2 | ") and table.splitlines()[-1].count("|") == 7
