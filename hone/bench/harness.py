@@ -91,7 +91,7 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("tokens_per_s", "trained_tokens_per_s"):
         merged[key] = round(sum(r[key] for r in rows), 1)
         merged[f"{key}_per_gpu"] = round(merged[key] / len(rows), 1)
-    for key in ("peak_alloc_gib", "peak_reserved_gib", "peak_host_gib"):
+    for key in ("peak_alloc_gib", "peak_reserved_gib", "peak_host_gib", "alloc_retries"):
         values = [r[key] for r in rows if r.get(key) is not None]
         merged[key] = max(values) if values else None
     merged["peak_alloc_gib_per_rank"] = [r.get("peak_alloc_gib") for r in rows]

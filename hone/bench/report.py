@@ -32,6 +32,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 "estimated_peak_gib",
                 "peak_reserved_gib",
                 "peak_host_gib",
+                "alloc_retries",
                 "mfu_pct",
                 "final_loss",
                 "packing_efficiency",
@@ -148,7 +149,25 @@ def markdown_table(
                 else ""
             )
         )
+    lines += _retry_notes(summary)
     return "\n".join(lines) + "\n"
+
+
+def _retry_notes(summary: list[dict[str, Any]]) -> list[str]:
+    """A line under the table for each row whose run found the card full (the caching allocator
+    freed its cache and retried: each retry waits for the device, so such a row's time says more
+    about its memory limit than about its settings)."""
+    full = [s for s in summary if s["ok"] and s.get("alloc_retries")]
+    return (
+        [""]
+        + [
+            f"- {s['condition']}: the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's "
+            "limit (each waits for the device)"
+            for s in full
+        ]
+        if full
+        else []
+    )
 
 
 def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None, command: str | None) -> str:

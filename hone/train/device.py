@@ -2,6 +2,7 @@
 
 import resource
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -64,10 +65,25 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return memory_peaks_gib(device)[0]
 
 
+class MemoryReading(NamedTuple):
+    """What a step's end reads of the device's memory (see :func:`memory_reading`)."""
+
+    peak_allocated_gib: float | None
+    peak_reserved_gib: float | None
+    alloc_retries: int | None
+
+
 def memory_peaks_gib(device: torch.device) -> tuple[float | None, float | None]:
-    """``(peak allocated, peak reserved)`` GiB so far on a CUDA ``device`` (tensors, and what the
-    caching allocator holds for them: the second is what ``nvidia-smi`` sees of the run); on the
-    CPU ``(peak RSS of the process, None)``: a CPU run has no allocator cache to report."""
+    """``(peak allocated, peak reserved)`` GiB so far (:func:`memory_reading`)."""
+    return memory_reading(device)[:2]
+
+
+def memory_reading(device: torch.device) -> MemoryReading:
+    """On a CUDA ``device``: the peak GiB allocated so far (tensors) and reserved (what the
+    caching allocator holds for them: what ``nvidia-smi`` sees of the run), and how many times
+    the allocator found the card full, freed its cache and retried (each retry waits for the
+    device). On the CPU: the process's peak RSS, and None for the others (a CPU run has no
+    allocator cache)."""
     if device.type == "cuda":
         # torch.cuda.max_memory_allocated / max_memory_reserved's numbers, read from the nested stats
         # without flattening and sorting all of them in Python: this runs after every step's sync,
@@ -75,13 +91,13 @@ def memory_peaks_gib(device: torch.device) -> tuple[float | None, float | None]:
         stats = torch.cuda.memory_stats_as_nested_dict(device)
         allocated = stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
         reserved = stats.get("reserved_bytes", {}).get("all", {}).get("peak", 0)
-        return allocated / 2**30, reserved / 2**30
+        return MemoryReading(allocated / 2**30, reserved / 2**30, int(stats.get("num_alloc_retries", 0)))
     try:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (OSError, ValueError):
-        return None, None
+        return MemoryReading(None, None, None)
     scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return peak * scale / 2**30, None
+    return MemoryReading(peak * scale / 2**30, None, None)
 
 
 def synchronize(device: torch.device) -> None:

@@ -52,7 +52,7 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.runtime.world import World, current_world
 from hone.train.batches import StepPlan
-from hone.train.device import memory_peaks_gib
+from hone.train.device import memory_reading
 from hone.train.prefetch import WindowFeed
 from hone.train.setup import Trainer, set_up
 from hone.train.signals import StopRequest, graceful_stop
@@ -246,7 +246,7 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
     tally.elapsed_s += step_time
     tally.tokens += result.tokens
     tally.trained_tokens += result.trained_tokens
-    allocated, reserved = memory_peaks_gib(trainer.device)
+    memory = memory_reading(trainer.device)
     return StepMetrics(
         step=state.step,
         epoch=trainer.plan.epoch_at(state.step),
@@ -258,9 +258,10 @@ def _count(trainer: Trainer, tally: Tally, result: StepResult, lr: float, step_s
         tokens=result.tokens,
         tokens_per_s=result.tokens / step_time if step_time > 0 else math.nan,
         step_time_s=step_time,
-        peak_mem_gib=allocated,
+        peak_mem_gib=memory.peak_allocated_gib,
         skipped=not result.updated,
-        peak_reserved_gib=reserved,
+        peak_reserved_gib=memory.peak_reserved_gib,
+        alloc_retries=memory.alloc_retries,
         metrics=result.metrics,
     )
 

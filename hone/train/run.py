@@ -30,6 +30,7 @@ from hone.run_files import CONFIG_FILE, FINAL_DIR, METRICS_FILE, PLOT_FILE, TENS
 from hone.runtime.world import World, world_from_env
 from hone.track.report import format_report
 from hone.track.trackers import abandon_trackers, start_trackers
+from hone.train.allocator_watch import RetryWatch
 from hone.train.checkpoint import resolve_resume
 from hone.train.device import resolve_device
 from hone.train.distributed import check_launch, close_world, device_of, init_world, together
@@ -190,7 +191,7 @@ def _run_training(
             device=device,
             pad_id=pad_token_id(tokenizer),
             console=console,
-            step_callback=_OnStep(console, watch, step_callback),
+            step_callback=_OnStep(console, watch, step_callback, RetryWatch(warn)),
             resume_from=resume_from,
             autocast_dtype=getattr(loaded, "autocast_dtype", None),
             hooks=hooks,
@@ -304,12 +305,20 @@ def _model(
 
 class _OnStep:
     """The loop's step callback in ``hone train``: the cold start's time said once (compilation,
-    autotuning, allocator growth), the compile watch told of every step, then the caller's."""
+    autotuning, allocator growth), the compile watch and the allocator's retry watch told of
+    every step, then the caller's."""
 
-    def __init__(self, console: Console, watch: CompileWatch | None, step_callback: Callable[[StepMetrics], None] | None):
+    def __init__(
+        self,
+        console: Console,
+        watch: CompileWatch | None,
+        step_callback: Callable[[StepMetrics], None] | None,
+        retries: RetryWatch | None = None,
+    ):
         self.console = console
         self.watch = watch
         self.step_callback = step_callback
+        self.retries = retries
         self.first = True
 
     def __call__(self, metrics: StepMetrics) -> None:
@@ -319,6 +328,8 @@ class _OnStep:
             self.console.print(f"first step: {metrics.step_time_s:.1f} s{note}", highlight=False, markup=False)
         if self.watch is not None:
             self.watch.on_step(metrics.step, metrics.step_time_s)
+        if self.retries is not None:
+            self.retries.on_step(metrics.step, metrics.alloc_retries, metrics.peak_reserved_gib)
         if self.step_callback is not None:
             self.step_callback(metrics)
 

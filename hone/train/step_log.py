@@ -53,6 +53,7 @@ class StepMetrics:
     peak_mem_gib: float | None  # CUDA: peak allocated so far; CPU: the process's peak RSS
     skipped: bool
     peak_reserved_gib: float | None = None  # CUDA: peak reserved by the caching allocator; None on CPU
+    alloc_retries: int | None = None  # CUDA: times so far the allocator freed its cache to retry; None on CPU
     metrics: dict[str, float] = field(default_factory=dict)
     """Preference objectives: TRL's metrics (``rewards/margins``, ...) of this step, means over its pairs."""
 

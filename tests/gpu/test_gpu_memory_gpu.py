@@ -27,3 +27,31 @@ def test_a_capped_process_cannot_allocate_past_the_cap(device):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
+
+
+def test_an_allocation_that_needs_the_cache_freed_counts_as_a_retry():
+    """The cached small blocks cannot serve a large block under the cap: the allocator frees its
+    cache and retries, which :func:`hone.train.device.memory_reading` reports."""
+    from hone.train.allocator_watch import RetryWatch
+    from hone.train.device import memory_reading
+
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    said: list[str] = []
+    watch = RetryWatch(said.append)
+    try:
+        cap_process_memory(total // 2, device)
+        before = memory_reading(device).alloc_retries
+        watch.on_step(1, before, None)
+        small = [torch.empty(int(total * 0.04), dtype=torch.uint8, device=device) for _ in range(10)]
+        del small  # freed into the allocator's cache: 40% of the card held, none of it one block
+        large = torch.empty(int(total * 0.3), dtype=torch.uint8, device=device)
+        del large
+        after = memory_reading(device).alloc_retries
+        assert after > before
+        watch.on_step(2, after, None)
+        assert len(said) == 1 and "found the card full" in said[0]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()

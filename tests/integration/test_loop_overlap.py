@@ -21,7 +21,8 @@ from hone.train.checkpointer import Checkpointer
 from hone.train.loop import NonFiniteLossError, train_loop
 
 CPU = torch.device("cpu")
-TIMING = ("step_time_s", "tokens_per_s", "peak_mem_gib", "peak_reserved_gib")  # measured, so different in every run
+# measured, so different in every run
+TIMING = ("step_time_s", "tokens_per_s", "peak_mem_gib", "peak_reserved_gib", "alloc_retries")
 
 
 class Crash(Exception):
