@@ -35,7 +35,7 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bqhd,bkhd->bhqk", q[:, :, :1], k[:, :, :1])
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama", "tiny-gpt-oss"])
 def test_sharp_attention_multiplies_logits_and_leaves_other_weights(preset: str) -> None:
     plain, sharp = _build(preset, "transformers"), _build(preset, "sharp_attention")
     ids = torch.randint(1, 200, (1, 12), generator=torch.Generator().manual_seed(1))
