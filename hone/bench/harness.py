@@ -100,7 +100,9 @@ def merge_ranks(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def add_scaling(rows: list[dict[str, Any]]) -> None:
     """``scaling``: a multi-process row's total tok/s over the one-process hone row with the same
-    overrides (else the spec's first one-process hone row)."""
+    overrides (else the spec's first one-process hone row); ``scaling_per_gpu``: the same per GPU
+    (what expert parallelism's targets compare); ``peak_vs_one``: its fullest rank's peak over
+    that row's."""
     singles = [r for r in rows if r.get("status") == "ok" and r.get("kind") == "hone" and r.get("nproc", 1) == 1]
     for row in rows:
         if row.get("status") != "ok" or row.get("nproc", 1) == 1 or not singles:
@@ -108,7 +110,10 @@ def add_scaling(rows: list[dict[str, Any]]) -> None:
         same = [r for r in singles if r.get("set") == row.get("set_without_nproc")]
         base = (same or singles)[0]
         row["scaling"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row["scaling_per_gpu"] = round(row["scaling"] / row["nproc"], 3)
         row["scaling_vs"] = base["condition"]
+        if row.get("peak_alloc_gib") and base.get("peak_alloc_gib"):
+            row["peak_vs_one"] = round(row["peak_alloc_gib"] / base["peak_alloc_gib"], 3)
 
 
 def one_gpu(visible: str | None) -> str:

@@ -39,6 +39,8 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 "trained_tokens_per_s_at_median",
                 "tokens_per_s_per_gpu",
                 "scaling",
+                "scaling_per_gpu",
+                "peak_vs_one",
                 "pairs_per_s",
             ):
                 values = [r[key] for r in ok if r.get(key) is not None]
@@ -124,8 +126,9 @@ def markdown_table(
         "",
         f"| condition | ms/step (min-max) | speed-up vs {ref_name} | {'pairs/s | ' if pairs else ''}tok/s | peak alloc GiB | "
         "estimated GiB | "
-        "peak host GiB | MFU | first step s | last loss |" + (" GPUs | tok/s per GPU | scaling vs 1 GPU |" if multi else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pairs else "") + ("---|---|---|" if multi else ""),
+        "peak host GiB | MFU | first step s | last loss |"
+        + (" GPUs | tok/s per GPU | scaling vs 1 GPU | per GPU vs 1 GPU | peak vs 1 GPU |" if multi else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pairs else "") + ("---|---|---|---|---|" if multi else ""),
     ]
     if multi:
         lines.insert(
@@ -144,13 +147,21 @@ def markdown_table(
             f"{s['first_step_s']:.2f} | {_fmt(s['final_loss'], '.3f')} |"
             + (
                 f" {s.get('nproc', 1)} | {s.get('tokens_per_s_per_gpu') or s['tokens_per_s']:,.0f} | "
-                f"{_fmt(s.get('scaling'), '.2f')}{'x' if s.get('scaling') else ''} |"
+                f"{_ratio(s.get('scaling'))} | {_ratio(s.get('scaling_per_gpu'))} | {_share(s.get('peak_vs_one'))} |"
                 if multi
                 else ""
             )
         )
     lines += _retry_notes(summary)
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value else ""
+
+
+def _share(value: float | None) -> str:
+    return f"{value:.0%}" if value else ""
 
 
 def _retry_notes(summary: list[dict[str, Any]]) -> list[str]:

@@ -63,7 +63,7 @@ def test_rank_rows_merge_and_scale():
         {"status": "ok", "kind": "hone", "condition": "two", "set_without_nproc": {}, **merged},
     ]
     add_scaling(rows)
-    assert rows[1]["scaling"] == 1.95 and rows[1]["scaling_vs"] == "one"
+    assert rows[1]["scaling"] == 1.95 and rows[1]["scaling_vs"] == "one" and rows[1]["scaling_per_gpu"] == 0.975
 
 
 def test_table_shows_gpus_per_gpu_throughput_and_scaling():
@@ -84,9 +84,10 @@ def test_table_shows_gpus_per_gpu_throughput_and_scaling():
     }
     rows = [
         {**base, "condition": "one", "nproc": 1},
-        {**base, "condition": "two", "nproc": 2, "tokens_per_s": 1950.0, "tokens_per_s_per_gpu": 975.0, "scaling": 1.95},
-    ]
+        {**base, "condition": "two", "nproc": 2, "tokens_per_s": 1950.0, "tokens_per_s_per_gpu": 975.0, "scaling": 1.95,
+         "scaling_per_gpu": 0.975, "peak_vs_one": 0.604},
+    ]  # fmt: skip
     table = markdown_table(spec, summarise(spec, rows))
-    assert "| last loss | GPUs | tok/s per GPU | scaling vs 1 GPU |" in table
+    assert "| last loss | GPUs | tok/s per GPU | scaling vs 1 GPU | per GPU vs 1 GPU | peak vs 1 GPU |" in table
     two = next(line for line in table.splitlines() if line.startswith("| two"))
-    assert two.endswith("| 2 | 975 | 1.95x |")
+    assert two.endswith("| 2 | 975 | 1.95x | 0.97x | 60% |")
