@@ -26,11 +26,16 @@ from typing import get_args
 import torch
 
 
+def pairs_per_expert(choices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` float64: how many of ``choices [tokens, k]``'s (token, expert) pairs each expert receives."""
+    return torch.bincount(choices.reshape(-1), minlength=num_experts).double()
+
+
 def busiest_over_mean(choices: torch.Tensor, num_experts: int, ranks: int, owner: torch.Tensor | None = None) -> float:
     """``choices [tokens, k]`` (global expert ids): the most pairs any of ``ranks`` ranks receives,
     over the mean rank's. ``owner [E]``: the rank holding each expert (None: contiguous blocks
     of ``E / ranks``, hone's placement)."""
-    per_expert = torch.bincount(choices.reshape(-1), minlength=num_experts).double()
+    per_expert = pairs_per_expert(choices, num_experts)
     if owner is None:
         owner = torch.arange(num_experts) // (num_experts // ranks)
     per_rank = torch.zeros(ranks, dtype=torch.float64).index_add_(0, owner, per_expert)
@@ -41,7 +46,7 @@ def placed_by_load(choices: torch.Tensor, num_experts: int, ranks: int) -> torch
     """``owner [E]``: a placement of ``E / ranks`` experts a rank that evens out the pairs of
     ``choices`` (greedy: the busiest expert first, each to the least loaded rank with room), what
     a load-aware expert placement would do from routing statistics."""
-    load = torch.bincount(choices.reshape(-1), minlength=num_experts).tolist()
+    load = pairs_per_expert(choices, num_experts).tolist()
     per_rank, room = [0] * ranks, [num_experts // ranks] * ranks
     owner = torch.empty(num_experts, dtype=torch.long)
     for expert in sorted(range(num_experts), key=lambda e: -load[e]):
@@ -106,7 +111,7 @@ def report(
 
 def _busiest_expert(choices: torch.Tensor, num_experts: int) -> float:
     """The most pairs any one expert receives, over the mean expert's."""
-    per_expert = torch.bincount(choices.reshape(-1), minlength=num_experts).double()
+    per_expert = pairs_per_expert(choices, num_experts)
     return float(per_expert.max() / per_expert.mean())
 
 

@@ -169,16 +169,14 @@ def _retry_notes(summary: list[dict[str, Any]]) -> list[str]:
     freed its cache and retried: each retry waits for the device, so such a row's time says more
     about its memory limit than about its settings)."""
     full = [s for s in summary if s["ok"] and s.get("alloc_retries")]
-    return (
-        [""]
-        + [
-            f"- {s['condition']}: the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's "
-            "limit (each waits for the device)"
-            for s in full
-        ]
-        if full
-        else []
-    )
+    if not full:
+        return []
+    notes = [
+        f"- {s['condition']}: the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's "
+        "limit (each waits for the device)"
+        for s in full
+    ]
+    return ["", *notes]
 
 
 def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None, command: str | None) -> str:

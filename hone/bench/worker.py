@@ -275,10 +275,13 @@ def run_condition(spec: BenchSpec, condition: Condition, replicate: int, world_s
         row["decided"] = decided
     row["peak_host_gib"] = peak_host_gib()
     if device.type == "cuda":
-        row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
-        row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
+        from hone.train.device import memory_reading
+
+        memory = memory_reading(device)
+        row["peak_alloc_gib"] = round(memory.peak_allocated_gib, 2)
+        row["peak_reserved_gib"] = round(memory.peak_reserved_gib, 2)
         # the whole run's: a slow row at the card's limit shows here (hone.train.allocator_watch)
-        row["alloc_retries"] = int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        row["alloc_retries"] = memory.alloc_retries
         row["device"] = torch.cuda.get_device_name()
     else:
         row["peak_alloc_gib"] = row["peak_reserved_gib"] = None

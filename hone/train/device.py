@@ -62,7 +62,7 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
 def peak_memory_gib(device: torch.device) -> float | None:
     """Peak memory so far: CUDA tensors allocated on ``device``, or the process's peak RSS
     on CPU (the closest CPU analogue; it includes Python and libraries, not only tensors)."""
-    return memory_peaks_gib(device)[0]
+    return memory_reading(device).peak_allocated_gib
 
 
 class MemoryReading(NamedTuple):
@@ -71,11 +71,6 @@ class MemoryReading(NamedTuple):
     peak_allocated_gib: float | None
     peak_reserved_gib: float | None
     alloc_retries: int | None
-
-
-def memory_peaks_gib(device: torch.device) -> tuple[float | None, float | None]:
-    """``(peak allocated, peak reserved)`` GiB so far (:func:`memory_reading`)."""
-    return memory_reading(device)[:2]
 
 
 def memory_reading(device: torch.device) -> MemoryReading:
