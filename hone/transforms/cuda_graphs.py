@@ -38,7 +38,9 @@ each compiled layer's graph, so the graphs record and replay NCCL all-to-alls (e
 the same layers in the same order; DDP's gradient all-reduce runs outside them, in eager hooks).
 Without graphs the exchange makes the host-bound step worse: qwen3-30b-a3b (48 layers, expert
 LoRA, seq 4096) on 2 H100 took 620.6 ms a step, 309.6 ms with graphs; on 4, 517.4 and 371.0 ms
-(benchmarks/2026-11-27-h100-expert-parallel.md). Beside FSDP2 it is not measured, so off. A run
+(benchmarks/2026-11-27-h100-expert-parallel.md). Beside FSDP2 graphs are not measured, so off,
+and the step is then host-bound: the same LoRA step on 2 H200s took 771 ms beside FSDP2 and
+380 ms beside DDP with graphs (benchmarks/2026-11-29-h200x2-expert-parallel.md). A run
 that records NCCL kernels must drop its graphs before leaving the process group
 (:func:`hone.train.distributed.release_cuda_graphs`).
 """
@@ -52,6 +54,8 @@ from hone.transforms.fp8_sizes import float8_lora_base
 _MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
 #: Expert parallelism's (benchmarks/2026-11-27-h100-expert-parallel.md).
 _MEASURED_EP = "qwen3-30b-a3b with expert LoRA on 2 H100: 620.6 -> 309.6 ms a step"
+#: Expert parallelism beside FSDP2, without graphs, against DDP with them (benchmarks/2026-11-29-h200x2-expert-parallel.md).
+_MEASURED_EP_FSDP = "qwen3-30b-a3b with expert LoRA on 2 H200: 771 ms a step beside FSDP2, 380 ms beside DDP"
 #: LoRA on a float8 base, and a float8 full fine-tune (benchmarks/2026-11-29-h200-fp8.md).
 _MEASURED_FP8_LORA = "qwen3-8b LoRA q,k,v,o on a float8 base, seq 2048, on an H200: 146.9 -> 94.5 ms a step"
 _MEASURED_FP8_FULL = "llama3.2-3b at seq 4096 on an H200: 274.5 ms a step, 273.2 with graphs"
@@ -88,7 +92,10 @@ def _blocker(
     if perf.torch_compile_scope != "regional":
         return "torch_compile_scope: model (measured with regional compile only)"
     if expert_parallel > 1 and strategy != "ddp":
-        return f"expert parallelism beside {strategy} is not measured with CUDA graphs yet (measured beside DDP)"
+        return (
+            f"expert parallelism beside {strategy} is not measured with CUDA graphs yet (measured beside DDP); "
+            f"without them the step is host-bound ({_MEASURED_EP_FSDP}): with LoRA, prefer distributed.strategy: ddp"
+        )
     if 1 < expert_parallel < facts.world.world_size:
         return (
             f"expert parallel groups of {expert_parallel} in {facts.world.world_size} processes are not measured "
