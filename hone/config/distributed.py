@@ -59,9 +59,11 @@ class DistributedConfig(Section):
     (rounded up to a multiple of 8). Unset (the default): the worst case, every received token's
     choices all on this rank, so nothing can overflow whatever the routing, at up to ``N`` times
     the expert-activation memory of one process. ``1.25`` or so keeps that memory near one
-    process's; a micro-batch whose routing then overflows stops the run with an error naming
-    this key (a pair is never dropped silently). The exchanges themselves never overflow: a token
-    travels at most once to each rank."""
+    process's; a micro-batch whose routing then overflows stops the run before its optimizer
+    step with an error naming this key and the share of pairs the fullest layer received (a pair
+    is never dropped silently); checkpoints do not depend on the factor, so the run continues
+    from its last one with a larger factor (``training.resume: latest``). The exchanges
+    themselves never overflow: a token travels at most once to each rank."""
 
     expert_parallel_chunks: int | Literal["auto"] = "auto"
     """Expert parallelism: each MoE layer exchanges its tokens in this many consecutive chunks,

@@ -596,18 +596,26 @@ class ExpertCapacityError(HoneError):
     """Token-expert pairs did not fit the expert-parallel capacity: the step is refused, not run short."""
 
 
-def check_overflow(overflow: torch.Tensor, capacity: int, shard: ExpertShard | None = None) -> None:
+def check_overflow(overflow: torch.Tensor, capacity: int, shard: ExpertShard | None = None, share: int | None = None) -> None:
     """Refuse the step where pairs went over capacity: the one host sync of a step's overflow
-    counts (sum them over the layers first). With ``shard`` (``N > 1``) the counts are summed
-    over the group first, so every rank raises together instead of one rank leaving the others
-    waiting in the next collective."""
-    total = overflow.detach().to(torch.int64).reshape(())
+    count (one layer's, the largest: :func:`~hone.models.experts.parallel.take_overflow`). With
+    ``shard`` (``N > 1``) the largest over the group, so every rank raises together instead of
+    one rank leaving the others waiting in the next collective. ``share``: the balanced share
+    of pairs a capacity factor multiplies (``S x k``), to say in the error how large a factor
+    that layer needed at least."""
+    worst = overflow.detach().to(torch.int64).reshape(())
     if shard is not None and shard.size > 1:
-        total = total.clone()
-        dist.all_reduce(total, group=shard.group)
-    dropped = int(total)
-    if dropped:
-        raise ExpertCapacityError(
-            f"expert parallel: {dropped} token-expert pair(s) exceeded the capacity of {capacity} rows of a rank's experts "
-            "and were not computed; raise the capacity factor, or leave it unset (the worst case never overflows)"
-        )
+        worst = worst.clone()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=shard.group)
+    dropped = int(worst)
+    if not dropped:
+        return
+    received = ""
+    if share:
+        needed = capacity + dropped
+        received = f" (it received at least {needed} pairs, {needed / share:.3f}x the balanced share of {share})"
+    raise ExpertCapacityError(
+        f"expert parallel: {dropped} token-expert pair(s) exceeded the capacity of {capacity} rows of a rank's experts "
+        f"in one layer{received} and were not computed; raise the capacity factor, or leave it unset (the worst case "
+        "never overflows)"
+    )

@@ -243,12 +243,16 @@ def _apply(model: nn.Module, ctx: PlanContext) -> dict[str, Any]:
 
 
 def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
-    """With a capacity factor: after each micro-batch's forward and backward, the pairs over
-    capacity summed over the layers and the ranks (one sync per micro-batch, none per layer); any
-    stops the run on every rank together (:func:`~hone.parallel.expert_parallel.check_overflow`)."""
+    """With a capacity factor: after each micro-batch's forward and backward (before the
+    optimizer step), the most pairs over capacity of one layer on one rank (one sync per
+    micro-batch, none per layer); any stops the run on every rank together
+    (:func:`~hone.parallel.expert_parallel.check_overflow`), saying what factor that layer
+    needed and how to continue from the last checkpoint with a larger one."""
     groups, capacity = _groups(ctx), _capacity(ctx)
+    facts = model_facts(ctx.cfg)
     # over every rank (the default group), replicas too: any rank's overflow stops all of them together
-    shard = ExpertShard(groups.size, groups.rank, model_facts(ctx.cfg).experts)
+    shard = ExpertShard(groups.size, groups.rank, facts.experts)
+    share = _max_tokens(ctx) * facts.top_k
 
     @contextmanager
     def checked(batch: object) -> Iterator[None]:
@@ -257,11 +261,19 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
         if overflow is None:
             return
         try:
-            check_overflow(overflow, capacity or 0, shard)
+            check_overflow(overflow, capacity or 0, shard, share)
         except ExpertCapacityError as exc:
-            raise ExpertCapacityError(f"distributed.expert_capacity_factor: {_factor(ctx)}: {exc}") from None
+            raise ExpertCapacityError(f"distributed.expert_capacity_factor: {_factor(ctx)}: {exc}. {_CONTINUE}") from None
 
     return checked
+
+
+#: What to do after an overflow: the step it stopped was not taken, and nothing saved depends on the factor.
+_CONTINUE = (
+    "The step was not taken. A checkpoint does not depend on the capacity factor: continue from the last one "
+    "with a larger factor (--set distributed.expert_capacity_factor=F --set training.resume=latest, F above the "
+    "share named here with room for the router's variation; or unset: the worst case)"
+)
 
 
 def _as_drawn(skeleton: nn.Module, ctx: PlanContext) -> Replace:

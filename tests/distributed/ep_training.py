@@ -285,6 +285,26 @@ def resume_ranks(rank: int, out: Path, seed: int, cases: list[Case]) -> None:
             torch.save(trainable(model), out / case.name / part / f"weights-rank{rank}.pt")
 
 
+def resume_with_another_capacity(rank: int, out: Path, seed: int) -> None:
+    """:data:`CAPPED` uninterrupted with a checkpoint after step 2, then resumed from it with
+    buffers twice as large (what an overflow's error tells a user to do), in a model whose
+    trained weights were scrambled first: nothing saved depends on the capacity."""
+    from hone.runtime.world import current_world
+
+    world = current_world()
+    facts = RunFacts(CPU, world=world)
+    wider = Case(CAPPED.adapter, CAPPED.packed, capacity_factor=2.0)
+    for part, case in (("whole", CAPPED), ("resumed", wider)):
+        cfg = make_config(out / part, case, accumulation=1, expert_parallel=world.world_size, save_steps=2)
+        model = expert_parallel_model(case, seed, cfg, facts)
+        resume_from = None
+        if part == "resumed":
+            scramble_trainable(model, rank)
+            resume_from = out / "whole" / "checkpoints" / "step-2"
+        run(model, cfg, world, facts, seed, resume_from=resume_from)
+        torch.save(trainable(model), out / part / f"weights-rank{rank}.pt")
+
+
 def scramble(model: torch.nn.Module, rank: int) -> None:
     """Add noise to the trainable weights: whatever a resumed run ends with must come from the checkpoint."""
     with torch.no_grad():

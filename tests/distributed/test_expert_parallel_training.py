@@ -18,6 +18,7 @@ from ep_training import (
     SLOW_CASES,
     joined_weights,
     overflow_ranks,
+    resume_with_another_capacity,
     run_ranks,
     run_reference,
 )
@@ -151,3 +152,18 @@ def test_hone_train_runs_expert_parallel_end_to_end(tmp_path, strategy):
     # every expert, gathered (save_pretrained writes the checkpoint format: one tensor per expert)
     layer0 = {key.split(".")[5] for key in final if key.startswith("model.layers.0.mlp.experts.")}
     assert layer0 == {str(e) for e in range(8)}, sorted(final)
+
+
+def test_a_run_resumes_with_another_capacity_factor_exactly(tmp_path):
+    """What the overflow error advises: continue from the last checkpoint with a larger factor."""
+    for part in ("whole", "resumed"):
+        (tmp_path / part).mkdir()
+    spawn(resume_with_another_capacity, 2, tmp_path, SEED, timeout_s=300)
+    whole, resumed = _losses(tmp_path / "whole")[0], _losses(tmp_path / "resumed")[0]
+    assert len(whole) == len(resumed) and resumed[-1] == pytest.approx(whole[-1], rel=1e-6), f"seed {SEED}"
+    for rank in (0, 1):
+        want = torch.load(tmp_path / "whole" / f"weights-rank{rank}.pt")
+        got = torch.load(tmp_path / "resumed" / f"weights-rank{rank}.pt")
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")

@@ -11,9 +11,9 @@ from hone.config import parse_config
 from hone.config.adapter import AdapterConfig
 from hone.errors import HoneError
 from hone.models.adapters import apply_adapter
-from hone.models.experts.backend import EXPERT_SHARD_ATTR, experts_modules
+from hone.models.experts.backend import EXPERT_SHARD_ATTR, experts_modules, register_hone_experts
 from hone.models.experts.lora import expert_lora_factors
-from hone.models.experts.parallel import expert_parallel_names, join_blocks, local_block, shard_experts
+from hone.models.experts.parallel import expert_parallel_names, join_blocks, local_block, shard_experts, take_overflow
 from hone.models.presets import build_preset_config
 from hone.parallel.expert_parallel import ExpertShard
 from hone.runtime.world import World
@@ -229,3 +229,25 @@ def test_expert_parallel_lora_starts_from_the_draws_of_one_process():
             want = local_block(name, expected[name].detach(), shard) if name in names else expected[name]
             torch.testing.assert_close(param, want, rtol=0, atol=0, msg=name)
         assert any(n in names and "lora_A" in n and p.abs().sum() > 0 for n, p in trained)
+
+
+def test_the_overflow_taken_is_one_layer_s_largest_and_a_forward_run_again_does_not_add_to_it():
+    """The counter keeps the most pairs one forward of a layer left out, so a forward re-run in the
+    backward (full checkpointing) does not count them twice and the error can say how much
+    capacity that layer needed; taking it clears it."""
+    register_hone_experts()
+    model = _moe()
+    model.config._experts_implementation = "hone"
+    shard_experts(model, 1, 0, max_tokens=16, capacity=8)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    per_layer = []
+    with torch.no_grad():
+        model(ids)
+        for _, module in experts_modules(model):
+            per_layer.append(int(module.hone_expert_overflow))
+        once = take_overflow(model)
+        model(ids)
+        model(ids)  # the same micro-batch's forward again, as checkpointing re-runs it
+        again = take_overflow(model)
+    assert min(per_layer) > 0 and int(once) == max(per_layer) == int(again), (per_layer, once, again)
+    assert int(take_overflow(model)) == 0

@@ -228,7 +228,10 @@ def expert_parallel_forward(
         recompute=getattr(module, EXPERT_RECOMPUTE_ATTR, False),
     )
     if capacity is not None:
-        getattr(module, EXPERT_OVERFLOW_BUFFER).add_(overflow)
+        # the largest overflow of one forward, not a sum: a forward run again in the backward
+        # (full checkpointing) would otherwise count its pairs twice
+        counter = getattr(module, EXPERT_OVERFLOW_BUFFER)
+        counter.copy_(torch.maximum(counter, overflow))
     return out
 
 

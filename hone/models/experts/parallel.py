@@ -116,12 +116,13 @@ def shard_experts(
 
 
 def take_overflow(model: nn.Module) -> torch.Tensor | None:
-    """The pairs over capacity counted since the last call, summed over the layers (a device
-    tensor: no sync), and the counters cleared; None where no module counts (the worst-case capacity)."""
+    """The most pairs over capacity one layer's forward left uncomputed since the last call (a
+    device tensor: no sync), and the counters cleared; None where no module counts (the
+    worst-case capacity). The largest rather than the sum says how much capacity was missing."""
     counters = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == EXPERT_OVERFLOW_BUFFER]
     if not counters:
         return None
-    total = torch.stack(counters).sum()
+    total = torch.stack(counters).max()
     for counter in counters:
         counter.zero_()
     return total
