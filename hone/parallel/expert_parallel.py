@@ -601,8 +601,9 @@ def check_overflow(overflow: torch.Tensor, capacity: int, shard: ExpertShard | N
     count (one layer's, the largest: :func:`~hone.models.experts.parallel.take_overflow`). With
     ``shard`` (``N > 1``) the largest over the group, so every rank raises together instead of
     one rank leaving the others waiting in the next collective. ``share``: the balanced share
-    of pairs a capacity factor multiplies (``S x k``), to say in the error how large a factor
-    that layer needed at least."""
+    of pairs a capacity factor multiplies (``S x k``), to say in the error what share that
+    layer received (its capacity plus its overflow: only where the layer's pairs went through
+    one capacity, not split over chunks)."""
     worst = overflow.detach().to(torch.int64).reshape(())
     if shard is not None and shard.size > 1:
         worst = worst.clone()
@@ -613,7 +614,7 @@ def check_overflow(overflow: torch.Tensor, capacity: int, shard: ExpertShard | N
     received = ""
     if share:
         needed = capacity + dropped
-        received = f" (it received at least {needed} pairs, {needed / share:.3f}x the balanced share of {share})"
+        received = f" (it received {needed} pairs, {needed / share:.3f}x the balanced share of {share})"
     raise ExpertCapacityError(
         f"expert parallel: {dropped} token-expert pair(s) exceeded the capacity of {capacity} rows of a rank's experts "
         f"in one layer{received} and were not computed; raise the capacity factor, or leave it unset (the worst case "

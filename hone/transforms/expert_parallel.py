@@ -246,13 +246,14 @@ def _step_context(model: nn.Module, ctx: PlanContext) -> StepContext:
     """With a capacity factor: after each micro-batch's forward and backward (before the
     optimizer step), the most pairs over capacity of one layer on one rank (one sync per
     micro-batch, none per layer); any stops the run on every rank together
-    (:func:`~hone.parallel.expert_parallel.check_overflow`), saying what factor that layer
-    needed and how to continue from the last checkpoint with a larger one."""
+    (:func:`~hone.parallel.expert_parallel.check_overflow`), saying what share of pairs that
+    layer received and how to continue from the last checkpoint with a larger factor."""
     groups, capacity = _groups(ctx), _capacity(ctx)
     facts = model_facts(ctx.cfg)
     # over every rank (the default group), replicas too: any rank's overflow stops all of them together
     shard = ExpertShard(groups.size, groups.rank, facts.experts)
-    share = _max_tokens(ctx) * facts.top_k
+    # chunks split the capacity, so one count no longer says what a layer received
+    share = _max_tokens(ctx) * facts.top_k if _chunks(ctx) == 1 else None
 
     @contextmanager
     def checked(batch: object) -> Iterator[None]:

@@ -96,6 +96,7 @@ def test_a_capacity_overflow_stops_every_rank_with_the_key_named(tmp_path):
         assert outcome["result"] == "ExpertCapacityError", outcome
         assert outcome["message"].startswith("distributed.expert_capacity_factor: 0.1: expert parallel: ")
         assert "exceeded the capacity of 16 rows of a rank's experts" in outcome["message"]  # 0.1 x T x k, rounded up
+        assert "x the balanced share of" in outcome["message"] and "training.resume=latest" in outcome["message"]
 
 
 def _assert_same_run(two_ranks, one_rank, expected, case):
