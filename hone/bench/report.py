@@ -6,6 +6,7 @@ from typing import Any
 
 from hone.atomic import atomic_write_text, atomic_write_with
 from hone.bench.spec import BenchSpec
+from hone.transforms.watch import GRAPH_WARMUP_STEPS
 
 
 def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -47,6 +48,9 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
                 entry[key] = statistics.median(values) if values else None
             entry["min_ms"] = min(r["min_ms"] for r in ok)
             entry["max_ms"] = max(r["max_ms"] for r in ok)
+            entry["graph_recordings_after_warmup"] = max(
+                (r.get("compile") or {}).get("graph_recordings_after_warmup") or 0 for r in ok
+            )
             # Throughput and MFU follow the aggregated step time, so a row is self-consistent.
             scale = ok[0]["median_ms"] / entry["median_ms"]
             entry["tokens_per_s"] = ok[0]["tokens_per_s"] * scale
@@ -152,7 +156,7 @@ def markdown_table(
                 else ""
             )
         )
-    lines += _retry_notes(summary)
+    lines += _retry_notes(summary) + _recording_notes(summary)
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +179,21 @@ def _retry_notes(summary: list[dict[str, Any]]) -> list[str]:
         f"- {s['condition']}: the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's "
         "limit (each waits for the device)"
         for s in full
+    ]
+    return ["", *notes]
+
+
+def _recording_notes(summary: list[dict[str, Any]]) -> list[str]:
+    """A line under the table for each row whose run recorded CUDA graphs after their warm-up
+    (:class:`hone.transforms.watch.CompileWatch`): recorded again every step, its inputs move, and
+    the row times recordings, not replays."""
+    again = [s for s in summary if s["ok"] and s.get("graph_recordings_after_warmup")]
+    if not again:
+        return []
+    notes = [
+        f"- {s['condition']}: CUDA graphs were recorded {s['graph_recordings_after_warmup']} time(s) after the first "
+        f"{GRAPH_WARMUP_STEPS} steps (recorded again, not replayed: each recording waits for the device)"
+        for s in again
     ]
     return ["", *notes]
 

@@ -9,6 +9,13 @@ first step is the expected cold start; any Dynamo compile of a training step aft
 recompile that costs time, and gets a warning with Dynamo's own reason (from its compilation
 metrics). Evaluation runs without gradients and compiles its own graphs; those are counted
 apart and never warned about.
+
+It also counts the CUDA graphs Inductor records (``CUDAGRAPH_RECORDING``). A layer's graph is
+recorded once, in the first steps; recorded again on every step, its inputs moved between
+steps (a parameter whose storage is allocated anew each step, as FSDP2's gathered ones can be)
+and each recording synchronizes the device and keeps another copy of its memory: slower than no
+graphs. Recordings of a training forward (gradients on) in two consecutive steps after
+:data:`GRAPH_WARMUP_STEPS` get one warning; the backward's and evaluation's are counted only.
 """
 
 from collections.abc import Callable
@@ -17,12 +24,15 @@ from typing import Any
 
 #: Warnings printed for recompiles after the first step; later ones are only counted.
 MAX_WARNINGS = 3
+#: Steps in which Inductor's CUDA graph trees warm up and record each graph the first time.
+GRAPH_WARMUP_STEPS = 3
 
 
 @dataclass
 class CompileEvent:
     compile_id: str
-    kind: str  # "forward" (Dynamo traced a frame), "backward" (lazy backward) or "eval"
+    kind: str  # "forward" (Dynamo traced a frame), "backward" (lazy backward), "eval", or a CUDA graph recorded:
+    # "graph" (a training forward's), "graph_nograd" (a backward's or evaluation's)
     step: int  # the optimizer step in progress (the last finished one + 1)
     late: bool  # compiled after this process finished its first optimizer step
 
@@ -47,6 +57,7 @@ class CompileWatch:
     events: list[CompileEvent] = field(default_factory=list)
     first_step_s: float | None = None
     warned: int = 0
+    warned_graphs: bool = False
     _step: int = 0  # the last optimizer step finished (a resumed run starts past 0)
     _steps_seen: int = 0
     _callback: Any = None
@@ -76,7 +87,9 @@ class CompileWatch:
             kind = "forward" if torch.is_grad_enabled() else "eval"
         elif trigger == "LAZY_BACKWARD":
             kind = "backward"
-        else:  # autotuning, CUDA graph recording: runtime work, not a compilation of new code
+        elif trigger == "CUDAGRAPH_RECORDING":
+            kind = "graph" if torch.is_grad_enabled() else "graph_nograd"
+        else:  # autotuning: runtime work, not a compilation of new code
             return
         self.events.append(CompileEvent(str(args.compile_id), kind, self._step + 1, self._steps_seen > 0))
 
@@ -87,6 +100,7 @@ class CompileWatch:
         late = [e for e in self.events if e.step == step and e.kind == "forward" and e.late]
         self._step = step
         self._steps_seen += 1
+        self._check_graph_recordings(step)
         if late and self.warned < MAX_WARNINGS:
             self.warned += 1
             reasons = recompile_reasons([e.compile_id for e in late])
@@ -99,6 +113,21 @@ class CompileWatch:
                 + (". Further recompiles are only counted (optimizations.json)" if self.warned == MAX_WARNINGS else "")
             )
 
+    def _check_graph_recordings(self, step: int) -> None:
+        """Warn once where training forwards recorded CUDA graphs in this step and the one before,
+        both past the warm-up: the graphs are being recorded again every step."""
+        if self.warned_graphs or step <= GRAPH_WARMUP_STEPS + 1:
+            return
+        now, before = (sum(e.kind == "graph" and e.step == s for e in self.events) for s in (step, step - 1))
+        if now and before:
+            self.warned_graphs = True
+            self.warn(
+                f"steps {step - 1}-{step}: CUDA graphs were recorded again ({before} and {now} graph(s)) after the "
+                f"first {GRAPH_WARMUP_STEPS} steps: their inputs move between steps (e.g. parameters FSDP2 gathers "
+                "into new memory each step) and every recording waits for the device and keeps more memory; "
+                "performance.cuda_graphs: false is likely faster here"
+            )
+
     def summary(self) -> dict[str, Any]:
         """Counts for optimizations.json and the console."""
         train = [e for e in self.events if e.kind == "forward"]
@@ -109,6 +138,8 @@ class CompileWatch:
             "eval_graphs": sum(e.kind == "eval" for e in self.events),
             "recompiles": self._recompiles(train),
             "compiles_after_first_step": sum(e.late for e in train),
+            "graph_recordings": sum(e.kind.startswith("graph") for e in self.events),
+            "graph_recordings_after_warmup": sum(e.kind.startswith("graph") and e.step > GRAPH_WARMUP_STEPS for e in self.events),
             "counted": self.available,
         }
 

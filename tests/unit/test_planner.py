@@ -260,6 +260,53 @@ def test_watch_warns_about_late_compiles_only_and_caps_its_warnings(monkeypatch)
     assert stats["compiles_after_first_step"] == 5 and stats["first_step_s"] == 12.5
 
 
+def test_watch_counts_cuda_graph_recordings_and_warns_once_when_they_repeat_every_step():
+    """One recording per graph in the first steps is the warm-up; a training forward recorded
+    again in two consecutive later steps means its inputs move every step (warned once); a
+    backward's or evaluation's recording (gradients off) is counted only."""
+    import torch
+
+    warnings = []
+    watch = CompileWatch(warnings.append)
+
+    class Args:
+        def __init__(self, trigger, compile_id):
+            self.callback_trigger = type("T", (), {"name": trigger})()
+            self.compile_id = compile_id
+
+    for step in range(1, 9):
+        if step in (2, 6, 7, 8):  # the warm-up recording, then once every step from step 6
+            watch._on_compile_end(Args("CUDAGRAPH_RECORDING", "0/0"))
+        if step == 5:  # evaluation (or a backward) records its own graphs: not a repeat
+            with torch.no_grad():
+                watch._on_compile_end(Args("CUDAGRAPH_RECORDING", "1/0"))
+        watch.on_step(step, 0.1)
+    assert len(warnings) == 1 and warnings[0].startswith("steps 6-7: CUDA graphs were recorded again")
+    assert "performance.cuda_graphs: false" in warnings[0]
+    stats = watch.summary()
+    assert stats["graph_recordings"] == 5 and stats["graph_recordings_after_warmup"] == 4
+    assert stats["forward_graphs"] == 0 and stats["recompiles"] == 0  # recordings are not compiles
+
+
+def test_the_bench_table_notes_a_row_whose_cuda_graphs_were_recorded_again():
+    from hone.bench.report import markdown_table, summarise
+    from hone.bench.spec import parse_spec
+
+    spec = parse_spec(
+        {"name": "t", "workload": {"preset": "tiny-llama"}, "conditions": [{"name": "replayed"}, {"name": "re-recorded"}]},
+        "test",
+    )
+    rows = [
+        {"condition": name, "replicate": 0, "status": "ok", "median_ms": 400.0, "min_ms": 400.0, "max_ms": 400.0,
+         "first_step_s": 1.0, "tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "mfu_pct": 1.0, "final_loss": 1.0,
+         "peak_alloc_gib": 39.0, "compile": {"graph_recordings": 2 + late, "graph_recordings_after_warmup": late}}
+        for name, late in (("replayed", 0), ("re-recorded", 96))
+    ]  # fmt: skip
+    table = markdown_table(spec, summarise(spec, rows))
+    assert "- re-recorded: CUDA graphs were recorded 96 time(s) after the first 3 steps" in table
+    assert "- replayed:" not in table
+
+
 def test_watch_registers_with_dynamo_and_unregisters():
     from torch._dynamo.callback import callback_handler
 
