@@ -14,8 +14,10 @@ It also counts the CUDA graphs Inductor records (``CUDAGRAPH_RECORDING``). A lay
 recorded once, in the first steps; recorded again on every step, its inputs moved between
 steps (a parameter whose storage is allocated anew each step, as FSDP2's gathered ones can be)
 and each recording synchronizes the device and keeps another copy of its memory: slower than no
-graphs. Recordings of a training forward (gradients on) in two consecutive steps after
-:data:`GRAPH_WARMUP_STEPS` get one warning; the backward's and evaluation's are counted only.
+graphs. Recordings in two consecutive steps after :data:`GRAPH_WARMUP_STEPS` get one warning
+(an evaluation pass records its own graphs once, in one step; a recording runs inside the
+compiled function's autograd forward, where gradients are off, so it cannot tell training from
+evaluation by the grad mode).
 """
 
 from collections.abc import Callable
@@ -31,8 +33,7 @@ GRAPH_WARMUP_STEPS = 3
 @dataclass
 class CompileEvent:
     compile_id: str
-    kind: str  # "forward" (Dynamo traced a frame), "backward" (lazy backward), "eval", or a CUDA graph recorded:
-    # "graph" (a training forward's), "graph_nograd" (a backward's or evaluation's)
+    kind: str  # "forward" (Dynamo traced a frame), "backward" (lazy backward) or "eval"
     step: int  # the optimizer step in progress (the last finished one + 1)
     late: bool  # compiled after this process finished its first optimizer step
 
@@ -58,6 +59,8 @@ class CompileWatch:
     first_step_s: float | None = None
     warned: int = 0
     warned_graphs: bool = False
+    #: CUDA graphs recorded in this process's n-th step (1: its first, whatever step a resumed run starts at)
+    recordings: dict[int, int] = field(default_factory=dict)
     _step: int = 0  # the last optimizer step finished (a resumed run starts past 0)
     _steps_seen: int = 0
     _callback: Any = None
@@ -88,7 +91,9 @@ class CompileWatch:
         elif trigger == "LAZY_BACKWARD":
             kind = "backward"
         elif trigger == "CUDAGRAPH_RECORDING":
-            kind = "graph" if torch.is_grad_enabled() else "graph_nograd"
+            nth = self._steps_seen + 1
+            self.recordings[nth] = self.recordings.get(nth, 0) + 1
+            return
         else:  # autotuning: runtime work, not a compilation of new code
             return
         self.events.append(CompileEvent(str(args.compile_id), kind, self._step + 1, self._steps_seen > 0))
@@ -100,7 +105,7 @@ class CompileWatch:
         late = [e for e in self.events if e.step == step and e.kind == "forward" and e.late]
         self._step = step
         self._steps_seen += 1
-        self._check_graph_recordings(step)
+        self._check_graph_recordings(step, self._steps_seen)
         if late and self.warned < MAX_WARNINGS:
             self.warned += 1
             reasons = recompile_reasons([e.compile_id for e in late])
@@ -113,12 +118,12 @@ class CompileWatch:
                 + (". Further recompiles are only counted (optimizations.json)" if self.warned == MAX_WARNINGS else "")
             )
 
-    def _check_graph_recordings(self, step: int) -> None:
-        """Warn once where training forwards recorded CUDA graphs in this step and the one before,
-        both past the warm-up: the graphs are being recorded again every step."""
-        if self.warned_graphs or step <= GRAPH_WARMUP_STEPS + 1:
+    def _check_graph_recordings(self, step: int, nth: int) -> None:
+        """Warn once where CUDA graphs were recorded in this step (this process's ``nth``) and the
+        one before, both past the warm-up: the graphs are being recorded again every step."""
+        if self.warned_graphs or nth <= GRAPH_WARMUP_STEPS + 1:
             return
-        now, before = (sum(e.kind == "graph" and e.step == s for e in self.events) for s in (step, step - 1))
+        now, before = self.recordings.get(nth, 0), self.recordings.get(nth - 1, 0)
         if now and before:
             self.warned_graphs = True
             self.warn(
@@ -138,8 +143,8 @@ class CompileWatch:
             "eval_graphs": sum(e.kind == "eval" for e in self.events),
             "recompiles": self._recompiles(train),
             "compiles_after_first_step": sum(e.late for e in train),
-            "graph_recordings": sum(e.kind.startswith("graph") for e in self.events),
-            "graph_recordings_after_warmup": sum(e.kind.startswith("graph") and e.step > GRAPH_WARMUP_STEPS for e in self.events),
+            "graph_recordings": sum(self.recordings.values()),
+            "graph_recordings_after_warmup": sum(n for nth, n in self.recordings.items() if nth > GRAPH_WARMUP_STEPS),
             "counted": self.available,
         }
 

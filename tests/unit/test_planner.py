@@ -261,11 +261,9 @@ def test_watch_warns_about_late_compiles_only_and_caps_its_warnings(monkeypatch)
 
 
 def test_watch_counts_cuda_graph_recordings_and_warns_once_when_they_repeat_every_step():
-    """One recording per graph in the first steps is the warm-up; a training forward recorded
-    again in two consecutive later steps means its inputs move every step (warned once); a
-    backward's or evaluation's recording (gradients off) is counted only."""
-    import torch
-
+    """One recording per graph in the first steps is the warm-up, an evaluation pass records its
+    own graphs once; recordings in two consecutive later steps mean the inputs move every step
+    (warned once)."""
     warnings = []
     watch = CompileWatch(warnings.append)
 
@@ -275,17 +273,21 @@ def test_watch_counts_cuda_graph_recordings_and_warns_once_when_they_repeat_ever
             self.compile_id = compile_id
 
     for step in range(1, 9):
-        if step in (2, 6, 7, 8):  # the warm-up recording, then once every step from step 6
+        # the warm-up recording, an evaluation pass's first one (step 4), then once every step from step 6
+        if step in (2, 4, 6, 7, 8):
             watch._on_compile_end(Args("CUDAGRAPH_RECORDING", "0/0"))
-        if step == 5:  # evaluation (or a backward) records its own graphs: not a repeat
-            with torch.no_grad():
-                watch._on_compile_end(Args("CUDAGRAPH_RECORDING", "1/0"))
         watch.on_step(step, 0.1)
     assert len(warnings) == 1 and warnings[0].startswith("steps 6-7: CUDA graphs were recorded again")
     assert "performance.cuda_graphs: false" in warnings[0]
     stats = watch.summary()
     assert stats["graph_recordings"] == 5 and stats["graph_recordings_after_warmup"] == 4
     assert stats["forward_graphs"] == 0 and stats["recompiles"] == 0  # recordings are not compiles
+    # a resumed run counts its warm-up from its own first step
+    resumed = CompileWatch(warnings.append)
+    for step in range(1001, 1004):
+        resumed._on_compile_end(Args("CUDAGRAPH_RECORDING", "0/0"))
+        resumed.on_step(step, 0.1)
+    assert len(warnings) == 1 and resumed.summary()["graph_recordings_after_warmup"] == 0
 
 
 def test_the_bench_table_notes_a_row_whose_cuda_graphs_were_recorded_again():
