@@ -91,6 +91,7 @@ def test_cuda_graphs_survive_eval_passes_without_grad(tmp_path):
     assert {a["name"]: a for a in graphed["applied"]}["compile"]["details"]["cuda_graphs"] is True
     torch.testing.assert_close(torch.tensor(graphs), torch.tensor(eager), rtol=2e-2, atol=2e-2)
     assert graphed["last_eval_loss"] == pytest.approx(record["last_eval_loss"], rel=2e-2)
+    assert graphed["compile"]["graph_recordings"] > 0  # the watch hears Inductor's recordings on this torch
 
 
 def _train_packed(tmp_path, name, attention, performance, micro_batch_size=1, **sections):
