@@ -51,6 +51,7 @@ def summarise(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[dict[str, Any
             entry["graph_recordings_after_warmup"] = max(
                 (r.get("compile") or {}).get("graph_recordings_after_warmup") or 0 for r in ok
             )
+            entry["first_timed_ratio"] = max((_first_timed_ratio(r, spec.warmup_steps) for r in ok), default=None)
             # Throughput and MFU follow the aggregated step time, so a row is self-consistent.
             scale = ok[0]["median_ms"] / entry["median_ms"]
             entry["tokens_per_s"] = ok[0]["tokens_per_s"] * scale
@@ -156,7 +157,7 @@ def markdown_table(
                 else ""
             )
         )
-    lines += _retry_notes(summary) + _recording_notes(summary)
+    lines += _retry_notes(summary) + _recording_notes(summary) + _warmup_notes(summary, spec.warmup_steps)
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +197,29 @@ def _recording_notes(summary: list[dict[str, Any]]) -> list[str]:
         for s in again
     ]
     return ["", *notes]
+
+
+#: A first timed step this much slower than the other timed steps' median was still warming up.
+SLOW_FIRST_TIMED = 1.5
+
+
+def _first_timed_ratio(row: dict[str, Any], warmup_steps: int) -> float:
+    """The first timed step's time over the median of the other timed ones (0.0 with fewer than
+    three timed steps): where it is well above 1 the warm-up ended too early for this row (a CUDA
+    graph still recording, a late compile) and the median leans on a warm-up step."""
+    timed = (row.get("step_ms") or [])[warmup_steps:]
+    return timed[0] / statistics.median(timed[1:]) if len(timed) >= 3 else 0.0
+
+
+def _warmup_notes(summary: list[dict[str, Any]], warmup_steps: int) -> list[str]:
+    """A line under the table for each row whose first timed step was still a warm-up step."""
+    slow = [s for s in summary if s["ok"] and (s.get("first_timed_ratio") or 0) > SLOW_FIRST_TIMED]
+    notes = [
+        f"- {s['condition']}: its first timed step took {s['first_timed_ratio']:.2f}x the other timed steps' median: "
+        f"still warming up after {warmup_steps} warm-up step(s) (raise warmup_steps; the median leans on it)"
+        for s in slow
+    ]
+    return ["", *notes] if notes else []
 
 
 def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None, command: str | None) -> str:

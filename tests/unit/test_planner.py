@@ -290,25 +290,6 @@ def test_watch_counts_cuda_graph_recordings_and_warns_once_when_they_repeat_ever
     assert len(warnings) == 1 and resumed.summary()["graph_recordings_after_warmup"] == 0
 
 
-def test_the_bench_table_notes_a_row_whose_cuda_graphs_were_recorded_again():
-    from hone.bench.report import markdown_table, summarise
-    from hone.bench.spec import parse_spec
-
-    spec = parse_spec(
-        {"name": "t", "workload": {"preset": "tiny-llama"}, "conditions": [{"name": "replayed"}, {"name": "re-recorded"}]},
-        "test",
-    )
-    rows = [
-        {"condition": name, "replicate": 0, "status": "ok", "median_ms": 400.0, "min_ms": 400.0, "max_ms": 400.0,
-         "first_step_s": 1.0, "tokens_per_s": 1.0, "trained_tokens_per_s": 1.0, "mfu_pct": 1.0, "final_loss": 1.0,
-         "peak_alloc_gib": 39.0, "compile": {"graph_recordings": 2 + late, "graph_recordings_after_warmup": late}}
-        for name, late in (("replayed", 0), ("re-recorded", 96))
-    ]  # fmt: skip
-    table = markdown_table(spec, summarise(spec, rows))
-    assert "- re-recorded: CUDA graphs were recorded 96 time(s) after the first 3 steps" in table
-    assert "- replayed:" not in table
-
-
 def test_watch_registers_with_dynamo_and_unregisters():
     from torch._dynamo.callback import callback_handler
 
