@@ -1,6 +1,7 @@
 """The markdown table and bar chart of a benchmark, with ratios to the reference."""
 
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ def markdown_table(
                 else ""
             )
         )
-    lines += _retry_notes(summary) + _recording_notes(summary) + _warmup_notes(summary, spec.warmup_steps)
+    lines += _notes(summary, spec.warmup_steps)
     return "\n".join(lines) + "\n"
 
 
@@ -169,34 +170,47 @@ def _share(value: float | None) -> str:
     return f"{value:.0%}" if value else ""
 
 
-def _retry_notes(summary: list[dict[str, Any]]) -> list[str]:
-    """A line under the table for each row whose run found the card full (the caching allocator
-    freed its cache and retried: each retry waits for the device, so such a row's time says more
-    about its memory limit than about its settings)."""
-    full = [s for s in summary if s["ok"] and s.get("alloc_retries")]
-    if not full:
-        return []
-    notes = [
-        f"- {s['condition']}: the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's "
-        "limit (each waits for the device)"
-        for s in full
-    ]
-    return ["", *notes]
+def _row_notes(
+    summary: list[dict[str, Any]], flagged: Callable[[dict[str, Any]], bool], says: Callable[[dict[str, Any]], str]
+) -> list[str]:
+    """Lines under the table, one per row that ran and is ``flagged``, each ``- condition: says``
+    (after a blank line; none without such a row)."""
+    notes = [f"- {s['condition']}: {says(s)}" for s in summary if s["ok"] and flagged(s)]
+    return ["", *notes] if notes else []
 
 
-def _recording_notes(summary: list[dict[str, Any]]) -> list[str]:
-    """A line under the table for each row whose run recorded CUDA graphs after their warm-up
-    (:class:`hone.transforms.watch.CompileWatch`): recorded again every step, its inputs move, and
-    the row times recordings, not replays."""
-    again = [s for s in summary if s["ok"] and s.get("graph_recordings_after_warmup")]
-    if not again:
-        return []
-    notes = [
-        f"- {s['condition']}: CUDA graphs were recorded {s['graph_recordings_after_warmup']} time(s) after the first "
-        f"{GRAPH_WARMUP_STEPS} steps (recorded again, not replayed: each recording waits for the device)"
-        for s in again
-    ]
-    return ["", *notes]
+def _notes(summary: list[dict[str, Any]], warmup_steps: int) -> list[str]:
+    """The rows whose time says less than it seems: the card was full (the caching allocator freed
+    its cache and retried, each retry waiting for the device: the time says more about the memory
+    limit than about the settings); CUDA graphs were recorded again after their warm-up (their
+    inputs move, :class:`hone.transforms.watch.CompileWatch`: the row times recordings, not
+    replays); the first timed step was still warming up (the median leans on it)."""
+    return (
+        _row_notes(
+            summary,
+            lambda s: s.get("alloc_retries"),
+            lambda s: (
+                f"the CUDA caching allocator retried {s['alloc_retries']:.0f} allocation(s) at the card's limit "
+                "(each waits for the device)"
+            ),
+        )
+        + _row_notes(
+            summary,
+            lambda s: s.get("graph_recordings_after_warmup"),
+            lambda s: (
+                f"CUDA graphs were recorded {s['graph_recordings_after_warmup']} time(s) after the first "
+                f"{GRAPH_WARMUP_STEPS} steps (recorded again, not replayed: each recording waits for the device)"
+            ),
+        )
+        + _row_notes(
+            summary,
+            lambda s: (s.get("first_timed_ratio") or 0) > SLOW_FIRST_TIMED,
+            lambda s: (
+                f"its first timed step took {s['first_timed_ratio']:.2f}x the other timed steps' median: still "
+                f"warming up after {warmup_steps} warm-up step(s) (raise warmup_steps; the median leans on it)"
+            ),
+        )
+    )
 
 
 #: A first timed step this much slower than the other timed steps' median was still warming up.
@@ -209,17 +223,6 @@ def _first_timed_ratio(row: dict[str, Any], warmup_steps: int) -> float:
     graph still recording, a late compile) and the median leans on a warm-up step."""
     timed = (row.get("step_ms") or [])[warmup_steps:]
     return timed[0] / statistics.median(timed[1:]) if len(timed) >= 3 else 0.0
-
-
-def _warmup_notes(summary: list[dict[str, Any]], warmup_steps: int) -> list[str]:
-    """A line under the table for each row whose first timed step was still a warm-up step."""
-    slow = [s for s in summary if s["ok"] and (s.get("first_timed_ratio") or 0) > SLOW_FIRST_TIMED]
-    notes = [
-        f"- {s['condition']}: its first timed step took {s['first_timed_ratio']:.2f}x the other timed steps' median: "
-        f"still warming up after {warmup_steps} warm-up step(s) (raise warmup_steps; the median leans on it)"
-        for s in slow
-    ]
-    return ["", *notes] if notes else []
 
 
 def _lengths_table(spec: BenchSpec, summary: list[dict[str, Any]], env: dict[str, Any] | None, command: str | None) -> str:
