@@ -82,9 +82,9 @@ def untiled_per_rank(cfg: HoneConfig) -> HoneConfig:
     ``auto`` never picks what :func:`_tiling_problems` then refuses (a run that needs them does not
     fit, and says so); an explicit count stays, and is refused."""
     memory = cfg.memory
-    if cfg.distributed.expert_parallel == 1 or (memory.tiled_mlp != "auto" and memory.tiled_layers != "auto"):
-        return cfg
     update = {key: "off" for key in ("tiled_mlp", "tiled_layers") if getattr(memory, key) == "auto"}
+    if cfg.distributed.expert_parallel == 1 or not update:
+        return cfg
     return cfg.model_copy(update={"memory": memory.model_copy(update=update)})
 
 
