@@ -42,6 +42,7 @@ from hone.config.root import HoneConfig
 from hone.errors import HoneError
 from hone.models.structure import causal_lm_parts, decoder_layers, stands_in_for_layer, unwrap_peft
 from hone.transforms.base import PlanContext, RunFacts, Transform
+from hone.transforms.cuda_graphs import fsdp_problem
 from hone.transforms.inductor import compile_options, configure_cache_dir
 
 
@@ -144,6 +145,9 @@ def _check(ctx: PlanContext) -> list[str]:
             "new shape would record another graph and hold its memory: use triton.cudagraphs: false (or "
             "torch_compile_mode: max-autotune-no-cudagraphs), or train on rows of one length"
         )
+    beside_fsdp = fsdp_problem(perf.cudagraphs_source, ctx.decided.strategy)
+    if beside_fsdp is not None:
+        problems.append(beside_fsdp)
     return problems
 
 

@@ -38,9 +38,13 @@ each compiled layer's graph, so the graphs record and replay NCCL all-to-alls (e
 the same layers in the same order; DDP's gradient all-reduce runs outside them, in eager hooks).
 Without graphs the exchange makes the host-bound step worse: qwen3-30b-a3b (48 layers, expert
 LoRA, seq 4096) on 2 H100 took 620.6 ms a step, 309.6 ms with graphs; on 4, 517.4 and 371.0 ms
-(benchmarks/2026-11-27-h100-expert-parallel.md). Beside FSDP2 graphs are not measured, so off,
-and the step is then host-bound: the same LoRA step on 2 H200s took 771 ms beside FSDP2 and
-380 ms beside DDP with graphs (benchmarks/2026-11-29-h200x2-expert-parallel.md). A run
+(benchmarks/2026-11-27-h100-expert-parallel.md). Beside FSDP2 graphs cannot replay: FSDP2
+gathers each layer's parameters into memory it allocates anew every step and frees after use, so
+the inputs a graph recorded move and Inductor records it again, every step (2 H200s: 2,786 ms a
+step with graphs asked for, 771 ms without, 380 ms beside DDP with them;
+benchmarks/2026-11-29-h200x2-expert-parallel.md). ``auto`` leaves them off there and the plan
+refuses ``cuda_graphs: true`` beside FSDP2 (:func:`fsdp_problem`); with LoRA, DDP is the strategy
+that replays. A run
 that records NCCL kernels must drop its graphs before leaving the process group
 (:func:`hone.train.distributed.release_cuda_graphs`).
 """
@@ -54,8 +58,17 @@ from hone.transforms.fp8_sizes import float8_lora_base
 _MEASURED = "qwen3-30b-a3b 8 layers with expert LoRA on an H100: 64 -> 36 ms a step"
 #: Expert parallelism's (benchmarks/2026-11-27-h100-expert-parallel.md).
 _MEASURED_EP = "qwen3-30b-a3b with expert LoRA on 2 H100: 620.6 -> 309.6 ms a step"
-#: Expert parallelism beside FSDP2, without graphs, against DDP with them (benchmarks/2026-11-29-h200x2-expert-parallel.md).
-_MEASURED_EP_FSDP = "qwen3-30b-a3b with expert LoRA on 2 H200: 771 ms a step beside FSDP2, 380 ms beside DDP"
+#: Expert parallelism beside FSDP2, with graphs asked for and without, against DDP with them
+#: (benchmarks/2026-11-29-h200x2-expert-parallel.md, sessions 30-31).
+_MEASURED_EP_FSDP = (
+    "qwen3-30b-a3b with expert LoRA on 2 H200: beside FSDP2 2,786 ms a step with graphs asked for, "
+    "771 ms without; beside DDP 380 ms with them"
+)
+#: Why graphs cannot replay beside FSDP2.
+_FSDP_MOVES_INPUTS = (
+    "FSDP2 gathers each layer's parameters into memory it allocates anew every step, so the inputs a graph "
+    "recorded move and Inductor records it again every step"
+)
 #: LoRA on a float8 base, and a float8 full fine-tune (benchmarks/2026-11-29-h200-fp8.md).
 _MEASURED_FP8_LORA = "qwen3-8b LoRA q,k,v,o on a float8 base, seq 2048, on an H200: 146.9 -> 94.5 ms a step"
 _MEASURED_FP8_FULL = "llama3.2-3b at seq 4096 on an H200: 274.5 ms a step, 273.2 with graphs"
@@ -91,11 +104,9 @@ def _blocker(
         return f"CUDA graphs need a CUDA device (this run: {facts.device.type})"
     if perf.torch_compile_scope != "regional":
         return "torch_compile_scope: model (measured with regional compile only)"
-    if expert_parallel > 1 and strategy != "ddp":
-        return (
-            f"expert parallelism beside {strategy} is not measured with CUDA graphs yet (measured beside DDP); "
-            f"without them the step is host-bound ({_MEASURED_EP_FSDP}): with LoRA, prefer distributed.strategy: ddp"
-        )
+    if strategy == "fsdp":
+        advice = ": with LoRA, prefer distributed.strategy: ddp" if expert_parallel > 1 else ""
+        return f"{_FSDP_MOVES_INPUTS} ({_MEASURED_EP_FSDP}){advice}"
     if 1 < expert_parallel < facts.world.world_size:
         return (
             f"expert parallel groups of {expert_parallel} in {facts.world.world_size} processes are not measured "
@@ -163,3 +174,16 @@ def cuda_graphs_choice(
     if not facts.shapes_known:
         why += "; if every training micro-batch has one shape (the run checks its data: rows of different lengths turn them off)"
     return True, why
+
+
+def fsdp_problem(source: str, strategy: str) -> str | None:
+    """Why CUDA graphs the config asks for (``source`` names the key) cannot run beside
+    ``strategy``: beside FSDP2 every step would record them again (measured with expert
+    parallelism; the gathering that moves the inputs is FSDP2's own, with or without it)."""
+    if strategy != "fsdp":
+        return None
+    return (
+        f"{source} uses CUDA graphs, which cannot replay beside distributed.strategy: fsdp: {_FSDP_MOVES_INPUTS} "
+        f"({_MEASURED_EP_FSDP}). Use cuda_graphs: auto (off beside FSDP2) or false, or, with LoRA, "
+        "distributed.strategy: ddp, where they replay"
+    )

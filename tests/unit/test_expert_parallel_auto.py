@@ -17,7 +17,7 @@ from hone.transforms.data_parallel import FIT_FRACTION, training_state_bytes
 from hone.transforms.decide import decide
 from hone.transforms.expert_parallel import expert_parallel_choice, with_expert_parallel
 from hone.transforms.plan_report import plan_view, resolved_optimizations
-from hone.transforms.planner import decisions, plan_optimizations
+from hone.transforms.planner import PlanError, decisions, plan_optimizations
 from hone.units import GIB
 
 HOST = 512 * GIB
@@ -158,14 +158,22 @@ def test_cuda_graphs_auto_record_the_exchanges_beside_ddp_only():
         assert decided.cuda_graphs_why.startswith("cuda_graphs: auto: on, expert parallelism's exchanges")
     beside_fsdp = decide(config(distributed={"expert_parallel": 2, "strategy": "fsdp"}, model=eight), facts(2))
     assert beside_fsdp.cuda_graphs is False
-    assert beside_fsdp.cuda_graphs_why.startswith("cuda_graphs: auto: off, expert parallelism beside fsdp")
+    assert beside_fsdp.cuda_graphs_why.startswith("cuda_graphs: auto: off, FSDP2 gathers each layer's parameters")
+    assert beside_fsdp.cuda_graphs_why.endswith("with LoRA, prefer distributed.strategy: ddp")
     groups = decide(config(distributed={"expert_parallel": 2}, model=eight), facts(4))
     assert groups.cuda_graphs is False
     assert "expert parallel groups of 2 in 4 processes" in groups.cuda_graphs_why
     ddp_alone = decide(config(distributed={"expert_parallel": 1, "strategy": "ddp"}, model=eight), facts(2))
     assert ddp_alone.cuda_graphs is False and "data parallelism (ddp)" in ddp_alone.cuda_graphs_why
-    forced = decide(config(distributed={"expert_parallel": 2, "strategy": "fsdp"}, performance={"cuda_graphs": True}), facts(2))
-    assert forced.cuda_graphs is True  # written in the config: tried as asked
+    asked = config(distributed={"expert_parallel": 2, "strategy": "fsdp"}, performance={"cuda_graphs": True})
+    assert decide(asked, facts(2)).cuda_graphs is True  # written in the config: decided as asked, then refused:
+    with pytest.raises(PlanError) as info:
+        plan_optimizations(asked, facts(2))
+    message = str(info.value)
+    assert "performance.cuda_graphs: true uses CUDA graphs, which cannot replay beside distributed.strategy: fsdp" in message
+    assert "2,786 ms a step with graphs asked for" in message and "distributed.strategy: ddp" in message
+    ddp = config(distributed={"expert_parallel": 2, "strategy": "ddp"}, performance={"cuda_graphs": True})
+    assert "compile" in plan_optimizations(ddp, facts(2)).names  # beside DDP they replay: planned as asked
 
 
 def test_the_config_takes_auto_and_the_launch_accepts_it_on_any_world():
