@@ -207,13 +207,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N -m hone train CFG ...``:
-    the same ``hone train`` (config, overrides, verbosity) in N processes of this host, with
-    torchrun's single-host rendezvous."""
+    """``python -m hone.torchrun --standalone --nproc-per-node N -m hone train CFG ...``: the same
+    ``hone train`` (config, overrides, verbosity) in N processes of this host, with torchrun's
+    single-host rendezvous (:mod:`hone.torchrun` is torchrun with a one-line failure)."""
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "hone.torchrun",
         "--standalone",
         f"--nproc-per-node={args.nproc_per_node}",
         "-m",
@@ -257,7 +257,7 @@ def launch_torchrun(args: argparse.Namespace) -> int:
     command = torchrun_command(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, command)  # torchrun takes over this process: signals and exit code are its
+    os.execv(sys.executable, command)  # torchrun takes over this process: signals are its
     return 0  # not reached
 
 

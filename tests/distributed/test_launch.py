@@ -1,9 +1,11 @@
 """Launching: ``hone train CFG --nproc-per-node 2`` (re-executed under torchrun) trains once, with
 rank 0 alone writing and printing; ``torchrun -m hone train`` works too; a rank that fails at
-start-up stops every rank with its message and no hang; refused launches exit 2 before loading."""
+start-up stops every rank with its message and no hang, and the launch ends with one line naming
+it (not torchrun's traceback); refused launches exit 2 before loading."""
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -75,6 +77,19 @@ def test_a_rank_failing_at_start_up_stops_every_rank_with_its_message(tmp_path):
     assert rank1["result"] == "HoneError" and "shard-1.jsonl is missing" in rank1["message"]
     assert rank0["result"] == "PeerFailed" and rank0["exit_code"] == 2 and not rank0["quiet"]
     assert "rank 1 of 2 failed" in rank0["message"] and "shard-1.jsonl is missing" in rank0["message"]
+
+
+def test_a_failed_launch_ends_with_the_first_failed_rank_not_torchruns_traceback(tmp_path):
+    # the run directory holds another run: rank 0 refuses it at start-up, rank 1 stops with it
+    cfg = _config(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    proc = run([sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"])
+    assert proc.returncode == 2, proc.stderr[-4000:]  # the ranks' own code (torchrun exits 1)
+    assert "error: [rank 0] training.output_dir" in proc.stderr  # the cause, as the rank said it
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: rank [01] failed first \(exit code 2\)(; rank [01] stopped after it)?: its error is above", last)
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
 def test_a_rank_failing_mid_run_stops_the_others_without_a_hang(tmp_path):
