@@ -2,6 +2,7 @@
 
     python scripts/memory_at_peak.py --preset qwen3-8b --pairs 512,768 --out peak.md
     python scripts/memory_at_peak.py --preset qwen3-8b --seq 4096 --set memory.activation_checkpointing=none
+    torchrun --nproc-per-node 2 scripts/memory_at_peak.py --preset qwen3-30b-a3b ... --set distributed.expert_parallel=2
 
 Builds the run as scripts/profile_step.py does (the same arguments: random tokens or pairs, the
 path of ``hone train``), trains ``--warmup`` steps, then records the caching allocator's history
@@ -10,13 +11,18 @@ the moment the step's allocated bytes peak and which of the step's own allocatio
 then; they are grouped by the innermost frame of hone, transformers, peft or Inductor's
 generated code (with the source line, so a compiled layer's saved buffers show as the
 ``empty_strided_cuda`` lines that made them). What was allocated before the step (weights,
-optimizer state, caches) is one line: "held from before the step".
+optimizer state, caches) is one line: "held from before the step". Under torchrun every rank
+writes its own report (``OUT`` with ``.rankR`` before the suffix).
 
-A diagnostic, not a measurement: the bench's peak (``hone bench``) counts every step.
+A diagnostic, not a measurement: the bench's peak (``hone bench``) counts every step. With CUDA
+graphs a replayed step allocates nothing (its tensors live in the graphs' pool, allocated when
+they were recorded), so the peak is a recording step's: ``--warmup 0`` records the first step
+(with the model's loading), ``--warmup 1`` the second; the report lists every step's peak.
 """
 
 import argparse
 import linecache
+import os
 import pickle
 import sys
 import tempfile
@@ -79,24 +85,36 @@ def main() -> None:
     from hone.train.run import run_training
 
     state = {"step": 0, "start": 0}
+    peaks: list[float] = []  # each step's max_memory_allocated (GiB)
+
+    def record() -> None:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
 
     def step_callback(metrics) -> None:
         state["step"] += 1
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() / GIB)
         if state["step"] == args.warmup:
-            torch.cuda.synchronize()
             state["start"] = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=500_000)
+            record()
         elif state["step"] == args.warmup + 1:
-            torch.cuda.synchronize()
             state["snapshot"] = torch.cuda.memory._snapshot()
             state["max"] = torch.cuda.max_memory_allocated()
             torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.reset_peak_memory_stats()
+
+    if args.warmup == 0:  # the first step: loading, compiling and (with CUDA graphs) their first runs
+        record()
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = workload_config(args, Path(tmp))
         run_training(cfg, device=torch.device(args.device), step_callback=step_callback, save_outputs=False)
     snap = state["snapshot"]
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one report per rank, as profile_step.py
+        args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
+        if args.snapshot:
+            args.snapshot = args.snapshot.with_name(f"{args.snapshot.stem}.rank{rank}{args.snapshot.suffix}")
     if args.snapshot:
         args.snapshot.write_bytes(pickle.dumps(snap))
     events = [e for trace in snap["device_traces"] for e in trace]
@@ -109,6 +127,10 @@ def main() -> None:
         "",
         f"held from before the step: {state['start'] / GIB:.2f} GiB; the step's peak above it: {peak / GIB:.2f} GiB "
         f"(max_memory_allocated over the step: {state['max'] / GIB:.2f} GiB)",
+        "",
+        "each step's max_memory_allocated, GiB: "
+        + ", ".join(f"{p:.2f}" for p in peaks)
+        + " (with CUDA graphs a replay allocates nothing: the recording steps hold the peak)",
         "",
         "| allocated at (alive at the peak) | GiB | blocks |",
         "|---|---|---|",
