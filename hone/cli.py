@@ -414,8 +414,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hone.runtime.world import World
     from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
-    from hone.transforms.planner import decisions
+    from hone.transforms.planner import PlanError, decisions, plan_optimizations
 
+    refused = 0
     for title, cfg, processes, own_data in configs:
         data = _prepared_data_facts(cfg, own_data)
         budget, source = device_memory(args.device, args.gpu_memory, cfg.memory.gpu_memory_bytes)
@@ -425,7 +426,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         decided = decide(cfg, facts)
         view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided, processes)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
-    return 0
+        try:  # what `hone train` would refuse before loading anything: said in full, not in a table cell
+            plan_optimizations(cfg, facts, decided=decided)
+        except PlanError as refusal:
+            refused += 1
+            print(f"error: {title}: {refusal}", file=sys.stderr, flush=True)
+    return 2 if refused else 0
 
 
 def _prepared_data_facts(cfg, own_data: bool) -> dict:

@@ -274,9 +274,12 @@ def _world_details(facts: RunFacts) -> dict[str, Any]:
     return {"processes": facts.world.world_size, "backend": backend}
 
 
-def plan_optimizations(cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS) -> Plan:
-    """The transforms this run applies, in order; raises :class:`PlanError` with every problem."""
-    ctx = PlanContext(cfg, facts, decide(cfg, facts))
+def plan_optimizations(
+    cfg: HoneConfig, facts: RunFacts, transforms: tuple[Transform, ...] = TRANSFORMS, decided: Decisions | None = None
+) -> Plan:
+    """The transforms this run applies, in order; raises :class:`PlanError` with every problem
+    (``decided``: the plan's decisions where the caller has them already)."""
+    ctx = PlanContext(cfg, facts, decided if decided is not None else decide(cfg, facts))
     chosen, skipped, problems = [], [], []
     for transform in transforms:
         if not transform.wanted(ctx):

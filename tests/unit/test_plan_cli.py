@@ -238,3 +238,17 @@ def test_plan_takes_the_configs_gpu_memory_unless_the_flag_names_another(capsys)
     assert "card: 24.0 GiB (memory.gpu_memory)" in capsys.readouterr().out
     assert main(["plan", "examples/quickstart.yml", *setting, "--gpu-memory", "40GiB"]) == 0
     assert "card: 40.0 GiB (--gpu-memory)" in capsys.readouterr().out
+
+
+def test_a_refused_config_is_said_in_full_after_the_report_and_exits_2(monkeypatch, capsys):
+    """The table's cell is cut at 100 columns; the refusal `hone train` would give is printed whole."""
+    monkeypatch.chdir(ROOT)
+    args = ["plan", "examples/moe_expert_parallel.yml", "--nproc-per-node", "2", "--gpu-memory", "80GiB"]
+    assert main([*args, "--set", "distributed.strategy=fsdp", "--set", "performance.cuda_graphs=true"]) == 2
+    captured = capsys.readouterr()
+    assert "REFUSED: performance.cuda_graphs: true uses CUDA graphs" in captured.out  # the table's cell
+    assert "error: examples/moe_expert_parallel.yml: cannot apply the optimizations" in captured.err
+    assert "cannot replay beside distributed.strategy: fsdp" in captured.err
+    assert "or, with LoRA, distributed.strategy: ddp, where they replay" in captured.err  # whole, not cut
+    assert main([*args, "--set", "distributed.strategy=ddp"]) == 0
+    assert "error:" not in capsys.readouterr().err
