@@ -353,6 +353,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"results: {out / 'results.jsonl'}, {table}")
         # a longest search expects failures (that is how it finds the limit); lengths do not
         return 0 if spec.kind == "longest" or all(r["status"] == "ok" for r in rows) else 1
+    refusals = _bench_refusals(spec, args.spec) if args.spec is not None else []
+    if refusals:  # before any row runs: a refused row would fail at its start, after the rows before it
+        raise HoneError(
+            f"{len(refusals)} condition(s) of the spec would be refused (nothing was run; `hone plan SPEC` shows "
+            "each plan):\n" + "\n".join(refusals)
+        )
     print(f"hone bench: {spec.name}: {len(spec.conditions)} conditions x {spec.replicates} replicate(s) -> {out}", flush=True)
     rows = run_bench(spec, out, on_row=show)
     table, chart = write_reports(spec, rows, out, command=command)
@@ -377,17 +383,9 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int, bool
         raise HoneError(f"--seq-len {seq_len}: give a sequence length of at least 8 tokens")
     if isinstance(raw, dict) and "workload" in raw:
         from hone.bench.spec import load_spec
-        from hone.bench.worker import _hone_config
 
         spec_overrides = list(args.overrides or []) + ([f"workload.sequence_len={seq_len}"] if seq_len else [])
-        spec = load_spec(args.config, spec_overrides)
-        scratch = Path("bench-scratch")
-        random_rows = scratch / "random.jsonl"
-        return [
-            (f"{args.config} [{c.name}]", _hone_config(spec, c, scratch, random_rows), args.nproc_per_node or c.nproc, False)
-            for c in spec.conditions
-            if c.reference is None
-        ]
+        return _spec_configs(load_spec(args.config, spec_overrides), args.config, args.nproc_per_node)
     from hone.config import ConfigError, load_config
     from hone.preflight import preflight
 
@@ -401,6 +399,43 @@ def _plan_configs(args: argparse.Namespace) -> list[tuple[str, object, int, bool
     return [(str(args.config), cfg, args.nproc_per_node or 1, True)]
 
 
+def _spec_configs(spec, label: object, processes: int | None = None) -> list[tuple[str, object, int, bool]]:
+    """:func:`_plan_configs`'s rows for each hone condition of a loaded bench spec (``processes``:
+    instead of each condition's ``nproc``)."""
+    from hone.bench.worker import _hone_config
+
+    scratch = Path("bench-scratch")
+    random_rows = scratch / "random.jsonl"
+    return [
+        (f"{label} [{c.name}]", _hone_config(spec, c, scratch, random_rows), processes or c.nproc, False)
+        for c in spec.conditions
+        if c.reference is None
+    ]
+
+
+def _plan_facts(cfg, processes: int, own_data: bool, device: str, budget: int | None, host_budget: int | None):
+    """The :class:`RunFacts` the plan decides with: the device, its memory budget, the processes
+    and what is known of the data."""
+    import torch
+
+    from hone.runtime.world import World
+    from hone.transforms.base import RunFacts
+
+    world, data = World(0, processes, 0), _prepared_data_facts(cfg, own_data)
+    return RunFacts(torch.device(device), memory_bytes=budget, world=world, host_memory_bytes=host_budget, **data)
+
+
+def _refusal(cfg, facts, decided=None) -> str | None:
+    """What ``hone train`` would refuse before loading anything (its whole message), or None."""
+    from hone.transforms.planner import PlanError, plan_optimizations
+
+    try:
+        plan_optimizations(cfg, facts, decided=decided)
+    except PlanError as refusal:
+        return str(refusal)
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hone.transforms.card import host_memory
     from hone.transforms.plan_report import device_memory, plan_view, render_plan
@@ -409,29 +444,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
     configs = _plan_configs(args)
     if not configs:
         raise HoneError(f"{args.config}: the bench spec has no hone condition to plan (only reference rows)")
-    import torch
-
-    from hone.runtime.world import World
-    from hone.transforms.base import RunFacts
     from hone.transforms.decide import decide
-    from hone.transforms.planner import PlanError, decisions, plan_optimizations
+    from hone.transforms.planner import decisions
 
     refused = 0
     for title, cfg, processes, own_data in configs:
-        data = _prepared_data_facts(cfg, own_data)
         budget, source = device_memory(args.device, args.gpu_memory, cfg.memory.gpu_memory_bytes)
-        facts = RunFacts(
-            torch.device(args.device), memory_bytes=budget, world=World(0, processes, 0), host_memory_bytes=host_budget, **data
-        )
+        facts = _plan_facts(cfg, processes, own_data, args.device, budget, host_budget)
         decided = decide(cfg, facts)
         view = plan_view(cfg, title, args.device, budget, source, host_budget, host_source, decided, processes)
         print(render_plan(view, transforms=decisions(cfg, facts, decided=decided), wide=args.wide), flush=True)
-        try:  # what `hone train` would refuse before loading anything: said in full, not in a table cell
-            plan_optimizations(cfg, facts, decided=decided)
-        except PlanError as refusal:
+        refusal = _refusal(cfg, facts, decided)  # said in full, not only in a cut table cell
+        if refusal is not None:
             refused += 1
             print(f"error: {title}: {refusal}", file=sys.stderr, flush=True)
     return 2 if refused else 0
+
+
+def _bench_refusals(spec, label: object) -> list[str]:
+    """``title: message`` of every hone condition of ``spec`` its run would refuse at its start,
+    planned as the bench's worker plans it (this machine's device and memory, the row's
+    processes), so a spec with a refused row spends no GPU time on the rows before it."""
+    import torch
+
+    from hone.transforms.card import host_memory
+    from hone.transforms.plan_report import device_memory
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    host_budget, _ = host_memory(None)
+    refusals = []
+    for title, cfg, processes, own_data in _spec_configs(spec, label):
+        budget, _ = device_memory(device, None, cfg.memory.gpu_memory_bytes)
+        refusal = _refusal(cfg, _plan_facts(cfg, processes, own_data, device, budget, host_budget))
+        if refusal is not None:
+            refusals.append(f"{title}: {refusal}")
+    return refusals
 
 
 def _prepared_data_facts(cfg, own_data: bool) -> dict:

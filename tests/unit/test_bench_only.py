@@ -33,3 +33,25 @@ def test_an_unknown_condition_is_an_error_that_lists_the_specs_conditions(item):
 def test_only_needs_a_spec_file(capsys):
     assert main(["bench", "--preset", "tiny-llama", "--only", "1"]) != 0
     assert "--only picks conditions of a spec file" in capsys.readouterr().err
+
+
+def test_a_spec_with_a_row_its_run_would_refuse_runs_nothing(tmp_path, capsys):
+    """Every hone row is planned before the first runs (as `hone plan SPEC` plans it): a refused
+    row would otherwise fail at its start after the rows before it had spent the GPU's time."""
+    spec = tmp_path / "spec.yml"
+    spec.write_text(
+        "name: refused\n"
+        "workload: {preset: tiny-llama, sequence_len: 64, dtype: float32}\n"
+        "conditions:\n"
+        "  - name: runs\n"
+        "  - name: graphs beside FSDP2\n"
+        "    nproc: 2\n"
+        "    set: {distributed.strategy: fsdp, performance.torch_compile: true, performance.cuda_graphs: true}\n"
+    )
+    out = tmp_path / "out"
+    assert main(["bench", str(spec), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "1 condition(s) of the spec would be refused (nothing was run" in err
+    assert f"{spec} [graphs beside FSDP2]: cannot apply the optimizations" in err
+    assert "uses CUDA graphs, which cannot replay beside distributed.strategy: fsdp" in err  # on any machine
+    assert not (out / "results.jsonl").exists()  # not even the first row ran
