@@ -207,13 +207,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """``python -m hone.torchrun --standalone --nproc-per-node N -m hone train CFG ...``: the same
+    """``python -m hone.train.torchrun --standalone --nproc-per-node N -m hone train CFG ...``: the same
     ``hone train`` (config, overrides, verbosity) in N processes of this host, with torchrun's
-    single-host rendezvous (:mod:`hone.torchrun` is torchrun with a one-line failure)."""
+    single-host rendezvous (:mod:`hone.train.torchrun` is torchrun with a one-line failure)."""
     command = [
         sys.executable,
         "-m",
-        "hone.torchrun",
+        "hone.train.torchrun",
         "--standalone",
         f"--nproc-per-node={args.nproc_per_node}",
         "-m",

@@ -78,7 +78,7 @@ def test_the_launcher_runs_the_same_train_command_under_torchrun():
     command = torchrun_command(args)
     assert command[1:] == [
         "-m",
-        "hone.torchrun",
+        "hone.train.torchrun",
         "--standalone",
         "--nproc-per-node=4",
         "-m",

@@ -1,4 +1,4 @@
-"""``hone.torchrun``: torchrun's launch with a one-line ending. A failed rank's launch ends with
+"""``hone.train.torchrun``: torchrun's launch with a one-line ending. A failed rank's launch ends with
 the rank that failed first, how it ended and the matching exit code, not torchrun's traceback;
 a signal to the launcher ends quietly with 128 + its number. torchrun's ``run`` is replaced by
 a stand-in here (the 2-process launch is tests/distributed/test_launch.py's)."""
@@ -10,7 +10,7 @@ import torch.distributed.run as torch_run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from hone import torchrun
+from hone.train import torchrun
 
 
 def _failed(**exitcodes: int) -> ChildFailedError:

@@ -1,4 +1,4 @@
-"""``python -m hone.torchrun ARGS``: torchrun whose failure ends in one line, not its traceback.
+"""``python -m hone.train.torchrun ARGS``: torchrun whose failure ends in one line, not its traceback.
 
 ``hone train CFG --nproc-per-node N`` becomes this module (same pid, by ``execv``), which runs
 torchrun's own launcher (``torch.distributed.run``: its argument parser and ``run``) unchanged:
