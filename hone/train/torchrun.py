@@ -10,9 +10,8 @@ view. Here the failure is answered with one line naming the rank that failed fir
 (an exit code, or a signal: then nothing of hone's reported it, and the line says what usually
 sends that signal), and that its error is above; the launch exits with that rank's code (128 +
 the signal's number for a signal, the shell's convention), where torchrun exits 1 for every
-failure. A signal to the launcher itself (Ctrl-C, ``kill``) is forwarded to the ranks by torchrun
-as before (each saves a checkpoint and says how to continue); the launcher then exits 128 + its
-number without a traceback.
+failure. A signal to the launcher itself (Ctrl-C, ``kill``) reaches the ranks as it did under
+torchrun (its agent passes it on); the launcher then exits 128 + its number without a traceback.
 
 ``torchrun -m hone train CFG`` (several hosts, or torchrun's own options) is torchrun as it is.
 """

@@ -44,9 +44,8 @@ the inputs a graph recorded move and Inductor records it again, every step (2 H2
 step with graphs asked for, 771 ms without, 380 ms beside DDP with them;
 benchmarks/2026-11-29-h200x2-expert-parallel.md). ``auto`` leaves them off there and the plan
 refuses ``cuda_graphs: true`` beside FSDP2 (:func:`fsdp_problem`); with LoRA, DDP is the strategy
-that replays. A run
-that records NCCL kernels must drop its graphs before leaving the process group
-(:func:`hone.train.distributed.release_cuda_graphs`).
+that replays. A run that records NCCL kernels must drop its graphs before leaving the process
+group (:func:`hone.train.distributed.release_cuda_graphs`).
 """
 
 from hone.config.memory import INPUT_ONLY_POLICIES
