@@ -10,8 +10,10 @@ view. Here the failure is answered with one line naming the rank that failed fir
 (an exit code, or a signal: then nothing of hone's reported it, and the line says what usually
 sends that signal), and that its error is above; the launch exits with that rank's code (128 +
 the signal's number for a signal, the shell's convention), where torchrun exits 1 for every
-failure. A signal to the launcher itself (Ctrl-C, ``kill``) reaches the ranks as it did under
-torchrun (its agent passes it on); the launcher then exits 128 + its number without a traceback.
+failure. A signal to the launcher itself (``kill PID``, Ctrl-C) reaches the ranks as under
+torchrun (its agent passes it on and waits up to 30 s before SIGKILL): each finishes its step
+and saves a checkpoint (hone.train.signals), and the launch exits 128 + the signal's number,
+where torchrun ended in a traceback of its ``SignalException`` and exit status 1.
 
 ``torchrun -m hone train CFG`` (several hosts, or torchrun's own options) is torchrun as it is.
 """

@@ -6,11 +6,14 @@ it (not torchrun's traceback); refused launches exit 2 before loading."""
 import json
 import random
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import yaml
-from dist_launch import WORKER, run, run_worker, torchrun
+from dist_launch import REPO, TIMEOUT_S, WORKER, child_env, run, run_worker, torchrun
 
 from hone.track.metrics import read_metrics
 
@@ -90,6 +93,31 @@ def test_a_failed_launch_ends_with_the_first_failed_rank_not_torchruns_traceback
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"error: rank [01] failed first \(exit code 2\)(; rank [01] stopped after it)?: its error is above", last)
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_sigterm_to_the_launcher_stops_the_ranks_after_a_checkpoint_and_exits_143(tmp_path):
+    # `kill PID` of `hone train --nproc-per-node 2`: torchrun's agent passes the signal on, each
+    # rank finishes its step and saves; the launch ends quietly with the signal's exit status
+    cfg = _config(tmp_path, max_steps=10_000, save_steps=10_000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hone", "train", str(cfg), "--nproc-per-node", "2"],
+        env=child_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+    while not (metrics.exists() and any(r.get("step", 0) >= 2 for r in read_metrics(metrics))):
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "no step 2 in time"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, stderr[-4000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-4000:]
+    complete = [p for p in (tmp_path / "run" / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file()]
+    assert complete, f"no checkpoint saved on the way out:\n{stderr[-4000:]}"
 
 
 def test_a_rank_failing_mid_run_stops_the_others_without_a_hang(tmp_path):
