@@ -353,7 +353,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"results: {out / 'results.jsonl'}, {table}")
         # a longest search expects failures (that is how it finds the limit); lengths do not
         return 0 if spec.kind == "longest" or all(r["status"] == "ok" for r in rows) else 1
-    refusals = _bench_refusals(spec, args.spec) if args.spec is not None else []
+    refusals = _bench_refusals(spec, args.spec if args.spec is not None else spec.name)
     if refusals:  # before any row runs: a refused row would fail at its start, after the rows before it
         raise HoneError(
             f"{len(refusals)} condition(s) of the spec would be refused (nothing was run; `hone plan SPEC` shows "
