@@ -112,6 +112,26 @@ def test_cudagraphs_need_cuda_and_one_shape():
     assert plan_optimizations(cfg(torch_compile=True, torch_compile_options=options), CUDA).names == ALWAYS + ["compile"]
 
 
+def test_cudagraphs_beside_fsdp2_are_refused_whatever_asks_for_them():
+    """FSDP2 gathers a layer's parameters into new memory every step: graphs would be recorded
+    again every step (measured with expert parallelism; the gathering is FSDP2's own)."""
+    from hone.runtime.world import World
+
+    two = RunFacts(torch.device("cuda"), world=World(0, 2, 0))
+    fsdp = {"distributed": {"strategy": "fsdp"}}
+    for performance, source in (
+        ({"torch_compile": True, "cuda_graphs": True}, "performance.cuda_graphs: true"),
+        ({"torch_compile": True, "torch_compile_mode": "reduce-overhead"}, "torch_compile_mode 'reduce-overhead'"),
+    ):
+        with pytest.raises(PlanError) as info:
+            plan_optimizations(parse_config({**_RAW, **fsdp, "performance": performance}), two)
+        assert f"{source} uses CUDA graphs, which cannot replay beside distributed.strategy: fsdp" in str(info.value)
+    auto = plan_optimizations(parse_config({**_RAW, **fsdp, "performance": {"torch_compile": True}}), two)
+    assert auto.decided.cuda_graphs is False and "FSDP2 gathers each layer's parameters" in auto.decided.cuda_graphs_why
+    ddp = {"distributed": {"strategy": "ddp"}, "performance": {"torch_compile": True, "cuda_graphs": True}}
+    assert "compile" in plan_optimizations(parse_config({**_RAW, **ddp}), two).names  # not refused beside DDP
+
+
 def _transform(name, log, conflicts=(), stage="adapted"):
     return Transform(
         name=name,
