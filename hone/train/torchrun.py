@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(failure_line(rank, failure.exitcode, list(failed.failures)), file=sys.stderr, flush=True)
         return exit_code(failure.exitcode)
     except SignalException as stopped:  # the launcher's own signal: forwarded, the ranks have spoken
-        return 128 + int(stopped.sigval)
+        return exit_code(-int(stopped.sigval))
     return 0
 
 
