@@ -22,7 +22,6 @@ they were recorded), so the peak is a recording step's: ``--warmup 0`` records t
 
 import argparse
 import linecache
-import os
 import pickle
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from profile_step import workload_args, workload_config  # noqa: E402
+from profile_step import per_rank, workload_args, workload_config  # noqa: E402
 
 GIB = 1024**3
 OURS = ("/hone/", "/transformers/", "/peft/", "torchinductor")
@@ -110,11 +109,7 @@ def main() -> None:
         cfg = workload_config(args, Path(tmp))
         run_training(cfg, device=torch.device(args.device), step_callback=step_callback, save_outputs=False)
     snap = state["snapshot"]
-    rank = int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one report per rank, as profile_step.py
-        args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
-        if args.snapshot:
-            args.snapshot = args.snapshot.with_name(f"{args.snapshot.stem}.rank{rank}{args.snapshot.suffix}")
+    args.out, args.snapshot = per_rank(args.out), per_rank(args.snapshot)  # under torchrun: one report per rank
     if args.snapshot:
         args.snapshot.write_bytes(pickle.dumps(snap))
     events = [e for trace in snap["device_traces"] for e in trace]

@@ -66,6 +66,14 @@ def workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--active", type=int, default=2)
 
 
+def per_rank(path: Path | None) -> Path | None:
+    """``path`` with ``.rankR`` before its suffix under torchrun (each rank writes its own file);
+    as it is in one process."""
+    if path is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return path
+    return path.with_name(f"{path.stem}.rank{os.environ.get('RANK', '0')}{path.suffix}")
+
+
 def workload_config(args: argparse.Namespace, work: Path):
     """The config of the run ``args`` describe, its random data written under ``work``: enough
     for ``warmup + active + 1`` optimizer steps (the bench's random tokens or pairs)."""
@@ -142,10 +150,7 @@ def main() -> None:
         ) as prof:
             run_training(cfg, device=torch.device(args.device), step_callback=lambda m: prof.step())
     rank = int(os.environ.get("RANK", "0"))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        args.out = args.out.with_name(f"{args.out.stem}.rank{rank}{args.out.suffix}")
-        if args.trace:
-            args.trace = args.trace.with_name(f"{args.trace.stem}.rank{rank}{args.trace.suffix}")
+    args.out, args.trace = per_rank(args.out), per_rank(args.trace)
     gaps_text = ""
     if args.trace or args.gaps or args.overlap:
         trace = args.trace or Path(tempfile.mkdtemp()) / "trace.json"
