@@ -150,14 +150,24 @@ def float8_mm(
     does not (gradients are where accumulated error compounds) -- torchao's recipes split the
     same way. ``quantize_rows``: how a rowwise ``a`` is quantized, where a caller outside a
     compiled region has a faster form of :func:`quantize` (the same arithmetic)."""
+    a_q, a_scale, scale_b = float8_operands(a.reshape(-1, a.shape[-1]), b_scale, quantize_rows)
+    out = torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=a.dtype, use_fast_accum=fast_accum)
+    return out.reshape(*a.shape[:-1], b_q.shape[0])
+
+
+def float8_operands(
+    a2: torch.Tensor,
+    b_scale: torch.Tensor,
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_q, scale_a, scale_b)`` as ``torch._scaled_mm`` takes them for ``a2 @ b.T``: the 2-D
+    ``a2`` quantized the way ``b`` was (rowwise where ``b_scale`` has a scale per row), and
+    ``b``'s scales shaped as its column-major operand wants them."""
     rowwise = b_scale.numel() > 1
-    a2 = a.reshape(-1, a.shape[-1])
     if not a2.is_contiguous():
         a2 = a2.contiguous()
     a_q, a_scale = quantize_rows(a2) if rowwise and quantize_rows else quantize(a2, "rowwise" if rowwise else "tensorwise")
-    scale_b = b_scale.reshape(1, -1) if rowwise else b_scale
-    out = torch._scaled_mm(a_q, b_q.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=a.dtype, use_fast_accum=fast_accum)
-    return out.reshape(*a.shape[:-1], b_q.shape[0])
+    return a_q, a_scale, (b_scale.reshape(1, -1) if rowwise else b_scale)
 
 
 class _Fp8FrozenLinear(torch.autograd.Function):
