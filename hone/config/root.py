@@ -76,6 +76,15 @@ class HoneConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _fused_lora_needs_lora(self) -> "HoneConfig":
+        if self.performance.lora_linear == "fused" and not self.adapter.is_lora:
+            raise ValueError(
+                "performance.lora_linear: fused chooses how LoRA layers compute, but adapter.type is not lora "
+                "(a full fine-tune has none): remove it, or set adapter.type: lora"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _fp8_needs_bf16(self) -> "HoneConfig":
         """Float8 matmuls write bf16 (rowwise scaling has no float32 output on CUDA) and the
         frozen-base layers keep a bf16 weight beside its float8 copies."""

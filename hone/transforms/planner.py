@@ -40,6 +40,7 @@ from hone.transforms.experts import EXPERTS
 from hone.transforms.fp8 import FP8
 from hone.transforms.fsdp import FSDP
 from hone.transforms.layer_runs import LAYER_RUNS
+from hone.transforms.lora_linear import LORA_LINEAR
 from hone.transforms.loss import LOSS
 from hone.transforms.quantize import QUANTIZE
 from hone.transforms.tiled_layers import TILED_LAYERS
@@ -72,6 +73,10 @@ TRANSFORMS: tuple[Transform, ...] = (
     # after the quantized base (a 4-bit base is not also float8) and before the tiled MLP,
     # checkpointing, compile and FSDP2, which wrap, trace and shard the swapped modules
     FP8,
+    # adapted model: each PEFT LoRA linear instance replaced by hone's fused one, which reads its
+    # base layer (bf16 or the float8 one just swapped in) at each call; before the tiled MLP,
+    # checkpointing and compile, which wrap and trace the layers as they are
+    LORA_LINEAR,
     # adapted model: each decoder layer's MLP computed in shards of tokens; it takes the
     # PEFT-wrapped projections as they are, and comes before checkpointing and compile, which wrap
     # and trace the layer with the tiled MLP inside (a checkpointed layer recomputes the tiled

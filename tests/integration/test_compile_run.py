@@ -56,9 +56,8 @@ REGIONAL = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 def eager_losses(tmp_path_factory):
     """Checkpointing recomputes the same values, so one eager run is the reference for all."""
     losses, record, console = _train(tmp_path_factory.mktemp("eager"), "eager")
-    assert (
-        [a["name"] for a in record["applied"]] == ["attention", "loss"] and "compile" not in record and "first step: " in console
-    )
+    applied = [a["name"] for a in record["applied"]]
+    assert applied == ["attention", "fused_lora_linear", "loss"] and "compile" not in record and "first step: " in console
     return losses
 
 
@@ -82,7 +81,8 @@ def test_compiled_run_trains_like_eager_and_records_what_it_applied(tmp_path, ea
         assert details["layers"] == 2 and details["layer_classes"] == ["Qwen3DecoderLayer"]
         assert stats["forward_graphs"] == 1, stats  # one graph, reused by both layers
     assert (
-        "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce), " in console
+        "optimizations: attention (sdpa, causal, no mask prepared), fused_lora_linear (8 layers), loss (fused_linear_ce), "
+        in console
         and ", compile (" in console
     )
     assert "(compilation included)" in console

@@ -342,7 +342,7 @@ def test_selective_under_inductor_is_the_compilers_memory_budget(tokenizer):
     )
     facts = RunFacts(torch.device("cpu"))
     plan = plan_optimizations(cfg, facts)
-    assert plan.names == ["attention", "loss", "activation_checkpointing", "compile"]  # tiled_mlp: auto, off here
+    assert plan.names == ["attention", "fused_lora_linear", "loss", "activation_checkpointing", "compile"]  # tiled_mlp: auto, off
     model = tiny_model("tiny-qwen3", tokenizer)
     plan.apply(model, "base", cfg, facts)
     (applied,) = [a for a in plan.apply(model, "adapted", cfg, facts) if a.name == "activation_checkpointing"]

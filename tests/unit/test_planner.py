@@ -31,7 +31,7 @@ def cfg(**performance):
     return parse_config({**_RAW, "performance": performance})
 
 
-ALWAYS = ["attention", "loss"]  # every run picks an attention kernel and a loss
+ALWAYS = ["attention", "fused_lora_linear", "loss"]  # every LoRA run picks an attention kernel, its LoRA layers and a loss
 
 
 def test_nothing_asked_plans_the_attention_kernel_and_the_loss_and_compiles_on_cuda_only():
@@ -67,6 +67,7 @@ def test_the_fixed_order_is_attention_experts_tiled_mlp_loss_checkpointing_tiled
         "experts",
         "expert_parallel",
         "fp8",
+        "fused_lora_linear",
         "tiled_mlp",
         "loss",
         "activation_checkpointing",
@@ -194,12 +195,13 @@ def test_record_lists_applied_in_plan_order_then_skipped_then_compile_counts(tmp
     plan.hooks(model, config, CPU)
     path = write_record(tmp_path, plan, {"recompiles": 0})
     record = json.loads(path.read_text())
-    assert path.name == OPTIMIZATIONS_FILE and [a["name"] for a in record["applied"]] == ["attention", "loss"]
-    assert record["applied"][1]["details"]["loss"] == "fused_linear_ce"
+    assert path.name == OPTIMIZATIONS_FILE and [a["name"] for a in record["applied"]] == ALWAYS
+    assert record["applied"][2]["details"]["loss"] == "fused_linear_ce"
     assert record["applied"][0]["details"]["packed_batches_carry"] == "dense_mask"
     assert record["skipped"][0]["name"] == "compile" and record["compile"] == {"recompiles": 0}
     assert plan.describe().startswith(
-        "optimizations: attention (sdpa, causal, no mask prepared), loss (fused_linear_ce); skipped compile"
+        "optimizations: attention (sdpa, causal, no mask prepared), fused_lora_linear (0 layers), loss (fused_linear_ce); "
+        "skipped compile"
     )
 
 
