@@ -10,6 +10,8 @@ LoRA arithmetics:
 - ``addmm``: one autograd function whose forward adds the LoRA output into the base's with
   ``addmm`` (cuBLAS's ``beta = 1`` epilogue) and whose backward adds the LoRA input gradient into
   the base's the same way (issue 29's first item through cuBLAS);
+- ``hone lora_linear``: :func:`hone.kernels.lora_linear.lora_linear`, what hone's LoRA layers
+  run: rank-side scaling and both sums in-place in the matmul epilogue (no copy of the addend);
 - ``rank-side scaling``: one autograd function computing ``((x @ A.T) * s) @ B.T``, the scaling on
   the rank-wide ``[tokens, r]`` tensors in the forward and the backward (the same numbers where
   ``s`` is a power of two, as with hone's defaults alpha 32, r 16).
@@ -21,6 +23,7 @@ benchmarks/2026-11-29-h200-fp8.md.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from hone.kernels.fp8_linear import float8_mm, fp8_frozen_linear, quantize_frozen_weight
+from hone.kernels.lora_linear import lora_linear
 
 TOKENS, HIDDEN, INTERMEDIATE, KV, RANK, SCALING = 8192, 4096, 14336, 1024, 16, 2.0
 SHAPES = {
@@ -106,6 +110,9 @@ def _device_ms(layer: Callable, inputs: dict[str, torch.Tensor], grads: list[tor
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="*", default=[], help="run the variants whose name contains one of these")
+    args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
     weights = {n: torch.randn(o, i, device=dev, dtype=torch.bfloat16) * 0.02 for n, (o, i) in SHAPES.items()}
@@ -130,10 +137,14 @@ def main() -> None:
         args = (weights[n], None, None, None, None) if base is bf16_base else (None, q.w_q, q.w_scale, q.wt_q, q.wt_scale)
         return _AddmmLora.apply(x, lora_a[n], lora_b[n], SCALING, *args)
 
+    def fused(n, x, base):
+        return lora_linear(x, weights[n] if base is bf16_base else fp8[n], None, lora_a[n], lora_b[n], SCALING)
+
     variants = {}
     for base_name, base in (("bf16", bf16_base), ("fp8", fp8_base)):
         variants[f"{base_name} base, PEFT"] = lambda n, x, base=base: base(n, x) + peft(n, x)
         variants[f"{base_name} base, addmm"] = lambda n, x, base=base: addmm(n, x, base)
+        variants[f"{base_name} base, hone lora_linear"] = lambda n, x, base=base: fused(n, x, base)
         variants[f"{base_name} base, rank-side scaling"] = lambda n, x, base=base: base(n, x) + rank_side(n, x)
         variants[f"{base_name} base alone"] = base
     variants["LoRA alone, PEFT"] = peft
@@ -142,6 +153,8 @@ def main() -> None:
     inputs = {k: torch.randn(TOKENS, d, device=dev, dtype=torch.bfloat16).requires_grad_() for k, d in WIDTH.items()}
     grads = [torch.randn(TOKENS, SHAPES[n][0], device=dev, dtype=torch.bfloat16) for n in SHAPES]
     for name, projection in variants.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
 
         def layer(xs, projection=projection):
             with torch.autocast("cuda", torch.bfloat16):
