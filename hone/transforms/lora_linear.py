@@ -19,14 +19,19 @@ from typing import Any
 
 from torch import nn
 
+from hone.config.root import HoneConfig
 from hone.transforms.base import PlanContext, Transform
 
-__all__ = ["LORA_LINEAR"]
+__all__ = ["LORA_LINEAR", "fused_lora_layers"]
+
+
+def fused_lora_layers(cfg: HoneConfig) -> bool:
+    """Whether the run's LoRA linear layers run hone's fused layer (what the memory estimate reads too)."""
+    return cfg.adapter.is_lora and cfg.performance.lora_linear != "peft" and cfg.model.quantize != "nf4"
 
 
 def _wanted(ctx: PlanContext) -> bool:
-    cfg = ctx.cfg
-    return cfg.adapter.is_lora and cfg.performance.lora_linear != "peft" and cfg.model.quantize != "nf4"
+    return fused_lora_layers(ctx.cfg)
 
 
 def _skipped_because(ctx: PlanContext) -> str | None:

@@ -115,7 +115,7 @@ def test_render_plan_shows_transforms_and_warns_when_the_policy_does_not_fit():
             "memory": {"activation_checkpointing": "none"},
         }
     )
-    view = plan_view(cfg, "qwen3-8b", "cuda", 40 * GIB, "--gpu-memory")
+    view = plan_view(cfg, "qwen3-8b", "cuda", 36 * GIB, "--gpu-memory")
     text = render_plan(view, transforms=[("compile", "performance.torch_compile", False, "off in the config")])
     assert "Transforms, in the order" in text and "off in the config" in text
     assert "warning: checkpointing 'none' does not fit" in text

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from hone.config.memory import INPUT_ONLY_POLICIES, POLICIES_BY_SPEED, selective_budget_floor
 from hone.config.root import HoneConfig
+from hone.transforms.lora_linear import fused_lora_layers
 from hone.transforms.memory.facts import ModelFacts, model_facts
 from hone.transforms.memory.knobs import Knobs
 from hone.transforms.memory.layers import outside_layers_bytes, per_layer, step_layer_bytes
@@ -248,6 +249,7 @@ def resolve_step(cfg: HoneConfig, knobs: Knobs, m: ModelFacts) -> Step:
         accumulating=cfg.training.gradient_accumulation_steps > 1,
         run_layers=knobs.run_layers if knobs.checkpointing in INPUT_ONLY_POLICIES else 1,
         float8=float8_of(cfg, knobs.param_shards),
+        fused_lora=fused_lora_layers(cfg),
         sequences=cfg.training.is_preference,
         # Ulysses: q, k, v to the rank's heads over the whole sequence, the output back (same bytes as one shard's)
         exchanged_per_token=m.compute_bytes * 2 * (m.heads + m.kv_heads) * m.head_dim if split > 1 else 0,

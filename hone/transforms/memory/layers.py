@@ -43,8 +43,11 @@ def _site_bytes(
     compiled: bool,
     mask_bytes: int,
     float8: tuple[str, str] | None = None,
+    fused_lora: bool = False,
 ) -> tuple[int, int]:
-    """(per-token, fixed) bytes the projections reading one input keep for their backward."""
+    """(per-token, fixed) bytes the projections reading one input keep for their backward.
+    ``fused_lora``: hone's fused LoRA layer, which keeps the input itself (in the compute dtype
+    already), not a cast copy of it as PEFT's layer under autocast does."""
     c = m.compute_bytes
     kept = float8_site_bytes(linears, width, site, float8) if compiled else None
     if kept is not None:
@@ -55,7 +58,7 @@ def _site_bytes(
     fixed = sum(c * lf.lora_rank * (lf.in_features + lf.out_features) for lf in lora) if m.autocast else 0
     dropped = [lf for lf in lora if lf.lora_dropout > 0]
     per_token += sum(mask_bytes * width for lf in dropped)
-    if m.autocast:
+    if m.autocast and not (fused_lora and lora):
         # PEFT casts the input to float32, autocast casts it back: a compute-dtype copy per
         # projection (compiled: one copy for all, the partitioner shares it).
         copies = (1 if lora else 0) if compiled else len(lora)
@@ -80,12 +83,14 @@ def layer_bytes(
     device: str,
     tiled: bool = False,
     float8: tuple[str, str] | None = None,
+    fused_lora: bool = False,
 ) -> LayerBytes:
     """Bytes autograd keeps for one decoder layer without checkpointing (see the module doc).
 
     ``tiled``: the MLP is tiled (:mod:`hone.transforms.tiled_mlp`) and keeps only its input; what
     it holds while one shard is differentiated is :func:`~hone.transforms.memory.terms.tiled_mlp.tiled_mlp_transient`.
-    ``float8``: a full fine-tune in torchao's float8 training (:func:`~hone.transforms.memory.terms.fp8.float8_site_bytes`)."""
+    ``float8``: a full fine-tune in torchao's float8 training (:func:`~hone.transforms.memory.terms.fp8.float8_site_bytes`).
+    ``fused_lora``: LoRA layers run hone's fused layer (:func:`_site_bytes`)."""
     c = m.compute_bytes
     h, q_width, kv_width = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim
     # CUDA's fused dropout keeps a bool mask; elsewhere a mask in the dropout input's dtype
@@ -112,7 +117,7 @@ def layer_bytes(
     for site, group in by_site.items():
         if layer.moe and site == "down_in":
             continue
-        t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes, float8)
+        t, f = _site_bytes(group, group[0].in_features, site, m, compiled, mask_bytes, float8, fused_lora)
         per_token += 0 if tiled and site in MLP_SITES else t
         fixed += f
     if tiled:
@@ -186,7 +191,14 @@ def per_layer(m: ModelFacts, value: Callable[[LayerFacts], T]) -> list[T]:
 def step_layer_bytes(step: Step, layer: LayerFacts, m: ModelFacts) -> LayerBytes:
     """:func:`layer_bytes` of ``layer`` in ``step`` (its compilation, attention, device and MLP tiling)."""
     return layer_bytes(
-        layer, m, compiled=step.compiled, attention=step.attention, device=step.device, tiled=step.tiled, float8=step.float8
+        layer,
+        m,
+        compiled=step.compiled,
+        attention=step.attention,
+        device=step.device,
+        tiled=step.tiled,
+        float8=step.float8,
+        fused_lora=step.fused_lora,
     )
 
 

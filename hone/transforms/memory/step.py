@@ -39,6 +39,9 @@ class Step:
     """``full``/``offload``: layers per run of layer-run checkpointing (1: each layer keeps its input)."""
     float8: tuple[str, str] | None = None
     """A full fine-tune in torchao's float8 training: (``performance.fp8``, ``performance.fp8_small_linears``)."""
+    fused_lora: bool = False
+    """LoRA layers run hone's fused layer (``performance.lora_linear``), which keeps no autocast
+    copy of their input (:func:`~hone.transforms.memory.layers.layer_bytes`)."""
     sequences: bool = False
     """A preference objective: the loss is per-sequence log-probs (its chunk differs)."""
     exchanged_per_token: int = 0
