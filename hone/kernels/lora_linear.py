@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from hone.kernels.fp8_linear import FrozenFp8Weight, float8_operands, fp8_linear_reference
+from hone.kernels.fp8_linear import FrozenFp8Weight, float8_mm, float8_operands, fp8_linear_reference
 
 __all__ = ["lora_linear", "lora_linear_reference", "mm_lora", "scaled_mm_lora"]
 
@@ -124,10 +124,10 @@ def _base_plus_lora(
         if lora_in is None:
             return x2 @ w if b is None else torch.addmm(b, x2, w)
         return mm_lora(x2, w, b, lora_in, lora_out)
-    a_q, scale_a, scale_b = float8_operands(x2, w_scale)
     if lora_in is None:
-        out = torch._scaled_mm(a_q, w_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x2.dtype, use_fast_accum=fast_accum)
+        out = float8_mm(x2, w_q, w_scale, fast_accum)
     else:
+        a_q, scale_a, scale_b = float8_operands(x2, w_scale)
         out = scaled_mm_lora(a_q, scale_a, w_q.t(), scale_b, lora_in, lora_out, x2.dtype, fast_accum)
     return out if bias is None else out + bias.to(out.dtype)
 

@@ -50,15 +50,12 @@ class HoneLoraLinear(LoraLinear):
     def _fused_base(self) -> tuple[torch.Tensor | FrozenFp8Weight, torch.Tensor | None] | None:
         """The frozen base as the kernel takes it (weight or float8 weight, and bias), or None."""
         base = self.get_base_layer()
-        bias = getattr(base, "bias", None)
-        if bias is not None and bias.requires_grad:
+        if not isinstance(base, nn.Linear) or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
             return None
         if type(base) is nn.Linear:
-            return None if base.weight.requires_grad else (base.weight, bias)
+            return base.weight, base.bias
         fp8_weight = getattr(base, "fp8_weight", None)
-        if isinstance(fp8_weight, FrozenFp8Weight) and isinstance(base, nn.Linear) and not base.weight.requires_grad:
-            return fp8_weight, bias
-        return None
+        return (fp8_weight, base.bias) if isinstance(fp8_weight, FrozenFp8Weight) else None
 
     def _fused_adapter(self) -> str | None:
         """The one active adapter the fused forward computes, or None where PEFT's forward must run."""
@@ -80,8 +77,7 @@ class HoneLoraLinear(LoraLinear):
         weight, bias = base
         lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
         if not torch.is_autocast_enabled(x.device.type):
-            base_dtype = weight.dtype if isinstance(weight, torch.Tensor) else self.get_base_layer().weight.dtype
-            if not x.dtype == lora_a.dtype == lora_b.dtype == base_dtype:
+            if not x.dtype == lora_a.dtype == lora_b.dtype == self.get_base_layer().weight.dtype:
                 return super().forward(x, *args, **kwargs)
         dropout = self.lora_dropout[name]
         x_lora = None if isinstance(dropout, nn.Identity) or not dropout.training else dropout(x)
